@@ -1,0 +1,45 @@
+"""comfy-kitchen ``int8_attention`` (CUDA, rotated INT8 Q/K/V).
+
+It takes ``[B, H, S, D]`` with any strides, so NHD input goes in as transposed
+views, but it always returns a contiguous HND tensor: with the NHD layout one
+output copy remains (made by the dataflow when it forms the token-major view).
+It raises rather than wrap past int32 offsets; the chain chunks before that.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import INT32_MAX_OFFSET, YES, AttentionBackend, no
+
+
+class ComfyKitchenInt8Backend(AttentionBackend):
+    name = "comfy_kitchen_int8"
+    max_element_offset = INT32_MAX_OFFSET
+    row_block = 128
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    takes_mask = True
+
+    def _check_available(self):
+        try:
+            import comfy_kitchen
+        except Exception as exc:
+            return no(f"comfy_kitchen not importable ({type(exc).__name__}: {exc})")
+        if not hasattr(comfy_kitchen, "int8_attention"):
+            return no("this comfy_kitchen has no int8_attention")
+        if not torch.cuda.is_available():
+            return no("no CUDA device")
+        try:
+            ok = comfy_kitchen.int8_attention_is_available()
+        except Exception as exc:
+            return no(f"int8_attention_is_available failed ({exc})")
+        if not ok:
+            return no("comfy_kitchen reports int8_attention unavailable on this GPU/build")
+        self._attn = comfy_kitchen.int8_attention
+        return YES
+
+    def __call__(self, q, k, v, *, layout, scale=None, mask=None):
+        if layout == "NHD":
+            out = self._attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, attn_mask=mask)
+            return out.transpose(1, 2)  # a view: contiguous HND memory, not contiguous NHD
+        return self._attn(q, k, v, scale=scale, attn_mask=mask)

@@ -1,0 +1,42 @@
+"""PyPI ``sageattention==1.0.6``: Triton kernels, head_dim 64/96/128.
+
+It subtracts the key mean from K **in place** (``smooth_k``). The result is
+unchanged (softmax is shift-invariant per query row), but it writes into K,
+which in the fused dataflow is a view of the qkv buffer: nothing reads K after
+the attention call, so that is safe there. Callers that keep K for something
+else must not use this back-end. It also casts V to fp16.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .base import INT32_MAX_OFFSET, YES, AttentionBackend, no
+from .sage2 import installed_sageattention
+
+
+class Sage1Backend(AttentionBackend):
+    name = "sage1"
+    max_element_offset = INT32_MAX_OFFSET
+    row_block = 128
+    dtypes = (torch.float16, torch.bfloat16)
+    head_dims = (64, 96, 128)
+
+    def _check_available(self):
+        module, major = installed_sageattention()
+        if module is None:
+            return no(major)
+        if major != 1:
+            return no("installed sageattention is 2.x (use the sage2 back-end)")
+        if importlib.util.find_spec("triton") is None:
+            return no("triton is not installed")
+        if not torch.cuda.is_available():
+            return no("no CUDA device")
+        self._sageattn = module.sageattn
+        return YES
+
+    def __call__(self, q, k, v, *, layout, scale=None, mask=None):
+        # smooth_k mutates k in place (see module docstring).
+        return self._sageattn(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, smooth_k=True)

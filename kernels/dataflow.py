@@ -1,0 +1,103 @@
+"""The attention dataflow around the back-ends.
+
+``strided_nhd`` (this pack's path)::
+
+    qkv [S, 3*H*D] --view--> Q, K, V [1, S, H, D] (row stride 3*H*D, no copy)
+        --comfy-kitchen RMSNorm+RoPE in place on Q, K--> back-end(layout="NHD")
+        --> contiguous [1, S, H, D] --view--> [S, H*D] for out_proj
+
+``hnd`` (the reference baseline, kept for A/B runs): the same norm+rope, then
+contiguous [1, H, S, D] copies of Q, K and V, the back-end in HND, and a
+transposed copy of the output to [S, H*D]. On the same kernel both give the same
+bits: only where the numbers live in memory differs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .chain import BackendChain, CallRecord
+from .qk_transform import norm_rope
+
+LAYOUTS = ("strided_nhd", "hnd")
+
+
+def split_fused_qkv(qkv: torch.Tensor, heads: int, head_dim: int):
+    """Q, K, V as [1, S, H, D] views of the fused projection output; no data is copied."""
+    if qkv.dim() != 2:
+        raise ValueError(f"fused qkv must be [S, 3*heads*head_dim], got {qkv.dim()}-D {list(qkv.shape)}")
+    inner = heads * head_dim
+    if qkv.shape[1] != 3 * inner:
+        raise ValueError(f"fused qkv has {qkv.shape[1]} columns, expected 3*{heads}*{head_dim} = {3 * inner}")
+    if qkv.stride(1) != 1:
+        raise ValueError("fused qkv must have a contiguous last dim")
+    q, k, v = qkv.unflatten(1, (3, heads, head_dim)).unsqueeze(0).unbind(2)
+    return q, k, v
+
+
+def token_major(out: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """[B, S, H, D] NHD output -> [B*S, H*D]... as a view when its memory is token-major.
+
+    Returns (tensor, copies made): 0 when it is a view, 1 when a copy was needed.
+    """
+    b, s, h, d = out.shape
+    if out.is_contiguous():
+        return out.view(b * s, h * d), 0
+    return out.reshape(b * s, h * d), 1
+
+
+def attention_from_fused_qkv(qkv: torch.Tensor, heads: int, head_dim: int, *, chain: BackendChain,
+                             layout: str = "strided_nhd", rope_table: torch.Tensor | None = None,
+                             q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                             eps: float = 1e-6, q_norm=None, k_norm=None, inplace: bool = True,
+                             scale: float | None = None) -> tuple[torch.Tensor, CallRecord]:
+    """Attention of one fused qkv projection; returns ([S, heads*head_dim], CallRecord).
+
+    With ``rope_table`` the per-head RMSNorm (weights ``q_weight``/``k_weight``) and the partial
+    split-half rotation run through comfy-kitchen, in place on the views unless ``inplace`` is
+    False. Without it ``q_norm``/``k_norm`` are applied to [S, H, D] views (no rotation).
+    The fused buffer's Q and K are overwritten (and, with sage1, K is mean-shifted) by design.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    q, k, v = split_fused_qkv(qkv, heads, head_dim)
+    if rope_table is not None:
+        if q_weight is None or k_weight is None:
+            raise ValueError("q_weight and k_weight are required with a rope table")
+        q, k = norm_rope(q, k, rope_table, q_weight, k_weight, eps, inplace=inplace)
+    else:
+        if q_norm is None or k_norm is None:
+            raise ValueError("q_norm and k_norm are required without a rope table")
+        q, k = q_norm(q[0]).unsqueeze(0), k_norm(k[0]).unsqueeze(0)
+
+    if layout == "strided_nhd":
+        out, record = chain.run(q, k, v, layout="NHD", scale=scale)
+        flat, copies = token_major(out)
+        record.copies += copies
+    else:
+        # The baseline's three layout copies in and one transposed copy out.
+        qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        out, record = chain.run(qh, kh, vh, layout="HND", scale=scale)
+        flat, copies = token_major(out.transpose(1, 2))
+        record.copies += 3 + copies
+    record.layout = layout
+    return flat, record
+
+
+def attention_token_major(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, *,
+                          chain: BackendChain, mask=None, scale: float | None = None):
+    """Attention on token-major [B, S, H*D] q/k/v (how most ComfyUI models call attention).
+
+    They are viewed NHD [B, S, H, D] with no copy, and the back-end's NHD output is viewed back
+    to [B, S, H*D]. Returns (output, CallRecord).
+    """
+    b, s, inner = q.shape
+    if inner % heads:
+        raise ValueError(f"{inner} channels do not split into {heads} heads")
+    d = inner // heads
+    qn, kn, vn = (t.view(t.shape[0], t.shape[1], heads, d) for t in (q, k, v))
+    out, record = chain.run(qn, kn, vn, layout="NHD", scale=scale, mask=mask)
+    flat, copies = token_major(out)
+    record.copies += copies
+    record.layout = "strided_nhd"
+    return flat.view(b, s, inner), record
