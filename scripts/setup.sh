@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up the pack's development environment and run the main job.
+#
+#   bash scripts/setup.sh            # .venv + dependencies + ComfyUI host, then the attention benchmark
+#   bash scripts/setup.sh --no-run   # set up only
+#
+# The benchmark runs at the real H3 attention shape on a CUDA GPU, and as a small smoke run on CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON_BIN:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+# torch belongs to ComfyUI: install it only when the venv has none (2.14.1 + torchvision 0.29.1 lie on
+# this project's machines' disk; elsewhere pip takes them from PyPI).
+if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
+  $PIP install -q "torch==2.14.1" "torchvision==0.29.1"
+fi
+$PIP install -q -r requirements.txt -r requirements-test.txt
+
+# A real ComfyUI to run the node and host tests against (skipped with a message when none can be made).
+PYTHON=.venv/bin/python bash scripts/setup_comfyui_host.sh || echo "setup: no ComfyUI host; host tests will be skipped"
+
+if [ "${1:-}" != "--no-run" ]; then
+  if .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    .venv/bin/python -m kernels.bench --seq 8192 37810 --out kernels-bench.json
+  else
+    .venv/bin/python -m kernels.bench --device cpu --seq 256 1024 --heads 8 --reps 3 --warmup 1 --out kernels-bench.json
+  fi
+fi
