@@ -18,39 +18,49 @@ function shorten(s, max = MAX_REASON_CHARS) {
   return s.length > max ? s.slice(0, max - 1) + "…" : s;
 }
 
-// "sage2 ×2400, sdpa ×8", biggest first; empty when nothing ran yet.
-export function formatBackendsUsed(used) {
-  if (!used || typeof used !== "object") return "";
-  return Object.entries(used)
+// "sage2 ×2400, sdpa ×8", most calls first; empty when nothing ran.
+export function formatBackendsRan(ran) {
+  if (!ran || typeof ran !== "object") return "";
+  return Object.entries(ran)
     .filter(([, calls]) => Number(calls) > 0)
     .sort((a, b) => Number(b[1]) - Number(a[1]))
     .map(([name, calls]) => `${name} ×${Number(calls)}`)
     .join(", ");
 }
 
-// The status lines for one report. Every value is turned into a string here: the caller puts the
-// result into textContent, never into HTML.
+// The status lines for one report (schema 1, documented in nodes/report.py). Every value is turned
+// into a string here: the caller puts the result into textContent, never into HTML.
 export function formatReport(report) {
   const r = report && typeof report === "object" ? report : {};
   const lines = [];
-  const family = r.model_family ? `${text(r.model_family)} · ` : "";
-  const blocks = r.blocks_patched !== undefined ? `${text(r.blocks_patched)} blocks patched` : "blocks patched: ?";
-  lines.push(`${family}${blocks}`);
+  const where = r.path === "attention_override"
+    ? "attention override"
+    : `${text(r.blocks_patched)} blocks + ${text(r.refiner_blocks_patched, "0")} refiner`;
+  lines.push(`${text(r.model_family, "model ?")}: ${where}`);
   lines.push(`layout: ${text(r.layout)} · asked: ${text(r.backend_requested)}`);
 
-  const ran = formatBackendsUsed(r.backends_used);
-  lines.push(ran ? `ran: ${ran}` : "ran: no attention call recorded yet");
+  if (r.status === "no_attention_calls") {
+    lines.push("ran: nothing: no attention call went through the patch");
+  } else {
+    const ran = formatBackendsRan(r.backends_ran);
+    lines.push(`ran: ${ran || "none"}`);
+  }
+  if (Number(r.stock_calls) > 0) lines.push(`handed back to ComfyUI attention: ×${Number(r.stock_calls)}`);
 
   const fallbacks = Array.isArray(r.fallbacks) ? r.fallbacks : [];
-  if (fallbacks.length === 0) {
-    lines.push("fallbacks: none");
-  } else {
-    for (const fb of fallbacks) {
-      const f = fb && typeof fb === "object" ? fb : { reason: fb };
-      lines.push(shorten(`fallback from ${text(f.backend)}: ${text(f.reason, "no reason given")}`));
-    }
+  if (fallbacks.length === 0) lines.push("fallbacks: none");
+  for (const fb of fallbacks) {
+    const f = fb && typeof fb === "object" ? fb : { reason: fb };
+    const count = f.count !== undefined ? ` ×${text(f.count)}` : "";
+    lines.push(shorten(`fallback from ${text(f.backend)}${count}: ${text(f.reason, "no reason given")}`));
   }
-  lines.push(`copies avoided: ${text(r.copies_avoided_per_block)} per block`);
+  if (Number(r.head_chunks_max) > 1) lines.push(`split over heads: up to ${Number(r.head_chunks_max)} chunks (int32 offsets)`);
+
+  const avoided = r.copies_avoided_per_call && typeof r.copies_avoided_per_call === "object"
+    ? r.copies_avoided_per_call : {};
+  const per = r.path === "attention_override" ? "call" : "block";
+  lines.push(`copies avoided per ${per}: ${text(avoided.vs_hnd)} vs hnd, ${text(avoided.vs_stock)} vs stock`);
+  if (r.replaced_own_patch) lines.push("replaced an earlier patch of this node on the same model");
   return lines;
 }
 
