@@ -1,0 +1,63 @@
+"""The "Sage Strided NHD Attention" node: schema and a thin execute.
+
+MiniMax H3 models get their attention forwards replaced (h3_patch.py); any other model
+gets a per-clone attention override (override.py). Both patch a clone only and report
+once per sampling run (report.py). Conflicts follow the rules in conflicts.py.
+"""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from .. import kernels
+from . import h3_patch, override
+
+CATEGORY = "advanced/model_patches"
+
+
+def patch_any_model(model_patcher, layout: str, backend: str, patch_refiner: bool = True, node_id=None):
+    """The node's whole job, callable without a graph: returns ``(clone, summary)``."""
+    if h3_patch.is_h3_model(model_patcher.get_model_object("diffusion_model")):
+        return h3_patch.patch_model(model_patcher, layout, backend, patch_refiner, node_id=node_id)
+    return override.patch_model(model_patcher, layout, backend, node_id=node_id)
+
+
+class SageStridedNHDAttention(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="SageStridedNHDAttention",
+            display_name="Sage Strided NHD Attention",
+            category=CATEGORY,
+            description=(
+                "Runs the model's attention on SageAttention (or a fallback) without layout copies. "
+                "MiniMax H3: Q/K/V stay strided views of the fused qkv buffer, the output is viewed "
+                "token-major. Other models: an attention override that hands the kernel NHD views. "
+                "Patches a copy of the model only; a report of what ran is sent after each sampling run."),
+            inputs=[
+                io.Model.Input("model", tooltip="The diffusion model to patch. The input model itself is left unchanged."),
+                io.Combo.Input(
+                    "layout", options=list(kernels.LAYOUTS), default="strided_nhd",
+                    tooltip="strided_nhd: no Q/K/V or output copies (fast, less memory). "
+                            "hnd: the reference path with contiguous head-major copies, for A/B comparison."),
+                io.Combo.Input(
+                    "backend", options=list(kernels.BACKEND_CHOICES), default="auto",
+                    tooltip="Attention kernel. auto: the fastest one available here. A named kernel is tried "
+                            "first; if it cannot run (not installed, CPU, unsupported shape) the next one runs "
+                            "and the report says why."),
+                io.Boolean.Input(
+                    "patch_text_refiner", default=True,
+                    tooltip="MiniMax H3 only: also patch the 2 text refiner blocks (run once per sampling). "
+                            "Ignored for other models."),
+            ],
+            outputs=[io.Model.Output(tooltip="The patched copy of the model.")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model, layout, backend, patch_text_refiner=True) -> io.NodeOutput:
+        clone, _ = patch_any_model(model, layout, backend, patch_text_refiner, node_id=cls.hidden.unique_id)
+        return io.NodeOutput(clone)
+
+
+NODES = [SageStridedNHDAttention]
