@@ -1,0 +1,333 @@
+"""The bundled workflows: the four reference A/B runs, in UI and API format.
+
+Static checks need nothing but the JSON. The checks against a real ComfyUI (its /object_info and
+/workflow_templates) use the host fixtures and are skipped, with the reason, when there is no host.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = ROOT / "workflows"
+API_DIR = WORKFLOWS / "api"
+NAME = re.compile(r"^minimax_h3_t2v_(?P<steps>\d+)step_(?P<layout>strided_nhd|hnd)$")
+
+OUR_NODE = "SageStridedNHDAttention"
+FRONTEND_ONLY = {"MarkdownNote", "Note", "PrimitiveNode", "Reroute"}
+REFERENCE = {"seed": 440420, "width": 1344, "height": 768, "length": 124, "fps": 24}
+OFFICIAL_MODELS = {
+    "UNETLoader": {"unet_name": "minimax_h3_fl2va_pruned_int8_convrot.safetensors"},
+    "CLIPLoader": {"clip_name": "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "type": "minimax"},
+}
+OFFICIAL_VAES = {"minimax_h3_video_vae_fp16.safetensors", "minimax_h3_audio_vae_fp32.safetensors"}
+TEMPLATE_NODE_SET = {
+    "UNETLoader", "CLIPLoader", "VAELoader", "MiniMaxH3ImageToVideo", "BasicGuider", "RandomNoise",
+    "KSamplerSelect", "BasicScheduler", "SamplerCustomAdvanced", "VAEDecode", "VAEDecodeAudio",
+    "CreateVideo", "SaveVideo",
+}
+EXPECTED = {(2, "strided_nhd"), (2, "hnd"), (12, "strided_nhd"), (12, "hnd")}
+
+
+def ui_files():
+    return sorted(WORKFLOWS.glob("*.json"))
+
+
+def api_files():
+    return sorted(API_DIR.glob("*.json"))
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def parse_name(path: Path) -> tuple[int, str]:
+    m = NAME.match(path.stem)
+    assert m, f"{path.name}: name must say steps and layout, like minimax_h3_t2v_12step_strided_nhd.json"
+    return int(m["steps"]), m["layout"]
+
+
+def api_nodes_of(api: dict, class_type: str) -> list[dict]:
+    return [n for n in api.values() if n["class_type"] == class_type]
+
+
+def one(api: dict, class_type: str) -> dict:
+    found = api_nodes_of(api, class_type)
+    assert len(found) == 1, f"expected one {class_type}, found {len(found)}"
+    return found[0]["inputs"]
+
+
+# --- static: the set of files ---------------------------------------------------------------------
+
+def test_four_reference_runs_in_both_formats():
+    ui = {parse_name(p) for p in ui_files()}
+    api = {parse_name(p) for p in api_files()}
+    assert ui == EXPECTED, f"UI workflows: {sorted(ui)}"
+    assert api == EXPECTED, f"API workflows: {sorted(api)}"
+    assert [p.name for p in ui_files()] == [p.name for p in api_files()]
+
+
+@pytest.mark.parametrize("path", api_files(), ids=lambda p: p.stem)
+def test_api_workflow_reproduces_the_named_reference_run(path):
+    steps, layout = parse_name(path)
+    api = load(path)
+    assert {n["class_type"] for n in api.values()} == TEMPLATE_NODE_SET | {OUR_NODE}
+    assert one(api, "RandomNoise")["noise_seed"] == REFERENCE["seed"]
+    cond = one(api, "MiniMaxH3ImageToVideo")
+    assert (cond["width"], cond["height"], cond["length"]) == (
+        REFERENCE["width"], REFERENCE["height"], REFERENCE["length"])
+    assert one(api, "CreateVideo")["fps"] == REFERENCE["fps"]
+    sched = one(api, "BasicScheduler")
+    assert sched["steps"] == steps and sched["denoise"] == 1.0
+    ours = one(api, OUR_NODE)
+    assert ours["layout"] == layout
+    for loader, expected in OFFICIAL_MODELS.items():
+        inputs = one(api, loader)
+        for key, value in expected.items():
+            assert inputs[key] == value, f"{loader}.{key}"
+    assert {n["inputs"]["vae_name"] for n in api_nodes_of(api, "VAELoader")} == OFFICIAL_VAES
+
+
+@pytest.mark.parametrize("path", api_files(), ids=lambda p: p.stem)
+def test_api_workflow_puts_our_node_between_loader_and_guider_and_scheduler(path):
+    api = load(path)
+    [(our_id, ours)] = [(k, n) for k, n in api.items() if n["class_type"] == OUR_NODE]
+    loader_id = next(k for k, n in api.items() if n["class_type"] == "UNETLoader")
+    assert ours["inputs"]["model"] == [loader_id, 0]
+    for consumer in ("BasicGuider", "BasicScheduler"):
+        assert one(api, consumer)["model"] == [our_id, 0], f"{consumer} must take the patched model"
+    # nothing else sees the unpatched model
+    users = [k for k, n in api.items() for v in n["inputs"].values() if v == [loader_id, 0]]
+    assert users == [our_id]
+
+
+def test_ab_twins_differ_only_in_layout_and_output_name():
+    for steps in (2, 12):
+        a = load(API_DIR / f"minimax_h3_t2v_{steps}step_strided_nhd.json")
+        b = load(API_DIR / f"minimax_h3_t2v_{steps}step_hnd.json")
+        assert a.keys() == b.keys()
+        diffs = sorted((a[k]["class_type"], name) for k in a for name in a[k]["inputs"]
+                       if a[k]["inputs"][name] != b[k]["inputs"].get(name))
+        assert diffs == [(OUR_NODE, "layout"), ("SaveVideo", "filename_prefix")], diffs
+        assert one(a, "SaveVideo")["filename_prefix"] != one(b, "SaveVideo")["filename_prefix"]
+
+
+def test_2_and_12_step_runs_differ_only_in_steps_and_output_name():
+    for layout in ("strided_nhd", "hnd"):
+        a = load(API_DIR / f"minimax_h3_t2v_2step_{layout}.json")
+        b = load(API_DIR / f"minimax_h3_t2v_12step_{layout}.json")
+        diffs = sorted((a[k]["class_type"], name) for k in a for name in a[k]["inputs"]
+                       if a[k]["inputs"][name] != b[k]["inputs"].get(name))
+        assert diffs == [("BasicScheduler", "steps"), ("SaveVideo", "filename_prefix")], diffs
+
+
+# --- static: UI format ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ui_files(), ids=lambda p: p.stem)
+def test_ui_links_are_consistent(path):
+    wf = load(path)
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    assert len(nodes) == len(wf["nodes"]), "duplicate node ids"
+    assert wf["last_node_id"] >= max(nodes)
+    link_ids = [link[0] for link in wf["links"]]
+    assert len(set(link_ids)) == len(link_ids), "duplicate link ids"
+    assert wf["last_link_id"] >= max(link_ids)
+    for link_id, src, src_slot, dst, dst_slot, typ in wf["links"]:
+        assert src in nodes and dst in nodes, f"link {link_id} joins missing nodes"
+        out = nodes[src]["outputs"][src_slot]
+        inp = nodes[dst]["inputs"][dst_slot]
+        assert link_id in out["links"], f"link {link_id} missing from node {src} output {out['name']}"
+        assert inp["link"] == link_id, f"link {link_id} missing from node {dst} input {inp['name']}"
+        assert out["type"] == inp["type"] == typ, f"link {link_id}: {out['type']} -> {inp['type']} as {typ}"
+    # and the reverse: every link a node claims is in the list
+    for n in wf["nodes"]:
+        for out in n.get("outputs", []):
+            for link_id in out.get("links") or []:
+                assert link_id in link_ids, f"node {n['id']} claims unknown link {link_id}"
+        for inp in n.get("inputs", []):
+            if inp.get("link") is not None:
+                assert inp["link"] in link_ids, f"node {n['id']} input {inp['name']} has unknown link"
+
+
+@pytest.mark.parametrize("path", ui_files(), ids=lambda p: p.stem)
+def test_ui_workflow_explains_the_ab_and_the_sampler_choice(path):
+    steps, layout = parse_name(path)
+    wf = load(path)
+    notes = "\n".join(n["widgets_values"][0] for n in wf["nodes"] if n["type"] == "MarkdownNote")
+    twin = "hnd" if layout == "strided_nhd" else "strided_nhd"
+    assert f"minimax_h3_t2v_{steps}step_{twin}" in notes, "the note must name the A/B twin"
+    assert "res_multistep" in notes and "simple" in notes and "template" in notes, \
+        "the note must say which sampler/scheduler is used and where it comes from"
+    assert str(REFERENCE["seed"]) in notes
+    titles = " ".join(g["title"] for g in wf["groups"])
+    assert layout in titles and f"{steps} steps" in titles
+    # every node except the notes sits inside a group, so the A/B structure is visible
+    for n in wf["nodes"]:
+        if n["type"] == "MarkdownNote":
+            continue
+        x, y = n["pos"]
+        assert any(gx <= x <= gx + gw and gy <= y <= gy + gh for gx, gy, gw, gh in (g["bounding"] for g in wf["groups"])), \
+            f"node {n['id']} ({n['type']}) is outside every group"
+
+
+@pytest.mark.parametrize("path", ui_files(), ids=lambda p: p.stem)
+def test_ui_and_api_have_the_same_nodes_and_links(path):
+    ui, api = load(path), load(API_DIR / path.name)
+    ui_nodes = {str(n["id"]): n for n in ui["nodes"] if n["type"] not in FRONTEND_ONLY}
+    assert {k: n["type"] for k, n in ui_nodes.items()} == {k: n["class_type"] for k, n in api.items()}
+    ui_edges = {(str(dst), ui_nodes[str(dst)]["inputs"][dst_slot]["name"], str(src), src_slot)
+                for _, src, src_slot, dst, dst_slot, _ in ui["links"]}
+    api_edges = {(k, name, v[0], v[1]) for k, n in api.items() for name, v in n["inputs"].items()
+                 if isinstance(v, list)}
+    assert ui_edges == api_edges
+
+
+# --- against a real ComfyUI -----------------------------------------------------------------------
+
+LINK_TYPES_NOT_WIDGETS = {"MODEL", "CLIP", "VAE", "CONDITIONING", "LATENT", "IMAGE", "AUDIO", "VIDEO", "NOISE",
+                          "GUIDER", "SAMPLER", "SIGMAS"}
+
+
+def input_specs(defn: dict) -> dict[str, tuple[str, dict, bool]]:
+    """name -> (type, options, required) from one /object_info entry."""
+    specs = {}
+    for section, required in (("required", True), ("optional", False)):
+        for name, spec in (defn["input"].get(section) or {}).items():
+            typ, opts = spec[0], (spec[1] if len(spec) > 1 else {})
+            specs[name] = (typ, opts, required)
+    return specs
+
+
+def combo_options(typ, opts) -> list | None:
+    if isinstance(typ, list):
+        return typ
+    if typ == "COMBO":
+        return opts.get("options", [])
+    if typ == "COMFY_DYNAMICCOMBO_V3":
+        return [o["key"] for o in opts.get("options", [])]
+    return None
+
+
+def value_problem(name, value, typ, opts, model_files) -> str | None:
+    """Why ``value`` is not valid for an input of this type, or None."""
+    options = combo_options(typ, opts)
+    if options is not None:
+        if value in options:
+            return None
+        if name in MODEL_FILE_INPUTS and value in model_files:
+            # The test host has none of the (tens of GB) model files, so its file list cannot hold them:
+            # a file input is valid when it names one of the official files.
+            return None
+        return f"{name}={value!r} not among {options[:8]}"
+    if typ == "INT" or typ == "FLOAT":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (typ == "INT" and not isinstance(value, int)):
+            return f"{name}={value!r} is not {typ}"
+        if "min" in opts and value < opts["min"]:
+            return f"{name}={value} < min {opts['min']}"
+        if "max" in opts and value > opts["max"]:
+            return f"{name}={value} > max {opts['max']}"
+        if typ == "INT" and opts.get("step", 1) > 1 and (value - opts.get("min", 0)) % opts["step"]:
+            return f"{name}={value} is off the step grid ({opts.get('min', 0)} + k*{opts['step']})"
+        return None
+    if typ == "BOOLEAN":
+        return None if isinstance(value, bool) else f"{name}={value!r} is not a boolean"
+    if typ == "STRING":
+        return None if isinstance(value, str) else f"{name}={value!r} is not a string"
+    return f"{name}: unexpected widget type {typ}"
+
+
+MODEL_FILE_INPUTS = {"unet_name", "clip_name", "vae_name"}
+MODEL_FILES = {v for d in OFFICIAL_MODELS.values() for k, v in d.items() if k in MODEL_FILE_INPUTS} | OFFICIAL_VAES
+
+
+def api_problems(api: dict, object_info: dict) -> list[str]:
+    problems = []
+    for node_id, node in api.items():
+        cls = node["class_type"]
+        if cls not in object_info:
+            problems.append(f"node {node_id}: {cls} is not a node type of this ComfyUI")
+            continue
+        specs = input_specs(object_info[cls])
+        for name in node["inputs"]:
+            if name not in specs:
+                problems.append(f"node {node_id} {cls}: unknown input {name!r}")
+        for name, (typ, opts, required) in specs.items():
+            if name not in node["inputs"]:
+                if required:
+                    problems.append(f"node {node_id} {cls}: required input {name!r} missing")
+                continue
+            value = node["inputs"][name]
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str):
+                src = api.get(value[0])
+                if src is None:
+                    problems.append(f"node {node_id} {cls}.{name}: links to missing node {value[0]}")
+                    continue
+                outputs = object_info.get(src["class_type"], {}).get("output", [])
+                if not 0 <= value[1] < len(outputs):
+                    problems.append(f"node {node_id} {cls}.{name}: output slot {value[1]} of {src['class_type']} missing")
+                elif outputs[value[1]] != typ and typ != "*":
+                    problems.append(f"node {node_id} {cls}.{name}: gets {outputs[value[1]]}, wants {typ}")
+                continue
+            problem = value_problem(name, value, typ, opts, MODEL_FILES)
+            if problem:
+                problems.append(f"node {node_id} {cls}: {problem}")
+    return problems
+
+
+def ui_widget_names(defn: dict) -> list[str]:
+    """The order the frontend stores widgets_values in: widget inputs in schema order, plus the
+    extra 'control_after_generate' value after seed-like inputs."""
+    names = []
+    order = defn.get("input_order") or {s: list(defn["input"].get(s) or {}) for s in ("required", "optional")}
+    specs = input_specs(defn)
+    for section in ("required", "optional"):
+        for name in order.get(section, []):
+            typ, opts, _ = specs[name]
+            if isinstance(typ, str) and typ in LINK_TYPES_NOT_WIDGETS:
+                continue
+            names.append(name)
+            if opts.get("control_after_generate"):
+                names.append("control_after_generate")
+    return names
+
+
+def ui_problems(ui: dict, api: dict, object_info: dict) -> list[str]:
+    """Every UI node's widget values, read in the frontend's order, must equal its API twin's inputs."""
+    problems = []
+    for n in ui["nodes"]:
+        if n["type"] in FRONTEND_ONLY:
+            continue
+        if n["type"] not in object_info:
+            problems.append(f"UI node {n['id']}: {n['type']} is not a node type of this ComfyUI")
+            continue
+        defn = object_info[n["type"]]
+        names = ui_widget_names(defn)
+        values = n.get("widgets_values", [])
+        if len(values) > len(names):
+            problems.append(f"UI node {n['id']} {n['type']}: {len(values)} widget values for widgets {names}")
+            continue
+        api_inputs = api[str(n["id"])]["inputs"]
+        for name, value in zip(names, values):
+            if name == "control_after_generate":
+                if value != "fixed":
+                    problems.append(f"UI node {n['id']} {n['type']}: seed control is {value!r}, must be 'fixed'")
+                continue
+            if api_inputs.get(name) != value:
+                problems.append(f"UI node {n['id']} {n['type']}.{name}: UI {value!r} != API {api_inputs.get(name)!r}")
+        outputs = defn.get("output", [])
+        for slot, out in enumerate(n.get("outputs", [])):
+            if slot >= len(outputs) or outputs[slot] != out["type"]:
+                problems.append(f"UI node {n['id']} {n['type']}: output {slot} is {out['type']}, server says "
+                                f"{outputs[slot] if slot < len(outputs) else 'none'}")
+        specs = input_specs(defn)
+        for inp in n.get("inputs", []):
+            if inp["name"] not in specs:
+                problems.append(f"UI node {n['id']} {n['type']}: unknown input {inp['name']!r}")
+            elif specs[inp["name"]][0] != inp["type"] and not (inp.get("widget")):
+                problems.append(f"UI node {n['id']} {n['type']}.{inp['name']}: {inp['type']} vs server "
+                                f"{specs[inp['name']][0]}")
+    return problems
