@@ -1,0 +1,106 @@
+"""Find a ComfyUI source tree and import it the way the benchmark needs it.
+
+ComfyUI picks its stock attention function when ``comfy.ldm.modules.attention`` is first
+imported, from its command-line flags. The benchmark never runs ComfyUI's ``main.py``, so it
+sets those flags on ``comfy.cli_args.args`` itself, before anything imports ``comfy``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Stock ComfyUI attention that runs the same kernel as each of the pack's back-ends.
+STOCK_FLAG_FOR_BACKEND = {
+    "sage2": "use_sage_attention",
+    "sage1": "use_sage_attention",
+    "sdpa": "use_pytorch_cross_attention",
+    "comfy_kitchen_int8": "use_ck_attention",
+}
+
+
+class NoComfyUIHost(RuntimeError):
+    """No ComfyUI source tree with MiniMax H3 was found."""
+
+
+def is_comfyui_tree(path: Path) -> bool:
+    return (path / "comfy" / "ldm" / "minimax" / "model.py").is_file() and (path / "comfy_extras").is_dir()
+
+
+def find_comfyui(explicit: str | None = None) -> Path:
+    """The ComfyUI tree to use: ``explicit``, else ``$COMFYUI_PATH``, else ``<repo>/.comfyui``."""
+    candidates = [(explicit, "--comfyui"), (os.environ.get("COMFYUI_PATH"), "COMFYUI_PATH"),
+                  (str(REPO_ROOT / ".comfyui"), "the repo's .comfyui folder")]
+    tried = []
+    for value, origin in candidates:
+        if not value:
+            continue
+        path = Path(value).expanduser().resolve()
+        if is_comfyui_tree(path):
+            return path
+        tried.append(f"{origin}={path}")
+    raise NoComfyUIHost("no ComfyUI source tree with comfy/ldm/minimax/model.py found (tried: "
+                        + (", ".join(tried) or "nothing") + "). Set COMFYUI_PATH to a ComfyUI checkout "
+                        "that has MiniMax H3 (0.33 or later), or run scripts/setup_comfyui_host.sh.")
+
+
+def import_comfyui(root: Path, *, cpu: bool, stock_flag: str | None, extra_flags: dict | None = None) -> dict:
+    """Put ``root`` first on sys.path, set ComfyUI's flags, import comfy. Returns the flags set.
+
+    ComfyUI's own top-level ``nodes`` module must win over this pack's ``nodes/`` package, so the
+    ComfyUI root goes in front of the repo root.
+    """
+    if "comfy" in sys.modules:
+        raise RuntimeError("comfy was imported before its flags were set; import benchmarks.comfy_host first")
+    if "nodes" in sys.modules and not hasattr(sys.modules["nodes"], "NODE_CLASS_MAPPINGS"):
+        raise RuntimeError("this pack's nodes/ package shadows ComfyUI's nodes module in this interpreter")
+    sys.path.insert(0, str(root))
+    import comfy.options
+    comfy.options.enable_args_parsing(False)
+    from comfy.cli_args import args
+
+    flags = {"cpu": cpu}
+    if stock_flag:
+        flags[stock_flag] = True
+    if not cpu:
+        flags["highvram"] = True  # keep the model resident: nothing is offloaded between timed runs
+    flags.update(extra_flags or {})
+    for name, value in flags.items():
+        setattr(args, name, value)
+    import comfy.model_management  # noqa: F401  (reads the flags)
+    import comfy.ldm.modules.attention  # noqa: F401  (picks the stock attention from them)
+    import comfy.utils
+    comfy.utils.PROGRESS_BAR_ENABLED = False  # the benchmark prints its own per-step progress
+    _import_server_module()
+    return flags
+
+
+def _import_server_module() -> None:
+    """Import ComfyUI's ``server`` module up front, as a running ComfyUI always has it.
+
+    The node's run report looks for ``server.PromptServer`` at the end of each sampling run; a
+    first import there would add seconds to whichever layout samples first.
+    """
+    try:
+        import server  # noqa: F401
+    except Exception:  # the report then simply finds no server, as in any script
+        pass
+
+
+def stock_attention_name() -> str:
+    """Name of the attention function stock ComfyUI's H3 model calls in this process."""
+    import comfy.ldm.minimax.model as h3
+
+    return getattr(h3.optimized_attention, "__name__", repr(h3.optimized_attention))
+
+
+def comfyui_version(root: Path) -> str:
+    version_file = root / "comfyui_version.py"
+    if version_file.is_file():
+        for line in version_file.read_text().splitlines():
+            if line.startswith("__version__"):
+                return line.split("=", 1)[1].strip().strip("\"'")
+    return "unknown"

@@ -1,0 +1,108 @@
+"""ComfyUI's MiniMax H3 model for the benchmark: a real checkpoint, or random weights.
+
+Random weights are drawn straight on the target device (no 38 GB state dict in host memory),
+scaled by 1/sqrt(fan_in) so activations stay O(1) through all blocks. Timing and memory of the
+attention dataflow do not depend on the weights' values; equality between layouts holds for any
+weights. The shapes (and so the packed token count) follow the config exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+
+# The shipped H3 DiT (comfy/ldm/minimax/model.py defaults): 50 blocks, hidden 5376, 56 x 128 heads.
+FULL_H3 = {
+    "hidden_size": 5376, "num_layers": 50, "token_refiner_num_layers": 2,
+    "num_attention_heads": 56, "attention_head_dim": 128, "ffn_hidden_size": 14336,
+    "latents_dim": 24, "audio_latents_dim": 32, "text_dim": 5120,
+    "timestep_input_dim": 256, "time_embed_hidden_size": 5376, "time_embed_dim": 2688,
+    "rope_inv_freq_len": 16,
+}
+
+# A few-block, narrow H3 for CPU tests: same code paths, tiny shapes (head_dim 64 keeps GPU kernels usable).
+TINY_H3 = {
+    "hidden_size": 128, "num_layers": 3, "token_refiner_num_layers": 1,
+    "num_attention_heads": 2, "attention_head_dim": 64, "ffn_hidden_size": 256,
+    "latents_dim": 24, "audio_latents_dim": 32, "text_dim": 96,
+    "timestep_input_dim": 32, "time_embed_hidden_size": 128, "time_embed_dim": 64,
+    "rope_inv_freq_len": 8,
+}
+
+ROPE_THETA = 10000.0
+
+
+def packed_token_count(width: int, height: int, frames: int, text_tokens: int) -> dict:
+    """Rows of H3's packed sequence for an empty AV latent of this size (see the H3 nodes)."""
+    frames_aligned = frames
+    while frames_aligned % 17 != 5:
+        frames_aligned += 1
+    latent_t = 2 if frames_aligned <= 5 else ((frames_aligned - 5) // 17) * 5 + 2
+    audio_t = round(frames_aligned / 24 * 40)
+    video_rows = latent_t * (height // 32) * (width // 32)
+    audio_rows = 2 * audio_t
+    return {"text": text_tokens, "audio": audio_rows, "video": video_rows,
+            "total": text_tokens + audio_rows + video_rows, "latent_t": latent_t, "audio_t": audio_t}
+
+
+@torch.no_grad()
+def init_random_weights_(module: torch.nn.Module, seed: int) -> None:
+    """Fill every parameter in place: norms 1, biases 0, matrices N(0, 1/fan_in), rope real frequencies."""
+    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        gen = torch.Generator(device=tensor.device).manual_seed(seed + zlib.crc32(name.encode()))
+        if name.endswith("inv_freq"):
+            n = tensor.numel()
+            tensor.copy_(1.0 / ROPE_THETA ** (torch.arange(n, dtype=torch.float64) / n))
+        elif tensor.dim() == 1 and "norm" in name:
+            tensor.fill_(1.0)
+        elif tensor.dim() == 1:
+            tensor.zero_()
+        else:
+            fan_in = tensor.shape[-1]
+            tensor.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=gen)
+
+
+def build_random_model(config: dict, device: torch.device, dtype: torch.dtype, seed: int):
+    """A ComfyUI ModelPatcher around a MiniMax H3 BaseModel built on ``device`` with random weights."""
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    model_config = comfy.supported_models.MiniMaxH3({"image_model": "minimax_h3", **config})
+    model_config.set_inference_dtype(dtype, None, device=device)
+    model = model_config.get_model({}, "", device=device)
+    init_random_weights_(model.diffusion_model, seed)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=mm.unet_offload_device())
+
+
+def load_checkpoint_model(path: str):
+    """A ComfyUI ModelPatcher for an H3 diffusion-model checkpoint, loaded as UNETLoader does."""
+    import comfy.sd
+
+    patcher = comfy.sd.load_diffusion_model(path)
+    dm = patcher.model.diffusion_model
+    if type(dm).__name__ != "MiniMaxH3Model":
+        raise ValueError(f"{path} is a {type(dm).__name__} checkpoint, not MiniMax H3")
+    return patcher
+
+
+def model_config_of(patcher) -> dict:
+    """The H3 dimensions of a loaded model, read from its modules."""
+    dm = patcher.model.diffusion_model
+    attn = dm.blocks[0].attn
+    return {"hidden_size": dm.hidden_size, "num_layers": len(dm.blocks),
+            "token_refiner_num_layers": len(dm.token_refiner.blocks),
+            "num_attention_heads": attn.heads, "attention_head_dim": attn.head_dim,
+            "ffn_hidden_size": dm.blocks[0].mlp.fc2.weight.shape[1],
+            "text_dim": dm.condition_proj.weight.shape[1]}
+
+
+def random_conditioning(text_tokens: int, text_dim: int, seed: int):
+    """A CONDITIONING with seeded random text states [1, tokens, text_dim] (a stand-in for the text encoder)."""
+    gen = torch.Generator().manual_seed(seed)
+    states = torch.randn(1, text_tokens, text_dim, generator=gen, dtype=torch.float32)
+    return [[states, {}]]

@@ -1,0 +1,360 @@
+"""Reproduce the reference report for MiniMax H3: stock vs HND vs strided NHD, in ComfyUI's own H3 code.
+
+Run from the repo root, with a ComfyUI that has MiniMax H3 at ``$COMFYUI_PATH`` (default ./.comfyui):
+
+    python -m benchmarks.h3_reference_run --out benchmarks/results/h200-sage2.json --backend auto
+
+With no ``--checkpoint`` it builds the full-size H3 DiT (50 blocks, hidden 5376, 56x128 heads, bf16)
+with seeded random weights directly on the GPU, and a seeded random text conditioning of 100
+tokens, so 1344x768x124 packs exactly 37,810 tokens. On an H200 the whole run takes about 4-5
+minutes (model build ~10 s, blocks ~20 s, 2-step ABBA ~50 s, 12-step ~140 s).
+
+What it measures (written to the JSON after every section, so a failure keeps the rest):
+
+- ``isolated_attention_layout``: block 0's attention alone through ``kernels.attention_from_fused_qkv``.
+- ``real_block_results``: blocks 0 / 24 / 49 of the real model, variants timed interleaved rep by
+  rep (p50), outputs compared, peak extra memory per variant. Stock ComfyUI attention is the third
+  variant (ComfyUI's flag for the same kernel: ``--use-sage-attention`` for sage, ...).
+- ``profiler_block_recapture``: CUDA kernels launched by one block forward per variant (torch.profiler).
+- ``sampling_2_step`` / ``sampling_12_step``: ComfyUI's sampling nodes as the bundled workflows wire
+  them (RandomNoise 440420, KSamplerSelect res_multistep, BasicScheduler simple, BasicGuider,
+  SamplerCustomAdvanced, EmptyMiniMaxH3LatentAV), HND and strided NHD in ABBA order; seconds,
+  video/audio checksums, peak allocated/reserved bytes.
+- ``validation``: bit-exact or the measured difference per item; outputs finite; patches reverted.
+
+The patch is the node's own (``nodes/h3_patch.patch_model`` on a ModelPatcher clone); stock is no patch.
+Layout: ``--layout ab`` (default) measures both layouts in one process; ``--layout strided_nhd|hnd``
+(or ``H3_SAGE_QKV_LAYOUT=strided_nhd|hnd``, the reference system's switch) measures one.
+
+Other useful forms:
+
+    python -m benchmarks.h3_reference_run --skip-12-step                     # ~2 minutes
+    python -m benchmarks.h3_reference_run --sections blocks,profiler         # ~1 minute
+    python -m benchmarks.h3_reference_run --checkpoint /models/h3.safetensors # real weights
+    python -m benchmarks.h3_reference_run --tiny --device cpu --backend sdpa  # seconds, any machine
+
+Prints progress per rep and per sampling step, and a short table last. With ``$OUT`` set, the
+JSON and PNG are also copied there. Make the README table with ``python -m benchmarks.results_table``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import comfy_host, h3_model, measure, pack, schema
+from . import sections as sec
+from .report import LAYOUTS, Report, equality_verdict, text_table
+
+SECTIONS = ("isolated", "blocks", "profiler", "sampling_2_step", "sampling_12_step")
+LAYOUT_ENV = "H3_SAGE_QKV_LAYOUT"
+REFERENCE_COPY = Path(__file__).resolve().parent / "reference" / "gb10-strided-nhd-results.json"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.h3_reference_run",
+                                description="MiniMax H3 reference run: stock vs HND vs strided NHD attention.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", type=Path, help="results JSON (default: benchmarks/results/h3-<device>-<backend>.json)")
+    p.add_argument("--layout", choices=("ab",) + LAYOUTS,
+                   help=f"layouts to measure (default: ${LAYOUT_ENV} if set, else ab = both)")
+    p.add_argument("--backend", default="auto", help="attention back-end of the patch: auto, sage2, sage1, "
+                   "comfy_kitchen_int8, sdpa (stock ComfyUI runs the same kernel through its own flag)")
+    p.add_argument("--checkpoint", help="H3 diffusion-model checkpoint (default: random full-size weights)")
+    p.add_argument("--comfyui", help="ComfyUI source tree (default: $COMFYUI_PATH, else ./.comfyui)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="a 3-block narrow H3 at 64x64x5 (tests, CPU)")
+    p.add_argument("--width", type=int)
+    p.add_argument("--height", type=int)
+    p.add_argument("--frames", type=int)
+    p.add_argument("--text-tokens", type=int)
+    p.add_argument("--seed", type=int, default=440420, help="noise seed (the reference's)")
+    p.add_argument("--weight-seed", type=int, default=0, help="seed of the random weights and text states")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma list of " + ", ".join(SECTIONS))
+    p.add_argument("--skip-12-step", action="store_true")
+    p.add_argument("--reps", type=int, default=9, help="timed reps per block and variant")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--attention-reps", type=int, default=10)
+    p.add_argument("--reps-2-step", type=int, default=2, help="2-step runs per layout (2 = ABBA)")
+    p.add_argument("--reps-12-step", type=int, default=1, help="12-step runs per layout (2 = ABBA)")
+    p.add_argument("--no-stock", action="store_true", help="leave stock ComfyUI out of blocks and profiler")
+    p.add_argument("--stock-sampling", action="store_true", help="also sample once with stock attention")
+    p.add_argument("--no-chart", action="store_true")
+    args = p.parse_args(argv)
+    args.layout = args.layout or os.environ.get(LAYOUT_ENV) or "ab"
+    if args.layout not in ("ab",) + LAYOUTS:
+        p.error(f"{LAYOUT_ENV}={args.layout!r}: expected one of {', '.join(LAYOUTS)}")
+    chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in SECTIONS]
+    if unknown:
+        p.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    if args.skip_12_step and "sampling_12_step" in chosen:
+        chosen.remove("sampling_12_step")
+    args.sections = chosen
+    shape = (64, 64, 5, 8) if args.tiny else (1344, 768, 124, 100)
+    for name, default in zip(("width", "height", "frames", "text_tokens"), shape):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return args
+
+
+def log(message: str) -> None:
+    print(f"[h3-bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def device_facts(device: torch.device) -> dict:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return {"device": torch.cuda.get_device_name(device), "compute_capability": f"SM{major}{minor}"}
+    return {"device": f"CPU ({platform.machine()})", "compute_capability": "cpu"}
+
+
+def resolve_backend(kernels, choice: str, device: torch.device) -> str:
+    """The back-end ``auto`` (or a named choice) will run first here."""
+    if choice not in kernels.BACKEND_CHOICES:
+        raise SystemExit(f"unknown --backend {choice!r}; choose one of {', '.join(kernels.BACKEND_CHOICES)}")
+    rows = kernels.describe_backends(device)
+    if choice != "auto":
+        row = next(r for r in rows if r["name"] == choice)
+        if not row["available"]:
+            log(f"requested back-end {choice} is not available here ({row['reason']}); the chain will fall back")
+        return choice
+    for row in rows:
+        if row["available"]:
+            return row["name"]
+    raise SystemExit("no attention back-end is available on " + str(device))
+
+
+def default_out(facts: dict, backend: str) -> Path:
+    slug = facts["device"].split("(")[0].strip().lower().replace("nvidia ", "").replace(" ", "-") or "device"
+    return Path("benchmarks/results") / f"h3-{slug}-{backend}.json"
+
+
+def backends_that_ran(summaries: dict) -> tuple[str, list]:
+    """Back-ends the patched forwards actually ran (from the node's run reports), and their fallbacks."""
+    ran, fallbacks = {}, []
+    for summary in summaries.values():
+        report = summary["report"]
+        for payload in report.sent:
+            for name, calls in payload["backends_ran"].items():
+                ran[name] = ran.get(name, 0) + calls
+            fallbacks += payload["fallbacks"]
+        for name, calls in report.backends.items():
+            ran[name] = ran.get(name, 0) + calls
+        fallbacks += [{"backend": b, "reason": r, "count": c} for (b, r), c in report.fallbacks.items()]
+    return "+".join(sorted(ran)) or "none", fallbacks
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    facts = device_facts(device)
+    # ComfyUI must be imported after its flags are set; the stock flag needs the resolved back-end,
+    # and kernels/ has no ComfyUI import, so it can be asked first.
+    kernels = pack.kernels()
+    backend_first = resolve_backend(kernels, args.backend, device)
+    out = args.out or default_out(facts, backend_first)
+    report = Report(out)
+    layouts = list(LAYOUTS) if args.layout == "ab" else [args.layout]
+    report.update(**facts, torch=str(torch.__version__), attention=backend_first, attention_requested=args.backend,
+                  resolution=[args.width, args.height], frames=args.frames, packed_tokens=None,
+                  seed=args.seed, feature_flag=f"{LAYOUT_ENV}=strided_nhd", layout=args.layout,
+                  layouts_measured=layouts, backends_here=kernels.describe_backends(device))
+    log(f"{facts['device']} ({facts['compute_capability']}), torch {torch.__version__}, back-end {args.backend} "
+        f"-> {backend_first}, layouts {layouts}, sections {args.sections}; writing {out}")
+
+    bench = None
+    try:
+        root = comfy_host.find_comfyui(args.comfyui)
+        flags = comfy_host.import_comfyui(root, cpu=device.type == "cpu",
+                                          stock_flag=comfy_host.STOCK_FLAG_FOR_BACKEND[backend_first])
+        report.update(comfyui={"path": str(root), "version": comfy_host.comfyui_version(root), "flags": flags},
+                      stock_attention=comfy_host.stock_attention_name())
+        bench = build_bench(args, device, layouts, report)
+    except Exception as exc:
+        report.fail("setup", exc)
+        log(f"setup failed: {type(exc).__name__}: {exc}")
+        raise
+
+    try:
+        run_sections(args, bench, kernels, backend_first, report)
+    finally:
+        finish(args, bench, report, out)
+    return 1 if report.data["errors"] else 0
+
+
+def build_bench(args, device, layouts, report) -> sec.Bench:
+    dtype = torch.bfloat16
+    started = time.perf_counter()
+    if args.checkpoint:
+        log(f"loading {args.checkpoint}")
+        base = h3_model.load_checkpoint_model(args.checkpoint)
+        config = h3_model.model_config_of(base)
+        source = f"checkpoint {args.checkpoint}"
+    else:
+        config = h3_model.TINY_H3 if args.tiny else h3_model.FULL_H3
+        log(f"building {'tiny' if args.tiny else 'full-size'} H3 with random weights on {device}")
+        base = h3_model.build_random_model(config, device, dtype, args.weight_seed)
+        source = f"random weights (seed {args.weight_seed}, N(0, 1/fan_in), norms 1, biases 0)"
+    build_seconds = time.perf_counter() - started
+    dm = base.model.diffusion_model
+    conditioning = h3_model.random_conditioning(args.text_tokens, config["text_dim"], args.weight_seed + 1)
+    expected = h3_model.packed_token_count(args.width, args.height, args.frames, args.text_tokens)
+    n_blocks = len(dm.blocks)
+    block_indices = sorted({0, (n_blocks - 1) // 2, n_blocks - 1})  # 0, 24, 49 for the full model
+    clones, summaries = {}, {}
+    for layout in layouts:
+        clones[layout], summaries[layout] = pack.patch_model(base, layout, args.backend, patch_refiner=True)
+    static = {k: v for k, v in summaries[layouts[0]].items() if k not in ("report", "backends_here", "layout")}
+    report.update(
+        model={"source": source, "class": type(dm).__name__, "config": config, "dtype": str(dm.dtype),
+               "parameters": sum(p.numel() for p in dm.parameters()), "build_seconds": build_seconds},
+        text_tokens=args.text_tokens, packed_rows_expected=expected,
+        patch=dict(static, function="nodes.h3_patch.patch_model", patch_refiner=True),
+        dataflow={
+            "qkv_input": "projection-strided NHD views with no Q/K/V materialization",
+            "qk_transform": "in-place Comfy Kitchen RMSNorm and RoPE on strided views",
+            "attention_output": "contiguous back-end NHD output viewed token-major for out_proj",
+            "removed_copies_per_block": None,
+        })
+    log(f"model ready in {build_seconds:.1f} s: {n_blocks} blocks, blocks timed {block_indices}, "
+        f"expected packed tokens {expected['total']}")
+    return sec.Bench(device=device, base=base, clones=clones, summaries=summaries, conditioning=conditioning,
+                     width=args.width, height=args.height, frames=args.frames, seed=args.seed,
+                     block_indices=block_indices, log=log)
+
+
+def _section(report: Report, name: str, fn):
+    """Run one section; record its result or its error; never let it take the others down."""
+    log(f"section {name}")
+    started = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            result = fn()
+    except Exception as exc:
+        log(f"section {name} FAILED: {type(exc).__name__}: {exc}")
+        report.fail(name, exc)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None
+    report.section(name, result)
+    log(f"section {name} done in {time.perf_counter() - started:.1f} s")
+    return result
+
+
+def run_sections(args, bench: sec.Bench, kernels, backend: str, report: Report) -> None:
+    with_stock = not args.no_stock
+    captured = _section(report, "capture", lambda: sec.capture_block_inputs(bench))
+    if captured is None:
+        return
+    expected = report.data["packed_rows_expected"]["total"]
+    report.update(packed_tokens=bench.packed_tokens)
+    report.validation("packed_tokens", f"{bench.packed_tokens} as expected" if bench.packed_tokens == expected
+                      else f"{bench.packed_tokens}, expected {expected}")
+
+    if "isolated" in args.sections:
+        iso = _section(report, "isolated_attention_layout",
+                       lambda: sec.isolated_attention(bench, kernels, args.backend, args.attention_reps, args.warmup))
+        if iso and "bit_exact" in iso:
+            report.validation("isolated_attention", equality_verdict(iso))
+            report.data["dataflow"]["removed_copies_per_block"] = iso["copies"]["hnd"] - iso["copies"]["strided_nhd"]
+    if "blocks" in args.sections:
+        sec.ensure_stock_loaded(bench)
+        rows = _section(report, "real_block_results",
+                        lambda: sec.real_blocks(bench, args.reps, args.warmup, with_stock))
+        if rows:
+            report.validation("blocks_0_24_49", sec.blocks_verdict(rows))
+            report.validation("blocks_compared", ", ".join(str(r["block"]) for r in rows))
+            for layout in bench.layouts:
+                if with_stock:
+                    report.validation(f"blocks_stock_vs_{layout}", sec.stock_blocks_verdict(rows, layout))
+    if "profiler" in args.sections:
+        sec.ensure_stock_loaded(bench)
+        _section(report, "profiler_block_recapture", lambda: sec.kernel_launches(bench, with_stock, torch.__version__))
+    for steps, key, item in ((2, "sampling_2_step", "full_50_block_two_step_trajectory"),
+                             (12, "sampling_12_step", "canonical_12_step_trajectory")):
+        if key in args.sections:
+            reps = args.reps_2_step if steps == 2 else args.reps_12_step
+            result = _section(report, key, lambda: sec.sampling(bench, steps, reps, args.stock_sampling and steps == 2))
+            if result:
+                report.validation(item, sec.trajectory_verdict(result))
+                repeats = [r.get("repeat_identical") for r in result["runs"] if "repeat_identical" in r]
+                if repeats:
+                    report.validation(f"{key}_repeat_runs", "identical" if all(repeats) else "differ between repeats")
+
+
+def finish(args, bench, report: Report, out: Path) -> None:
+    data = report.data
+    if bench is not None:
+        data["attention"], data["attention_fallbacks"] = backends_that_ran(bench.summaries)
+        try:
+            sec.ensure_stock_loaded(bench)  # ComfyUI unpatches the last sampled clone when stock loads
+            left = sec.patches_left_behind(bench.diffusion_model)
+        except Exception as exc:
+            left = [f"could not check: {type(exc).__name__}: {exc}"]
+        report.validation("patch_reverted", "no attention forward left patched on the shared model" if not left
+                          else f"still patched: {left[:3]}{'...' if len(left) > 3 else ''}")
+        bad = [k for k, ok in bench.outputs_finite.items() if not ok]
+        report.validation("outputs_finite", f"all {len(bench.outputs_finite)} outputs finite" if not bad
+                          else f"non-finite values in: {', '.join(bad)}")
+    artifacts = [str(out)]
+    if not args.no_chart:
+        try:
+            from .plot import write_chart
+            artifacts.append(str(write_chart(data, out.with_suffix(".png"))))
+            data["chart"] = artifacts[-1]
+        except ImportError:
+            data["chart"] = "not written: matplotlib is not installed (make it later: python -m benchmarks.plot JSON)"
+        except Exception as exc:
+            data["chart"] = f"not written: {type(exc).__name__}: {exc}"
+    data["source_artifacts"] = artifacts
+    if REFERENCE_COPY.is_file():
+        allow = schema.CUDA_ONLY if args.device == "cpu" else set()
+        problems = schema.check_against_reference(data, schema.load_reference(REFERENCE_COPY), allow_null=allow)
+        data["reference_schema"] = "follows the reference report's keys and types" if not problems else problems
+    report.write()
+    copy_to_out(artifacts)
+    if bench is not None:
+        release(bench)
+    print()
+    print(text_table(data))
+    if data["errors"]:
+        print("errors in: " + ", ".join(data["errors"]))
+    print(f"report: {out}")
+
+
+def copy_to_out(paths: list[str]) -> None:
+    """Also leave the files under $OUT (the GPU machine hands that folder back)."""
+    out_dir = os.environ.get("OUT")
+    if not out_dir:
+        return
+    for path in paths:
+        src = Path(path)
+        dest = Path(out_dir) / src.name
+        if src.is_file() and src.resolve() != dest.resolve():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dest)
+
+
+def release(bench: sec.Bench) -> None:
+    """Drop the model while ComfyUI's modules are alive (ModelPatcher.__del__ needs them)."""
+    import comfy.model_management as mm
+
+    mm.current_loaded_models.clear()
+    bench.clones.clear()
+    bench.summaries.clear()
+    bench.block_inputs.clear()
+    bench.base = None
+    gc.collect()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

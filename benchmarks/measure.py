@@ -1,0 +1,143 @@
+"""Timing, memory and kernel-count primitives. No ComfyUI import.
+
+Variants are always timed interleaved (A, B, C, then B, C, A, ...), because a GPU's speed drifts
+by a few percent over minutes: only ratios measured side by side mean anything.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from typing import Callable
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    """Wall seconds of ``fn()`` with the device drained before and after; returns (seconds, result)."""
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return time.perf_counter() - start, result
+
+
+def rotated(names: list[str], rep: int) -> list[str]:
+    """The variant order for repetition ``rep``: each variant leads in turn."""
+    shift = rep % len(names)
+    return names[shift:] + names[:shift]
+
+
+def interleaved_times(runners: dict[str, Callable[[], float]], reps: int, warmup: int,
+                      progress: Callable[[str], None] | None = None) -> dict[str, list[float]]:
+    """Run each variant's ``runner()`` (which returns its own measured seconds) rep by rep, rotated."""
+    names = list(runners)
+    for rep in range(warmup):
+        for name in rotated(names, rep):
+            runners[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in rotated(names, rep):
+            times[name].append(runners[name]())
+        if progress:
+            progress(f"rep {rep + 1}/{reps}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.2f} ms" for n in names))
+    return times
+
+
+def summary(times: list[float]) -> dict:
+    """p50, mean, min, max and relative spread of one variant's times (seconds)."""
+    p50 = statistics.median(times)
+    return {"p50_seconds": p50, "mean_seconds": statistics.fmean(times), "min_seconds": min(times),
+            "max_seconds": max(times), "spread": (max(times) - min(times)) / p50 if p50 else 0.0,
+            "reps": len(times)}
+
+
+def speedup(baseline_seconds: float | None, new_seconds: float | None) -> float | None:
+    if not baseline_seconds or not new_seconds:
+        return None
+    return baseline_seconds / new_seconds
+
+
+def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int | None, object]:
+    """Peak memory allocated above what was allocated before ``fn()`` (None off CUDA)."""
+    if device.type != "cuda":
+        return None, fn()
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    result = fn()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before, result
+
+
+def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """max/mean |a - b| in float64 terms, plus whether the bits are identical."""
+    if a.shape != b.shape:
+        raise ValueError(f"cannot compare outputs of shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    diff = (a.float() - b.float()).abs()
+    return {"max_abs_difference": float(diff.max()) if diff.numel() else 0.0,
+            "mean_abs_difference": float(diff.mean()) if diff.numel() else 0.0,
+            "bit_exact": bool(torch.equal(a, b))}
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+# Names the profiler gives to device activity that is not a kernel launch.
+_NOT_KERNELS = ("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")
+
+
+def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel: int) -> dict:
+    """Device kernels launched by one ``fn()`` call, counted by torch.profiler.
+
+    Also counts tensor copies (``aten::copy_``) whose operands have at least ``large_numel``
+    elements: the layout copies (transpose/contiguous/clone of Q, K, V or the output).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    fn()  # warm: lazy inits and allocator growth stay out of the count
+    synchronize(device)
+    with profile(activities=activities, record_shapes=True) as prof:
+        fn()
+        synchronize(device)
+    kernels: Counter = Counter()
+    transfers = 0
+    large_copies = 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            if event.name.startswith(_NOT_KERNELS):
+                transfers += 1
+            else:
+                kernels[event.name] += 1
+        elif event.name == "aten::copy_":
+            shapes = [s for s in (event.input_shapes or []) if isinstance(s, (list, tuple)) and s]
+            if any(_numel(s) >= large_numel for s in shapes):
+                large_copies += 1
+    return {"kernel_launches": sum(kernels.values()) if device.type == "cuda" else None,
+            "memcpy_memset": transfers if device.type == "cuda" else None,
+            "large_copy_ops": large_copies,
+            "kernels": dict(sorted(kernels.items()))}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def kernel_difference(baseline: dict, new: dict) -> dict:
+    """Kernels launched more often by ``baseline`` than by ``new`` (name -> how many more)."""
+    removed = Counter(baseline) - Counter(new)
+    added = Counter(new) - Counter(baseline)
+    return {"removed": dict(sorted(removed.items())), "added": dict(sorted(added.items()))}

@@ -1,0 +1,122 @@
+"""The results report: one dict in the reference's shape, written to disk after every section.
+
+A section that fails leaves its error under ``errors`` and the sections before it intact, so a
+run that dies midway still says what it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from pathlib import Path
+
+LAYOUTS = ("hnd", "strided_nhd")
+
+
+class Report:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.data: dict = {"sections_completed": [], "errors": {}}
+
+    def update(self, **fields) -> None:
+        self.data.update(fields)
+
+    def section(self, name: str, result) -> None:
+        self.data[name] = result
+        if name not in self.data["sections_completed"]:
+            self.data["sections_completed"].append(name)
+        self.data["errors"].pop(name, None)
+        self.write()
+
+    def validation(self, item: str, verdict: str) -> None:
+        self.data.setdefault("validation", {})[item] = verdict
+
+    def fail(self, name: str, exc: BaseException) -> None:
+        lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        self.data["errors"][name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": "".join(lines[-6:])}
+        self.write()
+
+    def write(self) -> None:
+        """Write atomically: a reader never sees half a file."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=_json_default) + "\n")
+        os.replace(tmp, self.path)
+
+
+def _json_default(value):
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def equality_verdict(diff: dict | None, what: str = "outputs") -> str:
+    """'bit-exact' or the measured difference."""
+    if diff is None:
+        return "not measured"
+    if diff.get("bit_exact"):
+        return "bit-exact"
+    return f"{what} differ: max abs {diff['max_abs_difference']:.6g}, mean abs {diff['mean_abs_difference']:.6g}"
+
+
+def _fmt_s(value, unit="s"):
+    if value is None:
+        return "-"
+    if unit == "ms":
+        return f"{value * 1e3:.2f} ms"
+    return f"{value:.3f} s"
+
+
+def _fmt_x(value):
+    return "-" if value is None else f"{value:.3f}x"
+
+
+def table_rows(data: dict) -> list[tuple[str, str, str, str, str]]:
+    """(measurement, stock, HND, strided NHD, HND/strided NHD) rows from a report dict."""
+    rows = []
+    iso = data.get("isolated_attention_layout")
+    if iso:
+        rows.append(("isolated attention (mean)", "-", _fmt_s(iso.get("hnd_mean_seconds"), "ms"),
+                     _fmt_s(iso.get("strided_nhd_mean_seconds"), "ms"), _fmt_x(iso.get("speedup"))))
+    for block in data.get("real_block_results") or []:
+        rows.append((f"block {block['block']} (p50)", _fmt_s(block.get("stock_p50_seconds"), "ms"),
+                     _fmt_s(block.get("hnd_p50_seconds"), "ms"), _fmt_s(block.get("strided_nhd_p50_seconds"), "ms"),
+                     _fmt_x(block.get("speedup"))))
+    for key, label in (("sampling_2_step", "2-step sampling"), ("sampling_12_step", "12-step sampling")):
+        s = data.get(key)
+        if s:
+            rows.append((label, _fmt_s(s.get("stock_seconds")), _fmt_s(s.get("hnd_seconds")),
+                         _fmt_s(s.get("strided_nhd_seconds")), _fmt_x(s.get("speedup"))))
+    prof = data.get("profiler_block_recapture")
+    if prof:
+        def n(v):
+            return "-" if v is None else str(v)
+        removed = prof.get("removed_kernel_launches")
+        rows.append(("kernel launches per block", n(prof.get("stock_kernel_launches")),
+                     n(prof.get("hnd_kernel_launches")), n(prof.get("strided_nhd_kernel_launches")),
+                     "-" if removed is None else f"-{removed}"))
+    s2 = data.get("sampling_2_step")
+    if s2 and s2.get("peak_allocated_bytes_saved") is not None:
+        rows.append(("2-step peak allocated saved", "-", "-", "-",
+                     f"{s2['peak_allocated_bytes_saved'] / 2**30:.2f} GiB"))
+    return rows
+
+
+HEADER = ("measurement", "stock ComfyUI", "HND", "strided NHD", "HND / strided NHD")
+
+
+def text_table(data: dict) -> str:
+    rows = [HEADER] + table_rows(data)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def markdown_table(data: dict) -> str:
+    rows = table_rows(data)
+    out = ["| " + " | ".join(HEADER) + " |", "|" + "|".join("---" for _ in HEADER) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)

@@ -1,0 +1,107 @@
+"""Markdown results table from benchmark JSONs (the README's table is made with this, never by hand).
+
+    python -m benchmarks.results_table benchmarks/results/h200-sage2.json
+    python -m benchmarks.results_table benchmarks/results/*.json --readme README.md
+
+With ``--readme`` the text between ``<!-- results-table:start -->`` and ``<!-- results-table:end -->``
+in that file is replaced (the markers must already be there); otherwise the table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from .report import markdown_table
+
+START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def describe_run(data: dict, source: str) -> str:
+    """One line saying what ran where, and what was checked."""
+    shape = f"{data['resolution'][0]}x{data['resolution'][1]}x{data['frames']}"
+    model = data.get("model", {}).get("source", "?")
+    line = (f"**{data['device']}** ({data['compute_capability']}), torch {data['torch']}, "
+            f"patch back-end **{data['attention']}**, stock ComfyUI attention `{data.get('stock_attention', '?')}`; "
+            f"H3 {shape}, {data['packed_tokens']:,} packed tokens, seed {data['seed']}; {model}. Source: `{source}`.")
+    return line
+
+
+def memory_lines(data: dict) -> list[str]:
+    lines = []
+    for key, label in (("sampling_2_step", "2-step"), ("sampling_12_step", "12-step")):
+        s = data.get(key) or {}
+        if s.get("peak_allocated_bytes_saved") is not None:
+            lines.append(f"- {label} sampling peak memory saved by strided NHD: {_gib(s['peak_allocated_bytes_saved'])} "
+                         f"allocated, {_gib(s['peak_reserved_bytes_saved'])} reserved "
+                         f"(HND {_gib(s.get('hnd_peak_allocated_bytes'))} -> strided NHD "
+                         f"{_gib(s.get('strided_nhd_peak_allocated_bytes'))} allocated).")
+    blocks = data.get("real_block_results") or []
+    if blocks and blocks[0].get("peak_extra_bytes", {}).get("strided_nhd") is not None:
+        peaks = blocks[0]["peak_extra_bytes"]
+        lines.append("- One block's peak extra memory: " + ", ".join(
+            f"{name} {v / 2**20:,.0f} MiB" for name, v in peaks.items() if v is not None) + ".")
+    return lines
+
+
+VALIDATION_LABELS = {
+    "packed_tokens": "packed tokens",
+    "isolated_attention": "isolated attention, HND vs strided NHD",
+    "blocks_0_24_49": "blocks {blocks}, HND vs strided NHD",
+    "blocks_stock_vs_hnd": "blocks {blocks}, stock vs HND",
+    "blocks_stock_vs_strided_nhd": "blocks {blocks}, stock vs strided NHD",
+    "full_50_block_two_step_trajectory": "2-step sampling, HND vs strided NHD",
+    "sampling_2_step_repeat_runs": "2-step sampling, repeated runs of a layout",
+    "canonical_12_step_trajectory": "12-step sampling, HND vs strided NHD",
+    "sampling_12_step_repeat_runs": "12-step sampling, repeated runs of a layout",
+    "patch_reverted": "after the patched runs",
+    "outputs_finite": "outputs",
+}
+
+
+def validation_lines(data: dict) -> list[str]:
+    checks = dict(data.get("validation") or {})
+    blocks = checks.pop("blocks_compared", "0, 24, 49")
+    return [f"- {VALIDATION_LABELS.get(item, item.replace('_', ' ')).format(blocks=blocks)}: {verdict}"
+            for item, verdict in checks.items()]
+
+
+def section_markdown(path: Path) -> str:
+    data = json.loads(path.read_text())
+    parts = [describe_run(data, path.as_posix()), "", markdown_table(data), ""]
+    parts += memory_lines(data)
+    parts += validation_lines(data)
+    if data.get("errors"):
+        parts.append(f"- sections that failed in this run: {', '.join(data['errors'])}")
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def replace_between_markers(text: str, block: str) -> str:
+    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no {START} ... {END} markers in the file")
+    return pattern.sub(lambda _: f"{START}\n{block.rstrip()}\n{END}", text, count=1)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json", nargs="+", type=Path)
+    parser.add_argument("--readme", type=Path, help="file whose results-table markers to fill")
+    args = parser.parse_args(argv)
+    block = "\n".join(section_markdown(p) for p in args.json)
+    if args.readme:
+        args.readme.write_text(replace_between_markers(args.readme.read_text(), block))
+        print(f"updated {args.readme}")
+    else:
+        print(block)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

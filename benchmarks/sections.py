@@ -1,0 +1,398 @@
+"""The measurements of the H3 reference run, one function per report section.
+
+Each section takes the :class:`Bench` (model, patched clones, captured block inputs) and returns
+the dict for its report section; the runner writes the report after each one. Variants:
+
+- ``stock``: the unpatched model (ComfyUI's own attention: HND views, ``v.clone()``, output copy),
+- ``hnd``: this pack's patch with the reference baseline layout (contiguous HND copies),
+- ``strided_nhd``: this pack's patch with the strided NHD dataflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from . import measure
+
+SAMPLER = "res_multistep"
+SCHEDULER = "simple"
+
+
+@dataclass
+class Bench:
+    device: torch.device
+    base: object                      # the unpatched ModelPatcher (stock)
+    clones: dict[str, object]         # layout -> patched ModelPatcher clone
+    summaries: dict[str, dict]        # layout -> the patch's summary (incl. its RunReport)
+    conditioning: list
+    width: int
+    height: int
+    frames: int
+    seed: int
+    block_indices: list[int]
+    log: Callable[[str], None] = print
+    block_inputs: dict[int, tuple] = field(default_factory=dict)
+    packed_tokens: int | None = None
+    outputs_finite: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def layouts(self) -> list[str]:
+        return list(self.clones)
+
+    @property
+    def diffusion_model(self):
+        return self.base.model.diffusion_model
+
+    def variants(self, with_stock: bool) -> dict[str, object]:
+        out = {"stock": self.base} if with_stock else {}
+        out.update(self.clones)
+        return out
+
+
+@contextlib.contextmanager
+def object_patches_applied(patcher):
+    """Apply a ModelPatcher's object patches to the shared model (ComfyUI's own patch/unpatch)."""
+    patcher.patch_model(load_weights=False)
+    try:
+        yield patcher.model.diffusion_model
+    finally:
+        patcher.unpatch_model(unpatch_weights=False)
+
+
+def patches_left_behind(diffusion_model) -> list[str]:
+    """Attention modules whose forward is still replaced on the shared model.
+
+    ComfyUI restores an object patch by setting the saved original back, so an unpatched module
+    may carry its own bound ``forward``; only a forward that is not the class's own counts.
+    """
+    left = []
+    for name, module in diffusion_model.named_modules():
+        forward = vars(module).get("forward")
+        if forward is not None and getattr(forward, "__func__", None) is not type(module).forward:
+            left.append(name)
+    return left
+
+
+def ensure_stock_loaded(bench: "Bench") -> None:
+    """Make ComfyUI hold the unpatched model, so no sampling clone's patches stay applied."""
+    import comfy.model_management as mm
+
+    mm.load_models_gpu([bench.base], force_full_load=True)
+
+
+# --- capture ---------------------------------------------------------------------------------------
+
+def capture_block_inputs(bench: Bench) -> dict:
+    """One stock forward of the whole model at the benchmark shape; keep the inputs of the timed blocks.
+
+    The block inputs are real activations (what the sampler's first step feeds those blocks), so
+    every variant is timed on the same data.
+    """
+    import comfy.model_management as mm
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+
+    mm.load_models_gpu([bench.base], force_full_load=True)
+    dm = bench.diffusion_model
+    latent = EmptyMiniMaxH3LatentAV.execute(bench.width, bench.height, bench.frames)[0]["samples"]
+    gen = torch.Generator().manual_seed(bench.seed)
+    video, audio = (torch.randn(t.shape, generator=gen).to(bench.device) for t in latent.unbind())
+    context = bench.conditioning[0][0].to(bench.device, dtype=dm.dtype)
+
+    hooks = []
+    for index in bench.block_indices:
+        def keep(module, args, kwargs, index=index):
+            x, t_emb, segments, rope = args[:4]
+            bench.block_inputs[index] = (x.clone(), t_emb, segments, rope)
+        hooks.append(dm.blocks[index].register_forward_pre_hook(keep, with_kwargs=True))
+    try:
+        seconds, out = measure.timed(lambda: dm(x=[video, audio], timestep=torch.tensor([1000.0], device=bench.device),
+                                                context=context, transformer_options={}, minimax_payload={}),
+                                     bench.device)
+    finally:
+        for h in hooks:
+            h.remove()
+    bench.packed_tokens = int(bench.block_inputs[bench.block_indices[0]][0].shape[0])
+    bench.outputs_finite["stock forward"] = measure.all_finite(*out)
+    return {"seconds": seconds, "packed_tokens": bench.packed_tokens, "outputs_finite": bench.outputs_finite["stock forward"]}
+
+
+def _block_call(bench: Bench, patcher, index: int) -> Callable[[], tuple[float, torch.Tensor]]:
+    """A runner that times one forward of block ``index`` with ``patcher``'s patches on fresh input."""
+    x0, t_emb, segments, rope = bench.block_inputs[index]
+    transformer_options = patcher.model_options.get("transformer_options", {})
+
+    def run():
+        with object_patches_applied(patcher) as dm:
+            block = dm.blocks[index]
+            x = x0.clone()  # blocks update their input in place
+            return measure.timed(lambda: block(x, t_emb, segments, rope, transformer_options=transformer_options),
+                                 bench.device)
+    return run
+
+
+# --- isolated attention -----------------------------------------------------------------------------
+
+def isolated_attention(bench: Bench, kernels, backend: str, reps: int, warmup: int) -> dict:
+    """The attention of block 0 alone: a fused qkv buffer through ``kernels.attention_from_fused_qkv``.
+
+    Includes what the layout changes (views vs copies in, view vs copy out), the in-place
+    RMSNorm+RoPE and the back-end; uses the model's rope table and block 0's norm weights.
+    """
+    attn = bench.diffusion_model.blocks[0].attn
+    rope = bench.block_inputs[bench.block_indices[0]][3]
+    s = bench.packed_tokens
+    inner = attn.heads * attn.head_dim
+    gen = torch.Generator().manual_seed(bench.seed)
+    qkv0 = torch.randn(s, 3 * inner, generator=gen).to(bench.device, dtype=attn.qkv_proj.weight.dtype)
+    chain = kernels.BackendChain.for_choice(backend, bench.device)
+    records, outputs = {}, {}
+
+    def runner(layout):
+        def run():
+            qkv = qkv0.clone()  # norm+rope works in place
+            seconds, (out, rec) = measure.timed(lambda: kernels.attention_from_fused_qkv(
+                qkv, attn.heads, attn.head_dim, chain=chain, layout=layout, rope_table=rope,
+                q_weight=attn.q_norm.weight, k_weight=attn.k_norm.weight, eps=attn.q_norm.eps), bench.device)
+            records[layout] = rec
+            outputs.setdefault(layout, out)
+            return seconds
+        return run
+
+    times = measure.interleaved_times({layout: runner(layout) for layout in bench.layouts}, reps, warmup,
+                                      progress=lambda m: bench.log(f"  isolated attention {m}"))
+    result = {"what": "kernels.attention_from_fused_qkv on a [S, 3*H*D] buffer: in-place RMSNorm+RoPE, "
+                      "layout (views or copies), back-end, token-major output",
+              "backend_ran": {k: r.backend for k, r in records.items()},
+              "copies": {k: r.copies for k, r in records.items()},
+              "fallbacks": {k: [list(f) for f in r.fallbacks] for k, r in records.items()}}
+    for layout, t in times.items():
+        stats = measure.summary(t)
+        result[f"{layout}_mean_seconds"] = stats["mean_seconds"]
+        result[f"{layout}_p50_seconds"] = stats["p50_seconds"]
+        result[f"{layout}_spread"] = stats["spread"]
+    if len(bench.layouts) == 2:
+        diff = measure.max_abs_difference(outputs["hnd"], outputs["strided_nhd"])
+        result["speedup"] = measure.speedup(result["hnd_mean_seconds"], result["strided_nhd_mean_seconds"])
+        result["p50_speedup"] = measure.speedup(result["hnd_p50_seconds"], result["strided_nhd_p50_seconds"])
+        result["max_abs_difference"] = diff["max_abs_difference"]
+        result["mean_abs_difference"] = diff["mean_abs_difference"]
+        result["bit_exact"] = diff["bit_exact"]
+    result["reps"] = reps
+    return result
+
+
+# --- real blocks -------------------------------------------------------------------------------------
+
+def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool) -> list[dict]:
+    """p50 of each variant on blocks 0 / middle / last, interleaved rep by rep; outputs compared."""
+    variants = bench.variants(with_stock)
+    results = []
+    for index in bench.block_indices:
+        bench.log(f"  block {index}: {', '.join(variants)}")
+        runners = {name: _block_call(bench, p, index) for name, p in variants.items()}
+        times = measure.interleaved_times({n: (lambda r=r: r()[0]) for n, r in runners.items()}, reps, warmup,
+                                          progress=lambda m: bench.log(f"    {m}"))
+        outputs, peaks = {}, {}
+        for name, run in runners.items():
+            peak, (_, out) = measure.peak_extra_bytes(run, bench.device)
+            outputs[name], peaks[name] = out, peak
+            bench.outputs_finite[f"block {index} {name}"] = measure.all_finite(out)
+        row = {"block": index}
+        for name, t in times.items():
+            stats = measure.summary(t)
+            row[f"{name}_p50_seconds"] = stats["p50_seconds"]
+            row[f"{name}_spread"] = stats["spread"]
+        row["peak_extra_bytes"] = peaks
+        if "hnd" in outputs and "strided_nhd" in outputs:
+            diff = measure.max_abs_difference(outputs["hnd"], outputs["strided_nhd"])
+            row["speedup"] = measure.speedup(row["hnd_p50_seconds"], row["strided_nhd_p50_seconds"])
+            row["max_abs_difference"] = diff["max_abs_difference"]
+            row["bit_exact"] = diff["bit_exact"]
+        if "stock" in outputs:
+            for layout in bench.layouts:
+                diff = measure.max_abs_difference(outputs["stock"], outputs[layout])
+                row[f"stock_vs_{layout}_max_abs_difference"] = diff["max_abs_difference"]
+                row[f"stock_vs_{layout}_bit_exact"] = diff["bit_exact"]
+                row[f"stock_over_{layout}"] = measure.speedup(row["stock_p50_seconds"], row[f"{layout}_p50_seconds"])
+        row["reps"] = reps
+        results.append(row)
+        del outputs
+    return results
+
+
+# --- kernel launches -----------------------------------------------------------------------------------
+
+def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
+    """CUDA kernels launched by one forward of block 0 per variant (torch.profiler)."""
+    index = bench.block_indices[0]
+    x0, t_emb, segments, rope = bench.block_inputs[index]
+    attn = bench.diffusion_model.blocks[index].attn
+    large = x0.shape[0] * attn.heads * attn.head_dim
+    counts = {}
+    for name, patcher in bench.variants(with_stock).items():
+        transformer_options = patcher.model_options.get("transformer_options", {})
+        with object_patches_applied(patcher) as dm:
+            block = dm.blocks[index]
+            inputs = [x0.clone(), x0.clone()]  # one for the warm call, one for the profiled call
+            counts[name] = measure.profile_kernels(
+                lambda: block(inputs.pop(), t_emb, segments, rope, transformer_options=transformer_options),
+                bench.device, large)
+        bench.log(f"  {name}: {counts[name]['kernel_launches']} kernels, "
+                  f"{counts[name]['large_copy_ops']} large copies")
+    result = {"tool": f"torch.profiler (torch {torch_version})", "block": index,
+              "large_copy_threshold_elements": large}
+    for name, c in counts.items():
+        result[f"{name}_kernel_launches"] = c["kernel_launches"]
+    result["large_copy_ops"] = {n: c["large_copy_ops"] for n, c in counts.items()}
+    if "hnd" in counts and "strided_nhd" in counts:
+        h, s = counts["hnd"]["kernel_launches"], counts["strided_nhd"]["kernel_launches"]
+        result["removed_kernel_launches"] = None if h is None else h - s
+        delta = measure.kernel_difference(counts["hnd"]["kernels"], counts["strided_nhd"]["kernels"])
+        result["removed_kernels"] = (", ".join(f"{n} x{c}" for n, c in delta["removed"].items()) or "none")
+        result["added_kernels"] = delta["added"]
+        result["large_bf16_layout_copy_instances_after"] = counts["strided_nhd"]["large_copy_ops"]
+    if "stock" in counts:
+        for layout in bench.layouts:
+            st, lt = counts["stock"]["kernel_launches"], counts[layout]["kernel_launches"]
+            result[f"stock_minus_{layout}_kernel_launches"] = None if st is None else st - lt
+    result["kernels"] = {n: c["kernels"] for n, c in counts.items()}
+    return result
+
+
+# --- sampling ------------------------------------------------------------------------------------------
+
+def sampling_order(layouts: list[str], reps: int) -> list[str]:
+    """HND first, then ABBA...: each pair of reps cancels a linear drift; one rep favours neither
+    layout's claim (a GPU that slows as it warms penalises the second run, strided NHD)."""
+    if len(layouts) == 1:
+        return layouts * reps
+    order = []
+    for rep in range(reps):
+        order += layouts if rep % 2 == 0 else layouts[::-1]
+    return order
+
+
+def run_sampling(bench: Bench, patcher, steps: int, label: str) -> dict:
+    """One sampling run through ComfyUI's nodes, as the bundled workflows wire them."""
+    import comfy.model_management as mm
+    import comfy.utils
+    from comfy_extras import nodes_custom_sampler as ncs
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+
+    latent = EmptyMiniMaxH3LatentAV.execute(bench.width, bench.height, bench.frames)[0]
+    noise = ncs.RandomNoise.execute(bench.seed)[0]
+    sampler = ncs.KSamplerSelect.execute(SAMPLER)[0]
+    sigmas = ncs.BasicScheduler.execute(patcher, SCHEDULER, steps, 1.0)[0]
+    guider = ncs.BasicGuider.execute(patcher, bench.conditioning)[0]
+
+    mm.load_models_gpu([patcher], force_full_load=True)  # swap patches in before the clock starts
+    if bench.device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(bench.device)
+    step_ends = []
+    start = time.perf_counter()
+
+    def progress(value, total, preview, node_id=None):
+        step_ends.append(time.perf_counter())
+        bench.log(f"    {label}: step {value}/{total} at {step_ends[-1] - start:.2f} s")
+
+    comfy.utils.set_progress_bar_global_hook(progress)
+    try:
+        seconds, out = measure.timed(
+            lambda: ncs.SamplerCustomAdvanced.execute(noise, guider, sampler, sigmas, latent)[0], bench.device)
+    finally:
+        comfy.utils.set_progress_bar_global_hook(None)
+    video, audio = out["samples"].unbind()
+    run = {"seconds": seconds, "checksums": [float(video.float().sum()), float(audio.float().sum())],
+           "step_end_seconds": [t - start for t in step_ends],
+           "finite": measure.all_finite(video, audio)}
+    if bench.device.type == "cuda":
+        run["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(bench.device))
+        run["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(bench.device))
+    return run, (video, audio)
+
+
+def sampling(bench: Bench, steps: int, reps: int, with_stock: bool) -> dict:
+    """``steps``-step sampling per layout (ABBA order), checksums and peak memory compared."""
+    order = sampling_order(bench.layouts, reps)
+    runs, latents = [], {}
+    variants = bench.variants(with_stock)
+    if with_stock:
+        order = order + ["stock"]
+    for i, name in enumerate(order):
+        label = f"{steps}-step {name} run {i + 1}/{len(order)}"
+        bench.log(f"  {label}")
+        run, latent = run_sampling(bench, variants[name], steps, label)
+        run["variant"] = name
+        runs.append(run)
+        bench.log(f"  {label}: {run['seconds']:.2f} s, checksums {run['checksums']}")
+        if name in latents:
+            same = all(torch.equal(a, b) for a, b in zip(latents[name], latent))
+            run["repeat_identical"] = same
+        else:
+            latents[name] = latent
+        bench.outputs_finite[f"{steps}-step {name}"] = run["finite"]
+
+    result = {"sampler": SAMPLER, "scheduler": SCHEDULER, "steps": steps, "seed": bench.seed,
+              "guider": "BasicGuider (one model call per step)",
+              "nodes": "RandomNoise, KSamplerSelect, BasicScheduler, BasicGuider, SamplerCustomAdvanced, "
+                       "EmptyMiniMaxH3LatentAV",
+              "order": order, "runs": runs}
+    for name in dict.fromkeys(order):
+        mine = [r for r in runs if r["variant"] == name]
+        result[f"{name}_seconds"] = sum(r["seconds"] for r in mine) / len(mine)  # ABBA: the mean cancels drift
+        result[f"{name}_checksums"] = mine[0]["checksums"]
+        if "peak_allocated_bytes" in mine[0]:
+            result[f"{name}_peak_allocated_bytes"] = max(r["peak_allocated_bytes"] for r in mine)
+            result[f"{name}_peak_reserved_bytes"] = max(r["peak_reserved_bytes"] for r in mine)
+    main = "strided_nhd" if "strided_nhd" in latents else bench.layouts[0]
+    result["checksums"] = result[f"{main}_checksums"]
+    if "hnd" in latents and "strided_nhd" in latents:
+        result["speedup"] = measure.speedup(result["hnd_seconds"], result["strided_nhd_seconds"])
+        result["latency_reduction"] = 1.0 - result["strided_nhd_seconds"] / result["hnd_seconds"]
+        diffs = [measure.max_abs_difference(a, b) for a, b in zip(latents["hnd"], latents["strided_nhd"])]
+        result["identical_video_and_audio"] = all(d["bit_exact"] for d in diffs)
+        result["max_abs_difference"] = {"video": diffs[0]["max_abs_difference"], "audio": diffs[1]["max_abs_difference"]}
+        if "hnd_peak_allocated_bytes" in result:
+            result["peak_allocated_bytes_saved"] = result["hnd_peak_allocated_bytes"] - result["strided_nhd_peak_allocated_bytes"]
+            result["peak_reserved_bytes_saved"] = result["hnd_peak_reserved_bytes"] - result["strided_nhd_peak_reserved_bytes"]
+        else:
+            result["peak_allocated_bytes_saved"] = None
+            result["peak_reserved_bytes_saved"] = None
+    if "stock" in latents and main in latents:
+        diffs = [measure.max_abs_difference(a, b) for a, b in zip(latents["stock"], latents[main])]
+        result[f"stock_vs_{main}_identical"] = all(d["bit_exact"] for d in diffs)
+    return result
+
+
+def trajectory_verdict(result: dict) -> str:
+    if "identical_video_and_audio" not in result:
+        return "not compared (one layout measured)"
+    if result["identical_video_and_audio"]:
+        return "identical video and audio checksums"
+    d = result["max_abs_difference"]
+    return (f"differ: video max abs {d['video']:.6g}, audio max abs {d['audio']:.6g}; checksums hnd "
+            f"{result['hnd_checksums']} vs strided NHD {result['strided_nhd_checksums']}")
+
+
+def blocks_verdict(rows: list[dict]) -> str:
+    if not rows or "bit_exact" not in rows[0]:
+        return "not compared (one layout measured)"
+    if all(r["bit_exact"] for r in rows):
+        return "bit-exact"
+    return "differ: " + ", ".join(f"block {r['block']} max abs {r['max_abs_difference']:.6g}" for r in rows)
+
+
+def stock_blocks_verdict(rows: list[dict], layout: str) -> str:
+    key = f"stock_vs_{layout}_bit_exact"
+    if not rows or key not in rows[0]:
+        return "not compared"
+    if all(r[key] for r in rows):
+        return "bit-exact"
+    return "differ: " + ", ".join(
+        f"block {r['block']} max abs {r[f'stock_vs_{layout}_max_abs_difference']:.6g}" for r in rows)
