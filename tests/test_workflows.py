@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.request
 from pathlib import Path
 
 import pytest
+
+from host_fixtures import comfy_server  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / "workflows"
@@ -331,3 +334,65 @@ def ui_problems(ui: dict, api: dict, object_info: dict) -> list[str]:
                 problems.append(f"UI node {n['id']} {n['type']}.{inp['name']}: {inp['type']} vs server "
                                 f"{specs[inp['name']][0]}")
     return problems
+
+
+@pytest.fixture(scope="module")
+def object_info(comfy_server):
+    return comfy_server.get("/object_info")
+
+
+def test_our_node_is_on_the_server_with_the_inputs_the_workflows_use(object_info):
+    assert OUR_NODE in object_info, "the pack did not load into ComfyUI: see the server log"
+    specs = input_specs(object_info[OUR_NODE])
+    assert set(specs) == {"model", "layout", "backend", "patch_text_refiner"}
+    assert object_info[OUR_NODE]["output"] == ["MODEL"]
+
+
+@pytest.mark.parametrize("path", api_files(), ids=lambda p: p.stem)
+def test_api_workflow_is_valid_for_this_comfyui(path, object_info):
+    problems = api_problems(load(path), object_info)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", ui_files(), ids=lambda p: p.stem)
+def test_ui_workflow_matches_this_comfyui_and_its_api_twin(path, object_info):
+    problems = ui_problems(load(path), load(API_DIR / path.name), object_info)
+    assert not problems, "\n".join(problems)
+
+
+def test_validator_catches_broken_workflows(object_info):
+    """The checks above can fail: each broken copy must be reported."""
+    good = load(API_DIR / "minimax_h3_t2v_2step_strided_nhd.json")
+
+    def broken(edit):
+        api = json.loads(json.dumps(good))
+        edit(api)
+        return api_problems(api, object_info)
+
+    assert broken(lambda a: a["2"]["inputs"].update(layout="nhd_contiguous"))
+    assert broken(lambda a: a["6"]["inputs"].update(length=125))           # off the 17k+5 grid
+    assert broken(lambda a: a["9"]["inputs"].update(scheduler="nope"))
+    assert broken(lambda a: a["2"]["inputs"].update(refiner=True))          # unknown input name
+    assert broken(lambda a: a["2"]["inputs"].pop("backend"))                # required input missing
+    assert broken(lambda a: a["10"]["inputs"].update(model=["3", 0]))      # CLIP into a MODEL input
+    assert broken(lambda a: a["11"]["inputs"].update(noise=["99", 0]))     # dangling link
+    assert broken(lambda a: a["4"]["inputs"].update(vae_name="someone_elses_vae.safetensors"))
+    assert broken(lambda a: a.__setitem__("16", {"class_type": "NoSuchNode", "inputs": {}}))
+
+    ui = load(WORKFLOWS / "minimax_h3_t2v_2step_strided_nhd.json")
+    node = next(n for n in ui["nodes"] if n["type"] == "RandomNoise")
+    node["widgets_values"] = [REFERENCE["seed"], "randomize"]
+    assert ui_problems(ui, good, object_info)
+
+
+def test_workflow_templates_lists_the_four_ui_workflows(comfy_server):
+    templates = comfy_server.get("/workflow_templates")
+    ours = [name for pack, names in templates.items() for name in names
+            if pack == "comfyui-sage-strided-nhd"]
+    assert sorted(ours) == sorted(p.stem for p in ui_files()), templates
+    # and the frontend can fetch each one (and its thumbnail) where the template browser looks
+    for p in ui_files():
+        served = comfy_server.get(f"/api/workflow_templates/comfyui-sage-strided-nhd/{p.name}")
+        assert served == load(p)
+        with urllib.request.urlopen(f"{comfy_server.url}/api/workflow_templates/comfyui-sage-strided-nhd/{p.stem}.jpg") as r:
+            assert r.status == 200 and r.read(3) == b"\xff\xd8\xff"
