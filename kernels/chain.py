@@ -31,6 +31,7 @@ class CallRecord:
     layout: str = ""
     fallbacks: tuple[tuple[str, str], ...] = ()
     head_chunks: int = 1
+    compacted: bool = False  # inputs copied into compact head chunks to keep int32 offsets in range
     copies: int = 0
 
     def as_dict(self) -> dict:
@@ -74,14 +75,15 @@ class BackendChain:
                 skipped.append((backend.name, verdict.reason, "unavailable" if not backend.available() else "unsupported"))
                 continue
             try:
-                out, chunks, copies = _run_within_offsets(backend, q, k, v, layout, scale, mask)
+                out, chunks, compacted = _run_within_offsets(backend, q, k, v, layout, scale, mask)
             except torch.cuda.OutOfMemoryError:
                 raise  # a smaller back-end won't help the caller more than a clear OOM
             except Exception as exc:
                 _raise_if_context_lost(exc)
                 skipped.append((backend.name, f"raised {type(exc).__name__}: {exc}", "raised"))
                 continue
-            record.backend, record.head_chunks, record.copies = backend.name, chunks, copies
+            record.backend, record.head_chunks, record.compacted = backend.name, chunks, compacted
+            record.copies = 4 * chunks if compacted else 0  # 3 compact inputs + 1 output copy per chunk
             record.fallbacks = tuple((name, why) for name, why, _ in skipped)
             _log_fallbacks(self.requested, backend.name, skipped)
             return out, record
@@ -106,13 +108,14 @@ def _raise_if_context_lost(exc: Exception) -> None:
 def _run_within_offsets(backend: AttentionBackend, q, k, v, layout, scale, mask):
     """Call the back-end directly, or head by head-chunk when its int32 offsets would overflow.
 
-    Returns (output, head chunks, copies made). Chunks are compact copies, so their offsets are
-    bounded by their own size; each chunk's output is copied into one output tensor.
+    Returns (output, head chunks, compacted). Chunks are compact copies, so their offsets are
+    bounded by their own size; each chunk's output is copied into one output tensor. A sequence
+    whose compact copy fits whole runs as one compacted chunk.
     """
     limit = backend.max_element_offset
     seq_dim, head_dim_index = (1, 2) if layout == "NHD" else (2, 1)
     if limit is None or fits((q, k, v), seq_dim, backend.row_block, limit):
-        return backend(q, k, v, layout=layout, scale=scale, mask=mask), 1, 0
+        return backend(q, k, v, layout=layout, scale=scale, mask=mask), 1, False
     if mask is not None:
         raise ValueError("head chunking with an attention mask is not supported")
     per_chunk = heads_per_chunk(q, k, head_dim_index, seq_dim, backend.row_block, limit)
@@ -130,7 +133,7 @@ def _run_within_offsets(backend: AttentionBackend, q, k, v, layout, scale, mask)
             out = torch.empty(shape, dtype=o.dtype, device=o.device)
         out.narrow(head_dim_index, start, n).copy_(o)
         chunks += 1
-    return out, chunks, 4 * chunks
+    return out, chunks, True
 
 
 def _log_fallbacks(requested: str, used: str, skipped) -> None:

@@ -133,7 +133,7 @@ def test_overflowing_offsets_are_split_into_compact_head_chunks(layout, gen):
     seq_dim = 1 if layout == "NHD" else 2
     assert not fits((q, k, v), seq_dim, fake.row_block, fake.max_element_offset)
     out, rec = BackendChain("fake_int32", [fake]).run(q, k, v, layout=layout)
-    assert rec.backend == "fake_int32" and rec.head_chunks == 3 and rec.copies == 12
+    assert rec.backend == "fake_int32" and rec.head_chunks == 3 and rec.compacted and rec.copies == 12
     assert fake.calls == [(1, 50, 2, 16) if layout == "NHD" else (1, 2, 50, 16)] * 3
     ref = SdpaBackend()(q, k, v, layout=layout)
     assert out.is_contiguous()
@@ -144,7 +144,7 @@ def test_inputs_within_the_limit_are_not_chunked(gen):
     q, k, v = nhd_inputs(gen, s=50, h=6, d=16)
     fake = FakeInt32Backend(limit=10**9)
     _, rec = BackendChain("fake_int32", [fake]).run(q, k, v, layout="NHD")
-    assert rec.head_chunks == 1 and rec.copies == 0
+    assert rec.head_chunks == 1 and not rec.compacted and rec.copies == 0
 
 
 def test_a_sequence_too_long_for_even_one_head_falls_back(gen):
@@ -169,3 +169,11 @@ def test_h3_fused_buffer_offsets_cross_int32_near_100k_tokens():
     contiguous = torch.empty(1, 290_000, 56, 128, device="meta")
     assert fits((contiguous,), 1, 128, limit)
     assert not fits((torch.empty(1, 300_000, 56, 128, device="meta"),), 1, 128, limit)
+
+
+def test_fused_views_past_the_limit_run_as_one_compact_chunk_when_it_fits(gen):
+    q, k, v = nhd_inputs(gen, s=50, h=6, d=16)
+    fake = FakeInt32Backend(limit=6_000)  # fused views reach ~16k, a compact copy of all heads 5,376
+    out, rec = BackendChain("fake_int32", [fake]).run(q, k, v, layout="NHD")
+    assert rec.head_chunks == 1 and rec.compacted and rec.copies == 4
+    assert torch.equal(out, SdpaBackend()(q, k, v, layout="NHD"))

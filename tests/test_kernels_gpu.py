@@ -87,6 +87,7 @@ def test_backend_layouts_agree_and_match_fp32(name, seq):
     diff = (outs["strided_nhd"].float() - outs["hnd"].float()).abs()
     row = {"backend": name, "seq": seq, "nhd_vs_hnd_max_abs": diff.max().item(),
            "nhd_vs_hnd_mean_abs": diff.mean().item(), "chunks": recs["strided_nhd"].head_chunks,
+           "compacted": recs["strided_nhd"].compacted,
            "nhd_copies": recs["strided_nhd"].copies, "hnd_copies": recs["hnd"].copies}
     for layout, out in outs.items():
         got = out.view(seq, HEADS, HEAD_DIM)[rows][:, heads].float()
@@ -101,7 +102,7 @@ def test_backend_layouts_agree_and_match_fp32(name, seq):
         assert torch.equal(outs["strided_nhd"], outs["hnd"]), f"max abs difference {row['nhd_vs_hnd_max_abs']}"
     needs_chunks = not fits(kernels.split_fused_qkv(qkv, HEADS, HEAD_DIM), 1, 128, 2**31 - 1)
     if BACKENDS[name].max_element_offset is not None:
-        assert (recs["strided_nhd"].head_chunks > 1) == needs_chunks
+        assert recs["strided_nhd"].compacted == needs_chunks
 
 
 @pytest.mark.parametrize("name", ["sage2", "comfy_kitchen_int8", "sage1"])
