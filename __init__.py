@@ -1,20 +1,15 @@
 """comfyui-sage-strided-nhd: ComfyUI entry point.
 
-ComfyUI imports this package from custom_nodes/ and calls ``comfy_entrypoint``. The
-web extension (report panel) is served from ``WEB_DIRECTORY``.
+ComfyUI imports this package from custom_nodes/ and calls ``comfy_entrypoint``; the web
+extension (report status line) is served from ``WEB_DIRECTORY``. ComfyUI modules are
+imported inside the entry point so that importing this file outside ComfyUI (test
+collection, packaging tools) has no side effects and needs no ComfyUI.
 """
-
-from comfy_api.latest import ComfyExtension
-
-from .nodes import NODES
 
 WEB_DIRECTORY = "./web"
 
 
-class SageStridedNHDExtension(ComfyExtension):
-    async def get_node_list(self):
-        return list(NODES)
+async def comfy_entrypoint():
+    from .nodes.sage_node import SageStridedNHDExtension
 
-
-async def comfy_entrypoint() -> SageStridedNHDExtension:
     return SageStridedNHDExtension()

@@ -24,7 +24,11 @@ always present, JSON types)::
       "attention_calls": 100,              # calls through the pack's attention this run
       "backends_ran": {"sdpa": 100},       # back-end that actually ran -> number of calls
       "stock_calls": 0,                    # override path: calls handed back to ComfyUI's own attention
-      "fallbacks": [{"backend": "sage2", "reason": "...", "count": 100}],
+      "fallbacks": [{"backend": "sage2", "reason": "...", "count": 100}],   # a requested or usable
+                                           # back-end that could not take calls, and why;
+                                           # "stock": calls handed to ComfyUI's own attention
+      "skipped_unavailable": [{"backend": "sage2", "reason": "..."}],     # auto only: back-ends not
+                                           # installed/usable on this machine (normal, not a fallback)
       "head_chunks_max": 1,                # >1: a call was split over heads to stay within int32 offsets
       "copies_per_call": 0.0,              # tensor copies the pack's dataflow made, mean per call
       "copies_avoided_per_call": {"vs_stock": 2.0, "vs_hnd": 4.0},   # per attention call = per block for H3
@@ -70,6 +74,7 @@ class RunReport:
         self.calls = 0
         self.backends = Counter()
         self.fallbacks = Counter()
+        self.skipped_unavailable = {}
         self.stock_calls = 0
         self.head_chunks_max = 0
         self.copies = 0
@@ -82,7 +87,11 @@ class RunReport:
         self.calls += 1
         self.backends[rec.backend] += 1
         for name, reason in rec.fallbacks:
-            self.fallbacks[(name, reason)] += 1
+            if self.static["backend_requested"] == "auto" and not _installed(name):
+                # auto skipping what this machine lacks is the normal choice, not a fallback
+                self.skipped_unavailable[name] = reason
+            else:
+                self.fallbacks[(name, reason)] += 1
         self.head_chunks_max = max(self.head_chunks_max, rec.head_chunks)
         self.copies += rec.copies
         self.stock_copies += stock_copies
@@ -105,6 +114,7 @@ class RunReport:
             "backends_ran": dict(self.backends),
             "stock_calls": self.stock_calls,
             "fallbacks": [{"backend": b, "reason": r, "count": c} for (b, r), c in self.fallbacks.items()],
+            "skipped_unavailable": [{"backend": b, "reason": r} for b, r in self.skipped_unavailable.items()],
             "head_chunks_max": self.head_chunks_max,
             "copies_per_call": per(self.copies),
             "copies_avoided_per_call": {"vs_stock": per(self.stock_copies - self.copies),
@@ -149,6 +159,9 @@ def _messages(p: dict) -> list[str]:
     lines.append(f"{p['attention_calls']} attention calls ran on: {ran}")
     if p["stock_calls"]:
         lines.append(f"{p['stock_calls']} calls were handed back to ComfyUI's own attention")
+    if p["skipped_unavailable"]:
+        lines.append("auto skipped, not available here: " + "; ".join(
+            f"{s['backend']} ({s['reason']})" for s in p["skipped_unavailable"]))
     for f in p["fallbacks"]:
         lines.append(f"fallback from {f['backend']} ({f['count']} calls): {f['reason']}")
     if p["head_chunks_max"] > 1:
@@ -158,6 +171,12 @@ def _messages(p: dict) -> list[str]:
     if p["replaced_own_patch"]:
         lines.append("the input model already had this node's patch: it was replaced by this one")
     return lines
+
+
+def _installed(name: str) -> bool:
+    from .. import kernels
+    backend = kernels.BACKENDS.get(name)
+    return bool(backend is not None and backend.available())
 
 
 def _current_prompt_id():

@@ -7,7 +7,7 @@ once per sampling run (report.py). Conflicts follow the rules in conflicts.py.
 
 from __future__ import annotations
 
-from comfy_api.latest import io
+from comfy_api.latest import ComfyExtension, io
 
 from .. import kernels
 from . import h3_patch, override
@@ -61,3 +61,8 @@ class SageStridedNHDAttention(io.ComfyNode):
 
 
 NODES = [SageStridedNHDAttention]
+
+
+class SageStridedNHDExtension(ComfyExtension):
+    async def get_node_list(self):
+        return list(NODES)

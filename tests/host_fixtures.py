@@ -1,0 +1,389 @@
+"""Shared fixtures for tests that need a real ComfyUI ("host").
+
+The host is found through ``COMFYUI_PATH`` (falling back to ``<repo>/.comfyui``, where
+``scripts/setup_comfyui_host.sh`` puts one). Without a host every test using these
+fixtures is SKIPPED with the reason; nothing passes vacuously.
+
+- ``comfy_inprocess``: ComfyUI importable in this process (CPU, PyTorch attention), and
+  the pack loaded as a package (``import_pack``) without name clashes with ComfyUI's own
+  ``nodes`` module.
+- ``comfy_server``: one real ComfyUI server per test session on 127.0.0.1 and a free port,
+  started ``--cpu --use-pytorch-cross-attention`` with the pack and the test helper nodes
+  (tests/host_helper_nodes.py) in custom_nodes, and tiny random-weight H3 and Wan
+  checkpoints in models/diffusion_models. ``run_graph`` queues an API graph over HTTP,
+  collects the pack's report events from the websocket, and returns the history entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACK_MODULE = "comfyui_sage_strided_nhd"
+PACK_DIR_NAME = "comfyui-sage-strided-nhd"
+HELPER_NODES = "sage_nhd_test_helpers.py"
+REPORT_EVENT = "sage_strided_nhd.report"
+H3_CKPT = "sage_nhd_test_h3_tiny.safetensors"
+WAN_CKPT = "sage_nhd_test_wan_tiny.safetensors"
+SERVER_START_TIMEOUT_S = 240
+
+
+# --- finding the host --------------------------------------------------------------------------
+def find_host() -> Path | None:
+    env = os.environ.get("COMFYUI_PATH")
+    candidates = [Path(env)] if env else [ROOT / ".comfyui"]
+    for path in candidates:
+        if (path / "main.py").is_file() and (path / "comfy" / "ldm" / "minimax" / "model.py").is_file():
+            return path.resolve()
+    return None
+
+
+def require_host() -> Path:
+    host = find_host()
+    if host is None:
+        where = os.environ.get("COMFYUI_PATH") or f"{ROOT / '.comfyui'} (COMFYUI_PATH unset)"
+        pytest.skip(f"no ComfyUI host with MiniMax H3 at {where}: run scripts/setup_comfyui_host.sh "
+                    "or set COMFYUI_PATH")
+    return host
+
+
+# --- ComfyUI in this process -------------------------------------------------------------------
+def import_comfy(host: Path) -> None:
+    """Make ComfyUI importable here, on the CPU with PyTorch attention (same SDPA kernel as the pack)."""
+    if sys.path[0] != str(host):
+        sys.path.insert(0, str(host))
+    mod = sys.modules.get("nodes")
+    if mod is not None and not str(getattr(mod, "__file__", "")).startswith(str(host)):
+        del sys.modules["nodes"]  # the repo's nodes/ package must not stand in for ComfyUI's nodes.py
+    from comfy.cli_args import args
+    args.cpu = True
+    args.use_pytorch_cross_attention = True
+    import comfy.model_management  # noqa: F401  (reads the args above once)
+
+
+def import_pack(host: Path | None = None):
+    """The repo loaded as one package (as ComfyUI loads it), so ``pack.nodes`` is ours."""
+    if PACK_MODULE in sys.modules:
+        return sys.modules[PACK_MODULE]
+    if host is not None:
+        import_comfy(host)
+    spec = importlib.util.spec_from_file_location(PACK_MODULE, ROOT / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[PACK_MODULE] = module
+    spec.loader.exec_module(module)
+    importlib.import_module(f"{PACK_MODULE}.nodes")  # sets module.nodes (and .kernels)
+    return module
+
+
+@pytest.fixture(scope="session")
+def comfy_inprocess():
+    host = require_host()
+    try:
+        import_comfy(host)
+        pack = import_pack(host)
+    except Exception as exc:  # a broken host is a failure, not a skip
+        pytest.fail(f"ComfyUI at {host} found but not importable: {type(exc).__name__}: {exc}")
+    return pack
+
+
+# --- tiny random checkpoints -------------------------------------------------------------------
+TINY_H3 = dict(hidden_size=64, num_layers=2, token_refiner_num_layers=2, num_attention_heads=2,
+               attention_head_dim=32, ffn_hidden_size=128, text_dim=32, timestep_input_dim=256,
+               time_embed_hidden_size=64, time_embed_dim=32, rope_inv_freq_len=4)
+TINY_WAN = dict(model_type="t2v", dim=128, ffn_dim=256, num_heads=1, num_layers=2, in_dim=16, out_dim=16,
+                text_dim=4096, freq_dim=256)
+
+
+def _randomise(model, seed: int):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            if not p.is_floating_point():
+                continue
+            if name.endswith("inv_freq"):
+                p.copy_(1.0 / (10000 ** (torch.arange(p.numel(), dtype=torch.float64) / p.numel())))
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return model.requires_grad_(False)  # ComfyUI runs inference; comfy-kitchen's in-place rope insists
+
+
+def tiny_h3_model(seed: int = 0):
+    """A random-weight MiniMaxH3Model small enough for a CPU (needs ComfyUI imported)."""
+    import comfy.ldm.minimax.model as h3
+    import comfy.ops
+    import torch
+    model = h3.MiniMaxH3Model(**TINY_H3, dtype=torch.float32, device="cpu", operations=comfy.ops.disable_weight_init)
+    return _randomise(model, seed)
+
+
+def tiny_wan_model(seed: int = 0):
+    import comfy.ldm.wan.model as wan
+    import comfy.ops
+    import torch
+    model = wan.WanModel(**TINY_WAN, dtype=torch.float32, device="cpu", operations=comfy.ops.disable_weight_init)
+    return _randomise(model, seed)
+
+
+def write_checkpoint(model, path: Path) -> None:
+    from safetensors.torch import save_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+
+
+# --- a real ComfyUI server ---------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ComfyServer:
+    """A ComfyUI server process on 127.0.0.1 and the HTTP/websocket calls the tests need."""
+
+    def __init__(self, host: Path, python: str, workdir: Path):
+        self.host, self.python, self.workdir = host, python, workdir
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.output_dir = workdir / "output"
+        self.log_path = workdir / "comfyui.log"
+        self.proc = None
+
+    def start(self) -> None:
+        for d in (self.output_dir, self.workdir / "temp", self.workdir / "user"):
+            d.mkdir(parents=True, exist_ok=True)
+        cmd = [self.python, "main.py", "--cpu", "--use-pytorch-cross-attention", "--listen", "127.0.0.1",
+               "--port", str(self.port), "--disable-auto-launch", "--disable-api-nodes",
+               "--output-directory", str(self.output_dir), "--temp-directory", str(self.workdir / "temp"),
+               "--user-directory", str(self.workdir / "user"), "--preview-method", "none"]
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=self.host, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + SERVER_START_TIMEOUT_S
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                self.get("/system_stats")
+                return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.5)
+        raise RuntimeError(f"ComfyUI did not answer within {SERVER_START_TIMEOUT_S}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if getattr(self, "log", None):
+            self.log.close()
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict):
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"POST {path} -> {e.code}: {e.read().decode(errors='replace')}") from None
+
+    def run_graph(self, graph: dict, timeout: float = 300) -> "GraphRun":
+        """Queue ``graph`` (API format), wait for it, return the history entry and our report events."""
+        client_id = uuid.uuid4().hex
+        events = _EventCollector(self.port, client_id)
+        events.start()
+        try:
+            prompt_id = self.post("/prompt", {"prompt": graph, "client_id": client_id})["prompt_id"]
+            deadline = time.time() + timeout
+            while time.time() < deadline:
+                hist = self.get(f"/history/{prompt_id}")
+                if prompt_id in hist and hist[prompt_id].get("status", {}).get("completed") is not None:
+                    entry = hist[prompt_id]
+                    if entry["status"].get("status_str") in ("success", "error"):
+                        events.wait_idle(prompt_id)
+                        return GraphRun(entry, events.reports(), self)
+                time.sleep(0.2)
+            raise AssertionError(f"graph did not finish within {timeout}s:\n{self.log_tail()}")
+        finally:
+            events.stop()
+
+
+class GraphRun:
+    def __init__(self, entry: dict, reports: list[dict], server: ComfyServer):
+        self.entry, self.reports, self.server = entry, reports, server
+
+    @property
+    def ok(self) -> bool:
+        return self.entry["status"]["status_str"] == "success"
+
+    def error_message(self) -> str:
+        for kind, data in self.entry["status"].get("messages", []):
+            if kind == "execution_error":
+                return f"{data.get('exception_type')}: {data.get('exception_message')}"
+        return ""
+
+    def latent(self, node_id: str) -> dict:
+        """The tensors a SageNHDTestSaveLatentTensors node wrote."""
+        from safetensors.torch import load_file
+        assert self.ok, f"graph failed: {self.error_message()}\n{self.server.log_tail()}"
+        path = self.entry["outputs"][node_id]["sage_nhd_latent_file"][0]
+        return load_file(path)
+
+
+class _EventCollector:
+    """Collects this client's websocket messages (our report events and execution state)."""
+
+    def __init__(self, port: int, client_id: str):
+        self.port, self.client_id = port, client_id
+        self.messages: list[dict] = []
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self):
+        self._thread.start()
+        self._ready.wait(timeout=30)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def reports(self) -> list[dict]:
+        return [m["data"] for m in list(self.messages) if m.get("type") == REPORT_EVENT]
+
+    def wait_idle(self, prompt_id: str, timeout: float = 10):
+        # the "executing node=None" message closes a prompt; our events come before it
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for m in list(self.messages):
+                d = m.get("data") or {}
+                if m.get("type") in ("executing", "execution_error") and d.get("prompt_id") == prompt_id \
+                        and (m["type"] == "execution_error" or d.get("node") is None):
+                    return
+            time.sleep(0.05)
+
+    def _run(self):
+        import aiohttp
+
+        async def main():
+            async with aiohttp.ClientSession() as session:
+                async with session.ws_connect(f"http://127.0.0.1:{self.port}/ws?clientId={self.client_id}") as ws:
+                    self._ready.set()
+                    while not self._stop.is_set():
+                        try:
+                            msg = await ws.receive(timeout=0.2)
+                        except asyncio.TimeoutError:
+                            continue
+                        if msg.type == aiohttp.WSMsgType.TEXT:
+                            self.messages.append(json.loads(msg.data))
+                        elif msg.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                            break
+        try:
+            asyncio.run(main())
+        finally:
+            self._ready.set()
+
+
+def _install_into_host(host: Path) -> None:
+    """The pack (a link to this repo) and the test helper nodes in the host's custom_nodes."""
+    custom = host / "custom_nodes"
+    custom.mkdir(exist_ok=True)
+    link = custom / PACK_DIR_NAME
+    if not (link.exists() and link.resolve() == ROOT):
+        if link.is_symlink() or link.is_file():
+            link.unlink()
+        elif link.exists():
+            shutil.rmtree(link)
+        link.symlink_to(ROOT, target_is_directory=True)
+    shutil.copyfile(Path(__file__).with_name("host_helper_nodes.py"), custom / HELPER_NODES)
+
+
+@pytest.fixture(scope="session")
+def comfy_server(tmp_path_factory):
+    host = require_host()
+    import_comfy(host)  # to build the checkpoints with ComfyUI's own model classes
+    models = host / "models" / "diffusion_models"
+    write_checkpoint(tiny_h3_model(seed=1), models / H3_CKPT)
+    write_checkpoint(tiny_wan_model(seed=2), models / WAN_CKPT)
+    _install_into_host(host)
+    server = ComfyServer(host, sys.executable, tmp_path_factory.mktemp("comfyui"))
+    try:
+        server.start()
+    except RuntimeError as exc:
+        server.stop()
+        pytest.fail(f"ComfyUI host at {host} did not start: {exc}")
+    yield server
+    server.stop()
+
+
+# --- graphs ------------------------------------------------------------------------------------
+def h3_graph(*, patch: dict | None, name: str, seed: int = 7, steps: int = 2, extra_model_nodes: list | None = None):
+    """UNETLoader(tiny H3) -> [extra nodes] -> [our node] -> KSampler -> save latent tensors (node "9").
+
+    ``patch``: inputs of SageStridedNHDAttention, or None for stock attention.
+    ``extra_model_nodes``: [(class_type, extra_inputs)] applied to the model before our node.
+    """
+    g = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": H3_CKPT, "weight_dtype": "default"}}}
+    model = ["1", 0]
+    for i, (cls, inputs) in enumerate(extra_model_nodes or []):
+        nid = f"2{i}"
+        g[nid] = {"class_type": cls, "inputs": dict(inputs, model=model)}
+        model = [nid, 0]
+    if patch is not None:
+        g["3"] = {"class_type": "SageStridedNHDAttention", "inputs": dict(patch, model=model)}
+        model = ["3", 0]
+    g["4"] = {"class_type": "SageNHDTestConditioning", "inputs": {"seed": 3, "tokens": 8, "dim": TINY_H3["text_dim"]}}
+    g["5"] = {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}}
+    g["6"] = {"class_type": "KSampler", "inputs": {
+        "model": model, "seed": seed, "steps": steps, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
+        "positive": ["4", 0], "negative": ["4", 0], "latent_image": ["5", 0], "denoise": 1.0}}
+    g["9"] = {"class_type": "SageNHDTestSaveLatentTensors", "inputs": {"samples": ["6", 0], "name": name}}
+    return g
+
+
+def wan_graph(*, patch: dict | None, name: str, seed: int = 7, steps: int = 2):
+    g = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": WAN_CKPT, "weight_dtype": "default"}}}
+    model = ["1", 0]
+    if patch is not None:
+        g["3"] = {"class_type": "SageStridedNHDAttention", "inputs": dict(patch, model=model)}
+        model = ["3", 0]
+    g["4"] = {"class_type": "SageNHDTestConditioning", "inputs": {"seed": 3, "tokens": 8, "dim": TINY_WAN["text_dim"]}}
+    g["5"] = {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 32, "height": 32, "length": 5, "batch_size": 1}}
+    g["6"] = {"class_type": "KSampler", "inputs": {
+        "model": model, "seed": seed, "steps": steps, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
+        "positive": ["4", 0], "negative": ["4", 0], "latent_image": ["5", 0], "denoise": 1.0}}
+    g["9"] = {"class_type": "SageNHDTestSaveLatentTensors", "inputs": {"samples": ["6", 0], "name": name}}
+    return g
+
+
+def patch_inputs(layout="strided_nhd", backend="sdpa", refiner=True) -> dict:
+    return {"layout": layout, "backend": backend, "patch_text_refiner": refiner}

@@ -1,0 +1,327 @@
+"""In-process tests of nodes/: ComfyUI importable (found through COMFYUI_PATH), no server.
+
+They skip with the reason when no ComfyUI host is found.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from host_fixtures import comfy_inprocess, tiny_h3_model, tiny_wan_model  # noqa: F401  (fixture)
+
+S = 12
+
+
+@pytest.fixture
+def pack(comfy_inprocess):
+    torch.set_grad_enabled(False)  # ComfyUI samples without autograd; in-place rope requires it
+    yield comfy_inprocess
+    torch.set_grad_enabled(True)
+
+
+class Holder(torch.nn.Module):
+    """Stands in for ComfyUI's BaseModel: what ModelPatcher patches lives under .diffusion_model."""
+
+    def __init__(self, diffusion_model):
+        super().__init__()
+        self.diffusion_model = diffusion_model
+
+
+def patcher_for(diffusion_model):
+    import comfy.model_patcher
+    return comfy.model_patcher.ModelPatcher(Holder(diffusion_model), torch.device("cpu"), torch.device("cpu"))
+
+
+def rope_table(model, seq=S):
+    import comfy.ldm.minimax.model as h3
+    pos = torch.rand(seq, 3, generator=torch.Generator().manual_seed(5)) * 7
+    return h3.rope_rotation_table(model.rope_freqs(pos, "cpu"), torch.float32)
+
+
+def assert_same(a, b, what):
+    assert a.shape == b.shape, f"{what}: shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+    diff = (a - b).abs().max().item()
+    assert torch.equal(a, b), f"{what}: max abs difference {diff}"
+
+
+def make_report(pack, backend="sdpa", path="h3_forward_patch", layout="strided_nhd"):
+    return pack.nodes.report.RunReport(node_id="1", model_family="test", path=path, layout=layout,
+                                       backend_requested=backend)
+
+
+# --- the H3 forward ------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["strided_nhd", "hnd"])
+@pytest.mark.parametrize("with_rope", [True, False])
+def test_h3_patched_forward_equals_stock_forward_bit_for_bit(pack, layout, with_rope):
+    model = tiny_h3_model(seed=3)
+    attn = model.blocks[1].attn
+    x = torch.randn(S, 64, generator=torch.Generator().manual_seed(9))
+    kwargs = {"rope_freqs": rope_table(model)} if with_rope else {}
+    stock = attn(x.clone(), **kwargs)
+    report = make_report(pack, layout=layout)
+    chain = pack.kernels.BackendChain.for_choice("sdpa")
+    patched = pack.nodes.h3_patch.H3AttentionForward(attn, chain=chain, layout=layout, report=report)
+    assert_same(patched(x.clone(), **kwargs), stock, f"{layout}, rope={with_rope}")
+    assert report.calls == 1 and dict(report.backends) == {"sdpa": 1}
+
+
+def test_h3_training_mode_uses_out_of_place_rope_and_matches_stock(pack):
+    import comfy.model_management as mm
+    model = tiny_h3_model(seed=4)
+    attn = model.blocks[0].attn
+    x = torch.randn(S, 64, generator=torch.Generator().manual_seed(10))
+    table = rope_table(model)
+    chain = pack.kernels.BackendChain.for_choice("sdpa")
+    patched = pack.nodes.h3_patch.H3AttentionForward(attn, chain=chain, layout="strided_nhd", report=make_report(pack))
+    old = mm.in_training
+    mm.in_training = True
+    try:
+        stock = attn(x.clone(), rope_freqs=table)
+        ours = patched(x.clone(), rope_freqs=table)
+    finally:
+        mm.in_training = old
+    assert_same(ours, stock, "training mode")
+
+
+# --- structure check -----------------------------------------------------------------------------
+def test_structure_check_accepts_comfyui_h3_attention(pack):
+    model = tiny_h3_model()
+    for block in list(model.blocks) + list(model.token_refiner.blocks):
+        assert pack.nodes.h3_patch.structure_problems(block.attn) == []
+
+
+def test_structure_check_names_each_difference(pack):
+    sp = pack.nodes.h3_patch.structure_problems
+    attn = tiny_h3_model().blocks[0].attn
+    attn.q_norm.weight = torch.nn.Parameter(torch.ones(16), requires_grad=False)
+    assert any("q_norm.weight is [16], expected [head_dim=32]" in p for p in sp(attn))
+
+    attn = tiny_h3_model().blocks[0].attn
+    attn.heads = 3
+    problems = sp(attn)
+    assert any(p.startswith("qkv_proj.weight is [192, 64]") for p in problems), problems
+    assert any(p.startswith("out_proj.weight is [64, 64]") for p in problems), problems
+
+    attn = tiny_h3_model().blocks[0].attn
+    del attn.out_proj
+    assert sp(attn) == ["no out_proj.weight"]
+
+    import comfy.ldm.minimax.model as h3
+
+    class NewAttention(h3.Attention):
+        def forward(self, x, rope_freqs=None, mask=None, transformer_options={}):
+            return super().forward(x, rope_freqs, transformer_options)
+
+    attn = tiny_h3_model().blocks[0].attn
+    attn.__class__ = NewAttention
+    assert any("forward" in p and "'mask'" in p for p in sp(attn)), sp(attn)
+
+
+def test_patch_refuses_changed_structure_and_leaves_the_model_alone(pack):
+    model = tiny_h3_model()
+    model.blocks[1].attn.head_dim = 16
+    mp = patcher_for(model)
+    with pytest.raises(pack.nodes.h3_patch.H3StructureError, match=r"diffusion_model\.blocks\.1\.attn: .*head_dim=16"):
+        pack.nodes.h3_patch.patch_model(mp, "strided_nhd", "sdpa")
+    assert mp.object_patches == {} and "optimized_attention_override" not in mp.model_options["transformer_options"]
+
+
+# --- patching a ModelPatcher ---------------------------------------------------------------------
+def test_patch_model_patches_a_clone_only(pack):
+    mp = patcher_for(tiny_h3_model())
+    clone, summary = pack.nodes.h3_patch.patch_model(mp, "strided_nhd", "auto", patch_refiner=True)
+    assert clone is not mp and mp.object_patches == {} and mp.wrappers == {}
+    keys = sorted(clone.object_patches)
+    assert keys == sorted([f"diffusion_model.blocks.{i}.attn.forward" for i in range(2)]
+                          + [f"diffusion_model.token_refiner.blocks.{i}.attn.forward" for i in range(2)])
+    assert summary["blocks_patched"] == 2 and summary["refiner_blocks_patched"] == 2
+    assert {b["name"] for b in summary["backends_here"]} == set(pack.kernels.AUTO_ORDER)
+
+    clone2, summary2 = pack.nodes.h3_patch.patch_model(mp, "hnd", "sdpa", patch_refiner=False)
+    assert all(".token_refiner." not in k for k in clone2.object_patches) and summary2["refiner_blocks_patched"] == 0
+
+
+def test_bad_settings_are_refused(pack):
+    mp = patcher_for(tiny_h3_model())
+    with pytest.raises(ValueError, match="unknown layout 'nhd'"):
+        pack.nodes.patch_any_model(mp, "nhd", "auto")
+    with pytest.raises(ValueError, match="unknown back-end 'sage3'"):
+        pack.nodes.patch_any_model(mp, "strided_nhd", "sage3")
+
+
+def test_non_h3_model_takes_the_override_path(pack):
+    mp = patcher_for(tiny_wan_model())
+    clone, summary = pack.nodes.patch_any_model(mp, "strided_nhd", "auto")
+    assert summary["path"] == "attention_override" and clone.object_patches == {}
+    assert pack.nodes.conflicts.is_own(clone.model_options["transformer_options"]["optimized_attention_override"])
+    assert "optimized_attention_override" not in mp.model_options["transformer_options"]
+
+
+# --- conflict rules ------------------------------------------------------------------------------
+def test_own_patch_applied_twice_is_replaced_and_reported(pack):
+    mp = patcher_for(tiny_h3_model())
+    first, _ = pack.nodes.h3_patch.patch_model(mp, "hnd", "sdpa", patch_refiner=True)
+    second, summary = pack.nodes.h3_patch.patch_model(first, "strided_nhd", "auto", patch_refiner=False)
+    assert summary["replaced_own_patch"] is True
+    assert sorted(second.object_patches) == [f"diffusion_model.blocks.{i}.attn.forward" for i in range(2)]
+    assert all(f.layout == "strided_nhd" for f in second.object_patches.values())
+    from comfy.patcher_extension import WrappersMP
+    assert len(second.get_wrappers(WrappersMP.OUTER_SAMPLE, pack.nodes.report.WRAPPER_KEY)) == 1
+
+    wan = patcher_for(tiny_wan_model())
+    o1, _ = pack.nodes.patch_any_model(wan, "hnd", "sdpa")
+    o2, s2 = pack.nodes.patch_any_model(o1, "strided_nhd", "sdpa")
+    assert s2["replaced_own_patch"] is True
+    assert o2.model_options["transformer_options"]["optimized_attention_override"].layout == "strided_nhd"
+
+
+def test_foreign_object_patch_is_refused(pack):
+    mp = patcher_for(tiny_h3_model())
+
+    def other_packs_forward(x, rope_freqs=None, transformer_options={}):
+        return x
+
+    mp.add_object_patch("diffusion_model.blocks.1.attn.forward", other_packs_forward)
+    with pytest.raises(pack.nodes.conflicts.PatchConflictError,
+                       match=r"another node already replaced 1 attention forward.*blocks\.1\.attn\.forward.*other_packs_forward"):
+        pack.nodes.h3_patch.patch_model(mp, "strided_nhd", "auto")
+
+
+@pytest.mark.parametrize("family", ["h3", "wan"])
+def test_foreign_attention_override_is_refused(pack, family):
+    mp = patcher_for(tiny_h3_model() if family == "h3" else tiny_wan_model())
+
+    def kj_style_override(func, *args, **kwargs):
+        return func(*args, **kwargs)
+
+    mp.model_options["transformer_options"]["optimized_attention_override"] = kj_style_override
+    with pytest.raises(pack.nodes.conflicts.PatchConflictError, match="attention override from another node"):
+        pack.nodes.patch_any_model(mp, "strided_nhd", "auto")
+
+
+# --- the generic override ------------------------------------------------------------------------
+def _qkv(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("layout", ["strided_nhd", "hnd"])
+@pytest.mark.parametrize("skip_reshape,skip_output_reshape", [(False, False), (True, False), (True, True), (False, True)])
+def test_override_matches_comfyui_pytorch_attention(pack, layout, skip_reshape, skip_output_reshape):
+    from comfy.ldm.modules.attention import attention_pytorch
+    b, h, s, d = 2, 3, 10, 16
+    q, k, v = _qkv((b, h, s, d) if skip_reshape else (b, s, h * d), seed=1)
+    report = make_report(pack, path="attention_override", layout=layout)
+    override = pack.nodes.override.AttentionOverride(
+        chain=pack.kernels.BackendChain.for_choice("sdpa"), layout=layout, report=report)
+    kw = dict(skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape)
+    expected = attention_pytorch(q, k, v, h, **kw)
+    got = override(attention_pytorch, q, k, v, h, **kw)
+    assert_same(got, expected, f"override {layout} {kw}")
+    assert report.calls == 1 and report.stock_calls == 0
+
+
+def test_override_takes_masks_like_comfyui(pack):
+    from comfy.ldm.modules.attention import attention_pytorch
+    b, h, s, d = 1, 2, 8, 16
+    q, k, v = _qkv((b, s, h * d), seed=2)
+    mask = torch.zeros(s, s)
+    mask[:, -3:] = float("-inf")
+    override = pack.nodes.override.AttentionOverride(
+        chain=pack.kernels.BackendChain.for_choice("sdpa"), layout="strided_nhd", report=make_report(pack))
+    assert_same(override(attention_pytorch, q, k, v, h, mask=mask), attention_pytorch(q, k, v, h, mask=mask), "mask")
+
+
+def test_override_hands_gqa_back_to_comfyui_and_counts_it(pack):
+    calls = []
+
+    def stock(q, k, v, heads, **kwargs):
+        calls.append(kwargs)
+        return "stock result"
+
+    report = make_report(pack, path="attention_override")
+    override = pack.nodes.override.AttentionOverride(
+        chain=pack.kernels.BackendChain.for_choice("sdpa"), layout="strided_nhd", report=report)
+    q, k, v = _qkv((1, 8, 64), seed=3)
+    assert override(stock, q, k, v, 4, enable_gqa=True) == "stock result"
+    assert calls[0]["enable_gqa"] is True
+    p = report.payload()
+    assert p["stock_calls"] == 1 and p["fallbacks"][0]["backend"] == "stock" and "enable_gqa" in p["fallbacks"][0]["reason"]
+
+
+# --- back-ends that cannot run here ----------------------------------------------------------------
+def test_missing_sageattention_falls_back_and_the_report_says_why(pack, monkeypatch):
+    backends = [pack.kernels.BACKENDS[n] for n in ("sage1", "sage2")]
+    for b in backends:
+        b.__dict__.pop("_availability", None)  # re-probe with sageattention hidden
+    monkeypatch.setitem(sys.modules, "sageattention", None)  # import sageattention -> ImportError
+    try:
+        mp = patcher_for(tiny_h3_model(seed=6))
+        clone, summary = pack.nodes.h3_patch.patch_model(mp, "strided_nhd", "sage1")
+        avail = {b["name"]: b for b in summary["backends_here"]}
+        assert not avail["sage1"]["available"] and "not importable" in avail["sage1"]["reason"]
+        report = summary["report"]
+        model = mp.model.diffusion_model
+        x = torch.randn(S, 64, generator=torch.Generator().manual_seed(1))
+        stock = model.blocks[0].attn(x.clone(), rope_freqs=rope_table(model))
+        ours = clone.object_patches["diffusion_model.blocks.0.attn.forward"](x.clone(), rope_freqs=rope_table(model))
+        assert_same(ours, stock, "sage1 requested, sageattention missing")
+        p = report.payload()
+        assert p["backends_ran"] == {"sdpa": 1}
+        reasons = {f["backend"]: f["reason"] for f in p["fallbacks"]}
+        assert "not importable" in reasons["sage1"], reasons
+    finally:
+        for b in backends:
+            b.__dict__.pop("_availability", None)
+
+
+# --- the run report ------------------------------------------------------------------------------
+def test_report_is_sent_once_per_sampling_run(pack):
+    mp = patcher_for(tiny_h3_model(seed=2))
+    clone, summary = pack.nodes.h3_patch.patch_model(mp, "strided_nhd", "sdpa", node_id="17")
+    report = summary["report"]
+    from comfy.patcher_extension import WrappersMP
+    (wrapper,) = clone.get_wrappers(WrappersMP.OUTER_SAMPLE, pack.nodes.report.WRAPPER_KEY)
+    model = mp.model.diffusion_model
+    fwd = clone.object_patches["diffusion_model.blocks.0.attn.forward"]
+
+    def sampling_run():
+        for _ in range(3):  # three "steps" through one patched block
+            fwd(torch.randn(S, 64), rope_freqs=rope_table(model))
+        return "latent"
+
+    assert wrapper(sampling_run) == "latent"
+    assert wrapper(sampling_run) == "latent"
+    assert len(report.sent) == 2
+    p = report.sent[-1]
+    assert p["attention_calls"] == 3 and p["node_id"] == "17" and p["status"] == "ok"
+    assert p["copies_avoided_per_call"] == {"vs_stock": 2.0, "vs_hnd": 4.0} and p["copies_per_call"] == 0.0
+
+
+def test_model_without_optimized_attention_calls_reports_that_nothing_changed(pack, caplog):
+    class NoAttention(torch.nn.Module):  # e.g. a model that computes attention itself
+        def forward(self, x):
+            return torch.softmax(x @ x.T, -1) @ x
+
+    mp = patcher_for(NoAttention())
+    clone, summary = pack.nodes.patch_any_model(mp, "strided_nhd", "auto")
+    from comfy.patcher_extension import WrappersMP
+    (wrapper,) = clone.get_wrappers(WrappersMP.OUTER_SAMPLE, pack.nodes.report.WRAPPER_KEY)
+    with caplog.at_level("WARNING", logger="sage_strided_nhd"):
+        wrapper(lambda: mp.model.diffusion_model(torch.randn(4, 4)))
+    p = summary["report"].sent[-1]
+    assert p["status"] == "no_attention_calls" and p["attention_calls"] == 0
+    assert "does not call ComfyUI's optimized_attention" in caplog.text
+
+
+def test_node_schema_has_tooltips_and_defaults(pack):
+    schema = pack.nodes.SageStridedNHDAttention.GET_SCHEMA()
+    assert schema.node_id == "SageStridedNHDAttention" and schema.display_name == "Sage Strided NHD Attention"
+    assert schema.category.startswith("advanced/model_patches")
+    assert [i.id for i in schema.inputs] == ["model", "layout", "backend", "patch_text_refiner"]
+    assert all(i.tooltip for i in schema.inputs)
+    defaults = {i.id: getattr(i, "default", None) for i in schema.inputs}
+    assert defaults["layout"] == "strided_nhd" and defaults["backend"] == "auto" and defaults["patch_text_refiner"] is True
