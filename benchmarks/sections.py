@@ -121,17 +121,19 @@ def capture_block_inputs(bench: Bench) -> dict:
     return {"seconds": seconds, "packed_tokens": bench.packed_tokens, "outputs_finite": bench.outputs_finite["stock forward"]}
 
 
-def _block_call(bench: Bench, patcher, index: int) -> Callable[[], tuple[float, torch.Tensor]]:
-    """A runner that times one forward of block ``index`` with ``patcher``'s patches on fresh input."""
+def _block_call(bench: Bench, patcher, index: int) -> Callable:
+    """``run(meter)``: one forward of block ``index`` with ``patcher``'s patches, on a fresh copy of its
+    captured input, measured by ``meter(fn, device)`` (``measure.timed`` or ``measure.peak_extra_bytes``).
+    The input copy is made before the meter starts."""
     x0, t_emb, segments, rope = bench.block_inputs[index]
     transformer_options = patcher.model_options.get("transformer_options", {})
 
-    def run():
+    def run(meter=measure.timed):
         with object_patches_applied(patcher) as dm:
             block = dm.blocks[index]
             x = x0.clone()  # blocks update their input in place
-            return measure.timed(lambda: block(x, t_emb, segments, rope, transformer_options=transformer_options),
-                                 bench.device)
+            return meter(lambda: block(x, t_emb, segments, rope, transformer_options=transformer_options),
+                         bench.device)
     return run
 
 
@@ -199,7 +201,7 @@ def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool) -> list[
                                           progress=lambda m: bench.log(f"    {m}"))
         outputs, peaks = {}, {}
         for name, run in runners.items():
-            peak, (_, out) = measure.peak_extra_bytes(run, bench.device)
+            peak, out = run(measure.peak_extra_bytes)
             outputs[name], peaks[name] = out, peak
             bench.outputs_finite[f"block {index} {name}"] = measure.all_finite(out)
         row = {"block": index}

@@ -1,0 +1,125 @@
+"""End to end: the H3 reference-run harness on a tiny H3 in a real ComfyUI, on the CPU.
+
+Runs ``python -m benchmarks.h3_reference_run --tiny`` in a fresh interpreter (ComfyUI's flags are
+per process) with the ``sdpa`` back-end, which stock ComfyUI also runs when started with
+``--use-pytorch-cross-attention``; so all three variants must give the same bits. The report
+must follow the reference report's schema.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import schema
+from benchmarks.h3_reference_run import REFERENCE_COPY
+from host_fixtures import require_host
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--tiny", "--device", "cpu", "--backend", "sdpa", "--reps", "2", "--warmup", "1",
+        "--attention-reps", "2", "--reps-2-step", "2", "--reps-12-step", "1"]
+
+
+def run_harness(tmp_path: Path, *extra: str, env_layout: str | None = None):
+    host = require_host()
+    out = tmp_path / "tiny.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "H3_SAGE_QKV_LAYOUT")}
+    if env_layout:
+        env["H3_SAGE_QKV_LAYOUT"] = env_layout
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.h3_reference_run", "--comfyui", str(host),
+                           "--out", str(out), *FAST, *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.is_file(), f"no report written (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def ab_run(tmp_path_factory):
+    return run_harness(tmp_path_factory.mktemp("bench"))
+
+
+def test_ab_run_completes_every_section(ab_run):
+    proc, data = ab_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert data["errors"] == {}
+    assert data["sections_completed"] == ["capture", "isolated_attention_layout", "real_block_results",
+                                          "profiler_block_recapture", "sampling_2_step", "sampling_12_step"]
+
+
+def test_ab_report_follows_the_reference_schema(ab_run):
+    _, data = ab_run
+    problems = schema.check_against_reference(data, schema.load_reference(REFERENCE_COPY),
+                                              allow_null=schema.CUDA_ONLY)
+    assert problems == []
+    assert data["reference_schema"] == "follows the reference report's keys and types"
+
+
+def test_ab_report_measures_the_real_h3_code(ab_run):
+    _, data = ab_run
+    assert data["model"]["class"] == "MiniMaxH3Model"
+    assert data["packed_tokens"] == data["packed_rows_expected"]["total"] == 32
+    assert data["patch"]["function"] == "nodes.h3_patch.patch_model"
+    assert data["patch"]["blocks_patched"] == 3 and data["patch"]["refiner_blocks_patched"] == 1
+    assert data["stock_attention"] == "attention_pytorch"
+    assert data["attention"] == "sdpa"  # what the patched forwards actually ran
+    assert [b["block"] for b in data["real_block_results"]] == [0, 1, 2]
+    for key in ("sampling_2_step", "sampling_12_step"):
+        s = data[key]
+        assert (s["sampler"], s["scheduler"], s["seed"]) == ("res_multistep", "simple", 440420)
+        assert s["hnd_seconds"] > 0 and s["strided_nhd_seconds"] > 0
+    assert data["sampling_2_step"]["order"] == ["hnd", "strided_nhd", "strided_nhd", "hnd"]
+    assert len(data["sampling_12_step"]["runs"]) == 2
+    # the profiler saw the four layout copies of the HND baseline that strided NHD does not make
+    copies = data["profiler_block_recapture"]["large_copy_ops"]
+    assert copies["hnd"] - copies["strided_nhd"] == 4
+    assert data["dataflow"]["removed_copies_per_block"] == 4
+
+
+def test_ab_report_validates_equality_between_layouts_and_stock(ab_run):
+    _, data = ab_run
+    v = data["validation"]
+    assert v["isolated_attention"] == "bit-exact"
+    assert v["blocks_0_24_49"] == "bit-exact"
+    assert v["blocks_stock_vs_strided_nhd"] == "bit-exact"
+    assert v["full_50_block_two_step_trajectory"] == "identical video and audio checksums"
+    assert v["canonical_12_step_trajectory"] == "identical video and audio checksums"
+    assert v["patch_reverted"].startswith("no attention forward left patched")
+    assert v["outputs_finite"].startswith("all ")
+    s2 = data["sampling_2_step"]
+    assert s2["hnd_checksums"] == s2["strided_nhd_checksums"] == s2["checksums"]
+
+
+def test_ab_run_prints_progress_and_the_table_last(ab_run):
+    proc, data = ab_run
+    assert "2-step hnd run 1/4: step 2/2" in proc.stdout
+    tail = proc.stdout.strip().splitlines()[-12:]
+    assert any(line.startswith("block 0 (p50)") for line in tail)
+    assert tail[-1].startswith("report: ")
+
+
+def test_chart_beside_the_report(ab_run):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: the run cannot draw its chart")
+    _, data = ab_run
+    png = Path(data["chart"])
+    assert png.suffix == ".png" and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_layout_from_environment_measures_one_layout(tmp_path):
+    proc, data = run_harness(tmp_path, "--sections", "blocks", "--no-chart", env_layout="hnd")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert data["layout"] == "hnd" and data["layouts_measured"] == ["hnd"]
+    row = data["real_block_results"][0]
+    assert row["hnd_p50_seconds"] > 0 and "strided_nhd_p50_seconds" not in row
+    assert data["validation"]["blocks_stock_vs_hnd"] == "bit-exact"
+
+
+def test_setup_failure_still_writes_a_report(tmp_path):
+    proc, data = run_harness(tmp_path, "--checkpoint", str(tmp_path / "missing.safetensors"), "--no-chart")
+    assert proc.returncode != 0
+    assert "setup" in data["errors"] and "missing.safetensors" in data["errors"]["setup"]["error"]
+    assert data["device"].startswith("CPU") and data["sections_completed"] == []
