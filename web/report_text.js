@@ -5,7 +5,7 @@
 export const NODE_TYPE = "SageStridedNHDAttention";
 export const REPORT_EVENT = "sage_strided_nhd.report";
 // Mirrors kernels.BACKEND_CHOICES; tests/test_web_extension.py checks it against the server's node definition.
-export const BACKEND_CHOICES = ["auto", "sage2", "sage1", "comfy_kitchen_int8", "sdpa"];
+export const BACKEND_CHOICES = ["auto", "sage2", "sdpa", "comfy_kitchen_int8", "sage1"];
 
 const MAX_REASON_CHARS = 140;
 

@@ -48,7 +48,8 @@ function statusElement(node) {
     hideOnZoom: false,
     getValue: () => el.textContent,
     setValue: () => {},
-    getMinHeight: () => 96,
+    // room for every line plus one wrapped line, so nothing is cut off on a narrow node
+    getMinHeight: () => 15 * ((Number(el.dataset.lines) || 1) + 1) + 12,
   });
   // Not an input of the node: never saved into the workflow, never sent with the prompt.
   widget.serialize = false;
@@ -59,7 +60,10 @@ function showStatus(node, state, lines) {
   const el = statusElement(node);
   el.dataset.state = state;
   el.textContent = lines.join("\n");
+  el.dataset.lines = String(lines.length);
   el.style.borderLeft = `3px solid ${state === "report" ? "#4a4" : state === "fallback" ? "#c93" : "#666"}`;
+  const needed = node.computeSize?.();
+  if (needed && node.size && needed[1] > node.size[1]) node.setSize?.([node.size[0], needed[1]]);
   node.setDirtyCanvas?.(true, true);
 }
 

@@ -1,0 +1,53 @@
+"""The frontend extension in a real browser: headless Chromium (Debian's) driven by playwright-core,
+against a real ComfyUI server with the pack installed. The checks themselves are in
+tests/browser/ui_test.mjs; screenshots and results.json land in test-artifacts/browser/.
+
+Skipped, with the reason, when Chromium, node or the npm packages (``npm ci`` in tests/browser) are
+missing, or when there is no ComfyUI host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from host_fixtures import comfy_server, h3_graph, patch_inputs  # noqa: F401  (fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+BROWSER_DIR = ROOT / "tests" / "browser"
+ARTIFACTS = ROOT / "test-artifacts" / "browser"
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+
+
+def browser_tools_or_skip() -> str:
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed (apt-get install nodejs)")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)")
+    if not (BROWSER_DIR / "node_modules" / "playwright-core").is_dir():
+        pytest.skip("playwright-core is not installed: run `npm ci` in tests/browser")
+    return node
+
+
+def test_extension_in_headless_chromium(comfy_server, tmp_path):
+    node = browser_tools_or_skip()
+    graph = h3_graph(patch=patch_inputs(layout="strided_nhd", backend="auto"), name="browser_small_graph")
+    graph_file = tmp_path / "small_graph.json"
+    graph_file.write_text(json.dumps(graph))
+    if ARTIFACTS.exists():
+        shutil.rmtree(ARTIFACTS)
+    proc = subprocess.run(
+        [node, str(BROWSER_DIR / "ui_test.mjs"), "--url", comfy_server.url, "--graph", str(graph_file),
+         "--workflows", str(ROOT / "workflows"), "--out", str(ARTIFACTS), "--chromium", CHROMIUM],
+        cwd=BROWSER_DIR, capture_output=True, text=True, timeout=480)
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"browser checks failed:\n{report}\nserver log:\n{comfy_server.log_tail(30)}"
+    results = json.loads((ARTIFACTS / "results.json").read_text())
+    assert results["checks"] and all(c["ok"] for c in results["checks"])
+    assert (ARTIFACTS / "after-run.png").stat().st_size > 10_000

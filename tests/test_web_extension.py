@@ -1,0 +1,68 @@
+"""The frontend extension's source: registered once, text never put into HTML, names in step with
+the node and the kernels, and the status-line formatting (node's own test runner)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+WEB = ROOT / "web"
+JS = {p.name: p.read_text(encoding="utf-8") for p in sorted(WEB.glob("*.js"))}
+
+
+def js_string_constant(source: str, name: str) -> str:
+    m = re.search(rf'export const {name} = "([^"]+)";', source)
+    assert m, f"{name} not found"
+    return m.group(1)
+
+
+def test_one_extension_registered_once():
+    calls = [name for name, src in JS.items() for _ in re.finditer(r"\bapp\.registerExtension\(", src)]
+    assert calls == ["sage_strided_nhd.js"]
+
+
+def test_web_directory_declared_once():
+    init = (ROOT / "__init__.py").read_text(encoding="utf-8")
+    assert re.search(r'^WEB_DIRECTORY = "\./web"$', init, re.M)
+    comfy = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["comfy"]
+    assert "web" not in {k.lower() for k in comfy}, "pyproject must not declare web too"
+
+
+@pytest.mark.parametrize("name", sorted(JS))
+def test_no_html_sinks(name):
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "DOMParser", "eval("):
+        assert sink not in JS[name], f"{name} uses {sink}"
+
+
+def test_event_name_matches_the_node():
+    report_py = (ROOT / "nodes" / "report.py").read_text(encoding="utf-8")
+    node_event = re.search(r'^REPORT_EVENT = "([^"]+)"$', report_py, re.M).group(1)
+    assert js_string_constant(JS["report_text.js"], "REPORT_EVENT") == node_event
+
+
+def test_node_type_matches_the_node():
+    node_py = (ROOT / "nodes" / "sage_node.py").read_text(encoding="utf-8")
+    assert f'node_id="{js_string_constant(JS["report_text.js"], "NODE_TYPE")}"' in node_py
+
+
+def test_setting_offers_exactly_the_kernels_back_end_choices():
+    m = re.search(r"export const BACKEND_CHOICES = \[([^\]]*)\];", JS["report_text.js"])
+    assert tuple(re.findall(r'"([^"]+)"', m.group(1))) == tuple(kernels.BACKEND_CHOICES)
+
+
+def test_status_formatting_unit_tests():
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed (apt-get install nodejs)")
+    proc = subprocess.run([node, "--test", "tests/browser/report_text.test.mjs"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^# pass [1-9]", proc.stdout, re.M) and re.search(r"^# fail 0$", proc.stdout, re.M)
