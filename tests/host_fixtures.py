@@ -251,6 +251,17 @@ class GraphRun:
                 return f"{data.get('exception_type')}: {data.get('exception_message')}"
         return ""
 
+    def cached_nodes(self) -> set[str]:
+        """Nodes ComfyUI did not run again but took from its cache."""
+        for kind, data in self.entry["status"].get("messages", []):
+            if kind == "execution_cached":
+                return set(data.get("nodes", []))
+        return set()
+
+    def probe(self, name: str) -> list[str]:
+        """Attention modules whose forward was replaced while this graph sampled (probe=True)."""
+        return json.loads((self.server.output_dir / f"{name}_probe.json").read_text())["replaced_forwards"]
+
     def latent(self, node_id: str) -> dict:
         """The tensors a SageNHDTestSaveLatentTensors node wrote."""
         from safetensors.torch import load_file
@@ -346,11 +357,15 @@ def comfy_server(tmp_path_factory):
 
 
 # --- graphs ------------------------------------------------------------------------------------
-def h3_graph(*, patch: dict | None, name: str, seed: int = 7, steps: int = 2, extra_model_nodes: list | None = None):
+def h3_graph(*, patch: dict | None, name: str, seed: int = 7, steps: int = 2, extra_model_nodes: list | None = None,
+             probe: bool = False):
     """UNETLoader(tiny H3) -> [extra nodes] -> [our node] -> KSampler -> save latent tensors (node "9").
 
     ``patch``: inputs of SageStridedNHDAttention, or None for stock attention.
+    ``name`` names the output file and is the conditioning's nonce, so every run samples
+    anew (ComfyUI would otherwise reuse a cached result) on the same cached model.
     ``extra_model_nodes``: [(class_type, extra_inputs)] applied to the model before our node.
+    ``probe``: record which attention forwards are replaced while sampling (``GraphRun.probe()``).
     """
     g = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": H3_CKPT, "weight_dtype": "default"}}}
     model = ["1", 0]
@@ -361,7 +376,11 @@ def h3_graph(*, patch: dict | None, name: str, seed: int = 7, steps: int = 2, ex
     if patch is not None:
         g["3"] = {"class_type": "SageStridedNHDAttention", "inputs": dict(patch, model=model)}
         model = ["3", 0]
-    g["4"] = {"class_type": "SageNHDTestConditioning", "inputs": {"seed": 3, "tokens": 8, "dim": TINY_H3["text_dim"]}}
+    if probe:
+        g["8"] = {"class_type": "SageNHDTestForwardProbe", "inputs": {"model": model, "name": f"{name}_probe"}}
+        model = ["8", 0]
+    g["4"] = {"class_type": "SageNHDTestConditioning", "inputs": {"seed": 3, "tokens": 8, "dim": TINY_H3["text_dim"],
+                                                               "nonce": name}}
     g["5"] = {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}}
     g["6"] = {"class_type": "KSampler", "inputs": {
         "model": model, "seed": seed, "steps": steps, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
@@ -376,7 +395,8 @@ def wan_graph(*, patch: dict | None, name: str, seed: int = 7, steps: int = 2):
     if patch is not None:
         g["3"] = {"class_type": "SageStridedNHDAttention", "inputs": dict(patch, model=model)}
         model = ["3", 0]
-    g["4"] = {"class_type": "SageNHDTestConditioning", "inputs": {"seed": 3, "tokens": 8, "dim": TINY_WAN["text_dim"]}}
+    g["4"] = {"class_type": "SageNHDTestConditioning", "inputs": {"seed": 3, "tokens": 8, "dim": TINY_WAN["text_dim"],
+                                                               "nonce": name}}
     g["5"] = {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 32, "height": 32, "length": 5, "batch_size": 1}}
     g["6"] = {"class_type": "KSampler", "inputs": {
         "model": model, "seed": seed, "steps": steps, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",

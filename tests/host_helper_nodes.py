@@ -5,6 +5,7 @@ conditioning; the sampled latents are written to safetensors so the tests can co
 every bit. A third node stands in for "another pack" that replaces H3 attention forwards.
 """
 
+import json
 import os
 
 import torch
@@ -20,13 +21,16 @@ class SageNHDTestConditioning:
     def INPUT_TYPES(cls):
         return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31}),
                              "tokens": ("INT", {"default": 8, "min": 1, "max": 4096}),
-                             "dim": ("INT", {"default": 32, "min": 1, "max": 8192})}}
+                             "dim": ("INT", {"default": 32, "min": 1, "max": 8192}),
+                             # ignored: a new value makes ComfyUI re-run sampling while the
+                             # loaded model stays cached (the same model object across runs)
+                             "nonce": ("STRING", {"default": ""})}}
 
     RETURN_TYPES = ("CONDITIONING",)
     FUNCTION = "make"
     CATEGORY = "testing/sage_nhd"
 
-    def make(self, seed, tokens, dim):
+    def make(self, seed, tokens, dim, nonce=""):
         g = torch.Generator().manual_seed(seed)
         return ([[torch.randn(1, tokens, dim, generator=g), {}]],)
 
@@ -74,7 +78,42 @@ class SageNHDTestForeignH3Patch:
         return (m,)
 
 
+class SageNHDTestForwardProbe:
+    """Records, while the model runs, which attention modules have a replaced forward.
+
+    A DIFFUSION_MODEL wrapper runs inside every model call, after ComfyUI has applied the
+    object patches of the patcher being sampled, and writes <output>/<name>.json.
+    """
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "name": ("STRING", {"default": "probe"})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "probe"
+    CATEGORY = "testing/sage_nhd"
+
+    def probe(self, model, name):
+        import comfy.patcher_extension
+        path = os.path.join(folder_paths.get_output_directory(), f"{name}.json")
+
+        def wrapper(executor, *args, **kwargs):
+            dm = executor.class_obj
+            # an unpatched module may hold its own bound forward as an instance attribute
+            # (that is how ComfyUI restores object patches): only other callables count
+            replaced = sorted(n for n, m in dm.named_modules() if n.endswith("attn") and "forward" in vars(m)
+                              and getattr(vars(m)["forward"], "__func__", None) is not type(m).forward)
+            with open(path, "w") as f:
+                json.dump({"replaced_forwards": replaced}, f)
+            return executor(*args, **kwargs)
+
+        m = model.clone()
+        m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "sage_nhd_test_probe", wrapper)
+        return (m,)
+
+
 NODE_CLASS_MAPPINGS = {
+    "SageNHDTestForwardProbe": SageNHDTestForwardProbe,
     "SageNHDTestConditioning": SageNHDTestConditioning,
     "SageNHDTestSaveLatentTensors": SageNHDTestSaveLatentTensors,
     "SageNHDTestForeignH3Patch": SageNHDTestForeignH3Patch,

@@ -1,0 +1,140 @@
+"""The node in a real ComfyUI server (CPU, PyTorch attention), driven over its HTTP API.
+
+Each graph samples a tiny random-weight checkpoint for 2 steps and writes the sampled
+latents to safetensors; comparisons are bit for bit. Skipped, with the reason, when no
+ComfyUI host is found (see tests/host_fixtures.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from host_fixtures import comfy_server, h3_graph, patch_inputs, wan_graph  # noqa: F401  (fixture)
+
+STEPS = 2
+
+
+def assert_latents_equal(a: dict, b: dict, what: str):
+    assert a.keys() == b.keys(), f"{what}: streams {sorted(a)} vs {sorted(b)}"
+    for name in a:
+        diff = (a[name].double() - b[name].double()).abs().max().item()
+        assert torch.equal(a[name], b[name]), f"{what}: {name} differs, max abs {diff}"
+
+
+def assert_meaningful(latents: dict):
+    for name, t in latents.items():
+        assert torch.isfinite(t).all(), f"{name} has non-finite values"
+        assert t.abs().max() > 0, f"{name} is all zeros"
+
+
+def only_report(run) -> dict:
+    assert run.ok, f"graph failed: {run.error_message()}\n{run.server.log_tail()}"
+    assert len(run.reports) == 1, f"expected one report for one sampling run, got {len(run.reports)}"
+    return run.reports[0]
+
+
+def test_node_is_listed_in_object_info(comfy_server):
+    info = comfy_server.get("/object_info/SageStridedNHDAttention")["SageStridedNHDAttention"]
+    assert info["display_name"] == "Sage Strided NHD Attention"
+    assert info["category"] == "advanced/model_patches"
+    assert info["output"] == ["MODEL"]
+    req = info["input"]["required"]
+    assert list(req) == ["model", "layout", "backend", "patch_text_refiner"]
+    assert req["layout"][1]["default"] == "strided_nhd"
+    assert req["backend"][1]["default"] == "auto"
+    assert req["patch_text_refiner"][1]["default"] is True
+    assert all(spec[1].get("tooltip") for spec in req.values()), "every input needs a tooltip"
+
+
+def test_h3_latents_bit_identical_across_layouts_and_stock_and_patch_reverts(comfy_server):
+    stock_before = comfy_server.run_graph(h3_graph(patch=None, name="h3_stock_before"))
+    strided = comfy_server.run_graph(h3_graph(patch=patch_inputs("strided_nhd", "sdpa"), name="h3_strided", probe=True))
+    hnd = comfy_server.run_graph(h3_graph(patch=patch_inputs("hnd", "sdpa"), name="h3_hnd"))
+    stock_after = comfy_server.run_graph(h3_graph(patch=None, name="h3_stock_after", probe=True))
+    other_seed = comfy_server.run_graph(h3_graph(patch=None, name="h3_other_seed", seed=8))
+
+    for run in (strided, hnd, stock_after):  # same loaded model object, sampled anew each time
+        assert "1" in run.cached_nodes() and "6" not in run.cached_nodes(), run.cached_nodes()
+    base = stock_before.latent("9")
+    assert set(base) == {"stream0", "stream1"}, "H3 samples a video and an audio latent"
+    assert base["stream0"].shape[1] == 24 and base["stream1"].shape[1] == 32
+    assert_meaningful(base)
+    assert_latents_equal(strided.latent("9"), base, "strided_nhd vs stock")
+    assert_latents_equal(hnd.latent("9"), base, "hnd vs stock")
+    assert_latents_equal(stock_after.latent("9"), base, "stock after a patched run vs before")
+    # the comparison can fail: another noise seed gives other latents
+    assert not torch.equal(other_seed.latent("9")["stream0"], base["stream0"])
+
+    # reverted: while the stock model sampled after the patched one, no forward was replaced
+    assert len(strided.probe("h3_strided")) == 4, strided.probe("h3_strided")
+    assert stock_after.probe("h3_stock_after") == []
+    assert stock_before.reports == [] and stock_after.reports == []
+    for run, layout in ((strided, "strided_nhd"), (hnd, "hnd")):
+        r = only_report(run)
+        assert r["model_family"] == "MiniMaxH3" and r["path"] == "h3_forward_patch" and r["layout"] == layout
+        assert r["blocks_patched"] == 2 and r["refiner_blocks_patched"] == 2 and r["node_id"] == "3"
+        assert r["backends_ran"] == {"sdpa": r["attention_calls"]} and r["attention_calls"] >= 2 * STEPS
+        assert r["fallbacks"] == [] and r["status"] == "ok" and r["prompt_id"]
+    assert only_report(strided)["copies_avoided_per_call"]["vs_hnd"] > 0
+    assert only_report(hnd)["copies_avoided_per_call"]["vs_hnd"] == 0
+
+
+def test_h3_refiner_toggle(comfy_server):
+    on = only_report(comfy_server.run_graph(h3_graph(patch=patch_inputs(refiner=True), name="h3_ref_on")))
+    off_run = comfy_server.run_graph(h3_graph(patch=patch_inputs(refiner=False), name="h3_ref_off"))
+    off = only_report(off_run)
+    assert off["refiner_blocks_patched"] == 0 and off["attention_calls"] == 2 * STEPS
+    assert on["attention_calls"] > off["attention_calls"]
+    stock = comfy_server.run_graph(h3_graph(patch=None, name="h3_ref_stock"))
+    assert_latents_equal(off_run.latent("9"), stock.latent("9"), "refiner unpatched vs stock")
+
+
+def test_second_family_through_the_override_is_bit_identical_and_reverts(comfy_server):
+    stock_before = comfy_server.run_graph(wan_graph(patch=None, name="wan_stock_before"))
+    strided = comfy_server.run_graph(wan_graph(patch=patch_inputs("strided_nhd", "sdpa"), name="wan_strided"))
+    hnd = comfy_server.run_graph(wan_graph(patch=patch_inputs("hnd", "sdpa"), name="wan_hnd"))
+    stock_after = comfy_server.run_graph(wan_graph(patch=None, name="wan_stock_after"))
+
+    for run in (strided, hnd, stock_after):
+        assert "1" in run.cached_nodes() and "6" not in run.cached_nodes(), run.cached_nodes()
+    base = stock_before.latent("9")
+    assert_meaningful(base)
+    assert_latents_equal(strided.latent("9"), base, "Wan override strided_nhd vs stock")
+    assert_latents_equal(hnd.latent("9"), base, "Wan override hnd vs stock")
+    assert_latents_equal(stock_after.latent("9"), base, "Wan stock after a patched run vs before")
+    r = only_report(strided)
+    assert r["model_family"] == "WAN21" and r["path"] == "attention_override" and r["blocks_patched"] == 0
+    assert r["backends_ran"] == {"sdpa": r["attention_calls"]} and r["attention_calls"] > 0 and r["stock_calls"] == 0
+    assert r["copies_avoided_per_call"]["vs_stock"] > 0 and r["remaining_copies"]
+
+
+def test_node_applied_twice_replaces_its_own_patch(comfy_server):
+    first = ("SageStridedNHDAttention", patch_inputs("hnd", "sdpa", refiner=True))
+    run = comfy_server.run_graph(h3_graph(patch=patch_inputs("strided_nhd", "sdpa", refiner=False),
+                                          name="h3_twice", extra_model_nodes=[first]))
+    r = only_report(run)  # one report: the earlier patch's run report was replaced too
+    assert r["replaced_own_patch"] is True and r["layout"] == "strided_nhd" and r["refiner_blocks_patched"] == 0
+    assert any("replaced" in m for m in r["messages"])
+    stock = comfy_server.run_graph(h3_graph(patch=None, name="h3_twice_stock"))
+    assert_latents_equal(run.latent("9"), stock.latent("9"), "patched twice vs stock")
+
+
+def test_foreign_object_patch_is_refused_with_a_clear_error(comfy_server):
+    run = comfy_server.run_graph(h3_graph(patch=patch_inputs(), name="h3_foreign",
+                                          extra_model_nodes=[("SageNHDTestForeignH3Patch", {})]))
+    assert not run.ok
+    msg = run.error_message()
+    assert "PatchConflictError" in msg and "blocks.0.attn.forward" in msg and "another node already replaced" in msg
+    assert run.reports == []
+
+
+def test_cpu_device_with_sage_requested_falls_back_to_sdpa_and_says_why(comfy_server):
+    run = comfy_server.run_graph(h3_graph(patch=patch_inputs("strided_nhd", "sage2"), name="h3_cpu_sage2"))
+    r = only_report(run)
+    assert r["backends_ran"] == {"sdpa": r["attention_calls"]}
+    fallbacks = {f["backend"]: f for f in r["fallbacks"]}
+    assert "sage2" in fallbacks and fallbacks["sage2"]["reason"] and fallbacks["sage2"]["count"] == r["attention_calls"]
+    assert any(m.startswith("fallback from sage2") for m in r["messages"])
+    stock = comfy_server.run_graph(h3_graph(patch=None, name="h3_cpu_stock"))
+    assert_latents_equal(run.latent("9"), stock.latent("9"), "sage2 requested on CPU vs stock")
