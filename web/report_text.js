@@ -54,6 +54,11 @@ export function formatReport(report) {
     const count = f.count !== undefined ? ` ×${text(f.count)}` : "";
     lines.push(shorten(`fallback from ${text(f.backend)}${count}: ${text(f.reason, "no reason given")}`));
   }
+  const skipped = Array.isArray(r.skipped_unavailable) ? r.skipped_unavailable : [];
+  if (skipped.length) {
+    const names = skipped.map((sk) => text(sk && typeof sk === "object" ? sk.backend : sk)).join(", ");
+    lines.push(shorten(`auto skipped (unavailable): ${names}`));
+  }
   if (Number(r.head_chunks_max) > 1) lines.push(`split over heads: up to ${Number(r.head_chunks_max)} chunks (int32 offsets)`);
 
   const avoided = r.copies_avoided_per_call && typeof r.copies_avoided_per_call === "object"

@@ -48,8 +48,8 @@ function statusElement(node) {
     hideOnZoom: false,
     getValue: () => el.textContent,
     setValue: () => {},
-    // room for every line plus one wrapped line, so nothing is cut off on a narrow node
-    getMinHeight: () => 15 * ((Number(el.dataset.lines) || 1) + 1) + 12,
+    // room for every line plus two wrapped ones, so nothing is cut off on a narrow node
+    getMinHeight: () => 15 * ((Number(el.dataset.lines) || 1) + 2) + 12,
   });
   // Not an input of the node: never saved into the workflow, never sent with the prompt.
   widget.serialize = false;

@@ -52,6 +52,13 @@ test("each fallback gets its own line with back-end, count and reason", () => {
   assert.ok(!lines.includes("fallbacks: none"));
 });
 
+test("back-ends auto skipped as unavailable are named apart from fallbacks", () => {
+  const lines = formatReport({ ...REPORT, skipped_unavailable: [
+    { backend: "sage2", reason: "no CUDA device" }, { backend: "comfy_kitchen_int8", reason: "no CUDA device" }] });
+  assert.ok(lines.includes("auto skipped (unavailable): sage2, comfy_kitchen_int8"), lines.join("\n"));
+  assert.ok(lines.includes("fallbacks: none"));
+});
+
 test("a very long reason is shortened, not dropped", () => {
   const lines = formatReport({ ...REPORT, fallbacks: [{ backend: "sage2", reason: "x".repeat(500), count: 1 }] });
   const line = lines.find((l) => l.startsWith("fallback from sage2"));
