@@ -20,6 +20,18 @@ if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
 fi
 $PIP install -q -r requirements.txt -r requirements-test.txt
 
+# The browser test drives Debian's Chromium with playwright-core (no browser download). Installed when this
+# machine can (root with apt-get); without them that one test is skipped and says why.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "setup: could not install chromium"
+fi
+if ! command -v npm >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get install -y -qq nodejs npm >/dev/null || echo "setup: could not install node/npm"
+fi
+if command -v npm >/dev/null 2>&1; then
+  (cd tests/browser && npm ci --no-audit --no-fund --silent) || echo "setup: npm ci failed in tests/browser"
+fi
+
 # A real ComfyUI to run the node and host tests against (skipped with a message when none can be made).
 PYTHON=.venv/bin/python bash scripts/setup_comfyui_host.sh || echo "setup: no ComfyUI host; host tests will be skipped"
 
