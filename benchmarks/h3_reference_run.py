@@ -72,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--comfyui", help="ComfyUI source tree (default: $COMFYUI_PATH, else ./.comfyui)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="a 3-block narrow H3 at 64x64x5 (tests, CPU)")
+    p.add_argument("--blocks", type=int, help="random model only: this many DiT blocks instead of the config's "
+                   "(a quick smoke run at full width)")
     p.add_argument("--width", type=int)
     p.add_argument("--height", type=int)
     p.add_argument("--frames", type=int)
@@ -181,6 +183,7 @@ def main(argv=None) -> int:
         bench = build_bench(args, device, layouts, report)
     except Exception as exc:
         report.fail("setup", exc)
+        copy_to_out([str(out)])
         log(f"setup failed: {type(exc).__name__}: {exc}")
         raise
 
@@ -200,7 +203,9 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
         config = h3_model.model_config_of(base)
         source = f"checkpoint {args.checkpoint}"
     else:
-        config = h3_model.TINY_H3 if args.tiny else h3_model.FULL_H3
+        config = dict(h3_model.TINY_H3 if args.tiny else h3_model.FULL_H3)
+        if args.blocks:
+            config["num_layers"] = args.blocks
         log(f"building {'tiny' if args.tiny else 'full-size'} H3 with random weights on {device}")
         base = h3_model.build_random_model(config, device, dtype, args.weight_seed)
         source = f"random weights (seed {args.weight_seed}, N(0, 1/fan_in), norms 1, biases 0)"

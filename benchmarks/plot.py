@@ -34,8 +34,14 @@ def _groups(data: dict) -> list[tuple[str, str, list[tuple[str, dict]]]]:
     launches = []
     if prof:
         launches.append(("kernels / block", {v: prof.get(f"{v}_kernel_launches") for v in COLORS}))
+    # the same measurements as ratios: a few percent is invisible on absolute bars
+    ratios = []
+    for label, vals in fast + slow:
+        s = vals.get("strided_nhd")
+        if s:
+            ratios.append((label, {v: (vals[v] / s if vals.get(v) else None) for v in ("stock", "hnd")}))
     panels = (("attention and one block (p50)", "ms", fast), ("sampling", "s", slow),
-              ("kernel launches per block", "", launches))
+              ("time / strided NHD time", "x", ratios), ("kernel launches per block", "", launches))
     return [(title, unit, items) for title, unit, items in panels
             if any(v is not None for _, vals in items for v in vals.values())]
 
@@ -48,7 +54,7 @@ def write_chart(data: dict, png: Path) -> Path:
     panels = _groups(data)
     if not panels:
         raise ValueError("the report has no measurement to plot")
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), squeeze=False)
     for ax, (title, unit, items) in zip(axes[0], panels):
         variants = [v for v in COLORS if any(vals.get(v) is not None for _, vals in items)]
         width = 0.8 / max(len(variants), 1)
@@ -59,12 +65,16 @@ def write_chart(data: dict, png: Path) -> Path:
                     xs.append(i + (j - (len(variants) - 1) / 2) * width)
                     ys.append(vals[variant] * (1e3 if unit == "ms" else 1))
             bars = ax.bar(xs, ys, width, color=COLORS[variant], label=LABELS[variant])
-            ax.bar_label(bars, fmt="%.1f" if unit else "%d", fontsize=7, padding=1)
+            ax.bar_label(bars, fmt={"x": "%.3f", "": "%d"}.get(unit, "%.1f"), fontsize=7, padding=1)
+        if unit == "x":
+            values = [v for _, vals in items for v in vals.values() if v is not None] + [1.0]
+            ax.set_ylim(min(values) - 0.02, max(values) + 0.02)
+            ax.axhline(1.0, color="#2b7bba", linewidth=1, linestyle="--")
         ax.set_xticks(range(len(items)), [label for label, _ in items])
         ax.set_title(title)
-        if unit:
+        if unit in ("ms", "s"):
             ax.set_ylabel(unit)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=7, loc="best")
     where = f"{data.get('device', '?')}, torch {data.get('torch', '?')}, back-end {data.get('attention', '?')}"
     shape = f"{data.get('resolution', ['?', '?'])[0]}x{data.get('resolution', ['?', '?'])[1]}x{data.get('frames', '?')}"
     fig.suptitle(f"MiniMax H3, {shape}, {data.get('packed_tokens', '?')} tokens: {where}", fontsize=10)
