@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from . import measure
+from .h3_model import packed_token_count
 
 SAMPLER = "res_multistep"
 SCHEDULER = "simple"
@@ -38,6 +39,7 @@ class Bench:
     log: Callable[[str], None] = print
     block_inputs: dict[int, tuple] = field(default_factory=dict)
     packed_tokens: int | None = None
+    latent_source: str = ""
     outputs_finite: dict[str, bool] = field(default_factory=dict)
 
     @property
@@ -85,6 +87,28 @@ def ensure_stock_loaded(bench: "Bench") -> None:
     mm.load_models_gpu([bench.base], force_full_load=True)
 
 
+def empty_av_latent(bench: Bench) -> dict:
+    """The empty H3 AV latent from ComfyUI's ``EmptyMiniMaxH3LatentAV`` node.
+
+    That module imports torchaudio at the top; on a machine without it, the same zero latent
+    (shapes from the node's frame grid) is built here instead, and the report says so.
+    """
+    try:
+        from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+    except ImportError as exc:
+        import comfy.model_management as mm
+        import comfy.nested_tensor
+
+        rows = packed_token_count(bench.width, bench.height, bench.frames, 0)
+        video = torch.zeros(1, 24, rows["latent_t"], bench.height // 16, bench.width // 16, device=mm.intermediate_device())
+        audio = torch.zeros(1, 32, 2, rows["audio_t"], device=mm.intermediate_device())
+        bench.latent_source = (f"zero latent built by the harness: comfy_extras.nodes_minimax_h3 did not import "
+                               f"({exc}); same shapes as EmptyMiniMaxH3LatentAV")
+        return {"samples": comfy.nested_tensor.NestedTensor((video, audio))}
+    bench.latent_source = "EmptyMiniMaxH3LatentAV (comfy_extras.nodes_minimax_h3)"
+    return EmptyMiniMaxH3LatentAV.execute(bench.width, bench.height, bench.frames)[0]
+
+
 # --- capture ---------------------------------------------------------------------------------------
 
 def capture_block_inputs(bench: Bench) -> dict:
@@ -94,11 +118,10 @@ def capture_block_inputs(bench: Bench) -> dict:
     every variant is timed on the same data.
     """
     import comfy.model_management as mm
-    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
 
     mm.load_models_gpu([bench.base], force_full_load=True)
     dm = bench.diffusion_model
-    latent = EmptyMiniMaxH3LatentAV.execute(bench.width, bench.height, bench.frames)[0]["samples"]
+    latent = empty_av_latent(bench)["samples"]
     gen = torch.Generator().manual_seed(bench.seed)
     video, audio = (torch.randn(t.shape, generator=gen).to(bench.device) for t in latent.unbind())
     context = bench.conditioning[0][0].to(bench.device, dtype=dm.dtype)
@@ -118,7 +141,8 @@ def capture_block_inputs(bench: Bench) -> dict:
             h.remove()
     bench.packed_tokens = int(bench.block_inputs[bench.block_indices[0]][0].shape[0])
     bench.outputs_finite["stock forward"] = measure.all_finite(*out)
-    return {"seconds": seconds, "packed_tokens": bench.packed_tokens, "outputs_finite": bench.outputs_finite["stock forward"]}
+    return {"seconds": seconds, "packed_tokens": bench.packed_tokens, "latent": bench.latent_source,
+            "outputs_finite": bench.outputs_finite["stock forward"]}
 
 
 def _block_call(bench: Bench, patcher, index: int) -> Callable:
@@ -284,9 +308,8 @@ def run_sampling(bench: Bench, patcher, steps: int, label: str) -> dict:
     import comfy.model_management as mm
     import comfy.utils
     from comfy_extras import nodes_custom_sampler as ncs
-    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
 
-    latent = EmptyMiniMaxH3LatentAV.execute(bench.width, bench.height, bench.frames)[0]
+    latent = empty_av_latent(bench)
     noise = ncs.RandomNoise.execute(bench.seed)[0]
     sampler = ncs.KSamplerSelect.execute(SAMPLER)[0]
     sigmas = ncs.BasicScheduler.execute(patcher, SCHEDULER, steps, 1.0)[0]
@@ -342,8 +365,8 @@ def sampling(bench: Bench, steps: int, reps: int, with_stock: bool) -> dict:
 
     result = {"sampler": SAMPLER, "scheduler": SCHEDULER, "steps": steps, "seed": bench.seed,
               "guider": "BasicGuider (one model call per step)",
-              "nodes": "RandomNoise, KSamplerSelect, BasicScheduler, BasicGuider, SamplerCustomAdvanced, "
-                       "EmptyMiniMaxH3LatentAV",
+              "nodes": "RandomNoise, KSamplerSelect, BasicScheduler, BasicGuider, SamplerCustomAdvanced",
+              "latent": bench.latent_source,
               "order": order, "runs": runs}
     for name in dict.fromkeys(order):
         mine = [r for r in runs if r["variant"] == name]
