@@ -25,12 +25,14 @@ def _gib(n) -> str:
 
 def describe_run(data: dict, source: str) -> str:
     """One line saying what ran where, and what was checked."""
-    shape = f"{data['resolution'][0]}x{data['resolution'][1]}x{data['frames']}"
-    model = data.get("model", {}).get("source", "?")
-    line = (f"**{data['device']}** ({data['compute_capability']}), torch {data['torch']}, "
-            f"patch back-end **{data['attention']}**, stock ComfyUI attention `{data.get('stock_attention', '?')}`; "
-            f"H3 {shape}, {data['packed_tokens']:,} packed tokens, seed {data['seed']}; {model}. Source: `{source}`.")
-    return line
+    width, height = data.get("resolution") or ("?", "?")
+    tokens = data.get("packed_tokens")
+    tokens = f"{tokens:,}" if isinstance(tokens, int) else "?"
+    model = (data.get("model") or {}).get("source", "?")
+    return (f"**{data.get('device', '?')}** ({data.get('compute_capability', '?')}), torch {data.get('torch', '?')}, "
+            f"patch back-end **{data.get('attention', '?')}**, stock ComfyUI attention "
+            f"`{data.get('stock_attention', '?')}`; H3 {width}x{height}x{data.get('frames', '?')}, {tokens} packed "
+            f"tokens, seed {data.get('seed', '?')}; {model}. Source: `{source}`.")
 
 
 def memory_lines(data: dict) -> list[str]:
@@ -79,6 +81,9 @@ def section_markdown(path: Path) -> str:
     parts += validation_lines(data)
     if data.get("errors"):
         parts.append(f"- sections that failed in this run: {', '.join(data['errors'])}")
+    png = path.with_suffix(".png")
+    if png.is_file():
+        parts += ["", f"![{data.get('device', '')}: HND vs strided NHD per measurement]({png.as_posix()})"]
     return "\n".join(parts).rstrip() + "\n"
 
 
