@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks import schema
 from benchmarks.h3_reference_run import REFERENCE_COPY
-from host_fixtures import require_host
+from host_fixtures import comfy_inprocess, require_host, tiny_h3_model, write_checkpoint  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--tiny", "--device", "cpu", "--backend", "sdpa", "--reps", "2", "--warmup", "1",
@@ -123,3 +123,15 @@ def test_setup_failure_still_writes_a_report(tmp_path):
     assert proc.returncode != 0
     assert "setup" in data["errors"] and "missing.safetensors" in data["errors"]["setup"]["error"]
     assert data["device"].startswith("CPU") and data["sections_completed"] == []
+
+
+def test_checkpoint_weights_are_loaded_like_unetloader(comfy_inprocess, tmp_path):  # noqa: F811
+    ckpt = tmp_path / "h3_tiny.safetensors"
+    write_checkpoint(tiny_h3_model(seed=3), ckpt)
+    proc, data = run_harness(tmp_path, "--checkpoint", str(ckpt), "--sections", "blocks,sampling_2_step",
+                             "--no-chart")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert data["model"]["source"] == f"checkpoint {ckpt}"
+    assert data["model"]["config"]["text_dim"] == 32 and data["model"]["config"]["num_layers"] == 2
+    assert data["validation"]["blocks_0_24_49"] == "bit-exact"
+    assert data["validation"]["full_50_block_two_step_trajectory"] == "identical video and audio checksums"
