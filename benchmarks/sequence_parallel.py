@@ -140,6 +140,9 @@ def run_rank(rank: int, world: int, args, device: torch.device) -> dict:
         result["block"] = block_section(rank, world, args, bench, single, parallel, sp)
     if "sampling" in args.sections:
         result["sampling"] = sampling_section(rank, args, bench, single, parallel)
+        sent = summary["report"].sent  # the run report of the sequence-parallel sampling (this rank)
+        result["sampling"]["sp_report"] = {k: sent[-1][k] for k in ("attention_calls", "backends_ran", "fallbacks",
+                                                                     "copies_per_call", "messages")} if sent else None
     return result
 
 
@@ -275,6 +278,9 @@ def table(result: dict) -> str:
         rows.append(f"{str(s['steps']) + '-step sampling':<34}{s['baseline_1_rank']['seconds']:>11.2f}s"
                     f"{s['sp']['seconds']:>11.2f}s{s['speedup']:>8.2f}x"
                     f"{max(d.values()):>14.3e}")
+        rep = s.get("sp_report") or {}
+        rows.append(f"  rank 0 attention: {rep.get('attention_calls')} calls on {rep.get('backends_ran')}, "
+                    f"{rep.get('copies_per_call')} copies per call")
         rows.append(f"  latent max abs: video {s['baseline_max_abs']['video']:.3f}, audio "
                     f"{s['baseline_max_abs']['audio']:.3f}; diff video {d['video']:.3e}, audio {d['audio']:.3e}")
     return "\n".join(rows)
