@@ -20,3 +20,15 @@ def test_bench_cpu_smoke_run_writes_the_reference_fields(tmp_path, capsys):
     assert row["bit_identical"] and row["max_abs_difference"] == 0.0
     assert row["records"]["strided_nhd"]["copies"] == 0
     assert "speedup" in capsys.readouterr().out
+
+
+def test_bench_table_is_generated_into_the_readme_block(tmp_path):
+    report = tmp_path / "report.json"
+    bench.main(["--device", "cpu", "--seq", "24", "--heads", "2", "--head-dim", "32", "--rot-dim", "16",
+                "--reps", "1", "--warmup", "0", "--out", str(report)])
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- kernels-table:start -->\nold\n<!-- kernels-table:end -->\noutro\n")
+    bench.main(["--table", str(report), "--readme", str(readme)])
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("intro\n") and text.endswith("outro\n")
+    assert "| sdpa | 24 |" in text and "peak extra HND -> NHD" in text
