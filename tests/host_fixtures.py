@@ -143,6 +143,21 @@ def tiny_wan_model(seed: int = 0):
     return _randomise(model, seed)
 
 
+def patcher_for(diffusion_model):
+    """A CPU ModelPatcher around a bare diffusion model (in-process tests)."""
+    import comfy.model_patcher
+    import torch
+
+    class Holder(torch.nn.Module):
+        """Stands in for ComfyUI's BaseModel: what ModelPatcher patches lives under .diffusion_model."""
+
+        def __init__(self, model):
+            super().__init__()
+            self.diffusion_model = model
+
+    return comfy.model_patcher.ModelPatcher(Holder(diffusion_model), torch.device("cpu"), torch.device("cpu"))
+
+
 def write_checkpoint(model, path: Path) -> None:
     from safetensors.torch import save_file
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from host_fixtures import comfy_inprocess, tiny_h3_model, tiny_wan_model  # noqa: F401  (fixture)
+from host_fixtures import comfy_inprocess, patcher_for, tiny_h3_model, tiny_wan_model  # noqa: F401  (fixture)
 
 S = 12
 
@@ -20,19 +20,6 @@ def pack(comfy_inprocess):
     torch.set_grad_enabled(False)  # ComfyUI samples without autograd; in-place rope requires it
     yield comfy_inprocess
     torch.set_grad_enabled(True)
-
-
-class Holder(torch.nn.Module):
-    """Stands in for ComfyUI's BaseModel: what ModelPatcher patches lives under .diffusion_model."""
-
-    def __init__(self, diffusion_model):
-        super().__init__()
-        self.diffusion_model = diffusion_model
-
-
-def patcher_for(diffusion_model):
-    import comfy.model_patcher
-    return comfy.model_patcher.ModelPatcher(Holder(diffusion_model), torch.device("cpu"), torch.device("cpu"))
 
 
 def rope_table(model, seq=S):

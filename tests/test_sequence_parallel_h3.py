@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from host_fixtures import _randomise, comfy_inprocess  # noqa: F401  (fixture)
+from host_fixtures import _randomise, comfy_inprocess, patcher_for  # noqa: F401  (fixture)
 from test_sequence_parallel_kernels import run_ranks
 
 TINY_SP_H3 = dict(hidden_size=64, num_layers=3, token_refiner_num_layers=1, num_attention_heads=4,
@@ -28,19 +28,6 @@ def pack(comfy_inprocess):
     torch.set_grad_enabled(False)  # ComfyUI samples without autograd; in-place rope requires it
     yield comfy_inprocess
     torch.set_grad_enabled(True)
-
-
-class Holder(torch.nn.Module):
-    """Stands in for ComfyUI's BaseModel: what ModelPatcher patches lives under .diffusion_model."""
-
-    def __init__(self, diffusion_model):
-        super().__init__()
-        self.diffusion_model = diffusion_model
-
-
-def patcher_for(diffusion_model):
-    import comfy.model_patcher
-    return comfy.model_patcher.ModelPatcher(Holder(diffusion_model), torch.device("cpu"), torch.device("cpu"))
 
 
 def tiny_model(seed=11):
