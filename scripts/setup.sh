@@ -18,6 +18,11 @@ PIP=".venv/bin/python -m pip"
 if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
   $PIP install -q "torch==2.14.1" "torchvision==0.29.1"
 fi
+# ComfyUI imports torchaudio at start-up (comfy/sd.py, the H3 nodes). 2.11.1 is pure Python and runs with
+# torch 2.14.1; --no-deps keeps it from pulling another torch.
+if ! .venv/bin/python -c "import torchaudio" 2>/dev/null; then
+  $PIP install -q --no-deps "torchaudio==2.11.1"
+fi
 $PIP install -q -r requirements.txt -r requirements-test.txt
 
 # The browser test drives Debian's Chromium with playwright-core (no browser download). Installed when this
