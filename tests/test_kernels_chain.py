@@ -177,3 +177,17 @@ def test_fused_views_past_the_limit_run_as_one_compact_chunk_when_it_fits(gen):
     out, rec = BackendChain("fake_int32", [fake]).run(q, k, v, layout="NHD")
     assert rec.head_chunks == 1 and rec.compacted and rec.copies == 4
     assert torch.equal(out, SdpaBackend()(q, k, v, layout="NHD"))
+
+
+@pytest.mark.parametrize("capability,expected", [((9, 0), True), ((8, 7), False), ((10, 0), False), ((7, 5), False)])
+def test_sage2_is_only_offered_on_arches_sageattn_dispatches(capability, expected, monkeypatch):
+    import types
+
+    from kernels.backends import sage2
+    fake = types.SimpleNamespace(sageattn=lambda *a, **k: None, sageattn_qk_int8_pv_fp16_cuda=object())
+    monkeypatch.setattr(sage2, "installed_sageattention", lambda: (fake, 2))
+    monkeypatch.setattr(sage2, "cuda_capability", lambda: capability)
+    verdict = sage2.Sage2Backend().available()
+    assert verdict.ok is expected
+    if not expected:
+        assert f"{capability[0]}.{capability[1]}" in verdict.reason

@@ -14,7 +14,7 @@ import torch
 from .base import INT32_MAX_OFFSET, YES, AttentionBackend, cuda_capability, no
 
 # Arches sageattn() has a kernel for (it raises on others).
-SUPPORTED_CAPABILITIES = {(8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (12, 0), (12, 1)}
+SUPPORTED_CAPABILITIES = {(8, 0), (8, 6), (8, 9), (9, 0), (12, 0), (12, 1)}
 
 
 def installed_sageattention():
