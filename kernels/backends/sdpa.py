@@ -1,10 +1,43 @@
-"""PyTorch scaled_dot_product_attention: always there, CPU included, 64-bit indexing."""
+"""PyTorch scaled_dot_product_attention: always there, CPU included, 64-bit indexing.
+
+On Hopper and newer the call asks for cuDNN's fused attention first, then
+FlashAttention-2: at H3's shape on an H200 (S = 37,810, 56x128, bf16) cuDNN's sm90
+kernel ran in 72 ms and FlashAttention-2 in 114 ms. The priority is explicit so that
+an ambient one does not decide (ComfyUI's own SDPA wrapper puts FlashAttention-2
+first). A kernel that cannot take the call is skipped by PyTorch, down to MATH.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+
+import torch
 import torch.nn.functional as F
 
 from .base import YES, AttentionBackend
+
+
+@functools.cache
+def _hopper_priority():
+    """A context manager factory that prefers cuDNN attention, or None where PyTorch cannot set priorities."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return None
+    if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+        return None
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return lambda: sdpa_kernel(order, set_priority=True)
+
+
+def _kernel_priority(q: torch.Tensor):
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9:
+        factory = _hopper_priority()
+        if factory is not None:
+            return factory()
+    return contextlib.nullcontext()
 
 
 class SdpaBackend(AttentionBackend):
@@ -17,10 +50,11 @@ class SdpaBackend(AttentionBackend):
         return YES
 
     def __call__(self, q, k, v, *, layout, scale=None, mask=None):
-        if layout == "NHD":
-            # SDPA wants [B,H,S,D]: transposed views, no copies. Its flash paths allocate the
-            # output token-major, so the transposed-back result is usually contiguous NHD.
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
-            return out.transpose(1, 2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        with _kernel_priority(q):
+            if layout == "NHD":
+                # SDPA wants [B,H,S,D]: transposed views, no copies. Its fused paths allocate the
+                # output token-major, so the transposed-back result is usually contiguous NHD.
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+                return out.transpose(1, 2)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
