@@ -51,7 +51,11 @@ class BackendChain:
 
     @classmethod
     def for_choice(cls, choice: str, device=None) -> "BackendChain":
-        """``auto``: every back-end, fastest first. A named back-end: it first, then the rest as fallbacks."""
+        """``auto``: every back-end, fastest first. A named back-end: it first, then the rest as fallbacks.
+
+        ``device`` is the caller's target device; the chain itself decides per call from the tensors
+        it is given, so the same chain serves a model that moves between devices.
+        """
         if choice not in BACKEND_CHOICES:
             raise ValueError(f"unknown attention back-end {choice!r}; choose one of {', '.join(BACKEND_CHOICES)}")
         order = list(AUTO_ORDER)

@@ -36,7 +36,7 @@ def split_fused_qkv(qkv: torch.Tensor, heads: int, head_dim: int):
 
 
 def token_major(out: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """[B, S, H, D] NHD output -> [B*S, H*D]... as a view when its memory is token-major.
+    """[B, S, H, D] NHD output -> [B*S, H*D], as a view when its memory is already token-major.
 
     Returns (tensor, copies made): 0 when it is a view, 1 when a copy was needed.
     """
