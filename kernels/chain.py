@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .backends import AUTO_ORDER, BACKENDS, AttentionBackend
+from .backends.base import TENSOR_LAYOUTS
 from .offsets import fits, heads_per_chunk
 
 log = logging.getLogger("sage_strided_nhd")
@@ -22,21 +23,46 @@ BACKEND_CHOICES = ("auto",) + tuple(sorted(BACKENDS, key=AUTO_ORDER.index))
 _logged: set[tuple[str, str, str]] = set()
 
 
+SKIP_KINDS = ("unavailable", "unsupported", "raised")
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A back-end the chain passed over for one call, and why.
+
+    ``kind``: ``unavailable`` (cannot run on this machine at all: not installed, no CUDA, no kernel
+    for this GPU), ``unsupported`` (cannot take this particular call: dtype, head size, mask, device)
+    or ``raised`` (it was tried and raised).
+    """
+
+    backend: str
+    reason: str
+    kind: str
+
+
 @dataclass
 class CallRecord:
-    """What one attention call did."""
+    """What one attention call did. Every field is observed during the call, none is assumed."""
 
     requested: str
     backend: str = ""
-    layout: str = ""
-    fallbacks: tuple[tuple[str, str], ...] = ()
+    layout: str = ""                # the dataflow's layout ("strided_nhd" | "hnd"), set by the dataflow
+    skipped: tuple[Skip, ...] = ()
     head_chunks: int = 1
-    compacted: bool = False  # inputs copied into compact head chunks to keep int32 offsets in range
-    copies: int = 0
+    compacted: bool = False         # inputs copied into compact head chunks to keep int32 offsets in range
+    copies: int = 0                 # tensor copies the pack's dataflow made for this call
+    fast_path: str = ""             # the back-end's own prepared-operand path, when it ran
+    fast_path_skipped: str = ""     # why no fast path ran, when the chain looked for one
+    compiled: tuple[dict, ...] = ()  # JIT compiles this call triggered: {"backend", "key", "seconds"}
+
+    @property
+    def fallbacks(self) -> tuple[tuple[str, str], ...]:
+        return tuple((s.backend, s.reason) for s in self.skipped)
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d["fallbacks"] = [{"backend": b, "reason": r} for b, r in self.fallbacks]
+        d["skipped"] = [asdict(s) for s in self.skipped]
+        d["compiled"] = list(self.compiled)
         return d
 
 
@@ -64,35 +90,64 @@ class BackendChain:
             order.insert(0, choice)
         return cls(choice, [BACKENDS[name] for name in order])
 
-    def run(self, q, k, v, *, layout: str, scale: float | None = None, mask=None):
-        """Attention on q, k, v in ``layout``; returns (output in that layout, CallRecord)."""
-        if layout not in ("NHD", "HND"):
-            raise ValueError(f"layout must be 'NHD' or 'HND', got {layout!r}")
+    def candidates(self, q, k, v, *, layout: str, mask=None):
+        """Yield (back-end, skips so far) for each back-end that says it can take this call."""
+        if layout not in TENSOR_LAYOUTS:
+            raise ValueError(f"tensor layout must be one of {TENSOR_LAYOUTS}, got {layout!r}")
         _check_shapes(q, k, v)
-        record = CallRecord(self.requested, layout=layout)
-        skipped: list[tuple[str, str]] = []
+        skipped: list[Skip] = []
         for backend in self.backends:
             verdict = backend.available()
+            kind = "unavailable"
             if verdict:
-                verdict = backend.supports(q, k, v, layout=layout, mask=mask)
+                verdict, kind = backend.supports(q, k, v, layout=layout, mask=mask), "unsupported"
             if not verdict:
-                skipped.append((backend.name, verdict.reason, "unavailable" if not backend.available() else "unsupported"))
+                skipped.append(Skip(backend.name, verdict.reason, kind))
                 continue
+            yield backend, skipped
+
+    def fast_path(self, q, k, v, *, layout: str):
+        """The back-end that would take this unmasked call, when it offers a prepared-operand fast path.
+
+        Returns (back-end or None, skips before it, why there is no fast path). A back-end with a
+        fast path has ``fast_path_verdict``, ``prepare`` and ``attend`` (see backends/sage2.py).
+        """
+        for backend, skipped in self.candidates(q, k, v, layout=layout):
+            check = getattr(backend, "fast_path_verdict", None)
+            if check is None:
+                return None, skipped, ""  # nothing to report: this back-end has no fast path at all
+            verdict = check(q, k, v, layout=layout)
+            if not verdict:
+                return None, skipped, f"{backend.name} fast path: {verdict.reason}"
+            return backend, list(skipped), ""
+        return None, [], "no back-end can take this call"
+
+    def run(self, q, k, v, *, layout: str, scale: float | None = None, mask=None):
+        """Attention on q, k, v in tensor layout ``layout`` ("NHD" | "HND"); returns (output, CallRecord)."""
+        skipped: list[Skip] = []
+        for backend, skipped in self.candidates(q, k, v, layout=layout, mask=mask):
+            events = getattr(backend, "compile_events", None)
+            seen = len(events) if events is not None else 0
             try:
                 out, chunks, compacted = _run_within_offsets(backend, q, k, v, layout, scale, mask)
             except torch.cuda.OutOfMemoryError:
                 raise  # a smaller back-end won't help the caller more than a clear OOM
             except Exception as exc:
-                _raise_if_context_lost(exc)
-                skipped.append((backend.name, f"raised {type(exc).__name__}: {exc}", "raised"))
+                raise_if_context_lost(exc)
+                skipped.append(Skip(backend.name, f"raised {type(exc).__name__}: {exc}", "raised"))
                 continue
-            record.backend, record.head_chunks, record.compacted = backend.name, chunks, compacted
+            record = self.record(backend, skipped, head_chunks=chunks, compacted=compacted)
             record.copies = 4 * chunks if compacted else 0  # 3 compact inputs + 1 output copy per chunk
-            record.fallbacks = tuple((name, why) for name, why, _ in skipped)
-            _log_fallbacks(self.requested, backend.name, skipped)
+            if events is not None and len(events) > seen:
+                record.compiled = tuple(dict(e, backend=backend.name) for e in events[seen:])
             return out, record
-        reasons = "; ".join(f"{name}: {why}" for name, why, _ in skipped)
-        raise NoBackendError(f"no attention back-end could run this call ({reasons})")
+        raise NoBackendError("no attention back-end could run this call ("
+                             + "; ".join(f"{s.backend}: {s.reason}" for s in skipped) + ")")
+
+    def record(self, backend, skipped, **fields) -> CallRecord:
+        """The CallRecord of a call that ``backend`` took after ``skipped``; logs new skips once."""
+        _log_skips(self.requested, backend.name, skipped)
+        return CallRecord(self.requested, backend=backend.name, skipped=tuple(skipped), **fields)
 
 
 def _check_shapes(q, k, v):
@@ -102,7 +157,7 @@ def _check_shapes(q, k, v):
         raise ValueError(f"incompatible q/k/v shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
 
 
-def _raise_if_context_lost(exc: Exception) -> None:
+def raise_if_context_lost(exc: Exception) -> None:
     # An illegal access poisons the CUDA context: every later kernel fails too, so falling
     # back would only hide where it broke.
     if "illegal memory access" in str(exc) or "device-side assert" in str(exc):
@@ -140,18 +195,18 @@ def _run_within_offsets(backend: AttentionBackend, q, k, v, layout, scale, mask)
     return out, chunks, True
 
 
-def _log_fallbacks(requested: str, used: str, skipped) -> None:
+def _log_skips(requested: str, used: str, skipped) -> None:
     """Log each distinct skip once. In auto mode a back-end that is not installed here is the
     normal choice (info); a requested back-end missing, a call it cannot take, or one that
     raised is a fallback the user should see (warning)."""
-    for name, reason, kind in skipped:
-        key = (requested, name, reason)
+    for s in skipped:
+        key = (requested, s.backend, s.reason)
         if key in _logged:
             continue
         _logged.add(key)
-        quiet = requested == "auto" and kind == "unavailable"
+        quiet = requested == "auto" and s.kind == "unavailable"
         log.log(logging.INFO if quiet else logging.WARNING,
-                "attention back-end %s skipped (%s); %s ran instead (requested: %s)", name, reason, used, requested)
+                "attention back-end %s skipped (%s); %s ran instead (requested: %s)", s.backend, s.reason, used, requested)
 
 
 def describe_backends(device=None) -> list[dict]:

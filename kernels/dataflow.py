@@ -16,10 +16,16 @@ from __future__ import annotations
 
 import torch
 
-from .chain import BackendChain, CallRecord
-from .qk_transform import norm_rope
+from .chain import BackendChain, CallRecord, Skip, raise_if_context_lost
+from .qk_transform import check_rope_table, norm_rope
 
 LAYOUTS = ("strided_nhd", "hnd")
+
+# How a back-end's fast path (today: sage2 on sm90) prepares its quantised operands:
+#   exact   - comfy-kitchen norm+rope in place first, then the pack's fused quantisation; same bits as sageattn
+#   fused   - per-head RMSNorm and the split-half rotation folded into the quantisation passes
+#   rotated - exact, plus Q and K rotated along head_dim (normalised Hadamard) before the int8 step
+PREP_MODES = ("exact", "fused", "rotated")
 
 
 def split_fused_qkv(qkv: torch.Tensor, heads: int, head_dim: int):
@@ -46,29 +52,69 @@ def token_major(out: torch.Tensor) -> tuple[torch.Tensor, int]:
     return out.reshape(b * s, h * d), 1
 
 
-def attention_from_fused_qkv(qkv: torch.Tensor, heads: int, head_dim: int, *, chain: BackendChain,
+def attention_from_fused_qkv(qkv, heads: int, head_dim: int, *, chain: BackendChain,
                              layout: str = "strided_nhd", rope_table: torch.Tensor | None = None,
                              q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                              eps: float = 1e-6, q_norm=None, k_norm=None, inplace: bool = True,
-                             scale: float | None = None) -> tuple[torch.Tensor, CallRecord]:
+                             scale: float | None = None, prep_mode: str = "exact") -> tuple[torch.Tensor, CallRecord]:
     """Attention of one fused qkv projection; returns ([S, heads*head_dim], CallRecord).
+
+    ``qkv`` is the [S, 3*heads*head_dim] projection, or a one-element list holding it: the list
+    hands the buffer over, so that on a back-end's prepared-operand fast path it is freed before the
+    attention kernel runs (a plain argument stays alive in the caller's frame until the call returns).
 
     With ``rope_table`` the per-head RMSNorm (weights ``q_weight``/``k_weight``) and the partial
     split-half rotation run through comfy-kitchen, in place on the views unless ``inplace`` is
     False. Without it ``q_norm``/``k_norm`` are applied to [S, H, D] views (no rotation).
     The fused buffer's Q and K are overwritten (and, with sage1, K is mean-shifted) by design.
+
+    ``prep_mode`` picks how a fast path prepares its operands (strided_nhd only, see PREP_MODES);
+    where no fast path runs it changes nothing, and the record's ``fast_path`` stays empty.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if prep_mode not in PREP_MODES:
+        raise ValueError(f"prep_mode must be one of {PREP_MODES}, got {prep_mode!r}")
+    if isinstance(qkv, list):
+        qkv = qkv.pop()
     q, k, v = split_fused_qkv(qkv, heads, head_dim)
     if rope_table is not None:
         if q_weight is None or k_weight is None:
             raise ValueError("q_weight and k_weight are required with a rope table")
-        q, k = norm_rope(q, k, rope_table, q_weight, k_weight, eps, inplace=inplace)
-    else:
-        if q_norm is None or k_norm is None:
-            raise ValueError("q_norm and k_norm are required without a rope table")
-        q, k = q_norm(q[0]).unsqueeze(0), k_norm(k[0]).unsqueeze(0)
+        check_rope_table(rope_table, q.shape[1], head_dim)
+    elif q_norm is None or k_norm is None:
+        raise ValueError("q_norm and k_norm are required without a rope table")
+
+    fast, skipped, no_fast_path = None, [], ""
+    if layout == "strided_nhd" and inplace:
+        fast, skipped, no_fast_path = chain.fast_path(q, k, v, layout="NHD")
+    fold_norm = fast is not None and prep_mode == "fused" and rope_table is not None
+    if not fold_norm:
+        q, k = _normalise(q, k, rope_table, q_weight, k_weight, eps, q_norm, k_norm, inplace)
+
+    earlier: tuple[Skip, ...] = ()
+    if fast is not None:
+        backend = fast
+        norm = dict(rope_table=rope_table, q_weight=q_weight, k_weight=k_weight, eps=eps) if fold_norm else {}
+        mode = prep_mode if (prep_mode != "fused" or fold_norm) else "exact"
+        try:
+            prepared = backend.prepare(q, k, v, mode=mode, scale=scale, **norm)
+        except Exception as exc:
+            raise_if_context_lost(exc)
+            no_fast_path = f"{backend.name} fast path raised {type(exc).__name__}: {exc}"
+            earlier = (Skip(f"{backend.name} fast path", no_fast_path, "raised"),)
+            if fold_norm:
+                q, k = _normalise(q, k, rope_table, q_weight, k_weight, eps, q_norm, k_norm, inplace)
+        else:
+            # Nothing below reads the bf16 buffer: drop every reference so the kernel's working set
+            # replaces it instead of adding to it (freed here when the caller handed it over).
+            del q, k, v, qkv
+            out = backend.attend(prepared)
+            del prepared
+            record = chain.record(backend, skipped, fast_path=f"{backend.name} prepared operands ({mode})")
+            record.layout = layout
+            flat, record.copies = token_major(out)
+            return flat, record
 
     if layout == "strided_nhd":
         out, record = chain.run(q, k, v, layout="NHD", scale=scale)
@@ -81,7 +127,15 @@ def attention_from_fused_qkv(qkv: torch.Tensor, heads: int, head_dim: int, *, ch
         flat, copies = token_major(out.transpose(1, 2))
         record.copies += 3 + copies
     record.layout = layout
+    record.skipped = earlier + record.skipped
+    record.fast_path_skipped = no_fast_path
     return flat, record
+
+
+def _normalise(q, k, rope_table, q_weight, k_weight, eps, q_norm, k_norm, inplace):
+    if rope_table is not None:
+        return norm_rope(q, k, rope_table, q_weight, k_weight, eps, inplace=inplace)
+    return q_norm(q[0]).unsqueeze(0), k_norm(k[0]).unsqueeze(0)
 
 
 def attention_token_major(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, *,

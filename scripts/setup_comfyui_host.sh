@@ -20,6 +20,8 @@ set -u
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HOST="${COMFYUI_PATH:-$REPO/.comfyui}"
 PY="${PYTHON:-$REPO/.venv/bin/python}"
+# absolute, so it still resolves after the `cd "$HOST"` of the smoke check
+case "$PY" in /*) ;; */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac
 MIRROR="${COMFYUI_GIT:-/work/.mirror/kat3ri+ComfyUI/repo}"
 UPSTREAM_URL="https://github.com/comfyanonymous/ComfyUI.git"
 PINNED_COMMIT="0f1fa67ad8a68b62c65ebc97a7bf485df2459c3a"   # ComfyUI 0.33.0 with comfy/ldm/minimax (H3)

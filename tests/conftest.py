@@ -12,6 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from devkit.pack import import_pack  # noqa: E402
+
+import_pack()  # the pack is importable as comfyui_sage_strided_nhd in every test
+
 
 def make_rope_table(seq: int, rot_dim: int, dtype=torch.float32, device="cpu", generator=None):
     """[1, S, 1, rot/2, 2, 2] rotation matrices [[cos, -sin], [sin, cos]] at random angles."""

@@ -16,7 +16,9 @@ import torch
 # Kernels that compute element offsets in 32-bit integers wrap silently past this.
 INT32_MAX_OFFSET = 2**31 - 1
 
-LAYOUTS = ("NHD", "HND")
+# How a back-end is handed q/k/v: [B, S, H, D] or [B, H, S, D] (SageAttention's tensor_layout).
+# Not to be confused with the dataflow layouts (kernels.LAYOUTS: strided_nhd, hnd).
+TENSOR_LAYOUTS = ("NHD", "HND")
 
 
 @dataclass(frozen=True)

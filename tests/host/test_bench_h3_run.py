@@ -20,7 +20,7 @@ from benchmarks import schema
 from benchmarks.h3_reference_run import REFERENCE_COPY
 from host_fixtures import comfy_inprocess, require_host, tiny_h3_model, write_checkpoint  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--tiny", "--device", "cpu", "--backend", "sdpa", "--reps", "2", "--warmup", "1",
         "--attention-reps", "2", "--reps-2-step", "2", "--reps-12-step", "1"]
 

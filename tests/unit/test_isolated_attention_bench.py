@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kernels import bench
+from benchmarks import isolated_attention as bench
 
 
 def test_bench_cpu_smoke_run_writes_the_reference_fields(tmp_path, capsys):

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-import kernels
+from comfyui_sage_strided_nhd import kernels
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WEB = ROOT / "web"
 JS = {p.name: p.read_text(encoding="utf-8") for p in sorted(WEB.glob("*.js"))}
 

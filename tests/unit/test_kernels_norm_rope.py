@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+from comfyui_sage_strided_nhd import kernels
 from conftest import make_rope_table
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels.backends.base import YES, AttentionBackend, no
-from kernels.backends.sdpa import SdpaBackend
-from kernels.chain import BackendChain
-from kernels.offsets import fits, largest_offset
+from comfyui_sage_strided_nhd import kernels
+from comfyui_sage_strided_nhd.kernels.backends.base import YES, AttentionBackend, no
+from comfyui_sage_strided_nhd.kernels.backends.sdpa import SdpaBackend
+from comfyui_sage_strided_nhd.kernels.chain import BackendChain
+from comfyui_sage_strided_nhd.kernels.offsets import fits, largest_offset
 
 
 class FakeInt32Backend(AttentionBackend):

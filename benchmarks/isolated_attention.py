@@ -1,8 +1,8 @@
 """Isolated attention: HND baseline vs strided NHD, per back-end and sequence length.
 
-    python -m kernels.bench --seq 8192 37810 --out report.json            # GPU, every available back-end
-    python -m kernels.bench --device cpu --seq 64 256 --heads 4 --out r.json  # CPU smoke run (sdpa)
-    python -m kernels.bench --table r.json [--readme README.md]              # markdown table from a report
+    python -m benchmarks.isolated_attention --seq 8192 37810 --out report.json            # GPU, every available back-end
+    python -m benchmarks.isolated_attention --device cpu --seq 64 256 --heads 4 --out r.json  # CPU smoke run (sdpa)
+    python -m benchmarks.isolated_attention --table r.json [--readme README.md]              # markdown table from a report
 
 One timed call is the whole attention of a block: views (or the baseline's copies)
 of a fused qkv buffer [S, 3*H*D], comfy-kitchen RMSNorm+RoPE in place, the
@@ -23,9 +23,12 @@ import time
 
 import torch
 
-from .backends import AUTO_ORDER, BACKENDS
-from .chain import BackendChain, describe_backends
-from .dataflow import attention_from_fused_qkv
+from devkit.pack import kernels as _kernels
+
+kernels = _kernels()
+AUTO_ORDER, BACKENDS = kernels.AUTO_ORDER, kernels.BACKENDS
+BackendChain, describe_backends = kernels.BackendChain, kernels.describe_backends
+attention_from_fused_qkv = kernels.attention_from_fused_qkv
 
 LAYOUTS = ("hnd", "strided_nhd")
 

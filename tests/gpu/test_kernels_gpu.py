@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels.backends import BACKENDS
-from kernels.offsets import fits
+from comfyui_sage_strided_nhd import kernels
+from comfyui_sage_strided_nhd.kernels.backends import BACKENDS
+from comfyui_sage_strided_nhd.kernels.offsets import fits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

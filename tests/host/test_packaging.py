@@ -13,7 +13,7 @@ import pytest
 
 from host_fixtures import find_host
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 PROJECT = PYPROJECT["project"]
 REQUIRED_DEPS = {"torch", "sageattention", "comfy-kitchen", "safetensors"}

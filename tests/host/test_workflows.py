@@ -15,7 +15,7 @@ import pytest
 
 from host_fixtures import comfy_server  # noqa: F401  (fixture)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / "workflows"
 API_DIR = WORKFLOWS / "api"
 NAME = re.compile(r"^minimax_h3_t2v_(?P<steps>\d+)step_(?P<layout>strided_nhd|hnd)$")

@@ -18,7 +18,7 @@ import pytest
 
 from host_fixtures import comfy_server, h3_graph, patch_inputs  # noqa: F401  (fixture)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BROWSER_DIR = ROOT / "tests" / "browser"
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
