@@ -50,9 +50,13 @@ from pathlib import Path
 
 import torch
 
-from . import comfy_host, h3_model, measure, pack, schema
+from devkit import comfy as comfy_host
+from devkit import h3 as h3_model
+from devkit.pack import kernels as pack_kernels
+
+from . import schema
 from . import sections as sec
-from .report import LAYOUTS, Report, equality_verdict, text_table
+from .report import LAYOUTS, Report, correctness_table, equality_verdict, text_table
 
 SECTIONS = ("isolated", "blocks", "profiler", "sampling_2_step", "sampling_12_step")
 LAYOUT_ENV = "H3_SAGE_QKV_LAYOUT"
@@ -140,19 +144,37 @@ def default_out(facts: dict, backend: str) -> Path:
     return Path("benchmarks/results") / f"h3-{slug}-{backend}.json"
 
 
-def backends_that_ran(summaries: dict) -> tuple[str, list]:
-    """Back-ends the patched forwards actually ran (from the node's run reports), and their fallbacks."""
-    ran, fallbacks = {}, []
-    for summary in summaries.values():
-        report = summary["report"]
-        for payload in report.sent:
-            for name, calls in payload["backends_ran"].items():
-                ran[name] = ran.get(name, 0) + calls
-            fallbacks += payload["fallbacks"]
-        for name, calls in report.backends.items():
-            ran[name] = ran.get(name, 0) + calls
-        fallbacks += [{"backend": b, "reason": r, "count": c} for (b, r), c in report.fallbacks.items()]
-    return "+".join(sorted(ran)) or "none", fallbacks
+def patch_model(model_patcher, layout: str, backend: str, patch_refiner: bool = True):
+    """A clone of ``model_patcher`` patched exactly as the node patches it: (clone, summary)."""
+    import importlib
+
+    from devkit.pack import PACK_MODULE, import_pack
+
+    import_pack()
+    h3_patch = importlib.import_module(f"{PACK_MODULE}.nodes.h3_patch")
+    return h3_patch.patch_model(model_patcher, layout=layout, backend=backend, patch_refiner=patch_refiner)
+
+
+def last_payload(report):
+    """The node's report of the last sampling run of a patched clone (None before any run)."""
+    last = getattr(report, "last", None)
+    if last is None and getattr(report, "sent", None):
+        last = report.sent[-1]
+    return last
+
+
+def backends_that_ran(summaries: dict) -> tuple[str, list, dict]:
+    """Back-ends the patched forwards ran in each layout's last sampling run (from the node's own run
+    report), their fallbacks, and the back-ends per layout."""
+    by_layout, fallbacks = {}, []
+    for layout, summary in summaries.items():
+        payload = last_payload(summary["report"])
+        if payload is None:
+            continue
+        by_layout[layout] = "+".join(f"{b} x{n}" for b, n in sorted(payload["backends_ran"].items())) or "none"
+        fallbacks += payload["fallbacks"]
+    ran = sorted({b.split(" x")[0] for v in by_layout.values() for b in v.split("+") if v != "none"})
+    return "+".join(ran) or "none", fallbacks, by_layout
 
 
 def main(argv=None) -> int:
@@ -161,7 +183,7 @@ def main(argv=None) -> int:
     facts = device_facts(device)
     # ComfyUI must be imported after its flags are set; the stock flag needs the resolved back-end,
     # and kernels/ has no ComfyUI import, so it can be asked first.
-    kernels = pack.kernels()
+    kernels = pack_kernels()
     backend_first = resolve_backend(kernels, args.backend, device)
     out = args.out or default_out(facts, backend_first)
     report = Report(out)
@@ -217,7 +239,7 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
     block_indices = sorted({0, (n_blocks - 1) // 2, n_blocks - 1})  # 0, 24, 49 for the full model
     clones, summaries = {}, {}
     for layout in layouts:
-        clones[layout], summaries[layout] = pack.patch_model(base, layout, args.backend, patch_refiner=True)
+        clones[layout], summaries[layout] = patch_model(base, layout, args.backend, patch_refiner=True)
     static = {k: v for k, v in summaries[layouts[0]].items() if k not in ("report", "backends_here", "layout")}
     report.update(
         model={"source": source, "class": type(dm).__name__, "config": config, "dtype": str(dm.dtype),
@@ -299,7 +321,8 @@ def run_sections(args, bench: sec.Bench, kernels, backend: str, report: Report) 
 def finish(args, bench, report: Report, out: Path) -> None:
     data = report.data
     if bench is not None:
-        data["attention"], data["attention_fallbacks"] = backends_that_ran(bench.summaries)
+        data["attention"], data["attention_fallbacks"], by_layout = backends_that_ran(bench.summaries)
+        data["attention_by_variant"] = dict(by_layout, stock=data.get("stock_attention", "-"))
         try:
             sec.ensure_stock_loaded(bench)  # ComfyUI unpatches the last sampled clone when stock loads
             left = sec.patches_left_behind(bench.diffusion_model)
@@ -330,7 +353,12 @@ def finish(args, bench, report: Report, out: Path) -> None:
     if bench is not None:
         release(bench)
     print()
-    print(text_table(data))
+    if args.device == "cpu":
+        # a CPU proves the dataflow (same latents, which kernel ran), not the pack's speed
+        print(correctness_table(data))
+        print("(CPU run: timings in the report are not the pack's speed; GPU results are in README.md)")
+    else:
+        print(text_table(data))
     if data["errors"]:
         print("errors in: " + ", ".join(data["errors"]))
     print(f"report: {out}")

@@ -24,6 +24,7 @@ import time
 import torch
 
 from devkit.pack import kernels as _kernels
+from devkit.rope import make_rope_table
 
 kernels = _kernels()
 AUTO_ORDER, BACKENDS = kernels.AUTO_ORDER, kernels.BACKENDS
@@ -36,9 +37,7 @@ LAYOUTS = ("hnd", "strided_nhd")
 def make_inputs(seq, heads, head_dim, rot_dim, device, dtype, seed):
     g = torch.Generator(device="cpu").manual_seed(seed)
     qkv = torch.randn(seq, 3 * heads * head_dim, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
-    angles = torch.rand(seq, rot_dim // 2, generator=g, dtype=torch.float32) * 6.283
-    c, s = angles.cos(), angles.sin()
-    table = torch.stack([c, -s, s, c], -1).reshape(1, seq, 1, rot_dim // 2, 2, 2).to(device=device, dtype=dtype)
+    table = make_rope_table(seq, rot_dim, dtype=dtype, device=device, generator=g)
     qw = (1 + 0.1 * torch.randn(head_dim, generator=g)).to(device=device, dtype=dtype)
     kw = (1 + 0.1 * torch.randn(head_dim, generator=g)).to(device=device, dtype=dtype)
     return qkv, table, qw, kw

@@ -120,3 +120,27 @@ def markdown_table(data: dict) -> str:
     out = ["| " + " | ".join(HEADER) + " |", "|" + "|".join("---" for _ in HEADER) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)
+
+
+def correctness_table(data: dict) -> str:
+    """What a run on any machine proves, without timings: per variant, the back-end that ran and the
+    sampled checksums, and whether the outputs are equal (for the first-run summary on a CPU)."""
+    sampling = data.get("sampling_2_step") or data.get("sampling_12_step") or {}
+    ran = data.get("attention_by_variant") or {}
+    rows = [("variant", "attention that ran", "video checksum", "audio checksum")]
+    for name in ("stock", "hnd", "strided_nhd"):
+        sums = sampling.get(f"{name}_checksums")
+        if sums is None:
+            continue
+        rows.append((name, ran.get(name, "-"), f"{sums[0]:.6g}", f"{sums[1]:.6g}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    verdicts = []
+    if "identical_video_and_audio" in sampling:
+        verdicts.append("hnd vs strided_nhd: " + ("identical latents" if sampling["identical_video_and_audio"]
+                                                  else f"DIFFER (max abs {sampling['max_abs_difference']})"))
+    for key, value in sampling.items():
+        if key.startswith("stock_vs_") and key.endswith("_identical"):
+            verdicts.append(f"stock vs {key[9:-10]}: " + ("identical latents" if value else "DIFFER"))
+    return "\n".join(lines + verdicts)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from . import measure
-from .h3_model import packed_token_count
+from devkit.h3 import packed_token_count
 
 SAMPLER = "res_multistep"
 SCHEDULER = "simple"

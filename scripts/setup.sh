@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Set up the pack's development environment and run the main job.
 #
-#   bash scripts/setup.sh            # .venv + dependencies + ComfyUI host, then the attention benchmark
+#   bash scripts/setup.sh            # .venv + dependencies + ComfyUI host, then the main job
 #   bash scripts/setup.sh --no-run   # set up only
 #
-# The benchmark runs at the real H3 attention shape on a CUDA GPU, and as a small smoke run on CPU.
+# The main job samples MiniMax H3 through ComfyUI's own nodes with the pack's node in both layouts
+# (and stock attention beside them) and prints which attention ran and whether the latents agree:
+# the full-size model on a CUDA GPU with room for it (~80 GB), a tiny random-weight H3 elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

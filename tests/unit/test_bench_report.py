@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import measure, results_table, schema
-from benchmarks.h3_model import FULL_H3, packed_token_count
+from devkit.h3 import FULL_H3, packed_token_count
 from benchmarks.h3_reference_run import REFERENCE_COPY, _section, parse_args
 from benchmarks.report import Report, markdown_table, text_table
 from benchmarks.sections import sampling_order

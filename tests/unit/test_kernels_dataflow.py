@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from comfyui_sage_strided_nhd import kernels
-from conftest import make_rope_table
+from devkit.rope import make_rope_table
 
 
 def fused_inputs(seq, heads, head_dim, rot_dim, gen, dtype=torch.bfloat16):

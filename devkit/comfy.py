@@ -1,8 +1,8 @@
-"""Find a ComfyUI source tree and import it the way the benchmark needs it.
+"""Find a ComfyUI source tree ("host") and import it in this process (tests and benchmarks).
 
 ComfyUI picks its stock attention function when ``comfy.ldm.modules.attention`` is first
-imported, from its command-line flags. The benchmark never runs ComfyUI's ``main.py``, so it
-sets those flags on ``comfy.cli_args.args`` itself, before anything imports ``comfy``.
+imported, from its command-line flags. Neither tests nor benchmarks run ComfyUI's ``main.py``
+in-process, so the flags are set on ``comfy.cli_args.args`` here, before anything imports ``comfy``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[1]  # devkit/ sits in the repo root
 
 # Stock ComfyUI attention that runs the same kernel as each of the pack's back-ends.
 STOCK_FLAG_FOR_BACKEND = {
@@ -27,7 +27,17 @@ class NoComfyUIHost(RuntimeError):
 
 
 def is_comfyui_tree(path: Path) -> bool:
-    return (path / "comfy" / "ldm" / "minimax" / "model.py").is_file() and (path / "comfy_extras").is_dir()
+    """A ComfyUI checkout with MiniMax H3 (0.33 or later)."""
+    return ((path / "main.py").is_file() and (path / "comfy" / "ldm" / "minimax" / "model.py").is_file()
+            and (path / "comfy_extras").is_dir())
+
+
+def find_host() -> Path | None:
+    """The ComfyUI host, or None: ``$COMFYUI_PATH``, else ``<repo>/.comfyui``."""
+    try:
+        return find_comfyui()
+    except NoComfyUIHost:
+        return None
 
 
 def find_comfyui(explicit: str | None = None) -> Path:
@@ -51,10 +61,15 @@ def import_comfyui(root: Path, *, cpu: bool, stock_flag: str | None, extra_flags
     """Put ``root`` first on sys.path, set ComfyUI's flags, import comfy. Returns the flags set.
 
     ComfyUI's own top-level ``nodes`` module must win over this pack's ``nodes/`` package, so the
-    ComfyUI root goes in front of the repo root.
+    ComfyUI root goes in front of the repo root. Calling it again with the same flags is a no-op.
     """
+    global _imported, _flags
+    if _imported is not None:
+        if _imported != (root, cpu, stock_flag):
+            raise RuntimeError(f"ComfyUI is already imported here as {_imported}; one process, one set of flags")
+        return _flags
     if "comfy" in sys.modules:
-        raise RuntimeError("comfy was imported before its flags were set; import benchmarks.comfy_host first")
+        raise RuntimeError("comfy was imported before its flags were set; call devkit.comfy.import_comfyui first")
     if "nodes" in sys.modules and not hasattr(sys.modules["nodes"], "NODE_CLASS_MAPPINGS"):
         raise RuntimeError("this pack's nodes/ package shadows ComfyUI's nodes module in this interpreter")
     sys.path.insert(0, str(root))
@@ -75,7 +90,12 @@ def import_comfyui(root: Path, *, cpu: bool, stock_flag: str | None, extra_flags
     import comfy.utils
     comfy.utils.PROGRESS_BAR_ENABLED = False  # the benchmark prints its own per-step progress
     _import_server_module()
+    _imported, _flags = (root, cpu, stock_flag), flags
     return flags
+
+
+_imported = None
+_flags = None
 
 
 def _import_server_module() -> None:

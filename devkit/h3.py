@@ -1,4 +1,4 @@
-"""ComfyUI's MiniMax H3 model for the benchmark: a real checkpoint, or random weights.
+"""ComfyUI's MiniMax H3 (and a tiny Wan) for tests and benchmarks: a real checkpoint, or random weights.
 
 Random weights are drawn straight on the target device (no 38 GB state dict in host memory),
 scaled by 1/sqrt(fan_in) so activations stay O(1) through all blocks. Timing and memory of the
@@ -22,13 +22,11 @@ FULL_H3 = {
     "rope_inv_freq_len": 16,
 }
 
-# A few-block, narrow H3 for CPU tests: same code paths, tiny shapes (head_dim 64 keeps GPU kernels usable).
+# A two-block, narrow H3 for CPU tests and the first-run job: same code paths, tiny shapes.
 TINY_H3 = {
-    "hidden_size": 128, "num_layers": 3, "token_refiner_num_layers": 1,
-    "num_attention_heads": 2, "attention_head_dim": 64, "ffn_hidden_size": 256,
-    "latents_dim": 24, "audio_latents_dim": 32, "text_dim": 96,
-    "timestep_input_dim": 32, "time_embed_hidden_size": 128, "time_embed_dim": 64,
-    "rope_inv_freq_len": 8,
+    "hidden_size": 64, "num_layers": 2, "token_refiner_num_layers": 2, "num_attention_heads": 2,
+    "attention_head_dim": 32, "ffn_hidden_size": 128, "text_dim": 32, "timestep_input_dim": 256,
+    "time_embed_hidden_size": 64, "time_embed_dim": 32, "rope_inv_freq_len": 4,
 }
 
 ROPE_THETA = 10000.0
@@ -48,15 +46,21 @@ def packed_token_count(width: int, height: int, frames: int, text_tokens: int) -
 
 
 @torch.no_grad()
-def init_random_weights_(module: torch.nn.Module, seed: int) -> None:
-    """Fill every parameter in place: norms 1, biases 0, matrices N(0, 1/fan_in), rope real frequencies."""
+def init_random_weights_(module: torch.nn.Module, seed: int, norm_spread: float = 0.0) -> None:
+    """Fill every parameter in place: norms 1 (+ N(0, norm_spread)), biases 0, matrices N(0, 1/fan_in),
+    rope real frequencies. Tests use a norm spread so that a norm weight applied wrongly shows."""
     for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        if not tensor.is_floating_point():
+            continue
         gen = torch.Generator(device=tensor.device).manual_seed(seed + zlib.crc32(name.encode()))
         if name.endswith("inv_freq"):
             n = tensor.numel()
             tensor.copy_(1.0 / ROPE_THETA ** (torch.arange(n, dtype=torch.float64) / n))
         elif tensor.dim() == 1 and "norm" in name:
             tensor.fill_(1.0)
+            if norm_spread:
+                tensor.add_(torch.randn(tensor.shape, generator=gen, device=tensor.device, dtype=tensor.dtype),
+                            alpha=norm_spread)
         elif tensor.dim() == 1:
             tensor.zero_()
         else:
@@ -106,3 +110,46 @@ def random_conditioning(text_tokens: int, text_dim: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     states = torch.randn(1, text_tokens, text_dim, generator=gen, dtype=torch.float32)
     return [[states, {}]]
+
+
+# A tiny Wan 2.1 text-to-video model: a model that calls ComfyUI's optimized_attention (override path).
+TINY_WAN = {"model_type": "t2v", "dim": 128, "ffn_dim": 256, "num_heads": 1, "num_layers": 2, "in_dim": 16,
+            "out_dim": 16, "text_dim": 4096, "freq_dim": 256}
+
+
+def tiny_h3_model(seed: int = 0, config: dict = TINY_H3):
+    """A bare random-weight MiniMaxH3Model in fp32 on the CPU (needs ComfyUI imported)."""
+    import comfy.ldm.minimax.model as h3
+    import comfy.ops
+
+    model = h3.MiniMaxH3Model(**config, dtype=torch.float32, device="cpu", operations=comfy.ops.disable_weight_init)
+    init_random_weights_(model, seed, norm_spread=0.1)
+    return model.requires_grad_(False)  # ComfyUI runs inference; comfy-kitchen's in-place rope insists
+
+
+def tiny_wan_model(seed: int = 0):
+    import comfy.ldm.wan.model as wan
+    import comfy.ops
+
+    model = wan.WanModel(**TINY_WAN, dtype=torch.float32, device="cpu", operations=comfy.ops.disable_weight_init)
+    init_random_weights_(model, seed, norm_spread=0.1)
+    return model.requires_grad_(False)
+
+
+def patcher_for(diffusion_model):
+    """A CPU ModelPatcher around a bare diffusion model (what ModelPatcher patches lives under .diffusion_model)."""
+    import comfy.model_patcher
+
+    holder = torch.nn.Module()
+    holder.diffusion_model = diffusion_model
+    return comfy.model_patcher.ModelPatcher(holder, torch.device("cpu"), torch.device("cpu"))
+
+
+def write_checkpoint(model, path) -> None:
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
