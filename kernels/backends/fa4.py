@@ -1,0 +1,161 @@
+"""FlashAttention-4 (PyPI ``flash-attn-4``: ``flash_attn.cute``, CuTe DSL kernels compiled at first call).
+
+``flash_attn_func`` takes [B, S, H, D] tensors with any strides whose last dim is
+contiguous (its ``maybe_contiguous`` copies only when a pointer or a stride is not
+16-byte aligned, which the fused qkv views always are), so the pack's strided NHD
+views go in as they are and the output comes back as a fresh contiguous NHD tensor.
+HND input goes in as transposed views of the same kind.
+
+Arches: the interface dispatches on ``major*10 + minor`` // 10: 8.x -> the Sm80
+kernel (mma.sync + cp.async), 9.x -> Sm90 (wgmma + TMA), 10.x/11.x -> Sm100
+(tcgen05), 12.x -> Sm120 (Sm80 MMA with the small shared memory); anything else
+asserts. Head dims: multiples of 8, up to 256 on sm90, up to 128 or exactly 256 on
+sm100/110 (``_validate_head_dims``); the Sm80/Sm120 kernels have no check of their
+own and their shared memory is sized for <= 128, so this back-end offers them <= 128.
+
+Indexing: ``to_cute_tensor`` marks the layout dynamic with 64-bit strides
+(``from_dlpack(use_32bit_stride=False)``), and on sm90/sm100 Q, K, V and O move by
+TMA, whose descriptors take 64-bit addresses and byte strides < 2**40 with 32-bit
+coordinates per mode (a sequence length, not an offset). So no offset wraps at
+2**31: verified on an H200 (sm90) at 320,000 tokens of the fused buffer's views,
+offsets up to 6.9e9 elements (tests/gpu/test_fa4_gpu.py). On the arches we could not
+run, the back-end keeps the int32 rule (the chain splits heads into compact copies
+past 2**31), which costs copies but cannot be silently wrong.
+
+The first call of each kernel configuration JIT-compiles it (1.7 s for bf16 at
+head_dim 128 on an H200; importing ``flash_attn.cute`` takes another 6-7 s, once, in
+``available()``). The compile cache is keyed by dtype, head dims, tile sizes, arch and
+flags, not by sequence length or head count: measured, S = 37,810 compiled, then
+8,192, 37,900, 127, the HND layout, a new chain and the token-major call site did not
+(sm100 alone picks a second Q stage, so one more compile, for S <= 128). Every call
+that grew that cache is recorded in ``compile_events`` (``{"key", "seconds"}``) so a
+run report can say what compiled and for how long.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import time
+
+import torch
+
+from .base import INT32_MAX_OFFSET, YES, AttentionBackend, cuda_capability, no
+
+INSTALL_HINT = "pip install flash-attn-4"
+MODULE = "flash_attn.cute"
+
+# Compute-capability majors flash_attn.cute's forward dispatches (interface._flash_attn_fwd).
+SUPPORTED_MAJORS = (8, 9, 10, 11, 12)
+# Arches where 64-bit indexing past 2**31 was run and checked; elsewhere the int32 rule holds.
+VERIFIED_64BIT = {(9, 0)}
+# Without a readable compile cache, a call whose host time exceeds this is counted as a compile.
+COMPILE_SECONDS_THRESHOLD = 0.5
+
+
+def _installed() -> bool:
+    """Is ``flash_attn.cute`` importable, without importing it (importing takes seconds)?"""
+    if MODULE in sys.modules:
+        return sys.modules[MODULE] is not None  # None: imports of it are blocked
+    try:
+        return importlib.util.find_spec(MODULE) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def head_dim_rule(cap: tuple[int, int]) -> tuple[int, tuple[int, ...]]:
+    """(largest head_dim up to which every multiple of 8 is taken, extra sizes taken) on this arch."""
+    major = cap[0]
+    if major == 9:
+        return 256, ()
+    if major in (10, 11):
+        return 128, (256,)
+    return 128, ()
+
+
+def _compile_caches(module) -> list[tuple[str, dict]]:
+    """The in-memory JIT caches (name, dict) of flash_attn.cute's interface functions."""
+    interface = getattr(module, "interface", None) or sys.modules.get(f"{MODULE}.interface")
+    caches = []
+    for name, obj in sorted(vars(interface).items()) if interface is not None else ():
+        cache = getattr(getattr(obj, "compile_cache", None), "cache", None)
+        if callable(obj) and isinstance(cache, dict):
+            caches.append((name, cache))
+    return caches
+
+
+class Fa4Backend(AttentionBackend):
+    name = "fa4"
+    max_element_offset = None  # per arch in _check_available: None where 64-bit indexing was verified
+    row_block = 128  # the m/n tile on every arch (sm80/sm120 tile_n 64 divides it)
+    dtypes = (torch.float16, torch.bfloat16)
+    max_head_dim = 256
+    takes_mask = False
+
+    def __init__(self):
+        self.compile_events: list[dict] = []
+        self.import_seconds: float | None = None
+        self._func = None
+        self._caches: list[tuple[str, dict]] = []
+        self._cap: tuple[int, int] | None = None
+
+    def _check_available(self):
+        if not _installed():
+            return no(f"flash-attn-4 not installed ({INSTALL_HINT})")
+        cap = cuda_capability()
+        if cap is None:
+            return no("no CUDA device")
+        if cap[0] not in SUPPORTED_MAJORS:
+            return no(f"no fa4 kernel for compute capability {cap[0]}.{cap[1]}")
+        t0 = time.perf_counter()
+        try:
+            module = importlib.import_module(MODULE)
+            func = module.flash_attn_func
+        except Exception as exc:  # a broken cutlass-dsl runtime raises anything from ImportError to RuntimeError
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            return no(f"flash_attn.cute not importable ({type(exc).__name__}: {first_line})")
+        self.import_seconds = time.perf_counter() - t0
+        self._func = func
+        self._caches = _compile_caches(module)
+        self._cap = cap
+        if cap not in VERIFIED_64BIT:
+            self.max_element_offset = INT32_MAX_OFFSET
+        return YES
+
+    def _supports(self, q, k, v, *, layout, mask=None):
+        if layout not in ("NHD", "HND"):
+            return no(f"layout {layout!r} not supported")
+        head_dim = q.shape[-1]
+        cap = self._cap or cuda_capability() or (9, 0)
+        top, extra = head_dim_rule(cap)
+        if not (head_dim % 8 == 0 and (8 <= head_dim <= top or head_dim in extra)):
+            sizes = f"multiples of 8 up to {top}" + "".join(f" or {e}" for e in extra)
+            return no(f"head_dim {head_dim} not supported on compute capability {cap[0]}.{cap[1]} ({sizes})")
+        heads_dim = 2 if layout == "NHD" else 1
+        if q.shape[heads_dim] % k.shape[heads_dim]:
+            return no(f"{q.shape[heads_dim]} query heads do not group over {k.shape[heads_dim]} key heads")
+        return YES
+
+    def __call__(self, q, k, v, *, layout, scale=None, mask=None):
+        if layout == "HND":
+            out = self._run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale)
+            return out.transpose(1, 2)
+        return self._run(q, k, v, scale)
+
+    def _run(self, q, k, v, scale):
+        before = {name: len(cache) for name, cache in self._caches}
+        t0 = time.perf_counter()
+        out, _lse = self._func(q, k, v, softmax_scale=scale, causal=False)
+        seconds = time.perf_counter() - t0  # host time: the compile is synchronous, the kernel is not
+        grown = [(name, len(cache) - before.get(name, 0)) for name, cache in self._caches
+                 if len(cache) > before.get(name, 0)]
+        if grown or (not self._caches and seconds > COMPILE_SECONDS_THRESHOLD):
+            what = ", ".join(f"{name.lstrip('_')} x{n}" for name, n in grown) or "a kernel (timed)"
+            cap = self._cap or (0, 0)
+            self.compile_events.append({
+                "key": (f"{what}: {str(q.dtype).removeprefix('torch.')} head_dim {q.shape[-1]}, "
+                        f"sm{cap[0]}{cap[1]}, first seen at S={q.shape[1]}, {q.shape[2]} heads"),
+                "seconds": seconds,
+            })
+        return out
