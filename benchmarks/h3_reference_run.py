@@ -72,6 +72,12 @@ def parse_args(argv=None):
                    help=f"layouts to measure (default: ${LAYOUT_ENV} if set, else ab = both)")
     p.add_argument("--backend", default="auto", help="attention back-end of the patch: auto, sage2, sage1, "
                    "comfy_kitchen_int8, sdpa (stock ComfyUI runs the same kernel through its own flag)")
+    p.add_argument("--prep", default="exact", help="fast-path preparation mode of the layout variants "
+                   "(exact, fused, rotated; only where a back-end has a fast path)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=LAYOUT:BACKEND:PREP[:nofast]",
+                   help="an extra patched variant timed beside stock and the layouts in blocks and profiler, e.g. "
+                        "nhd_fused=strided_nhd:sage2:fused, sdpa=strided_nhd:sdpa:exact, today=strided_nhd:sage2:exact:nofast "
+                        "(nofast: the back-end's fast path switched off for that variant). Repeatable.")
     p.add_argument("--checkpoint", help="H3 diffusion-model checkpoint (default: random full-size weights)")
     p.add_argument("--comfyui", help="ComfyUI source tree (default: $COMFYUI_PATH, else ./.comfyui)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -105,11 +111,37 @@ def parse_args(argv=None):
     if args.skip_12_step and "sampling_12_step" in chosen:
         chosen.remove("sampling_12_step")
     args.sections = chosen
+    args.variants = [parse_variant(p, spec) for spec in args.variant]
     shape = (64, 64, 5, 8) if args.tiny else (1344, 768, 124, 100)
     for name, default in zip(("width", "height", "frames", "text_tokens"), shape):
         if getattr(args, name) is None:
             setattr(args, name, default)
     return args
+
+
+def parse_variant(parser, spec: str) -> dict:
+    name, _, rest = spec.partition("=")
+    parts = rest.split(":")
+    if not name or len(parts) not in (3, 4) or parts[0] not in LAYOUTS or (len(parts) == 4 and parts[3] != "nofast"):
+        parser.error(f"--variant {spec!r}: expected NAME=LAYOUT:BACKEND:PREP[:nofast], LAYOUT one of {LAYOUTS}")
+    if name in ("stock",) + LAYOUTS:
+        parser.error(f"--variant {spec!r}: the name {name!r} is taken")
+    return {"name": name, "layout": parts[0], "backend": parts[1], "prep": parts[2], "nofast": len(parts) == 4}
+
+
+def fast_path_off(backend):
+    """A context in which ``backend``'s fast path is switched off (the chain then calls it plainly)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def off():
+        before = getattr(backend, "fast_path_enabled", True)
+        backend.fast_path_enabled = False
+        try:
+            yield
+        finally:
+            backend.fast_path_enabled = before
+    return off
 
 
 def log(message: str) -> None:
@@ -144,7 +176,7 @@ def default_out(facts: dict, backend: str) -> Path:
     return Path("benchmarks/results") / f"h3-{slug}-{backend}.json"
 
 
-def patch_model(model_patcher, layout: str, backend: str, patch_refiner: bool = True):
+def patch_model(model_patcher, layout: str, backend: str, prep_mode: str = "exact", patch_refiner: bool = True):
     """A clone of ``model_patcher`` patched exactly as the node patches it: (clone, summary)."""
     import importlib
 
@@ -152,7 +184,8 @@ def patch_model(model_patcher, layout: str, backend: str, patch_refiner: bool = 
 
     import_pack()
     h3_patch = importlib.import_module(f"{PACK_MODULE}.nodes.h3_patch")
-    return h3_patch.patch_model(model_patcher, layout=layout, backend=backend, patch_refiner=patch_refiner)
+    return h3_patch.patch_model(model_patcher, layout=layout, backend=backend, patch_refiner=patch_refiner,
+                                prep_mode=prep_mode)
 
 
 def last_payload(report):
@@ -237,9 +270,14 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
     expected = h3_model.packed_token_count(args.width, args.height, args.frames, args.text_tokens)
     n_blocks = len(dm.blocks)
     block_indices = sorted({0, (n_blocks - 1) // 2, n_blocks - 1})  # 0, 24, 49 for the full model
-    clones, summaries = {}, {}
+    clones, summaries, extras, contexts = {}, {}, {}, {}
     for layout in layouts:
-        clones[layout], summaries[layout] = patch_model(base, layout, args.backend, patch_refiner=True)
+        clones[layout], summaries[layout] = patch_model(base, layout, args.backend, prep_mode=args.prep)
+    kernels = pack_kernels()
+    for v in args.variants:
+        extras[v["name"]], summaries[v["name"]] = patch_model(base, v["layout"], v["backend"], prep_mode=v["prep"])
+        if v["nofast"]:
+            contexts[v["name"]] = fast_path_off(kernels.BACKENDS[v["backend"]])
     static = {k: v for k, v in summaries[layouts[0]].items() if k not in ("report", "backends_here", "layout")}
     report.update(
         model={"source": source, "class": type(dm).__name__, "config": config, "dtype": str(dm.dtype),
@@ -254,7 +292,8 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
         })
     log(f"model ready in {build_seconds:.1f} s: {n_blocks} blocks, blocks timed {block_indices}, "
         f"expected packed tokens {expected['total']}")
-    return sec.Bench(device=device, base=base, clones=clones, summaries=summaries, conditioning=conditioning,
+    return sec.Bench(device=device, base=base, clones=clones, summaries=summaries, extras=extras, contexts=contexts,
+                     conditioning=conditioning,
                      width=args.width, height=args.height, frames=args.frames, seed=args.seed,
                      block_indices=block_indices, log=log)
 

@@ -2,7 +2,8 @@
 
     python -m benchmarks.isolated_attention --seq 8192 37810 --out report.json            # GPU, every available back-end
     python -m benchmarks.isolated_attention --device cpu --seq 64 256 --heads 4 --out r.json  # CPU smoke run (sdpa)
-    python -m benchmarks.isolated_attention --table r.json [--readme README.md]              # markdown table from a report
+
+The README's table is made from the JSON by ``python -m benchmarks.results_table``.
 
 One timed call is the whole attention of a block: views (or the baseline's copies)
 of a fused qkv buffer [S, 3*H*D], comfy-kitchen RMSNorm+RoPE in place, the
@@ -141,56 +142,11 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=440420)
     p.add_argument("--out", help="write the JSON report here")
-    p.add_argument("--table", metavar="JSON", help="print the markdown table of an existing report and exit")
-    p.add_argument("--readme", help="with --table: replace the README block between the kernels-table markers")
     return p.parse_args(argv)
-
-
-README_MARKERS = ("<!-- kernels-table:start -->", "<!-- kernels-table:end -->")
-
-
-def markdown_table(report) -> str:
-    env = report["environment"]
-    lines = [f"**{env['device']}** ({env.get('compute_capability', '')}), torch {env['torch']}, "
-             f"{report['heads']}x{report['head_dim']} heads {report['dtype']}.", "",
-             "| back-end | S | HND | strided NHD | speedup | max abs diff | peak extra HND -> NHD |",
-             "|---|---|---|---|---|---|---|"]
-    for name, rows in report["results"].items():
-        if "skipped" in rows:
-            lines.append(f"| {name} | - | skipped: {rows['skipped']} | | | | |")
-            continue
-        for seq, row in rows.items():
-            if "error" in row:
-                lines.append(f"| {name} | {int(seq):,} | error: {row['error']} | | | | |")
-                continue
-            peak = "-" if row["hnd_peak_extra_bytes"] is None else (
-                f"{row['hnd_peak_extra_bytes'] / 2**20:,.0f} -> {row['strided_nhd_peak_extra_bytes'] / 2**20:,.0f} MiB")
-            lines.append(f"| {name} | {int(seq):,} | {row['hnd_median_seconds'] * 1e3:.3f} ms | "
-                         f"{row['strided_nhd_median_seconds'] * 1e3:.3f} ms | {row['speedup']:.3f}x | "
-                         f"{row['max_abs_difference']:.3g} | {peak} |")
-    return "\n".join(lines)
-
-
-def write_readme_table(readme: str, table: str) -> None:
-    text = open(readme).read()
-    start, end = README_MARKERS
-    if start not in text or end not in text:
-        raise SystemExit(f"{readme} has no {start} ... {end} block")
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    with open(readme, "w") as f:
-        f.write(f"{head}{start}\n{table}\n{end}{tail}")
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.table:
-        with open(args.table) as f:
-            table = markdown_table(json.load(f))
-        if args.readme:
-            write_readme_table(args.readme, table)
-        print(table)
-        return None
     if args.rot_dim > args.head_dim or args.rot_dim % 2:
         sys.exit(f"--rot-dim must be even and at most --head-dim ({args.head_dim})")
     availability = describe_backends(args.device)

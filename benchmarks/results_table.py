@@ -1,10 +1,13 @@
-"""Markdown results table from benchmark JSONs (the README's table is made with this, never by hand).
+"""Markdown tables from benchmark JSONs: the README's tables are made with this, never by hand.
 
     python -m benchmarks.results_table benchmarks/results/h200-sage2.json
     python -m benchmarks.results_table benchmarks/results/*.json --readme README.md
 
-With ``--readme`` the text between ``<!-- results-table:start -->`` and ``<!-- results-table:end -->``
-in that file is replaced (the markers must already be there); otherwise the table is printed.
+Reference-run reports (``benchmarks.h3_reference_run``) fill the block between
+``<!-- results-table:start -->`` and ``<!-- results-table:end -->``; isolated-attention reports
+(``benchmarks.isolated_attention``) the block between ``<!-- kernels-table:start -->`` and
+``<!-- kernels-table:end -->``. With ``--readme`` those blocks are replaced (the markers must already
+be there); otherwise the tables are printed.
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ from pathlib import Path
 
 from .report import markdown_table
 
-START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
+MARKERS = {"results": ("<!-- results-table:start -->", "<!-- results-table:end -->"),
+           "kernels": ("<!-- kernels-table:start -->", "<!-- kernels-table:end -->")}
+
+
+def report_kind(data: dict) -> str:
+    """``kernels`` for an isolated-attention report, ``results`` for a reference-run report."""
+    return "kernels" if "results" in data and "heads" in data else "results"
+
 
 
 def _gib(n) -> str:
@@ -76,6 +86,8 @@ def validation_lines(data: dict) -> list[str]:
 
 def section_markdown(path: Path) -> str:
     data = json.loads(path.read_text())
+    if report_kind(data) == "kernels":
+        return kernels_markdown(data) + "\n"
     parts = [describe_run(data, path.as_posix()), "", markdown_table(data), ""]
     parts += memory_lines(data)
     parts += validation_lines(data)
@@ -87,11 +99,37 @@ def section_markdown(path: Path) -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
-def replace_between_markers(text: str, block: str) -> str:
-    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
+KERNELS_HEADER = ["| back-end | S | HND | strided NHD | speedup | max abs diff | peak extra HND -> NHD |",
+                  "|---|---|---|---|---|---|---|"]
+
+
+def kernels_markdown(report: dict) -> str:
+    """The isolated-attention table: per back-end and S, HND vs strided NHD."""
+    env = report["environment"]
+    lines = [f"**{env['device']}** ({env.get('compute_capability', '')}), torch {env['torch']}, "
+             f"{report['heads']}x{report['head_dim']} heads {report['dtype']}.", "", *KERNELS_HEADER]
+    for name, rows in report["results"].items():
+        if "skipped" in rows:
+            lines.append(f"| {name} | - | skipped: {rows['skipped']} | | | | |")
+            continue
+        for seq, row in rows.items():
+            if "error" in row:
+                lines.append(f"| {name} | {int(seq):,} | error: {row['error']} | | | | |")
+                continue
+            peak = "-" if row["hnd_peak_extra_bytes"] is None else (
+                f"{row['hnd_peak_extra_bytes'] / 2**20:,.0f} -> {row['strided_nhd_peak_extra_bytes'] / 2**20:,.0f} MiB")
+            lines.append(f"| {name} | {int(seq):,} | {row['hnd_median_seconds'] * 1e3:.3f} ms | "
+                         f"{row['strided_nhd_median_seconds'] * 1e3:.3f} ms | {row['speedup']:.3f}x | "
+                         f"{row['max_abs_difference']:.3g} | {peak} |")
+    return "\n".join(lines)
+
+
+def replace_between_markers(text: str, block: str, kind: str = "results") -> str:
+    start, end = MARKERS[kind]
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
     if not pattern.search(text):
-        raise ValueError(f"no {START} ... {END} markers in the file")
-    return pattern.sub(lambda _: f"{START}\n{block.rstrip()}\n{END}", text, count=1)
+        raise ValueError(f"no {start} ... {end} markers in the file")
+    return pattern.sub(lambda _: f"{start}\n{block.rstrip()}\n{end}", text, count=1)
 
 
 def main(argv=None) -> int:
@@ -99,12 +137,17 @@ def main(argv=None) -> int:
     parser.add_argument("json", nargs="+", type=Path)
     parser.add_argument("--readme", type=Path, help="file whose results-table markers to fill")
     args = parser.parse_args(argv)
-    block = "\n".join(section_markdown(p) for p in args.json)
+    blocks: dict[str, list[str]] = {}
+    for path in args.json:
+        blocks.setdefault(report_kind(json.loads(path.read_text())), []).append(section_markdown(path))
     if args.readme:
-        args.readme.write_text(replace_between_markers(args.readme.read_text(), block))
-        print(f"updated {args.readme}")
+        text = args.readme.read_text()
+        for kind, parts in blocks.items():
+            text = replace_between_markers(text, "\n".join(parts), kind)
+        args.readme.write_text(text)
+        print(f"updated {args.readme}: {', '.join(f'{k}-table' for k in blocks)}")
     else:
-        print(block)
+        print("\n".join(part for parts in blocks.values() for part in parts))
     return 0
 
 

@@ -5,7 +5,9 @@ the dict for its report section; the runner writes the report after each one. Va
 
 - ``stock``: the unpatched model (ComfyUI's own attention: HND views, ``v.clone()``, output copy),
 - ``hnd``: this pack's patch with the reference baseline layout (contiguous HND copies),
-- ``strided_nhd``: this pack's patch with the strided NHD dataflow.
+- ``strided_nhd``: this pack's patch with the strided NHD dataflow,
+- extra named variants (``--variant NAME=LAYOUT:BACKEND:PREP[:nofast]``): the same patch with
+  another back-end or fast-path preparation mode, side by side with the three above.
 """
 
 from __future__ import annotations
@@ -42,10 +44,17 @@ class Bench:
     latent_source: str = ""
     sampling_warmed: bool = False
     outputs_finite: dict[str, bool] = field(default_factory=dict)
+    extras: dict[str, object] = field(default_factory=dict)   # name -> patched clone of another setting
+    contexts: dict[str, Callable] = field(default_factory=dict)  # name -> context to run that variant in
 
     @property
     def layouts(self) -> list[str]:
         return list(self.clones)
+
+    def entered(self, name: str):
+        """The context a variant's calls run in (e.g. the sage2 fast path switched off)."""
+        factory = self.contexts.get(name)
+        return factory() if factory else contextlib.nullcontext()
 
     @property
     def diffusion_model(self):
@@ -54,6 +63,7 @@ class Bench:
     def variants(self, with_stock: bool) -> dict[str, object]:
         out = {"stock": self.base} if with_stock else {}
         out.update(self.clones)
+        out.update(self.extras)
         return out
 
 
@@ -147,7 +157,7 @@ def capture_block_inputs(bench: Bench) -> dict:
             "outputs_finite": bench.outputs_finite["stock forward"]}
 
 
-def _block_call(bench: Bench, patcher, index: int) -> Callable:
+def _block_call(bench: Bench, patcher, index: int, name: str = "") -> Callable:
     """``run(meter)``: one forward of block ``index`` with ``patcher``'s patches, on a fresh copy of its
     captured input, measured by ``meter(fn, device)`` (``measure.timed`` or ``measure.peak_extra_bytes``).
     The input copy is made before the meter starts."""
@@ -155,7 +165,7 @@ def _block_call(bench: Bench, patcher, index: int) -> Callable:
     transformer_options = patcher.model_options.get("transformer_options", {})
 
     def run(meter=measure.timed):
-        with object_patches_applied(patcher) as dm:
+        with object_patches_applied(patcher) as dm, bench.entered(name):
             block = dm.blocks[index]
             x = x0.clone()  # blocks update their input in place
             return meter(lambda: block(x, t_emb, segments, rope, transformer_options=transformer_options),
@@ -222,7 +232,7 @@ def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool) -> list[
     results = []
     for index in bench.block_indices:
         bench.log(f"  block {index}: {', '.join(variants)}")
-        runners = {name: _block_call(bench, p, index) for name, p in variants.items()}
+        runners = {name: _block_call(bench, p, index, name) for name, p in variants.items()}
         times = measure.interleaved_times({n: (lambda r=r: r()[0]) for n, r in runners.items()}, reps, warmup,
                                           progress=lambda m: bench.log(f"    {m}"))
         outputs, peaks = {}, {}
@@ -242,7 +252,7 @@ def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool) -> list[
             row["max_abs_difference"] = diff["max_abs_difference"]
             row["bit_exact"] = diff["bit_exact"]
         if "stock" in outputs:
-            for layout in bench.layouts:
+            for layout in [n for n in outputs if n != "stock"]:
                 diff = measure.max_abs_difference(outputs["stock"], outputs[layout])
                 row[f"stock_vs_{layout}_max_abs_difference"] = diff["max_abs_difference"]
                 row[f"stock_vs_{layout}_bit_exact"] = diff["bit_exact"]
@@ -264,7 +274,7 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
     counts = {}
     for name, patcher in bench.variants(with_stock).items():
         transformer_options = patcher.model_options.get("transformer_options", {})
-        with object_patches_applied(patcher) as dm:
+        with object_patches_applied(patcher) as dm, bench.entered(name):
             block = dm.blocks[index]
             inputs = [x0.clone(), x0.clone()]  # one for the warm call, one for the profiled call
             counts[name] = measure.profile_kernels(
@@ -285,7 +295,7 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
         result["added_kernels"] = delta["added"]
         result["large_bf16_layout_copy_instances_after"] = counts["strided_nhd"]["large_copy_ops"]
     if "stock" in counts:
-        for layout in bench.layouts:
+        for layout in [n for n in counts if n != "stock"]:
             st, lt = counts["stock"]["kernel_launches"], counts[layout]["kernel_launches"]
             result[f"stock_minus_{layout}_kernel_launches"] = None if st is None else st - lt
     result["kernels"] = {n: c["kernels"] for n, c in counts.items()}
@@ -366,11 +376,10 @@ def run_sampling(bench: Bench, patcher, steps: int, label: str, shape=None, quie
 
 def sampling(bench: Bench, steps: int, reps: int, with_stock: bool) -> dict:
     """``steps``-step sampling per layout (ABBA order), checksums and peak memory compared."""
-    order = sampling_order(bench.layouts, reps)
+    sampled = bench.layouts + (["stock"] if with_stock else [])
+    order = sampling_order(sampled, reps)  # stock interleaved with the layouts, so ratios to it hold too
     runs, latents = [], {}
-    variants = bench.variants(with_stock)
-    if with_stock:
-        order = order + ["stock"]
+    variants = {name: bench.variants(with_stock)[name] for name in sampled}
     warm_sampling(bench, variants)
     for i, name in enumerate(order):
         label = f"{steps}-step {name} run {i + 1}/{len(order)}"
@@ -415,6 +424,7 @@ def sampling(bench: Bench, steps: int, reps: int, with_stock: bool) -> dict:
     if "stock" in latents and main in latents:
         diffs = [measure.max_abs_difference(a, b) for a, b in zip(latents["stock"], latents[main])]
         result[f"stock_vs_{main}_identical"] = all(d["bit_exact"] for d in diffs)
+        result[f"stock_over_{main}"] = measure.speedup(result["stock_seconds"], result[f"{main}_seconds"])
     return result
 
 

@@ -114,6 +114,8 @@ class BackendChain:
         """
         for backend, skipped in self.candidates(q, k, v, layout=layout):
             check = getattr(backend, "fast_path_verdict", None)
+            if check is not None and not getattr(backend, "fast_path_enabled", True):
+                return None, skipped, f"{backend.name} fast path switched off"
             if check is None:
                 return None, skipped, ""  # nothing to report: this back-end has no fast path at all
             verdict = check(q, k, v, layout=layout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from benchmarks import isolated_attention as bench
+from benchmarks import results_table
 
 
 def test_bench_cpu_smoke_run_writes_the_reference_fields(tmp_path, capsys):
@@ -28,7 +29,7 @@ def test_bench_table_is_generated_into_the_readme_block(tmp_path):
                 "--reps", "1", "--warmup", "0", "--out", str(report)])
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- kernels-table:start -->\nold\n<!-- kernels-table:end -->\noutro\n")
-    bench.main(["--table", str(report), "--readme", str(readme)])
+    results_table.main([str(report), "--readme", str(readme)])
     text = readme.read_text()
     assert "old" not in text and text.startswith("intro\n") and text.endswith("outro\n")
     assert "| sdpa | 24 |" in text and "peak extra HND -> NHD" in text
