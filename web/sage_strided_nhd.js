@@ -1,16 +1,39 @@
 // ComfyUI frontend extension for the Sage Strided NHD Attention node:
-//  - a status line on the node saying which layout and attention back-end actually ran, any
-//    fallbacks with their reasons, and how many copies per block the layout avoided;
-//  - a setting for the back-end that newly added nodes start with.
-// The status line is cleared when a run starts and filled from the report the node sends.
-// Server text is only ever written with textContent.
+//  - a status box on the node saying which layout and attention back-end actually ran, any
+//    fallbacks and skips with their reasons, and how many copies per block the layout avoided;
+//  - a setting for the back-end that newly added nodes start with;
+//  - the pack's templates listed in natural order in the template browser.
+// The status box has a fixed height (STATUS_VISIBLE_LINES lines, a typical run fits), so the node
+// never grows when a report arrives and the bundled workflows keep their layout; a longer report
+// scrolls inside the box, and the whole text is also the box's tooltip. Nothing is cut off.
+// The box is cleared when a run starts and filled from the report the node sends.
+// Server text is only ever written with textContent (and the title attribute).
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { BACKEND_CHOICES, NODE_TYPE, REPORT_EVENT, formatReport, pickNodeForReport } from "./report_text.js";
+import {
+  BACKEND_CHOICES, NODE_TYPE, REPORT_EVENT, STATUS_VISIBLE_LINES, formatReport, pickNodeForReport, reportState,
+  sortOurTemplates,
+} from "./report_text.js";
 
 const SETTING_DEFAULT_BACKEND = "SageStridedNHD.DefaultBackend";
 const STATUS_WIDGET = "sage_nhd_status";
+const LINE_PX = 15;
+const PAD_PX = 4;
+const MARGIN_PX = 6; // around the box, inside the node (the frontend's default is 10)
+// The widget's height on the node, the same for every report: the node's size never depends on it.
+// (no bottom padding, so the last visible line is a whole one)
+const STATUS_BOX_PX = STATUS_VISIBLE_LINES * LINE_PX + PAD_PX;
+const STATE_COLOURS = { report: "#4a4", fallback: "#c93", interrupted: "#c93", failed: "#c44", no_calls: "#c93" };
+
+// The template browser lists a pack's workflows in the server's directory order: list ours in natural
+// order ("2 steps" before "12 steps", HND beside strided NHD). Only this pack's list is touched.
+if (typeof api.getWorkflowTemplates === "function" && !api.getWorkflowTemplates.sageNhdSorted) {
+  const listTemplates = api.getWorkflowTemplates.bind(api);
+  const sorted = async (...args) => sortOurTemplates(await listTemplates(...args));
+  sorted.sageNhdSorted = true;
+  api.getWorkflowTemplates = sorted;
+}
 
 function settingValue(id) {
   const settings = app.extensionManager?.setting;
@@ -32,24 +55,33 @@ function statusElement(node) {
   el.className = "sage-nhd-status";
   el.dataset.state = "idle";
   Object.assign(el.style, {
+    boxSizing: "border-box",
+    height: "100%", // of the frame the frontend sizes from getMinHeight/getMaxHeight below
     whiteSpace: "pre-wrap",
+    overflowWrap: "anywhere",
     fontFamily: "monospace",
     fontSize: "11px",
-    lineHeight: "1.35",
-    padding: "4px 6px",
+    lineHeight: `${LINE_PX}px`,
+    padding: `${PAD_PX}px 6px 0 6px`,
     borderRadius: "4px",
     background: "rgba(0, 0, 0, 0.25)",
     color: "var(--input-text, #ddd)",
-    overflow: "hidden",
-    pointerEvents: "none",
+    // a long report scrolls inside the box (wheel or scrollbar); the text can be selected and copied
+    overflowX: "hidden",
+    overflowY: "auto",
+    scrollbarWidth: "thin",
+    userSelect: "text",
+    pointerEvents: "auto",
   });
   const widget = node.addDOMWidget(STATUS_WIDGET, "sage_nhd_status", el, {
     serialize: false,
     hideOnZoom: false,
     getValue: () => el.textContent,
     setValue: () => {},
-    // room for every line plus two wrapped ones, so nothing is cut off on a narrow node
-    getMinHeight: () => 15 * ((Number(el.dataset.lines) || 1) + 2) + 12,
+    margin: MARGIN_PX,
+    // fixed: the node keeps its size whatever the report says
+    getMinHeight: () => STATUS_BOX_PX + 2 * MARGIN_PX,
+    getMaxHeight: () => STATUS_BOX_PX + 2 * MARGIN_PX,
   });
   // Not an input of the node: never saved into the workflow, never sent with the prompt.
   widget.serialize = false;
@@ -58,13 +90,29 @@ function statusElement(node) {
 
 function showStatus(node, state, lines) {
   const el = statusElement(node);
+  const body = lines.join("\n");
   el.dataset.state = state;
-  el.textContent = lines.join("\n");
   el.dataset.lines = String(lines.length);
-  el.style.borderLeft = `3px solid ${state === "report" ? "#4a4" : state === "fallback" ? "#c93" : "#666"}`;
-  const needed = node.computeSize?.();
-  if (needed && node.size && needed[1] > node.size[1]) node.setSize?.([node.size[0], needed[1]]);
+  el.textContent = body;
+  el.title = body; // the whole report on hover, whatever the box shows
+  el.scrollTop = 0;
+  el.style.borderLeft = `3px solid ${STATE_COLOURS[state] ?? "#666"}`;
+  markOverflow(el);
   node.setDirtyCanvas?.(true, true);
+}
+
+// A soft edge at the bottom of the box while more lines are below (scroll, or hover for all).
+function markOverflow(el) {
+  const update = () => {
+    const more = el.scrollHeight - el.scrollTop - el.clientHeight > 1;
+    el.dataset.more = more ? "1" : "0";
+    el.style.boxShadow = more ? "inset 0 -12px 8px -8px rgba(255, 255, 255, 0.28)" : "none";
+  };
+  if (!el.dataset.overflowWatched) {
+    el.dataset.overflowWatched = "1";
+    el.addEventListener("scroll", update, { passive: true });
+  }
+  requestAnimationFrame(update);
 }
 
 function onReport(event) {
@@ -74,8 +122,7 @@ function onReport(event) {
   const node = pickNodeForReport(report.node_id, byId, nodes);
   if (!node) return;
   node.sageNhdLastReport = report;
-  const state = Array.isArray(report.fallbacks) && report.fallbacks.length ? "fallback" : "report";
-  showStatus(node, state, formatReport(report));
+  showStatus(node, reportState(report), formatReport(report));
 }
 
 function onRunStart() {

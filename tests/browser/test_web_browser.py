@@ -2,14 +2,16 @@
 against a real ComfyUI server with the pack installed. The checks themselves are in
 tests/browser/ui_test.mjs; screenshots and results.json land in test-artifacts/browser/.
 
-Skipped, with the reason, when Chromium, node or the npm packages (``npm ci`` in tests/browser) are
-missing, or when there is no ComfyUI host.
+Without Chromium, node or the npm packages (``npm ci`` in tests/browser), or without a ComfyUI host:
+skipped with the reason, except under CI (``CI=true``), where that is a failure with the reason:
+the browser test is the proof that the node's status reads cleanly in the real frontend.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,14 +26,25 @@ ARTIFACTS = ROOT / "test-artifacts" / "browser"
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 
 
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def missing(reason: str):
+    """A missing tool: a failure under CI, a skip elsewhere."""
+    if in_ci():
+        pytest.fail(f"CI=true and the browser test cannot run: {reason}")
+    pytest.skip(reason)
+
+
 def browser_tools_or_skip() -> str:
     node = shutil.which("node")
     if node is None:
-        pytest.skip("node is not installed (apt-get install nodejs)")
+        missing("node is not installed (apt-get install nodejs)")
     if not Path(CHROMIUM).exists():
-        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)")
+        missing(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set CHROMIUM)")
     if not (BROWSER_DIR / "node_modules" / "playwright-core").is_dir():
-        pytest.skip("playwright-core is not installed: run `npm ci` in tests/browser")
+        missing("playwright-core is not installed: run `npm ci` in tests/browser")
     return node
 
 
@@ -51,3 +64,7 @@ def test_extension_in_headless_chromium(comfy_server, tmp_path):
     results = json.loads((ARTIFACTS / "results.json").read_text())
     assert results["checks"] and all(c["ok"] for c in results["checks"])
     assert (ARTIFACTS / "after-run.png").stat().st_size > 10_000
+    # one screenshot per bundled workflow, with the longest report on the node
+    for wf in sorted((ROOT / "workflows").glob("*.json")):
+        shot = ARTIFACTS / f"workflow-{re.sub(r'[^a-z0-9]+', '-', wf.stem.lower()).strip('-')}.png"
+        assert shot.is_file() and shot.stat().st_size > 10_000, f"no screenshot {shot.name}"

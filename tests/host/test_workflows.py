@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -18,7 +19,16 @@ from host_fixtures import comfy_server  # noqa: F401  (fixture)
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / "workflows"
 API_DIR = WORKFLOWS / "api"
-NAME = re.compile(r"^minimax_h3_t2v_(?P<steps>\d+)step_(?P<layout>strided_nhd|hnd)$")
+# ComfyUI 0.33's template browser shows a custom node's template by its file name alone (as the
+# card title, one line), so the names read as titles: "MiniMax H3 - 2 steps - strided NHD".
+NAME = re.compile(r"^MiniMax H3 - (?P<steps>\d+) steps - (?P<layout>strided NHD|HND)$")
+LAYOUT_OF = {"strided NHD": "strided_nhd", "HND": "hnd"}
+LAYOUT_NAME = {v: k for k, v in LAYOUT_OF.items()}
+
+
+def workflow_name(steps: int, layout: str) -> str:
+    """The file stem of the bundled workflow for ``steps`` and ``layout`` ("strided_nhd" | "hnd")."""
+    return f"MiniMax H3 - {steps} steps - {LAYOUT_NAME[layout]}"
 
 OUR_NODE = "SageStridedNHDAttention"
 FRONTEND_ONLY = {"MarkdownNote", "Note", "PrimitiveNode", "Reroute"}
@@ -50,8 +60,8 @@ def load(path: Path) -> dict:
 
 def parse_name(path: Path) -> tuple[int, str]:
     m = NAME.match(path.stem)
-    assert m, f"{path.name}: name must say steps and layout, like minimax_h3_t2v_12step_strided_nhd.json"
-    return int(m["steps"]), m["layout"]
+    assert m, f"{path.name}: name must say steps and layout, like 'MiniMax H3 - 12 steps - strided NHD.json'"
+    return int(m["steps"]), LAYOUT_OF[m["layout"]]
 
 
 def api_nodes_of(api: dict, class_type: str) -> list[dict]:
@@ -110,8 +120,8 @@ def test_api_workflow_puts_our_node_between_loader_and_guider_and_scheduler(path
 
 def test_ab_twins_differ_only_in_layout_and_output_name():
     for steps in (2, 12):
-        a = load(API_DIR / f"minimax_h3_t2v_{steps}step_strided_nhd.json")
-        b = load(API_DIR / f"minimax_h3_t2v_{steps}step_hnd.json")
+        a = load(API_DIR / f"{workflow_name(steps, 'strided_nhd')}.json")
+        b = load(API_DIR / f"{workflow_name(steps, 'hnd')}.json")
         assert a.keys() == b.keys()
         diffs = sorted((a[k]["class_type"], name) for k in a for name in a[k]["inputs"]
                        if a[k]["inputs"][name] != b[k]["inputs"].get(name))
@@ -121,8 +131,8 @@ def test_ab_twins_differ_only_in_layout_and_output_name():
 
 def test_2_and_12_step_runs_differ_only_in_steps_and_output_name():
     for layout in ("strided_nhd", "hnd"):
-        a = load(API_DIR / f"minimax_h3_t2v_2step_{layout}.json")
-        b = load(API_DIR / f"minimax_h3_t2v_12step_{layout}.json")
+        a = load(API_DIR / f"{workflow_name(2, layout)}.json")
+        b = load(API_DIR / f"{workflow_name(12, layout)}.json")
         diffs = sorted((a[k]["class_type"], name) for k in a for name in a[k]["inputs"]
                        if a[k]["inputs"][name] != b[k]["inputs"].get(name))
         assert diffs == [("BasicScheduler", "steps"), ("SaveVideo", "filename_prefix")], diffs
@@ -162,7 +172,7 @@ def test_ui_workflow_explains_the_ab_and_the_sampler_choice(path):
     wf = load(path)
     notes = "\n".join(n["widgets_values"][0] for n in wf["nodes"] if n["type"] == "MarkdownNote")
     twin = "hnd" if layout == "strided_nhd" else "strided_nhd"
-    assert f"minimax_h3_t2v_{steps}step_{twin}" in notes, "the note must name the A/B twin"
+    assert workflow_name(steps, twin) in notes, "the note must name the A/B twin"
     assert "res_multistep" in notes and "simple" in notes and "template" in notes, \
         "the note must say which sampler/scheduler is used and where it comes from"
     assert str(REFERENCE["seed"]) in notes
@@ -344,7 +354,12 @@ def object_info(comfy_server):
 def test_our_node_is_on_the_server_with_the_inputs_the_workflows_use(object_info):
     assert OUR_NODE in object_info, "the pack did not load into ComfyUI: see the server log"
     specs = input_specs(object_info[OUR_NODE])
-    assert set(specs) == {"model", "layout", "backend", "patch_text_refiner"}
+    assert {name for name, (_, _, required) in specs.items() if required} == {
+        "model", "layout", "backend", "patch_text_refiner"}
+    # optional inputs are left out of the workflows, so they must have a default the node runs with
+    for name, (typ, opts, required) in specs.items():
+        if not required:
+            assert "default" in opts, f"optional input {name} has no default"
     assert object_info[OUR_NODE]["output"] == ["MODEL"]
 
 
@@ -362,7 +377,7 @@ def test_ui_workflow_matches_this_comfyui_and_its_api_twin(path, object_info):
 
 def test_validator_catches_broken_workflows(object_info):
     """The checks above can fail: each broken copy must be reported."""
-    good = load(API_DIR / "minimax_h3_t2v_2step_strided_nhd.json")
+    good = load(API_DIR / f"{workflow_name(2, 'strided_nhd')}.json")
 
     def broken(edit):
         api = json.loads(json.dumps(good))
@@ -379,7 +394,7 @@ def test_validator_catches_broken_workflows(object_info):
     assert broken(lambda a: a["4"]["inputs"].update(vae_name="someone_elses_vae.safetensors"))
     assert broken(lambda a: a.__setitem__("16", {"class_type": "NoSuchNode", "inputs": {}}))
 
-    ui = load(WORKFLOWS / "minimax_h3_t2v_2step_strided_nhd.json")
+    ui = load(WORKFLOWS / f"{workflow_name(2, 'strided_nhd')}.json")
     node = next(n for n in ui["nodes"] if n["type"] == "RandomNoise")
     node["widgets_values"] = [REFERENCE["seed"], "randomize"]
     assert ui_problems(ui, good, object_info)
@@ -392,7 +407,39 @@ def test_workflow_templates_lists_the_four_ui_workflows(comfy_server):
     assert sorted(ours) == sorted(p.stem for p in ui_files()), templates
     # and the frontend can fetch each one (and its thumbnail) where the template browser looks
     for p in ui_files():
-        served = comfy_server.get(f"/api/workflow_templates/comfyui-sage-strided-nhd/{p.name}")
+        where = f"/api/workflow_templates/comfyui-sage-strided-nhd/{urllib.parse.quote(p.stem)}"
+        served = comfy_server.get(f"{where}.json")
         assert served == load(p)
-        with urllib.request.urlopen(f"{comfy_server.url}/api/workflow_templates/comfyui-sage-strided-nhd/{p.stem}.jpg") as r:
+        with urllib.request.urlopen(f"{comfy_server.url}{where}.jpg") as r:
             assert r.status == 200 and r.read(3) == b"\xff\xd8\xff"
+
+
+def test_template_names_fit_the_card_and_sort_sensibly():
+    """Names are the cards' titles: short enough for one line, and in the browser's A-Z order (numeric,
+    like the frontend's compareAlphabetical) the 2-step pair comes before the 12-step pair."""
+    names = [p.stem for p in ui_files()]
+    assert all(len(n) <= 36 for n in names), names
+    numeric = sorted(names, key=lambda n: [int(t) if t.isdigit() else t.lower() for t in re.split(r"(\d+)", n)])
+    assert numeric == [workflow_name(2, "hnd"), workflow_name(2, "strided_nhd"),
+                       workflow_name(12, "hnd"), workflow_name(12, "strided_nhd")]
+
+
+@pytest.mark.parametrize("path", ui_files(), ids=lambda p: p.stem)
+def test_thumbnail_is_a_square_jpeg_beside_each_workflow(path):
+    """The template card is square and shows the thumbnail above the one-line title."""
+    thumb = path.with_suffix(".jpg")
+    width, height = jpeg_size(thumb.read_bytes())
+    assert width == height >= 256, (thumb.name, width, height)
+
+
+def jpeg_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a JPEG's start-of-frame segment."""
+    assert data[:3] == b"\xff\xd8\xff", "not a JPEG"
+    i = 2
+    while i + 9 < len(data):
+        assert data[i] == 0xFF, "broken JPEG segment"
+        marker, length = data[i + 1], int.from_bytes(data[i + 2:i + 4], "big")
+        if marker in (0xC0, 0xC1, 0xC2):
+            return int.from_bytes(data[i + 7:i + 9], "big"), int.from_bytes(data[i + 5:i + 7], "big")
+        i += 2 + length
+    raise AssertionError("no JPEG frame header")

@@ -3,6 +3,7 @@ the node and the kernels, and the status-line formatting (node's own test runner
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -61,8 +62,36 @@ def test_setting_offers_exactly_the_kernels_back_end_choices():
 def test_status_formatting_unit_tests():
     node = shutil.which("node")
     if node is None:
+        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+            pytest.fail("CI=true and node is not installed (apt-get install nodejs): the status formatting is untested")
         pytest.skip("node is not installed (apt-get install nodejs)")
     proc = subprocess.run([node, "--test", "tests/browser/report_text.test.mjs"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"^# pass [1-9]", proc.stdout, re.M) and re.search(r"^# fail 0$", proc.stdout, re.M)
+
+
+def report_payload_keys() -> list[str]:
+    """Top-level keys of the UI payload as documented at the top of nodes/report.py."""
+    doc = (ROOT / "nodes" / "report.py").read_text(encoding="utf-8").split('"""')[1]
+    first = re.search(r'^( +)"schema":', doc, re.M)
+    assert first, "payload schema not found in nodes/report.py"
+    return re.findall(rf'^{first.group(1)}"(\w+)":', doc, re.M)
+
+
+def test_every_report_key_is_shown_or_deliberately_not():
+    keys = report_payload_keys()
+    assert {"backends_ran", "fallbacks", "status"} <= set(keys), keys
+    not_shown = set(re.findall(r"^  (\w+): \"", JS["report_text.js"].split("KEYS_NOT_SHOWN = {")[1].split("};")[0], re.M))
+    source = JS["report_text.js"] + JS["sage_strided_nhd.js"]
+    unhandled = [k for k in keys if k not in not_shown and not re.search(rf"\.{k}\b", source)]
+    assert not unhandled, f"report keys neither rendered by web/report_text.js nor in KEYS_NOT_SHOWN: {unhandled}"
+
+
+def test_status_box_has_a_fixed_height_and_never_resizes_the_node():
+    src = JS["sage_strided_nhd.js"]
+    assert "setSize" not in src, "the status must not grow the node (it would leave its group in the workflows)"
+    assert re.search(r"getMinHeight: \(\) => STATUS_BOX_PX \+ 2 \* MARGIN_PX", src)
+    assert re.search(r"getMaxHeight: \(\) => STATUS_BOX_PX \+ 2 \* MARGIN_PX", src)
+    assert 'overflowY: "auto"' in src and 'pointerEvents: "auto"' in src, "a long report must scroll"
+    assert "el.title = body" in src, "the whole report must be the tooltip"
