@@ -20,6 +20,7 @@ const SETTING_DEFAULT_BACKEND = "SageStridedNHD.DefaultBackend";
 const STATUS_WIDGET = "sage_nhd_status";
 const LINE_PX = 15;
 const PAD_PX = 4;
+const NEW_NODE_WIDTH_PX = 380;
 const MARGIN_PX = 6; // around the box, inside the node (the frontend's default is 10)
 // The widget's height on the node, the same for every report: the node's size never depends on it.
 // (no bottom padding, so the last visible line is a whole one)
@@ -169,6 +170,9 @@ app.registerExtension({
     const backend = node.widgets?.find((w) => w.name === "backend");
     const options = backend?.options?.values;
     if (backend && wanted && (!Array.isArray(options) || options.includes(wanted))) backend.value = wanted;
+    // New nodes start wide enough for a typical report's lines without wrapping (the bundled
+    // workflows save this width; a loaded workflow's saved size replaces it).
+    if (node.size) node.size[0] = Math.max(node.size[0], NEW_NODE_WIDTH_PX);
     showStatus(node, "idle", ["not run yet: the status appears after a run"]);
   },
   setup() {

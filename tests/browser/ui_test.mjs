@@ -215,16 +215,33 @@ try {
     const backend = node.widgets.find((w) => w.name === "backend")?.value;
     const layout = node.widgets.find((w) => w.name === "layout")?.value;
     const status = node.widgets.find((w) => w.name === "sage_nhd_status");
-    return { id: node.id, backend, layout, status: status?.element?.textContent ?? null,
+    return { id: node.id, backend, layout, status: status?.element?.textContent ?? null, width: node.size[0],
       saved: node.serialize().widgets_values };
   }, NODE_TYPE);
   check("node can be added", added.id !== undefined && added.layout === "strided_nhd", JSON.stringify(added));
   check("new node takes the default back-end from the setting", added.backend === "sdpa", added.backend);
   check("new node shows an idle status", (added.status ?? "").startsWith("not run yet"), added.status);
+  check("new node is wide enough for a typical report", added.width >= 380, added.width);
   check("status line is not saved with the workflow",
     JSON.stringify(added.saved.slice(0, 3)) === JSON.stringify(["strided_nhd", "sdpa", true])
       && !added.saved.some((v) => typeof v === "string" && /not run yet|ran: /.test(v)), JSON.stringify(added.saved));
   await page.screenshot({ path: join(out, "node-added.png") });
+
+  // --- the node is found by the node search box (double-click on the canvas) ---
+  await page.evaluate(() => window.app.graph.clear());
+  for (let i = 0; i < 3 && await page.locator('[role="dialog"]').first().isVisible().catch(() => false); i++) {
+    await page.keyboard.press("Escape"); // the first-start template browser
+    await page.waitForTimeout(300);
+  }
+  await page.mouse.dblclick(800, 500);
+  await page.waitForTimeout(500);
+  await page.keyboard.type("Sage Strided", { delay: 30 });
+  const hit = page.locator('[role="option"], li, .option-container').filter({ hasText: "Sage Strided NHD Attention" }).first();
+  const found = await hit.waitFor({ timeout: 15_000 }).then(() => true, () => false);
+  await page.screenshot({ path: join(out, "node-search.png") });
+  check("node search finds Sage Strided NHD Attention", found);
+  await page.keyboard.press("Escape");
+  await page.waitForTimeout(300);
 
   // --- the template browser shows the pack's workflows, titles whole, thumbnails loaded ---
   const expected = readdirSync(apiDir).filter((f) => f.endsWith(".json")).map((f) => f.slice(0, -5)).sort();
