@@ -11,15 +11,19 @@ from comfy_api.latest import ComfyExtension, io
 
 from .. import kernels
 from . import h3_patch, override
+from .settings import check_settings
 
 CATEGORY = "advanced/model_patches"
 
 
-def patch_any_model(model_patcher, layout: str, backend: str, patch_refiner: bool = True, node_id=None):
+def patch_any_model(model_patcher, layout: str, backend: str, patch_refiner: bool = True, node_id=None,
+                    prep_mode: str = "exact"):
     """The node's whole job, callable without a graph: returns ``(clone, summary)``."""
+    check_settings(layout, backend, prep_mode)
     if h3_patch.is_h3_model(model_patcher.get_model_object("diffusion_model")):
-        return h3_patch.patch_model(model_patcher, layout, backend, patch_refiner, node_id=node_id)
-    return override.patch_model(model_patcher, layout, backend, node_id=node_id)
+        return h3_patch.patch_model(model_patcher, layout, backend, patch_refiner, node_id=node_id,
+                                    prep_mode=prep_mode, checked=True)
+    return override.patch_model(model_patcher, layout, backend, node_id=node_id, prep_mode=prep_mode, checked=True)
 
 
 class SageStridedNHDAttention(io.ComfyNode):
@@ -49,14 +53,22 @@ class SageStridedNHDAttention(io.ComfyNode):
                     "patch_text_refiner", default=True,
                     tooltip="MiniMax H3 only: also patch the 2 text refiner blocks (run once per sampling). "
                             "Ignored for other models."),
+                io.Combo.Input(
+                    "sage2_prep", options=list(kernels.PREP_MODES), default="exact", optional=True,
+                    tooltip="How SageAttention 2's fast path (MiniMax H3, strided_nhd) prepares Q/K/V. "
+                            "exact: bit-identical to SageAttention. fused: norm+rope folded into the quantisation "
+                            "(faster, not bit-identical). rotated: Q/K rotated (Hadamard) before int8, for H3's "
+                            "late-block outlier channels (slower than exact by <1%, more accurate). "
+                            "Ignored where the fast path does not run."),
             ],
             outputs=[io.Model.Output(tooltip="The patched copy of the model.")],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def execute(cls, model, layout, backend, patch_text_refiner=True) -> io.NodeOutput:
-        clone, _ = patch_any_model(model, layout, backend, patch_text_refiner, node_id=cls.hidden.unique_id)
+    def execute(cls, model, layout, backend, patch_text_refiner=True, sage2_prep="exact") -> io.NodeOutput:
+        clone, _ = patch_any_model(model, layout, backend, patch_text_refiner, node_id=cls.hidden.unique_id,
+                                   prep_mode=sage2_prep)
         return io.NodeOutput(clone)
 
 

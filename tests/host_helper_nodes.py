@@ -2,7 +2,8 @@
 
 No text encoder weights exist on the test machines, so the graphs take a seeded random
 conditioning; the sampled latents are written to safetensors so the tests can compare
-every bit. A third node stands in for "another pack" that replaces H3 attention forwards.
+every bit. Other nodes stand in for "other packs" and core nodes that also replace attention
+(test_host_server.py, test_compose.py).
 """
 
 import json
@@ -118,3 +119,235 @@ NODE_CLASS_MAPPINGS = {
     "SageNHDTestSaveLatentTensors": SageNHDTestSaveLatentTensors,
     "SageNHDTestForeignH3Patch": SageNHDTestForeignH3Patch,
 }
+
+
+# --- stand-ins for other packs and core nodes that also replace attention (tests/host/test_compose.py) ---
+def _count(name, key="calls"):
+    """Count one call in <output>/<name>.json (tiny test runs only)."""
+    path = os.path.join(folder_paths.get_output_directory(), f"{name}.json")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {}
+    data[key] = data.get(key, 0) + 1
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+class SageNHDTestForeignOverride:
+    """Stands in for a node that installs an optimized_attention_override ("Patch Sage Attention",
+    core "Model Attention Backend"). chain_previous: fall back to the override that was there."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "name": ("STRING", {"default": "foreign_override"}),
+                             "chain_previous": ("BOOLEAN", {"default": False})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "testing/sage_nhd"
+
+    def patch(self, model, name, chain_previous):
+        m = model.clone()
+        to = m.model_options.setdefault("transformer_options", {})
+        previous = to.get("optimized_attention_override") if chain_previous else None
+
+        def other_backend_override(func, *args, **kwargs):
+            _count(name)
+            if previous is not None:
+                return previous(func, *args, **kwargs)
+            return func(*args, **kwargs)
+
+        to["optimized_attention_override"] = other_backend_override
+        return (m,)
+
+
+class _StandInComfyAttention(torch.nn.Module):
+    """The interface of current ComfyUI's ComfyAttention: ``config`` and ``function``."""
+
+    def __init__(self, config, function):
+        super().__init__()
+        self.config = config
+        self.function = function
+
+
+class SageNHDTestAttentionPreference:
+    """Gives blocks of the loaded H3 a comfy_attention module declaring a preference, as a checkpoint
+    with ``<attn>.comfy_attention.config`` does on current ComfyUI. Mutates the loaded model: use it
+    only with a checkpoint file of its own. config "" removes the preference again."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "config": ("STRING", {"default": '{"attention": "comfy_kitchen_int8"}'}),
+                             "blocks": ("STRING", {"default": "0,1"}), "name": ("STRING", {"default": "preferred"})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "testing/sage_nhd"
+
+    def patch(self, model, config, blocks, name):
+        from comfy.ldm.modules.attention import attention_pytorch
+        config = json.loads(config) if config else None
+        wanted = {int(b) for b in blocks.split(",") if b.strip()}
+
+        def attention_comfy_kitchen_int8(*args, **kwargs):  # what ComfyUI sets for that config (stand-in)
+            _count(name)
+            return attention_pytorch(*args, **kwargs)
+
+        dm = model.get_model_object("diffusion_model")
+        for i, block in enumerate(dm.blocks):
+            if i in wanted and config is not None:
+                block.attn.comfy_attention = _StandInComfyAttention(config, attention_comfy_kitchen_int8)
+            else:
+                block.attn.comfy_attention = _StandInComfyAttention(None, None)
+        return (model.clone(),)
+
+
+class SageNHDTestComfyAttentionFunction:
+    """Stands in for a node that object-patches ``blocks.{i}.attn.comfy_attention.function``.
+    kind: "foreign" (some other pack's function) or "comfy_kitchen_int8" (ComfyUI's, by name)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "kind": (["foreign", "comfy_kitchen_int8"],),
+                             "block": ("INT", {"default": 0, "min": 0, "max": 100})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "testing/sage_nhd"
+
+    def patch(self, model, kind, block):
+        from comfy.ldm.modules.attention import attention_pytorch
+
+        def other_pack_attention(*args, **kwargs):
+            return attention_pytorch(*args, **kwargs)
+
+        def attention_comfy_kitchen_int8(*args, **kwargs):
+            return attention_pytorch(*args, **kwargs)
+
+        m = model.clone()
+        fn = other_pack_attention if kind == "foreign" else attention_comfy_kitchen_int8
+        m.add_object_patch(f"diffusion_model.blocks.{block}.attn.comfy_attention.function", fn)
+        return (m,)
+
+
+def make_attention_override(name, previous):
+    """Same shape as core Model Sparse Attention's override: its own kernel for the calls it takes,
+    ``previous`` (or ``func``) for the rest. Here every other call is "sparse"."""
+    state = {"n": 0}
+
+    def override(func, q, k, v, heads, **kwargs):
+        state["n"] += 1
+        if state["n"] % 2:
+            _count(name, "sparse")
+            return func(q, k, v, heads, **kwargs)  # stands in for the sparse kernel
+        _count(name, "dense")
+        return func(q, k, v, heads, **kwargs) if previous is None else previous(func, q, k, v, heads, **kwargs)
+
+    return override
+
+
+class SageNHDTestSparseAttention:
+    """Stands in for core "Model Sparse Attention" (BlockSparseAttention): an override that chains the
+    previous one and reinstalls itself on top every step (ON_PREPARE_STATE key block_sparse_attention),
+    and on H3 block replaces that pass their own attention= to the blocks not in dense_blocks."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "name": ("STRING", {"default": "sparse"}),
+                             "dense_blocks": ("STRING", {"default": "1"})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "testing/sage_nhd"
+
+    def patch(self, model, name, dense_blocks):
+        import inspect
+
+        import comfy.ldm.minimax.model as h3
+        import comfy.patcher_extension
+        installed = []
+
+        def install(transformer_options):
+            current = transformer_options.get("optimized_attention_override")
+            if any(current is o for o in installed):
+                return
+            o = make_attention_override(name, current)
+            installed.append(o)
+            transformer_options["optimized_attention_override"] = o
+
+        m = model.clone()
+        install(m.model_options.setdefault("transformer_options", {}))
+        m.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_PREPARE_STATE, "block_sparse_attention",
+                                lambda patcher, timestep, model_options: install(model_options["transformer_options"]))
+        dm = model.get_model_object("diffusion_model")
+        if type(dm).__name__ != "MiniMaxH3Model":
+            return (m,)
+        dense = {int(b) for b in dense_blocks.split(",") if b.strip()}
+        takes_attention = "attention" in inspect.signature(h3.DiTBlock.forward).parameters
+
+        def block_patch_for(block, i):
+            def attention(h, rope_freqs=None, transformer_options={}):  # stands in for the sparse producer
+                _count(name, "block_sparse")
+                return type(block.attn).forward(block.attn, h, rope_freqs=rope_freqs, transformer_options=transformer_options)
+
+            def block_patch(args, extra):
+                if i in dense:
+                    return extra["original_block"](args)
+                if takes_attention:  # current ComfyUI: DiTBlock.forward(..., attention=None)
+                    return extra["original_block"]({**args, "attention": attention})
+                # ComfyUI 0.33 has no attention= on the block: the same computation with this attention
+                x, t_emb, segs, rope = args["img"], args["t_emb"], args["mod_segments"], args["rope_freqs"]
+                shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.adaln_proj(t_emb)
+                hh = h3._mod_scale_shift(block.norm1(x), shift_msa, scale_msa, segs)
+                x = h3._mod_gate(x, gate_msa, attention(hh, rope_freqs=rope,
+                                                        transformer_options=args["transformer_options"]), segs)
+                hh = h3._mod_scale_shift(block.norm2(x), shift_mlp, scale_mlp, segs)
+                return {"img": h3._mod_gate(x, gate_mlp, block.mlp(hh), segs)}
+
+            return block_patch
+
+        for i, block in enumerate(dm.blocks):
+            m.set_model_patch_replace(block_patch_for(block, i), "dit", "double_block", i)
+        return (m,)
+
+
+class SageNHDTestRaiseWhileSampling:
+    """Raises inside the diffusion model on its n-th call: an interrupt or another error."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "kind": (["interrupt", "error"],),
+                             "at_call": ("INT", {"default": 2, "min": 1, "max": 1000})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "testing/sage_nhd"
+
+    def patch(self, model, kind, at_call):
+        import comfy.model_management
+        import comfy.patcher_extension
+        state = {"n": 0}
+
+        def wrapper(executor, *args, **kwargs):
+            state["n"] += 1
+            if state["n"] == at_call:
+                state["n"] = 0
+                if kind == "interrupt":
+                    raise comfy.model_management.InterruptProcessingException()
+                raise RuntimeError("stand-in failure while sampling")
+            return executor(*args, **kwargs)
+
+        m = model.clone()
+        m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "sage_nhd_test_raise", wrapper)
+        return (m,)
+
+
+NODE_CLASS_MAPPINGS.update({
+    "SageNHDTestForeignOverride": SageNHDTestForeignOverride,
+    "SageNHDTestAttentionPreference": SageNHDTestAttentionPreference,
+    "SageNHDTestComfyAttentionFunction": SageNHDTestComfyAttentionFunction,
+    "SageNHDTestSparseAttention": SageNHDTestSparseAttention,
+    "SageNHDTestRaiseWhileSampling": SageNHDTestRaiseWhileSampling,
+})

@@ -45,6 +45,10 @@ def test_node_is_listed_in_object_info(comfy_server):
     assert req["backend"][1]["default"] == "auto"
     assert req["patch_text_refiner"][1]["default"] is True
     assert all(spec[1].get("tooltip") for spec in req.values()), "every input needs a tooltip"
+    opt = info["input"].get("optional", {})
+    assert list(opt) == ["sage2_prep"], "sage2_prep is optional: API graphs saved without it still validate"
+    assert opt["sage2_prep"][0] == ["exact", "fused", "rotated"] or opt["sage2_prep"][1].get("options") == ["exact", "fused", "rotated"]
+    assert opt["sage2_prep"][1]["default"] == "exact" and opt["sage2_prep"][1].get("tooltip")
 
 
 def test_h3_latents_bit_identical_across_layouts_and_stock_and_patch_reverts(comfy_server):
@@ -75,9 +79,11 @@ def test_h3_latents_bit_identical_across_layouts_and_stock_and_patch_reverts(com
         assert r["model_family"] == "MiniMaxH3" and r["path"] == "h3_forward_patch" and r["layout"] == layout
         assert r["blocks_patched"] == 2 and r["refiner_blocks_patched"] == 2 and r["node_id"] == "3"
         assert r["backends_ran"] == {"sdpa": r["attention_calls"]} and r["attention_calls"] >= 2 * STEPS
-        assert r["fallbacks"] == [] and r["status"] == "ok" and r["prompt_id"]
-    assert only_report(strided)["copies_avoided_per_call"]["vs_hnd"] > 0
-    assert only_report(hnd)["copies_avoided_per_call"]["vs_hnd"] == 0
+        assert r["fallbacks"] == [] and r["status"] == "ok" and r["prompt_id"] and r["schema"] == 2
+        assert r["notes"] == [] and r["fast_path"] is None and r["compile_events"] == []
+    # copies the dataflow really made: none on strided_nhd; HND's 3 input + 1 output copies
+    assert only_report(strided)["copies_per_call"] == 0.0
+    assert only_report(hnd)["copies_per_call"] == 4.0
 
 
 def test_h3_refiner_toggle(comfy_server):
@@ -106,7 +112,7 @@ def test_second_family_through_the_override_is_bit_identical_and_reverts(comfy_s
     r = only_report(strided)
     assert r["model_family"] == "WAN21" and r["path"] == "attention_override" and r["blocks_patched"] == 0
     assert r["backends_ran"] == {"sdpa": r["attention_calls"]} and r["attention_calls"] > 0 and r["stock_calls"] == 0
-    assert r["copies_avoided_per_call"]["vs_stock"] > 0 and r["remaining_copies"]
+    assert r["copies_per_call"] == 0.0 and "copies_avoided_per_call" not in r and "remaining_copies" not in r
 
 
 def test_node_applied_twice_replaces_its_own_patch(comfy_server):
@@ -127,6 +133,14 @@ def test_foreign_object_patch_is_refused_with_a_clear_error(comfy_server):
     msg = run.error_message()
     assert "PatchConflictError" in msg and "blocks.0.attn.forward" in msg and "another node already replaced" in msg
     assert run.reports == []
+
+
+def test_api_graph_with_sage2_prep_validates_and_runs(comfy_server):
+    run = comfy_server.run_graph(h3_graph(patch=dict(patch_inputs(), sage2_prep="rotated"), name="h3_prep_rotated"))
+    r = only_report(run)
+    assert r["prep_mode"] == "rotated" and r["fast_path"] is None  # no sage2 fast path on a CPU
+    stock = comfy_server.run_graph(h3_graph(patch=None, name="h3_prep_stock"))
+    assert_latents_equal(run.latent("9"), stock.latent("9"), "sage2_prep without a fast path changes nothing")
 
 
 def test_cpu_device_with_sage_requested_falls_back_to_sdpa_and_says_why(comfy_server):

@@ -137,6 +137,10 @@ def test_bad_settings_are_refused(pack):
         pack.nodes.patch_any_model(mp, "nhd", "auto")
     with pytest.raises(ValueError, match="unknown back-end 'sage3'"):
         pack.nodes.patch_any_model(mp, "strided_nhd", "sage3")
+    with pytest.raises(ValueError, match="unknown sage2_prep mode 'fast'"):
+        pack.nodes.patch_any_model(mp, "strided_nhd", "auto", prep_mode="fast")
+    with pytest.raises(ValueError, match="unknown layout 'NHD'"):  # one vocabulary, validated in one place
+        pack.nodes.override.patch_model(patcher_for(tiny_wan_model()), "NHD", "auto")
 
 
 def test_non_h3_model_takes_the_override_path(pack):
@@ -185,7 +189,7 @@ def test_foreign_attention_override_is_refused(pack, family):
         return func(*args, **kwargs)
 
     mp.model_options["transformer_options"]["optimized_attention_override"] = kj_style_override
-    with pytest.raises(pack.nodes.conflicts.PatchConflictError, match="attention override from another node"):
+    with pytest.raises(pack.nodes.conflicts.PatchConflictError, match="another node's attention override .*kj_style_override"):
         pack.nodes.patch_any_model(mp, "strided_nhd", "auto")
 
 
@@ -281,11 +285,14 @@ def test_report_is_sent_once_per_sampling_run(pack):
         return "latent"
 
     assert wrapper(sampling_run) == "latent"
+    first = report.last
     assert wrapper(sampling_run) == "latent"
-    assert len(report.sent) == 2
-    p = report.sent[-1]
-    assert p["attention_calls"] == 3 and p["node_id"] == "17" and p["status"] == "ok"
-    assert p["copies_avoided_per_call"] == {"vs_stock": 2.0, "vs_hnd": 4.0} and p["copies_per_call"] == 0.0
+    assert report.last is not first and report.sent == [report.last]  # the last payload only, no growth
+    p = report.last
+    assert p["schema"] == 2 and p["attention_calls"] == 3 and p["node_id"] == "17" and p["status"] == "ok"
+    assert p["copies_per_call"] == 0.0 and p["backends_ran"] == {"sdpa": 3}
+    assert "copies_avoided_per_call" not in p and "remaining_copies" not in p
+    assert p["fast_path"] is None and p["compile_events"] == [] and p["notes"] == []
 
 
 def test_model_without_optimized_attention_calls_reports_that_nothing_changed(pack, caplog):
@@ -299,7 +306,7 @@ def test_model_without_optimized_attention_calls_reports_that_nothing_changed(pa
     (wrapper,) = clone.get_wrappers(WrappersMP.OUTER_SAMPLE, pack.nodes.report.WRAPPER_KEY)
     with caplog.at_level("WARNING", logger="sage_strided_nhd"):
         wrapper(lambda: mp.model.diffusion_model(torch.randn(4, 4)))
-    p = summary["report"].sent[-1]
+    p = summary["report"].last
     assert p["status"] == "no_attention_calls" and p["attention_calls"] == 0
     assert "does not call ComfyUI's optimized_attention" in caplog.text
 
@@ -308,7 +315,9 @@ def test_node_schema_has_tooltips_and_defaults(pack):
     schema = pack.nodes.SageStridedNHDAttention.GET_SCHEMA()
     assert schema.node_id == "SageStridedNHDAttention" and schema.display_name == "Sage Strided NHD Attention"
     assert schema.category.startswith("advanced/model_patches")
-    assert [i.id for i in schema.inputs] == ["model", "layout", "backend", "patch_text_refiner"]
+    assert [i.id for i in schema.inputs] == ["model", "layout", "backend", "patch_text_refiner", "sage2_prep"]
     assert all(i.tooltip for i in schema.inputs)
     defaults = {i.id: getattr(i, "default", None) for i in schema.inputs}
     assert defaults["layout"] == "strided_nhd" and defaults["backend"] == "auto" and defaults["patch_text_refiner"] is True
+    prep = schema.inputs[-1]
+    assert defaults["sage2_prep"] == "exact" and prep.optional and list(prep.options) == list(pack.kernels.PREP_MODES)
