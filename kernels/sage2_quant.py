@@ -1,0 +1,396 @@
+"""Triton kernels that turn strided NHD Q/K/V views into SageAttention 2's sm90 operands.
+
+Two passes over the data, registered as ``torch.library`` custom ops (with fake implementations,
+so ``torch.compile`` traces them without graph breaks):
+
+1. ``sage_strided_nhd::sage2_reduce`` -- the reduction pass: per (head, channel) absmax of V and,
+   in the fused modes, the sum of the normed+roped K over the sequence (fp64 partials per split
+   of the sequence, combined in a fixed order by a small finalize kernel). In the non-fused modes
+   the K mean is ``k.mean(dim=1)`` in K's dtype, the very call SageAttention makes, so the
+   smoothed K is bit-identical to stock.
+2. ``sage2_quantize`` -- the quantisation pass: one program per (128-token block, head) writes
+   Q and K as int8 with SageAttention's sm90 per-thread scales (Q: 64-row blocks, 2-row groups;
+   K: 128-row blocks, 32-row groups), and V as fp8 e4m3 in the layout the kernel reads: head-major
+   ``[H, D, S_pad]``, tokens permuted inside each group of 16, the pad rows written as zeros by
+   the same program (no ``torch.cat``, no bf16 V copy).
+
+Modes (``sage2_quant_ref.MODES``): ``exact`` (inputs already normed+roped), ``fused`` (RMSNorm
+and split-half partial RoPE applied in fp32 inside both passes), ``rotated`` and
+``fused_rotated`` (Q and the smoothed K multiplied by a normalised 128-point Hadamard matrix in
+fp32 before the int8 step; scores are unchanged because the matrix is orthogonal).
+
+Every kernel forms offsets from int64 program ids and row indices, and every grid is
+one-dimensional (about S/128 * H programs: 140,000 at S = 320,000 with 56 heads).
+
+``sage2_quant_ref.py`` is the pure-PyTorch reference; under ``TRITON_INTERPRET=1`` (CPU) these
+kernels match it bit for bit. Two details exist only for that: the interpreter's float->fp8 cast
+truncates subnormals, so under the interpreter the kernels round to e4m3 themselves first
+(``_e4m3``), and divisions the GPU does approximately are exact there.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .qk_transform import check_rope_table
+from .sage2_quant_ref import FP8_MAX, K_BLOCK, Q_BLOCK, mode_flags, padded_len
+
+try:  # Triton ships with PyTorch's CUDA (and recent CPU) wheels; the pack must import without it.
+    import triton
+    import triton.language as tl
+    TRITON_ERROR = None
+except Exception as exc:  # pragma: no cover - depends on the install
+    triton = tl = None
+    TRITON_ERROR = f"triton not importable ({type(exc).__name__}: {exc})"
+
+LIB = "sage_strided_nhd"
+HEAD_DIM = 128
+ROWS_PER_SPLIT = 512  # reduction pass: rows of one head per program
+# How the V scale and its reciprocal are divided (SageAttention's CUDA is built with
+# --use_fast_math): 0 = Triton's "/" (div.full.f32), 1 = div.approx.ftz.f32, 2 = div.rn.f32.
+V_DIV_MODE = int(os.environ.get("SAGE2_FAST_V_DIV", "0"))
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _div(a, b, MODE: tl.constexpr):
+        if MODE == 1:
+            return tl.inline_asm_elementwise("div.approx.ftz.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                             dtype=tl.float32, is_pure=True, pack=1)
+        elif MODE == 2:
+            return tl.div_rn(a, b)
+        else:
+            return a / b
+
+    @triton.jit
+    def _e4m3(y, EMULATE: tl.constexpr):
+        """fp32 -> float8_e4m3fn, round to nearest even, saturating (as cvt.rn.satfinite)."""
+        if EMULATE:
+            a = tl.abs(y)
+            bits = a.to(tl.int32, bitcast=True)
+            rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 mantissa bits, RNE
+            rn = tl.minimum(rb.to(tl.float32, bitcast=True), 448.0)
+            rs = (a + 24576.0) - 24576.0  # subnormals: RNE to a multiple of 2**-9
+            r = tl.where(a < 0.015625, rs, rn)
+            neg = y.to(tl.int32, bitcast=True) < 0
+            y = tl.where(neg, -r, r)
+        return y.to(tl.float8e4nv)
+
+    @triton.jit
+    def _round_like(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
+        """fp32 -> dtype -> fp32 with round-to-nearest-even (the interpreter's bf16 cast truncates)."""
+        if EMULATE and dtype == tl.bfloat16:
+            bits = x.to(tl.int32, bitcast=True)
+            x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return x.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _fwht128(x, R: tl.constexpr):
+        """Normalised Walsh-Hadamard transform of each row of an [R, 128] fp32 tile."""
+        for _ in tl.static_range(7):
+            a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 64]), (0, 2, 1)))
+            x = tl.reshape(tl.join(a + b, a - b), [R, 128])
+        return x * 0.08838834764831845
+
+    @triton.jit
+    def _load_rows(X, rows, m, h, c, stride_s, stride_h):
+        ptr = X + rows[:, None] * stride_s + h * stride_h + c[None, :]
+        return tl.load(ptr, mask=m[:, None], other=0.0)
+
+    @triton.jit
+    def _norm_rope_rows(X, W, T, rows, m, h, c, stride_s, stride_h, st_s, st_i, st_r, st_c, eps,
+                        D: tl.constexpr, HALF: tl.constexpr):
+        """RMSNorm (fp64 statistics) then split-half RoPE on the first 2*HALF dims, fp32 [R, D]."""
+        base = X + rows[:, None] * stride_s + h * stride_h
+        x = tl.load(base + c[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        x64 = x.to(tl.float64)
+        ms = tl.sum(x64 * x64, axis=1) / D
+        rstd = (1.0 / tl.sqrt(ms + eps)).to(tl.float32)
+        w = tl.load(W + c).to(tl.float32)
+        xn = (x * rstd[:, None]) * w[None, :]
+        if HALF > 0:
+            in_rot = c < 2 * HALF
+            second = c >= HALF
+            r = second.to(tl.int32)
+            i = tl.where(second, c - HALF, c)
+            p = tl.where(c < HALF, c + HALF, tl.where(in_rot, c - HALF, c))
+            xp = tl.load(base + p[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+            wp = tl.load(W + p).to(tl.float32)
+            xpn = (xp * rstd[:, None]) * wp[None, :]
+            tb = T + rows[:, None] * st_s + (i * st_i + r * st_r)[None, :]
+            tm = m[:, None] & in_rot[None, :]
+            f_self = tl.load(tb + (r * st_c)[None, :], mask=tm, other=1.0).to(tl.float32)
+            f_part = tl.load(tb + ((1 - r) * st_c)[None, :], mask=tm, other=0.0).to(tl.float32)
+            y = f_self * xn + f_part * xpn
+            xn = tl.where(in_rot[None, :], y, xn)
+        return xn
+
+    @triton.jit
+    def _reduce_kernel(K, V, KW, T, KSUM, VMAX, S, H,
+                       sks, skh, svs, svh, st_s, st_i, st_r, st_c, eps,
+                       D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr,
+                       ROWS: tl.constexpr, RB: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        h = pid % H
+        split = pid // H
+        c = tl.arange(0, D)
+        vmax = tl.zeros([D], dtype=tl.float32)
+        ksum = tl.zeros([D], dtype=tl.float64)
+        for r0 in tl.static_range(0, ROWS, RB):
+            rows = split * ROWS + r0 + tl.arange(0, RB)
+            m = rows < S
+            vv = _load_rows(V, rows, m, h, c, svs, svh).to(tl.float32)
+            vmax = tl.maximum(vmax, tl.max(tl.abs(vv), axis=0))
+            if FUSED:
+                kk = _norm_rope_rows(K, KW, T, rows, m, h, c, sks, skh, st_s, st_i, st_r, st_c, eps, D, HALF)
+                kk = tl.where(m[:, None], kk, 0.0)
+                ksum += tl.sum(kk.to(tl.float64), axis=0)
+        off = (split * H + h) * D + c
+        tl.store(VMAX + off, vmax)
+        if FUSED:
+            tl.store(KSUM + off, ksum)
+
+    @triton.jit
+    def _finalize_kernel(KSUM, VMAX, KMEAN_IN, KMEAN, VSCALE, VRECP, NSPLIT, H, S, scale_max,
+                         D: tl.constexpr, FUSED: tl.constexpr, DIV: tl.constexpr):
+        h = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, D)
+        vm = tl.zeros([D], dtype=tl.float32)
+        acc = tl.zeros([D], dtype=tl.float64)
+        for sp in range(0, NSPLIT):
+            off = (sp * H + h) * D + c
+            vm = tl.maximum(vm, tl.load(VMAX + off))
+            if FUSED:
+                acc += tl.load(KSUM + off)
+        if FUSED:
+            km = (acc / S).to(tl.float32)
+        else:
+            km = tl.load(KMEAN_IN + h * D + c).to(tl.float32)
+        tl.store(KMEAN + h * D + c, km)
+        smax = tl.zeros([D], dtype=tl.float32) + scale_max
+        tl.store(VSCALE + h * D + c, _div(vm, smax, DIV))
+        tl.store(VRECP + h * D + c, _div(smax, vm, DIV))
+
+    @triton.jit
+    def _quant_kernel(Q, K, V, KM, VR, QW, KW, T, QO, QS, KO, KS, VO,
+                      S, H, NQB, NKB, LPAD,
+                      sqs, sqh, sks, skh, svs, svh, st_s, st_i, st_r, st_c, eps,
+                      D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr, ROTATE: tl.constexpr,
+                      EMULATE_FP8: tl.constexpr):
+        # EMULATE_FP8: under TRITON_INTERPRET, round to bf16/fp8 in integer arithmetic first.
+        pid = tl.program_id(0).to(tl.int64)
+        h = pid % H
+        b = pid // H  # 128-token block
+        c = tl.arange(0, D)
+        head_base = h * S * D  # int8 Q/K outputs are head-major [H, S, D]
+
+        # ---- Q: two 64-row blocks; tile row i = 2 * (8w + t) + u holds sequence row 16w + 8u + t,
+        # so each group of two consecutive tile rows shares one scale (index 8w + t).
+        for qb in tl.static_range(2):
+            qblk = 2 * b + qb
+            i = tl.arange(0, 64)
+            rows = qblk * 64 + 16 * (i // 16) + 8 * (i % 2) + (i // 2) % 8
+            m = rows < S
+            if FUSED:
+                x = _norm_rope_rows(Q, QW, T, rows, m, h, c, sqs, sqh, st_s, st_i, st_r, st_c, eps, D, HALF)
+            else:
+                x = _load_rows(Q, rows, m, h, c, sqs, sqh).to(tl.float32)
+            x = tl.where(m[:, None], x, 0.0)
+            if ROTATE:
+                x = _fwht128(x, 64)
+            x3 = tl.reshape(x, [32, 2, D])
+            scale = tl.max(tl.max(tl.abs(x3), axis=2), axis=1) / 127. + 0.0000001
+            y = x3 / scale[:, None, None]
+            y += 0.5 * tl.where(y >= 0, 1, -1)
+            y = tl.reshape(y.to(tl.int8), [64, D])
+            tl.store(QO + head_base + rows[:, None] * D + c[None, :], y, mask=m[:, None])
+            g = tl.arange(0, 32)
+            tl.store(QS + h * NQB * 32 + qblk * 32 + g, scale, mask=(g < 32) & (qblk < NQB))
+
+        # ---- K (smoothed): tile row i = 32t + 2j + e holds sequence row 8j + 2t + e; the 32 rows
+        # of tile block t share scale t.
+        i = tl.arange(0, 128)
+        rows = b * 128 + 8 * ((i // 2) % 16) + 2 * (i // 32) + i % 2
+        m = rows < S
+        km = tl.load(KM + h * D + c)
+        if FUSED:
+            x = _norm_rope_rows(K, KW, T, rows, m, h, c, sks, skh, st_s, st_i, st_r, st_c, eps, D, HALF)
+            x = x - km[None, :]
+        else:
+            xin = _load_rows(K, rows, m, h, c, sks, skh)
+            x = _round_like(xin.to(tl.float32) - km[None, :], xin.dtype, EMULATE_FP8)
+        x = tl.where(m[:, None], x, 0.0)
+        if ROTATE:
+            x = _fwht128(x, 128)
+        x3 = tl.reshape(x, [4, 32, D])
+        scale = tl.max(tl.max(tl.abs(x3), axis=2), axis=1) / 127. + 0.0000001
+        y = x3 / scale[:, None, None]
+        y += 0.5 * tl.where(y >= 0, 1, -1)
+        y = tl.reshape(y.to(tl.int8), [128, D])
+        tl.store(KO + head_base + rows[:, None] * D + c[None, :], y, mask=m[:, None])
+        tl.store(KS + h * NKB * 4 + b * 4 + tl.arange(0, 4), scale)
+
+        # ---- V: tile row j is output position j of the block; it reads token 16(j//16) + pinv(j%16)
+        # (the inverse of SageAttention's fp8-mma permutation); rows past S are the zero pad.
+        j = tl.arange(0, 128)
+        qq = j % 16
+        src = b * 128 + (j // 16) * 16 + ((qq // 2) % 2) * 8 + (qq // 4) * 2 + qq % 2
+        mv = src < S
+        vv = _load_rows(V, src, mv, h, c, svs, svh).to(tl.float32)
+        recp = tl.load(VR + h * D + c)
+        vq = _e4m3(vv * recp[None, :], EMULATE_FP8)
+        tl.store(VO + h * D * LPAD + c[None, :] * LPAD + b * 128 + j[:, None], vq)
+
+
+def _require_triton():
+    if triton is None:
+        raise RuntimeError(f"the sage2 fast path needs Triton: {TRITON_ERROR}")
+
+
+def _table_strides(rope_table):
+    if rope_table is None:
+        return 0, 0, 0, 0, 0
+    return rope_table.shape[-3], rope_table.stride(1), rope_table.stride(3), rope_table.stride(4), rope_table.stride(5)
+
+
+def check_inputs(q, k, v, *, fused=False, rope_table=None, q_weight=None, k_weight=None, eps=None):
+    """Raise ValueError with the reason when the kernels cannot take these tensors."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be NHD [1, S, H, {HEAD_DIM}], got {t.dim()}-D {list(t.shape)}")
+        if t.shape[0] != 1:
+            raise ValueError(f"{name}: the fast path takes batch size 1, got {t.shape[0]}")
+        if t.shape[-1] != HEAD_DIM:
+            raise ValueError(f"{name}: head_dim must be {HEAD_DIM}, got {t.shape[-1]}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous (stride {t.stride(-1)})")
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"{name}: dtype must be bfloat16 or float16, got {t.dtype}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"q, k, v shapes differ: {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError("q, k and v dtypes differ")
+    if not (q.device == k.device == v.device):
+        raise ValueError("q, k and v are on different devices")
+    if q.shape[1] < 1:
+        raise ValueError("empty sequence")
+    if fused:
+        if q_weight is None or k_weight is None or eps is None:
+            raise ValueError("fused modes need q_weight, k_weight and eps (the RMSNorm parameters)")
+        for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+            if tuple(w.shape) != (HEAD_DIM,):
+                raise ValueError(f"{name} must be [{HEAD_DIM}], got {list(w.shape)}")
+        if rope_table is not None:
+            check_rope_table(rope_table, q.shape[1], HEAD_DIM)
+
+
+def _geometry(q):
+    _, s, h, d = q.shape
+    nqb = -(-s // Q_BLOCK)
+    nkb = -(-s // K_BLOCK)
+    return s, h, d, nqb, nkb, padded_len(s)
+
+
+# ---------------------------------------------------------------------------------------------
+# pass 1: reduction
+
+
+@torch.library.custom_op(f"{LIB}::sage2_reduce", mutates_args=())
+def sage2_reduce(k: torch.Tensor, v: torch.Tensor, k_weight: Optional[torch.Tensor],
+                 rope_table: Optional[torch.Tensor], eps: float, fused: bool,
+                 div_mode: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (k_mean [H, D] fp32, v_scale [1, H, D] fp32, v_recp [H, D] fp32)."""
+    _require_triton()
+    s, h, d, _, _, _ = _geometry(k)
+    dev = k.device
+    nsplit = -(-s // ROWS_PER_SPLIT)
+    vmax = torch.empty(nsplit, h, d, dtype=torch.float32, device=dev)
+    ksum = torch.empty(nsplit, h, d, dtype=torch.float64, device=dev) if fused else vmax
+    kmean_in = vmax
+    if not fused:
+        kmean_in = k.mean(dim=1, keepdim=True)  # SageAttention's own call, same bits
+    half, st_s, st_i, st_r, st_c = _table_strides(rope_table)
+    w = k_weight.contiguous() if k_weight is not None else vmax
+    t = rope_table if rope_table is not None else vmax
+    _reduce_kernel[(nsplit * h,)](
+        k, v, w, t, ksum, vmax, s, h, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+        st_s, st_i, st_r, st_c, float(eps), D=d, HALF=half, FUSED=fused,
+        ROWS=ROWS_PER_SPLIT, RB=64, num_warps=4)
+    kmean = torch.empty(h, d, dtype=torch.float32, device=dev)
+    vscale = torch.empty(1, h, d, dtype=torch.float32, device=dev)
+    vrecp = torch.empty(h, d, dtype=torch.float32, device=dev)
+    _finalize_kernel[(h,)](ksum, vmax, kmean_in, kmean, vscale, vrecp, nsplit, h, s, FP8_MAX,
+                           D=d, FUSED=fused, DIV=0 if interpreting() else div_mode, num_warps=1)
+    return kmean, vscale, vrecp
+
+
+@sage2_reduce.register_fake
+def _(k, v, k_weight, rope_table, eps, fused, div_mode=0):
+    _, _, h, d = k.shape
+    return (k.new_empty(h, d, dtype=torch.float32), k.new_empty(1, h, d, dtype=torch.float32),
+            k.new_empty(h, d, dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# pass 2: quantisation
+
+
+@torch.library.custom_op(f"{LIB}::sage2_quantize", mutates_args=())
+def sage2_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor,
+                   v_recp: torch.Tensor, q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor],
+                   rope_table: Optional[torch.Tensor], eps: float, fused: bool, rotate: bool,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (q_int8 [H, S, D], q_scale [1, H, nq], k_int8 [H, S, D], k_scale [1, H, nk], v_fp8 [H, D, S_pad])."""
+    _require_triton()
+    s, h, d, nqb, nkb, lpad = _geometry(q)
+    dev = q.device
+    qo = torch.empty(h, s, d, dtype=torch.int8, device=dev)
+    ko = torch.empty(h, s, d, dtype=torch.int8, device=dev)
+    qs = torch.empty(1, h, nqb * 32, dtype=torch.float32, device=dev)
+    ks = torch.empty(1, h, nkb * 4, dtype=torch.float32, device=dev)
+    vo = torch.empty(h, d, lpad, dtype=torch.float8_e4m3fn, device=dev)
+    half, st_s, st_i, st_r, st_c = _table_strides(rope_table)
+    qw = q_weight.contiguous() if q_weight is not None else k_mean
+    kw = k_weight.contiguous() if k_weight is not None else k_mean
+    t = rope_table if rope_table is not None else k_mean
+    _quant_kernel[(nkb * h,)](
+        q, k, v, k_mean, v_recp, qw, kw, t, qo, qs, ko, ks, vo,
+        s, h, nqb, nkb, lpad,
+        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+        st_s, st_i, st_r, st_c, float(eps),
+        D=d, HALF=half, FUSED=fused, ROTATE=rotate, EMULATE_FP8=interpreting(), num_warps=8)
+    return qo, qs, ko, ks, vo
+
+
+@sage2_quantize.register_fake
+def _(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_table, eps, fused, rotate):
+    _, s, h, d = q.shape
+    nqb, nkb, lpad = -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
+    return (q.new_empty(h, s, d, dtype=torch.int8), q.new_empty(1, h, nqb * 32, dtype=torch.float32),
+            q.new_empty(h, s, d, dtype=torch.int8), q.new_empty(1, h, nkb * 4, dtype=torch.float32),
+            q.new_empty(h, d, lpad, dtype=torch.float8_e4m3fn))
+
+
+def quantize_operands(q, k, v, *, mode="exact", rope_table=None, q_weight=None, k_weight=None, eps=None,
+                      div_mode=None):
+    """Both passes. Returns a dict with the same keys as ``sage2_quant_ref.prepare_reference``."""
+    fused, rotate = mode_flags(mode)
+    check_inputs(q, k, v, fused=fused, rope_table=rope_table, q_weight=q_weight, k_weight=k_weight, eps=eps)
+    eps = 0.0 if eps is None else float(eps)
+    div_mode = V_DIV_MODE if div_mode is None else div_mode
+    kmean, vscale, vrecp = torch.ops.sage_strided_nhd.sage2_reduce(
+        k, v, k_weight if fused else None, rope_table if fused else None, eps, fused, div_mode)
+    qo, qs, ko, ks, vo = torch.ops.sage_strided_nhd.sage2_quantize(
+        q, k, v, kmean, vrecp, q_weight if fused else None, k_weight if fused else None,
+        rope_table if fused else None, eps, fused, rotate)
+    return {"q_int8": qo, "q_scale": qs, "k_int8": ko, "k_scale": ks, "v_fp8": vo, "v_scale": vscale}

@@ -1,0 +1,210 @@
+"""Pure-PyTorch reference of the sage2 fast path's operand preparation.
+
+Written from the semantics of SageAttention 2's sm90 path (``sageattn_qk_int8_pv_fp8_cuda_sm90``
+with its defaults: per-thread int8 Q/K, ``smooth_k``, per-channel fp8 V, "fp32+fp32" PV
+accumulation), not from its code:
+
+* K is smoothed by its per-head mean over the sequence, taken in K's dtype (bf16) and
+  subtracted in bf16, exactly as ``k - k.mean(dim=seq, keepdim=True)`` does.
+* Q: one scale per "thread group" of 2 rows x 128 channels. In each 64-row block, rows
+  ``16w + t`` and ``16w + 8 + t`` (w < 4, t < 8) share scale ``32 * block + 8w + t``.
+* K: one scale per group of 32 rows. In each 128-row block, rows ``8j + 2t`` and ``8j + 2t + 1``
+  (j < 16, t < 4) share scale ``4 * block + t``.
+* scale = absmax / 127 + 1e-7; int8 = trunc(x / scale + 0.5 * sign(x)) with sign(0) = +1.
+  No softmax scale is folded into Q: the sm90 kernel takes sm_scale itself.
+* V: fp8 e4m3 per (head, channel): scale = absmax / 448 over the sequence, value = e4m3(v * (448 /
+  absmax)) rounded to nearest even, saturating. Laid out head-major ``[H, D, S_pad]`` (channels by
+  sequence, ``S_pad`` a multiple of 128, zero padding), tokens permuted inside every group of 16 so
+  that token ``16g + m`` sits at ``16g + p(m)``, ``p(m) = 2*(m // 8) + 4*((m // 2) % 4) + m % 2``.
+
+The ``fused`` variants also apply per-head RMSNorm (whole head_dim, fp64 statistics) and the
+split-half partial RoPE in fp32, the ``rotated`` variants multiply Q and the smoothed K by a
+normalised 128-point Walsh-Hadamard matrix (fp32 butterflies) before the int8 step. The order of
+every floating-point operation mirrors the Triton kernels in ``sage2_quant.py``, so under
+``TRITON_INTERPRET=1`` the two agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Q_BLOCK, K_BLOCK, V_PAD = 64, 128, 128
+FP8_MAX = 448.0
+INV_SQRT_128 = 1.0 / math.sqrt(128.0)
+
+MODES = ("exact", "fused", "rotated", "fused_rotated")
+
+
+def mode_flags(mode: str) -> tuple[bool, bool]:
+    """(fused norm+rope, Hadamard rotation) for a mode name."""
+    if mode not in MODES:
+        raise ValueError(f"unknown sage2 fast-path mode {mode!r}; expected one of {list(MODES)}")
+    return mode.startswith("fused"), mode.endswith("rotated")
+
+
+def padded_len(seq: int) -> int:
+    return -(-seq // V_PAD) * V_PAD
+
+
+def v_permutation(n: int) -> torch.Tensor:
+    """pos[t] = where token t sits in the permuted V sequence axis (n a multiple of 16)."""
+    m = torch.arange(16)
+    p = 2 * (m // 8) + 4 * ((m // 2) % 4) + m % 2
+    return (torch.arange(n) // 16 * 16 + p.repeat(n // 16))
+
+
+def hadamard_rows(x: torch.Tensor) -> torch.Tensor:
+    """Normalised 128-point Walsh-Hadamard transform of the last dim, fp32.
+
+    Seven constant-geometry butterfly stages: pair (i, i + 64) -> (2i, 2i + 1) as (a + b, a - b).
+    Each stage is exact in order (one rounding per output), so the result does not depend on
+    summation order. The product of the stages is the Sylvester Hadamard matrix H_128 (symmetric,
+    entries +-1), scaled here by 1/sqrt(128) so it is orthogonal.
+    """
+    if x.shape[-1] != 128:
+        raise ValueError(f"hadamard_rows needs a last dim of 128, got {x.shape[-1]}")
+    x = x.float()
+    lead = x.shape[:-1]
+    for _ in range(7):
+        a, b = x[..., :64], x[..., 64:]
+        x = torch.stack((a + b, a - b), dim=-1).reshape(*lead, 128)
+    return x * torch.tensor(INV_SQRT_128, dtype=torch.float32)
+
+
+def norm_rope_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float, rope_table: torch.Tensor | None):
+    """RMSNorm over the head dim (fp64 statistics) then split-half partial RoPE, fp32, [1, S, H, D]."""
+    xf = x.float()
+    eps32 = float(torch.tensor(eps, dtype=torch.float32))  # the kernels take eps as an fp32 scalar
+    ms = (xf.double() * xf.double()).sum(-1, keepdim=True) / xf.shape[-1]
+    rstd = (1.0 / torch.sqrt(ms + eps32)).float()
+    xn = (xf * rstd) * weight.float()
+    if rope_table is None:
+        return xn
+    half = rope_table.shape[-3]
+    rot = 2 * half
+    f = rope_table.float()[0, :, 0]  # [S, half, 2, 2]
+    a, b = xn[..., :half], xn[..., half:rot]
+    f00, f01 = f[:, None, :, 0, 0], f[:, None, :, 0, 1]
+    f10, f11 = f[:, None, :, 1, 0], f[:, None, :, 1, 1]
+    first = f00 * a + f01 * b
+    second = f11 * b + f10 * a
+    return torch.cat((first, second, xn[..., rot:]), dim=-1)
+
+
+def _int8_groups(x: torch.Tensor):
+    """x: [..., G, N] fp32 groups -> (int8 [..., G, N], scales [..., G])."""
+    scale = x.abs().amax(-1) / 127.0 + 1e-7
+    y = x / scale[..., None]
+    y = y + 0.5 * torch.where(y >= 0, 1.0, -1.0)
+    return y.to(torch.int8), scale
+
+
+def quant_q_per_thread(q: torch.Tensor):
+    """q: [H, S, D] fp32 -> int8 [H, S, D], scales [H, ceil(S/64) * 32]."""
+    h, s, d = q.shape
+    nb = -(-s // Q_BLOCK)
+    qp = q.new_zeros(h, nb * Q_BLOCK, d)
+    qp[:, :s] = q
+    # row = 64b + 16w + 8u + t  ->  group (b, w, t), member u
+    g = qp.view(h, nb, 4, 2, 8, d).permute(0, 1, 2, 4, 3, 5).reshape(h, nb * 32, 2 * d)
+    qi, scale = _int8_groups(g)
+    qi = qi.view(h, nb, 4, 8, 2, d).permute(0, 1, 2, 4, 3, 5).reshape(h, nb * Q_BLOCK, d)
+    return qi[:, :s].contiguous(), scale
+
+
+def quant_k_per_thread(k: torch.Tensor):
+    """k: [H, S, D] fp32 (already smoothed) -> int8 [H, S, D], scales [H, ceil(S/128) * 4]."""
+    h, s, d = k.shape
+    nb = -(-s // K_BLOCK)
+    kp = k.new_zeros(h, nb * K_BLOCK, d)
+    kp[:, :s] = k
+    # row = 128b + 8j + 2t + e  ->  group (b, t), members (j, e)
+    g = kp.view(h, nb, 16, 4, 2, d).permute(0, 1, 3, 2, 4, 5).reshape(h, nb * 4, 32 * d)
+    ki, scale = _int8_groups(g)
+    ki = ki.view(h, nb, 4, 16, 2, d).permute(0, 1, 3, 2, 4, 5).reshape(h, nb * K_BLOCK, d)
+    return ki[:, :s].contiguous(), scale
+
+
+def quant_v_per_channel(v: torch.Tensor):
+    """v: [1, S, H, D] -> (fp8 [H, D, S_pad] permuted, scale [1, H, D])."""
+    _, s, h, d = v.shape
+    vf = v[0].float().permute(1, 2, 0)  # [H, D, S]
+    amax = vf.abs().amax(-1)
+    scale = amax / FP8_MAX
+    recp = torch.full_like(amax, FP8_MAX) / amax  # one rounding (a python scalar / tensor is 448 * (1/x))
+    sp = padded_len(s)
+    vp = vf.new_zeros(h, d, sp)
+    vp[..., :s] = vf
+    y = (vp * recp[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    out = torch.empty(h, d, sp, dtype=torch.float8_e4m3fn)
+    out[..., v_permutation(sp)] = y.to(torch.float8_e4m3fn)
+    return out, scale[None]
+
+
+def prepare_reference(q, k, v, *, mode="exact", rope_table=None, q_weight=None, k_weight=None, eps=None):
+    """All operands the sm90 kernel takes, from NHD [1, S, H, 128] views. CPU or GPU, any strides.
+
+    Returns a dict: q_int8 / k_int8 [H, S, D] int8, q_scale [1, H, nq], k_scale [1, H, nk],
+    v_fp8 [H, D, S_pad] float8_e4m3fn, v_scale [1, H, D].
+    """
+    fused, rotated = mode_flags(mode)
+    if fused:
+        qf = norm_rope_fp32(q, q_weight, eps, rope_table)
+        kf = norm_rope_fp32(k, k_weight, eps, rope_table)
+        km = kf.double().sum(1, keepdim=True).div(kf.shape[1]).float()
+        ks = kf - km
+    else:
+        qf = q.float()
+        km = k.mean(dim=1, keepdim=True)  # in k's dtype, as SageAttention takes it
+        ks = (k.float() - km.float()).to(k.dtype).float()
+    if rotated:
+        qf, ks = hadamard_rows(qf), hadamard_rows(ks)
+    q_i8, q_scale = quant_q_per_thread(qf[0].permute(1, 0, 2))
+    k_i8, k_scale = quant_k_per_thread(ks[0].permute(1, 0, 2))
+    v_fp8, v_scale = quant_v_per_channel(v)
+    return {"q_int8": q_i8, "q_scale": q_scale[None], "k_int8": k_i8, "k_scale": k_scale[None],
+            "v_fp8": v_fp8, "v_scale": v_scale}
+
+
+def dequant_attention_reference(ops: dict, sm_scale: float) -> torch.Tensor:
+    """fp32 attention from prepared operands (what the sm90 kernel computes, without its rounding).
+
+    Returns [1, S, H, D] fp32. Small shapes only (materialises S x S per head).
+    """
+    qi, ki = ops["q_int8"].float(), ops["k_int8"].float()
+    h, s, d = qi.shape
+    nq = ops["q_scale"].shape[-1]
+    qs = ops["q_scale"][0]
+    ks = ops["k_scale"][0]
+    rows = torch.arange(s)
+    q_group = rows // 16 * 8 + rows % 8
+    k_group = rows // 128 * 4 + (rows % 8) // 2
+    assert q_group.max() < nq
+    qd = qi * qs[:, q_group, None]
+    kd = ki * ks[:, k_group, None]
+    sp = ops["v_fp8"].shape[-1]
+    vd = ops["v_fp8"].float()[..., v_permutation(sp)][..., :s] * ops["v_scale"][0][..., None]  # [H, D, S]
+    p = torch.softmax((qd @ kd.transpose(1, 2)) * sm_scale, dim=-1)
+    return (p @ vd.transpose(1, 2)).permute(1, 0, 2)[None]
+
+
+def norm_rope_eager_(q, k, rope_table, q_weight, k_weight, eps):
+    """In-place RMSNorm + split-half partial RoPE with comfy-kitchen's eager rounding (bf16 after
+    the norm, table dtype for the rotation, bf16 out). For tests and benchmarks on machines
+    without comfy-kitchen."""
+    half = rope_table.shape[-3]
+    rot = 2 * half
+    f = rope_table[0, :, 0].to(torch.float32)  # [S, half, 2, 2]
+    for x, w in ((q, q_weight), (k, k_weight)):
+        xn = torch.nn.functional.rms_norm(x, (x.shape[-1],), weight=w.to(x.dtype), eps=eps)
+        a = xn[..., :half].float()
+        b = xn[..., half:rot].float()
+        ff = f[:, None]  # [S, 1, half, 2, 2]
+        first = ff[..., 0, 0] * a[0] + ff[..., 0, 1] * b[0]
+        second = ff[..., 1, 0] * a[0] + ff[..., 1, 1] * b[0]
+        x[..., :half].copy_(first[None].to(x.dtype))
+        x[..., half:rot].copy_(second[None].to(x.dtype))
+        x[..., rot:].copy_(xn[..., rot:])
+    return q, k

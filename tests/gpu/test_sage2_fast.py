@@ -1,0 +1,199 @@
+"""GPU checks of the sage2 sm90 fast path (H100/H200 with SageAttention 2 built; skipped elsewhere).
+
+* the pack's operands equal SageAttention's own (per-thread int8 Q/K, per-channel fp8 V) bit for bit;
+* exact mode: attend(prepare(q, k, v)) equals ``sageattn(q, k, v, tensor_layout="NHD")`` bit for
+  bit at S = 127, 8,192 and 37,810 (56 heads, strided NHD views of one fused qkv buffer);
+* fused and rotated modes: errors against fp32 attention, printed next to exact mode's;
+* 120,000 / 210,000 / 320,000 tokens: head and tail rows match fp32 attention (no gray tail);
+* torch.compile(fullgraph=True) traces the custom ops.
+
+Measured numbers are appended to $OUT/sage2_fast_checks.jsonl (or ./sage2_fast_checks.jsonl).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from comfyui_sage_strided_nhd.kernels import sage2_quant, sage2_quant_ref
+from comfyui_sage_strided_nhd.kernels.backends import BACKENDS
+
+
+def _skip_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"needs sm90 (H100/H200), got {torch.cuda.get_device_capability()}"
+    q = torch.empty(1, 128, 1, 128, dtype=torch.bfloat16, device="cuda")
+    verdict = BACKENDS["sage2"].fast_path_verdict(q, q, q, layout="NHD")
+    return None if verdict else verdict.reason
+
+
+SKIP = _skip_reason()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+
+HEADS, D, ROT, EPS = 56, 128, 96, 1e-5
+B = BACKENDS["sage2"]
+
+
+def log_result(row):
+    path = os.path.join(os.environ.get("OUT", "."), "sage2_fast_checks.jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(row)
+
+
+def fused_buffer(seq, seed, heads=HEADS):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(seq, 3 * heads * D, device="cuda", generator=g, dtype=torch.bfloat16)
+    ang = torch.rand(seq, ROT // 2, device="cuda", generator=g) * 6.283
+    c, s = ang.cos(), ang.sin()
+    table = torch.stack([c, -s, s, c], -1).reshape(1, seq, 1, ROT // 2, 2, 2)
+    qw = (2 + 0.3 * torch.randn(D, device="cuda", generator=g)).to(torch.bfloat16)
+    kw = (2 + 0.3 * torch.randn(D, device="cuda", generator=g)).to(torch.bfloat16)
+    return qkv, table, qw, kw
+
+
+def views(qkv, heads=HEADS):
+    return qkv.unflatten(1, (3, heads, D)).unsqueeze(0).unbind(2)
+
+
+def fp32_rows(q, k, v, rows, heads):
+    out = []
+    for h in heads:
+        qh = q[0, rows, h].float()[None, None]
+        kh, vh = k[0, :, h].float()[None, None], v[0, :, h].float()[None, None]
+        out.append(F.scaled_dot_product_attention(qh, kh, vh)[0, 0])
+    return torch.stack(out, 1)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def sage_reference_operands(q, k, v):
+    """SageAttention's own preparation, as sageattn_qk_int8_pv_fp8_cuda_sm90 makes it."""
+    from sageattention.quant import per_channel_fp8
+    from sageattention.triton.quant_per_thread import per_thread_int8
+    km = k.mean(dim=1, keepdim=True)
+    qi, qs, ki, ks = per_thread_int8(q, k, km, tensor_layout="NHD", BLKQ=64, WARPQ=16, BLKK=128, WARPK=128)
+    pad = (128 - v.shape[1] % 128) % 128
+    vp = torch.cat([v, torch.zeros(1, pad, v.shape[2], D, dtype=v.dtype, device=v.device)], 1) if pad else v
+    vf, vs, _ = per_channel_fp8(vp, tensor_layout="NHD", smooth_v=False)
+    return {"q_int8": qi[0].permute(1, 0, 2), "q_scale": qs, "k_int8": ki[0].permute(1, 0, 2), "k_scale": ks,
+            "v_fp8": vf[0].permute(1, 0, 2), "v_scale": vs}
+
+
+def mismatches(got, exp):
+    out = {}
+    for key, e in exp.items():
+        a = got[key]
+        if a.dtype == torch.float8_e4m3fn:
+            a, e = a.view(torch.uint8), e.view(torch.uint8)
+        out[key] = int((a != e).sum().item()) if a.shape == e.shape else f"shape {list(a.shape)} vs {list(e.shape)}"
+    return out
+
+
+@pytest.mark.parametrize("seq", [127, 8192])
+def test_operands_equal_sageattention_own(seq):
+    qkv, *_ = fused_buffer(seq, 1)
+    q, k, v = views(qkv)
+    exp = sage_reference_operands(q, k, v)
+    results = {mode: mismatches(sage2_quant.quantize_operands(q, k, v, div_mode=mode), exp) for mode in (0, 1, 2)}
+    log_result({"check": "operands_vs_sageattention", "seq": seq, "mismatches_by_v_div_mode": results,
+                "default_v_div_mode": sage2_quant.V_DIV_MODE})
+    assert all(n == 0 for n in results[sage2_quant.V_DIV_MODE].values()), results
+
+
+@pytest.mark.parametrize("seq", [127, 8192, 37810])
+def test_exact_mode_bit_identical_to_sageattn(seq):
+    from sageattention import sageattn
+    qkv, *_ = fused_buffer(seq, 2)
+    q, k, v = views(qkv)
+    assert B.fast_path_verdict(q, k, v, layout="NHD")
+    ref = sageattn(q, k, v, tensor_layout="NHD")
+    out = B.attend(B.prepare(q, k, v, mode="exact"))
+    assert out.is_contiguous() and out.shape == (1, seq, HEADS, D)
+    diff = (out.float() - ref.float()).abs()
+    log_result({"check": "exact_vs_sageattn", "seq": seq, "bit_identical": bool(torch.equal(out, ref)),
+                "max_abs": diff.max().item(), "n_diff": int((out != ref).sum().item())})
+    assert torch.equal(out, ref)
+
+
+def test_fused_and_rotated_modes_error():
+    seq = 8192
+    qkv, table, qw, kw = fused_buffer(seq, 3)
+    raw = qkv.clone()
+    q, k, v = views(qkv)
+    sage2_quant_ref.norm_rope_eager_(q, k, table, qw, kw, EPS)  # exact mode's inputs: normed in place
+    rows = torch.cat([torch.arange(256), torch.arange(seq - 256, seq)]).cuda()
+    heads = [0, 17, 55]
+    ref = fp32_rows(q, k, v, rows, heads)
+    exact = B.attend(B.prepare(q, k, v, mode="exact"))
+    rotated = B.attend(B.prepare(q, k, v, mode="rotated"))
+    rq, rk, rv = views(raw)
+    fused = B.attend(B.prepare(rq, rk, rv, mode="fused", rope_table=table, q_weight=qw, k_weight=kw, eps=EPS))
+    fused_rot = B.attend(B.prepare(rq, rk, rv, mode="fused_rotated", rope_table=table, q_weight=qw,
+                                   k_weight=kw, eps=EPS))
+    sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    sel = lambda o: o[0, rows][:, heads]  # noqa: E731
+    row = {"check": "mode_errors", "seq": seq,
+           "rel_err_vs_fp32": {name: rel(sel(o), ref) for name, o in
+                               (("exact", exact), ("fused", fused), ("rotated", rotated),
+                                ("fused_rotated", fused_rot), ("sdpa_bf16", sdpa))},
+           "fused_vs_exact_max_abs": (fused.float() - exact.float()).abs().max().item(),
+           "fused_vs_exact_rel": rel(fused, exact),
+           "rotated_vs_exact_max_abs": (rotated.float() - exact.float()).abs().max().item()}
+    log_result(row)
+    errs = row["rel_err_vs_fp32"]
+    assert errs["exact"] < 6e-2 and errs["fused"] < 6e-2 and errs["rotated"] < 6e-2
+    assert errs["fused"] < 1.5 * errs["exact"] + 1e-3
+
+
+@pytest.mark.parametrize("seq", [120000, 210000, 320000])
+def test_long_sequences_head_and_tail_rows(seq):
+    qkv, *_ = fused_buffer(seq, 4)
+    q, k, v = views(qkv)
+    assert B.fast_path_verdict(q, k, v, layout="NHD")
+    p = B.prepare(q, k, v, mode="exact")
+    out = B.attend(p)
+    rows = torch.cat([torch.arange(64), torch.arange(seq - 64, seq)]).cuda()
+    heads = [0, 30, 55]
+    ref = fp32_rows(q, k, v, rows, heads)
+    got = out[0, rows][:, heads]
+    tail = out[0, -64:]
+    row = {"check": "long_sequence", "seq": seq, "head_chunks": list(p.head_chunks),
+           "rel_err_head": rel(got[:64], ref[:64]), "rel_err_tail": rel(got[64:], ref[64:]),
+           "max_abs_tail": (got[64:].float() - ref[64:]).abs().max().item(),
+           "tail_all_finite": bool(torch.isfinite(tail).all()), "tail_zero_rows": int((tail.abs().amax(-1) == 0).sum())}
+    log_result(row)
+    assert row["tail_all_finite"] and row["tail_zero_rows"] == 0
+    assert row["rel_err_head"] < 6e-2 and row["rel_err_tail"] < 6e-2
+
+
+def test_torch_compile_fullgraph_traces_the_ops():
+    seq, heads = 300, 4
+    qkv, table, qw, kw = fused_buffer(seq, 5, heads)
+    q, k, v = views(qkv, heads)
+
+    def f(q, k, v, table, qw, kw):
+        ops = sage2_quant.quantize_operands(q, k, v, mode="fused_rotated", rope_table=table, q_weight=qw,
+                                            k_weight=kw, eps=EPS)
+        return ops["q_int8"], ops["k_scale"], ops["v_fp8"]
+
+    eager = f(q, k, v, table, qw, kw)
+    compiled = torch.compile(f, fullgraph=True)(q, k, v, table, qw, kw)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+    def g(q, k, v):
+        return B.attend(B.prepare(q, k, v, mode="exact"))
+
+    torch._dynamo.reset()
+    expected = g(q, k, v)
+    assert torch.equal(torch.compile(g, fullgraph=True)(q, k, v), expected)
