@@ -113,12 +113,7 @@ class SageNHDTestForwardProbe:
         return (m,)
 
 
-NODE_CLASS_MAPPINGS = {
-    "SageNHDTestForwardProbe": SageNHDTestForwardProbe,
-    "SageNHDTestConditioning": SageNHDTestConditioning,
-    "SageNHDTestSaveLatentTensors": SageNHDTestSaveLatentTensors,
-    "SageNHDTestForeignH3Patch": SageNHDTestForeignH3Patch,
-}
+
 
 
 # --- stand-ins for other packs and core nodes that also replace attention (tests/host/test_compose.py) ---
@@ -344,10 +339,9 @@ class SageNHDTestRaiseWhileSampling:
         return (m,)
 
 
-NODE_CLASS_MAPPINGS.update({
-    "SageNHDTestForeignOverride": SageNHDTestForeignOverride,
-    "SageNHDTestAttentionPreference": SageNHDTestAttentionPreference,
-    "SageNHDTestComfyAttentionFunction": SageNHDTestComfyAttentionFunction,
-    "SageNHDTestSparseAttention": SageNHDTestSparseAttention,
-    "SageNHDTestRaiseWhileSampling": SageNHDTestRaiseWhileSampling,
-})
+# Built from the class names (no mapping literal), so a ComfyUI-Manager scan of the repository does not
+# credit the pack with these test-only nodes (tests/unit/test_published_contents.py).
+NODE_CLASS_MAPPINGS = dict((cls.__name__, cls) for cls in (
+    SageNHDTestForwardProbe, SageNHDTestConditioning, SageNHDTestSaveLatentTensors, SageNHDTestForeignH3Patch,
+    SageNHDTestForeignOverride, SageNHDTestAttentionPreference, SageNHDTestComfyAttentionFunction,
+    SageNHDTestSparseAttention, SageNHDTestRaiseWhileSampling))

@@ -321,3 +321,94 @@ def test_node_schema_has_tooltips_and_defaults(pack):
     assert defaults["layout"] == "strided_nhd" and defaults["backend"] == "auto" and defaults["patch_text_refiner"] is True
     prep = schema.inputs[-1]
     assert defaults["sage2_prep"] == "exact" and prep.optional and list(prep.options) == list(pack.kernels.PREP_MODES)
+
+
+# --- schema 2: what the report reads from the records ------------------------------------------
+def test_report_reads_skip_kinds_from_the_records(pack):
+    k = pack.kernels
+    report = make_report(pack, backend="auto")
+    skipped = (k.Skip("sage2", "no CUDA device", "unavailable"), k.Skip("comfy_kitchen_int8", "needs CUDA", "unsupported"),
+               k.Skip("sage1", "raised RuntimeError: x", "raised"))
+    report.record(k.CallRecord("auto", backend="sdpa", skipped=skipped, head_chunks=2, copies=1,
+                               fast_path_skipped="sage2 fast path: not sm90",
+                               compiled=({"backend": "fa4", "key": "k1", "seconds": 1.5},)))
+    report.record(k.CallRecord("sage2", backend="sdpa", skipped=(k.Skip("sage2", "no CUDA device", "unavailable"),),
+                               fast_path="sage2 prepared operands (exact)"))
+    p = report.payload()
+    assert p["skipped_unavailable"] == [{"backend": "sage2", "reason": "no CUDA device"}]  # auto + unavailable only
+    assert sorted((f["backend"], f["count"]) for f in p["fallbacks"]) == [
+        ("comfy_kitchen_int8", 1), ("sage1", 1), ("sage2", 1)]  # a named back-end missing is a fallback
+    assert p["head_chunks_max"] == 2 and p["copies_per_call"] == 0.5 and p["backends_ran"] == {"sdpa": 2}
+    assert p["fast_path"] == "sage2 prepared operands (exact) x1"
+    assert p["fast_path_skipped"] == [{"reason": "sage2 fast path: not sm90", "count": 1}]
+    assert p["compile_events"] == [{"backend": "fa4", "key": "k1", "seconds": 1.5}]
+    assert any("compiled fa4 kernel k1" in m for m in p["messages"])
+
+
+def test_h3_forward_hands_the_fused_buffer_over_and_passes_prep_mode(pack, monkeypatch):
+    model = tiny_h3_model(seed=3)
+    attn = model.blocks[0].attn
+    seen = {}
+    real = pack.kernels.attention_from_fused_qkv
+
+    def spy(qkv, *args, **kwargs):
+        seen["handed"] = isinstance(qkv, list) and len(qkv) == 1
+        seen["prep_mode"] = kwargs.get("prep_mode")
+        return real(qkv, *args, **kwargs)
+
+    monkeypatch.setattr(pack.kernels, "attention_from_fused_qkv", spy)
+    report = make_report(pack)
+    fwd = pack.nodes.h3_patch.H3AttentionForward(attn, chain=pack.kernels.BackendChain.for_choice("sdpa"),
+                                                 layout="strided_nhd", report=report, prep_mode="rotated")
+    x = torch.randn(S, 64, generator=torch.Generator().manual_seed(9))
+    assert_same(fwd(x.clone(), rope_freqs=rope_table(model)), attn(x.clone(), rope_freqs=rope_table(model)),
+                "rotated prep without a fast path")
+    assert seen == {"handed": True, "prep_mode": "rotated"} and report.calls == 1
+
+
+@pytest.mark.parametrize("exc,status", [("interrupt", "interrupted"), ("keyboard", "interrupted"), ("error", "failed")])
+def test_interrupted_and_failed_runs_reraise_unchanged_and_report_the_status(pack, exc, status):
+    import comfy.model_management as mm
+    mp = patcher_for(tiny_h3_model(seed=2))
+    clone, summary = pack.nodes.h3_patch.patch_model(mp, "strided_nhd", "sdpa")
+    from comfy.patcher_extension import WrappersMP
+    (wrapper,) = clone.get_wrappers(WrappersMP.OUTER_SAMPLE, pack.nodes.report.WRAPPER_KEY)
+    error = {"interrupt": mm.InterruptProcessingException(), "keyboard": KeyboardInterrupt(),
+             "error": ValueError("boom")}[exc]
+
+    def sampling_run():
+        raise error
+
+    with pytest.raises(BaseException) as caught:
+        wrapper(sampling_run)
+    assert caught.value is error
+    p = summary["report"].last
+    assert p["status"] == status
+    if status == "failed":
+        assert any("failed: ValueError: boom" in m for m in p["messages"])
+
+
+def test_preference_resolution_through_the_comfy_attention_interface(pack):
+    h3p = pack.nodes.h3_patch
+    model = tiny_h3_model()
+
+    class ComfyAttention(torch.nn.Module):  # the interface of current ComfyUI's ComfyAttention
+        def __init__(self, config=None, function=None):
+            super().__init__()
+            self.config, self.function = config, function
+
+    def attention_comfy_kitchen_int8(*a, **k):
+        pass
+
+    def some_other_packs_attention(*a, **k):
+        pass
+
+    model.blocks[0].attn.comfy_attention = ComfyAttention({"attention": "comfy_kitchen_int8"}, attention_comfy_kitchen_int8)
+    model.blocks[1].attn.comfy_attention = ComfyAttention(None, some_other_packs_attention)
+    mp = patcher_for(model)
+    assert h3p.preference(mp, "diffusion_model.blocks.0.attn")[0] == "comfy_kitchen_int8"
+    assert h3p.preference(mp, "diffusion_model.token_refiner.blocks.0.attn") == (None, "", None)  # 0.33: no attribute
+    with pytest.raises(pack.nodes.conflicts.PatchConflictError, match="some_other_packs_attention"):
+        h3p.preference(mp, "diffusion_model.blocks.1.attn")
+    with pytest.raises(pack.nodes.conflicts.PatchConflictError, match=r"blocks\.1\.attn\.comfy_attention\.function"):
+        h3p.patch_model(mp, "strided_nhd", "auto")
