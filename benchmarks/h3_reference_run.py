@@ -98,7 +98,7 @@ def parse_args(argv=None):
     p.add_argument("--reps-2-step", type=int, default=2, help="2-step runs per layout (2 = ABBA)")
     p.add_argument("--reps-12-step", type=int, default=1, help="12-step runs per layout (2 = ABBA)")
     p.add_argument("--no-stock", action="store_true", help="leave stock ComfyUI out of blocks and profiler")
-    p.add_argument("--stock-sampling", action="store_true", help="also sample once with stock attention")
+    p.add_argument("--stock-sampling", action="store_true", help="also sample with stock attention, interleaved with the layouts")
     p.add_argument("--no-chart", action="store_true")
     args = p.parse_args(argv)
     args.layout = args.layout or os.environ.get(LAYOUT_ENV) or "ab"
@@ -191,8 +191,8 @@ def patch_model(model_patcher, layout: str, backend: str, prep_mode: str = "exac
 def last_payload(report):
     """The node's report of the last sampling run of a patched clone (None before any run)."""
     last = getattr(report, "last", None)
-    if last is None and getattr(report, "sent", None):
-        last = report.sent[-1]
+    if last is None and report.calls:  # blocks-only runs: the calls recorded outside any sampling run
+        last = report.payload()
     return last
 
 
@@ -205,8 +205,11 @@ def backends_that_ran(summaries: dict) -> tuple[str, list, dict]:
         if payload is None:
             continue
         by_layout[layout] = "+".join(f"{b} x{n}" for b, n in sorted(payload["backends_ran"].items())) or "none"
+        if payload.get("fast_path"):
+            by_layout[layout] += f" [fast path: {payload['fast_path']}]"
         fallbacks += payload["fallbacks"]
-    ran = sorted({b.split(" x")[0] for v in by_layout.values() for b in v.split("+") if v != "none"})
+    ran = sorted({b for summary in summaries.values() if (p := last_payload(summary["report"]))
+                  for b in p["backends_ran"]})
     return "+".join(ran) or "none", fallbacks, by_layout
 
 
@@ -349,7 +352,7 @@ def run_sections(args, bench: sec.Bench, kernels, backend: str, report: Report) 
                              (12, "sampling_12_step", "canonical_12_step_trajectory")):
         if key in args.sections:
             reps = args.reps_2_step if steps == 2 else args.reps_12_step
-            result = _section(report, key, lambda: sec.sampling(bench, steps, reps, args.stock_sampling and steps == 2))
+            result = _section(report, key, lambda: sec.sampling(bench, steps, reps, args.stock_sampling))
             if result:
                 report.validation(item, sec.trajectory_verdict(result))
                 repeats = [r.get("repeat_identical") for r in result["runs"] if "repeat_identical" in r]

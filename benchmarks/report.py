@@ -107,6 +107,9 @@ HEADER = ("measurement", "stock ComfyUI", "HND", "strided NHD", "HND / strided N
 
 
 def text_table(data: dict) -> str:
+    variants = variants_markdown(data)
+    if variants:
+        return variants
     rows = [HEADER] + table_rows(data)
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
@@ -144,3 +147,49 @@ def correctness_table(data: dict) -> str:
         if key.startswith("stock_vs_") and key.endswith("_identical"):
             verdicts.append(f"stock vs {key[9:-10]}: " + ("identical latents" if value else "DIFFER"))
     return "\n".join(lines + verdicts)
+
+
+def variant_rows(data: dict) -> list[tuple[str, ...]]:
+    """One row per variant of the block section: p50 per block, stock over it, equality with stock,
+    peak extra memory and kernel launches of one block. Empty when only stock and the layouts ran."""
+    blocks = data.get("real_block_results") or []
+    if not blocks:
+        return []
+    names = [k[:-len("_p50_seconds")] for k in blocks[0] if k.endswith("_p50_seconds")]
+    if set(names) <= {"stock", "hnd", "strided_nhd"}:
+        return []
+    prof = data.get("profiler_block_recapture") or {}
+    ran = data.get("attention_by_variant") or {}
+    rows = []
+    for name in names:
+        times = " / ".join(_fmt_s(b.get(f"{name}_p50_seconds"), "ms") for b in blocks)
+        ratio = " / ".join(_fmt_x(measure_ratio(b, name)) for b in blocks)
+        if name == "stock":
+            same = "-"
+        elif all(b.get(f"stock_vs_{name}_bit_exact") for b in blocks):
+            same = "bit-exact"
+        else:
+            same = "max abs " + " / ".join(f"{b.get(f'stock_vs_{name}_max_abs_difference', float('nan')):.3g}"
+                                           for b in blocks)
+        peak = blocks[0].get("peak_extra_bytes", {}).get(name)
+        launches = prof.get(f"{name}_kernel_launches")
+        rows.append((name, ran.get(name, "-"), times, ratio, same,
+                     "-" if peak is None else f"{peak / 2**20:,.0f} MiB", "-" if launches is None else str(launches)))
+    return rows
+
+
+def measure_ratio(block: dict, name: str):
+    stock, mine = block.get("stock_p50_seconds"), block.get(f"{name}_p50_seconds")
+    return None if not stock or not mine else stock / mine
+
+
+VARIANT_HEADER = ("variant", "attention that ran", "block p50", "stock / variant", "vs stock",
+                  "peak extra (block 0)", "kernels")
+
+
+def variants_markdown(data: dict) -> str:
+    rows = variant_rows(data)
+    if not rows:
+        return ""
+    out = ["| " + " | ".join(VARIANT_HEADER) + " |", "|" + "|".join("---" for _ in VARIANT_HEADER) + "|"]
+    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])

@@ -17,7 +17,7 @@ import json
 import re
 from pathlib import Path
 
-from .report import markdown_table
+from .report import markdown_table, variants_markdown
 
 MARKERS = {"results": ("<!-- results-table:start -->", "<!-- results-table:end -->"),
            "kernels": ("<!-- kernels-table:start -->", "<!-- kernels-table:end -->")}
@@ -88,7 +88,8 @@ def section_markdown(path: Path) -> str:
     data = json.loads(path.read_text())
     if report_kind(data) == "kernels":
         return kernels_markdown(data) + "\n"
-    parts = [describe_run(data, path.as_posix()), "", markdown_table(data), ""]
+    variants = variants_markdown(data)
+    parts = [describe_run(data, path.as_posix()), "", variants or markdown_table(data), ""]
     parts += memory_lines(data)
     parts += validation_lines(data)
     if data.get("errors"):
