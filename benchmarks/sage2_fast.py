@@ -122,6 +122,46 @@ def speed(seq, reps, warmup):
     }
 
 
+QUANT_CONFIGS = ((1, 8), (4, 8), (1, 16), (4, 16))  # (unroll, warps) of the exact-mode quantisation pass
+
+
+def tuning(seq, reps, warmup):
+    """prepare() in exact mode under each quantisation-pass configuration, interleaved."""
+    from sageattention import sageattn
+    qkv, table, qw, kw = make_buffer(seq, 7)
+    q, k, v = views(qkv)
+    sage2_quant_ref.norm_rope_eager_(q, k, table, qw, kw, EPS)
+    prepared = BACKEND.prepare(q, k, v, mode="exact")
+    default = (sage2_quant.QUANT_UNROLL[False], sage2_quant.QUANT_WARPS[False])
+
+    def with_config(cfg, fn):
+        def run():
+            sage2_quant.QUANT_UNROLL[False], sage2_quant.QUANT_WARPS[False] = cfg
+            try:
+                return fn()
+            finally:
+                sage2_quant.QUANT_UNROLL[False], sage2_quant.QUANT_WARPS[False] = default
+        return run
+
+    calls = {"sageattn": lambda: sageattn(q, k, v, tensor_layout="NHD"),
+             "kernel_alone": lambda: BACKEND.attend(prepared),
+             "fast_exact": lambda: BACKEND.attend(BACKEND.prepare(q, k, v, mode="exact"))}
+    for cfg in QUANT_CONFIGS:
+        calls[f"prepare_exact_u{cfg[0]}_w{cfg[1]}"] = with_config(cfg, lambda: BACKEND.prepare(q, k, v, mode="exact"))
+    identical = {}
+    for cfg in QUANT_CONFIGS:
+        p = with_config(cfg, lambda: BACKEND.prepare(q, k, v, mode="exact"))()
+        identical[f"u{cfg[0]}_w{cfg[1]}"] = all(bool(torch.equal(getattr(p, n).view(torch.uint8) if n == "v_fp8" else getattr(p, n),
+                                                    getattr(prepared, n).view(torch.uint8) if n == "v_fp8" else getattr(prepared, n)))
+                                              for n in ("q_int8", "q_scale", "k_int8", "k_scale", "v_fp8", "v_scale"))
+    times = interleaved_times({n: event_timed(f) for n, f in calls.items()}, reps=reps, warmup=warmup)
+    rows = {n: summary(t) for n, t in times.items()}
+    for n, r in rows.items():
+        print(f"tuning S={seq:,} {n:24s} p50 {r['p50_seconds'] * 1e3:8.3f} ms  spread {r['spread'] * 100:5.1f}%", flush=True)
+    print(f"tuning S={seq:,} operands identical to the default configuration: {identical}", flush=True)
+    return {"seq": seq, "reps": reps, "default": list(default), "variants": rows, "operands_identical": identical}
+
+
 def concentrate(x, chans, ratio):
     """x [1, S, H, D]: per head, channels ``chans[h]`` scaled by ``ratio``, each row rescaled to its norm."""
     w = torch.ones(x.shape[2], D, device=x.device)
@@ -191,7 +231,7 @@ def print_speed(r):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("speed", "accuracy", "both"), default="both")
+    p.add_argument("--part", choices=("speed", "accuracy", "both", "tuning"), default="both")
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 37810])
     p.add_argument("--accuracy-seq", type=int, nargs="+", default=[8192])
     p.add_argument("--accuracy-heads", type=int, default=HEADS)
@@ -208,7 +248,13 @@ def main(argv=None):
     cap = torch.cuda.get_device_capability()
     report = {"device": torch.cuda.get_device_name(), "compute_capability": f"SM{cap[0]}{cap[1]}",
               "torch": torch.__version__, "triton": getattr(sage2_quant.triton, "__version__", None),
-              "speed": [], "accuracy": []}
+              "speed": [], "accuracy": [], "tuning": []}
+    if args.part == "tuning":
+        for seq in args.seq:
+            report["tuning"].append(tuning(seq, args.reps, args.warmup))
+            if args.out:
+                json.dump(report, open(args.out, "w"), indent=1)
+        return
     if args.part in ("speed", "both"):
         for seq in args.seq:
             r = speed(seq, args.reps, args.warmup)

@@ -49,6 +49,10 @@ except Exception as exc:  # pragma: no cover - depends on the install
 LIB = "sage_strided_nhd"
 HEAD_DIM = 128
 ROWS_PER_SPLIT = 512  # reduction pass: rows of one head per program
+# Quantisation pass tuning, indexed by "fused": unroll factor of the 32-row sub-tile loops and
+# warps per program (see benchmarks/results/sage2-fast-notes.md for the measurements).
+QUANT_UNROLL = {False: 1, True: 1}
+QUANT_WARPS = {False: 8, True: 8}
 # How the V scale and its reciprocal are divided (SageAttention's CUDA is built with
 # --use_fast_math): 0 = Triton's "/" (div.full.f32), 1 = div.approx.ftz.f32, 2 = div.rn.f32.
 V_DIV_MODE = int(os.environ.get("SAGE2_FAST_V_DIV", "0"))
@@ -106,9 +110,13 @@ if triton is not None:
         return tl.load(ptr, mask=m[:, None], other=0.0)
 
     @triton.jit
-    def _norm_rope_rows(X, W, T, rows, m, h, c, stride_s, stride_h, st_s, st_i, st_r, st_c, eps,
+    def _norm_rope_rows(X, W, RC, rows, m, h, c, stride_s, stride_h, S, eps,
                         D: tl.constexpr, HALF: tl.constexpr):
-        """RMSNorm (fp64 statistics) then split-half RoPE on the first 2*HALF dims, fp32 [R, D]."""
+        """RMSNorm (fp64 statistics) then split-half RoPE on the first 2*HALF dims, fp32 [R, D].
+
+        RC: [2, S, 2*HALF] fp32 (``rope_coefficients``): per token and channel the factor on the
+        channel itself and the factor on its partner (c + HALF or c - HALF).
+        """
         base = X + rows[:, None] * stride_s + h * stride_h
         x = tl.load(base + c[None, :], mask=m[:, None], other=0.0).to(tl.float32)
         x64 = x.to(tl.float64)
@@ -118,24 +126,20 @@ if triton is not None:
         xn = (x * rstd[:, None]) * w[None, :]
         if HALF > 0:
             in_rot = c < 2 * HALF
-            second = c >= HALF
-            r = second.to(tl.int32)
-            i = tl.where(second, c - HALF, c)
             p = tl.where(c < HALF, c + HALF, tl.where(in_rot, c - HALF, c))
             xp = tl.load(base + p[None, :], mask=m[:, None], other=0.0).to(tl.float32)
             wp = tl.load(W + p).to(tl.float32)
             xpn = (xp * rstd[:, None]) * wp[None, :]
-            tb = T + rows[:, None] * st_s + (i * st_i + r * st_r)[None, :]
+            cb = RC + rows[:, None] * (2 * HALF) + c[None, :]
             tm = m[:, None] & in_rot[None, :]
-            f_self = tl.load(tb + (r * st_c)[None, :], mask=tm, other=1.0).to(tl.float32)
-            f_part = tl.load(tb + ((1 - r) * st_c)[None, :], mask=tm, other=0.0).to(tl.float32)
+            f_self = tl.load(cb, mask=tm, other=1.0)
+            f_part = tl.load(cb + S * (2 * HALF), mask=tm, other=0.0)
             y = f_self * xn + f_part * xpn
             xn = tl.where(in_rot[None, :], y, xn)
         return xn
 
     @triton.jit
-    def _reduce_kernel(K, V, KW, T, KSUM, VMAX, S, H,
-                       sks, skh, svs, svh, st_s, st_i, st_r, st_c, eps,
+    def _reduce_kernel(K, V, KW, RC, KSUM, VMAX, S, H, sks, skh, svs, svh, eps,
                        D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr,
                        ROWS: tl.constexpr, RB: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
@@ -144,13 +148,13 @@ if triton is not None:
         c = tl.arange(0, D)
         vmax = tl.zeros([D], dtype=tl.float32)
         ksum = tl.zeros([D], dtype=tl.float64)
-        for r0 in tl.static_range(0, ROWS, RB):
+        for r0 in range(0, ROWS, RB):
             rows = split * ROWS + r0 + tl.arange(0, RB)
             m = rows < S
             vv = _load_rows(V, rows, m, h, c, svs, svh).to(tl.float32)
             vmax = tl.maximum(vmax, tl.max(tl.abs(vv), axis=0))
             if FUSED:
-                kk = _norm_rope_rows(K, KW, T, rows, m, h, c, sks, skh, st_s, st_i, st_r, st_c, eps, D, HALF)
+                kk = _norm_rope_rows(K, KW, RC, rows, m, h, c, sks, skh, S, eps, D, HALF)
                 kk = tl.where(m[:, None], kk, 0.0)
                 ksum += tl.sum(kk.to(tl.float64), axis=0)
         off = (split * H + h) * D + c
@@ -180,74 +184,73 @@ if triton is not None:
         tl.store(VRECP + h * D + c, _div(smax, vm, DIV))
 
     @triton.jit
-    def _quant_kernel(Q, K, V, KM, VR, QW, KW, T, QO, QS, KO, KS, VO,
-                      S, H, NQB, NKB, LPAD,
-                      sqs, sqh, sks, skh, svs, svh, st_s, st_i, st_r, st_c, eps,
+    def _quant_kernel(Q, K, V, KM, VR, QW, KW, RC, QO, QS, KO, KS, VO,
+                      S, H, NQB, NKB, LPAD, sqs, sqh, sks, skh, svs, svh, eps,
                       D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr, ROTATE: tl.constexpr,
-                      EMULATE_FP8: tl.constexpr):
+                      EMULATE_FP8: tl.constexpr, UNROLL: tl.constexpr):
+        # One program: one head, one 128-token block, in 32-row sub-tiles (register pressure).
         # EMULATE_FP8: under TRITON_INTERPRET, round to bf16/fp8 in integer arithmetic first.
         pid = tl.program_id(0).to(tl.int64)
         h = pid % H
-        b = pid // H  # 128-token block
+        b = pid // H
         c = tl.arange(0, D)
+        i = tl.arange(0, 32)
         head_base = h * S * D  # int8 Q/K outputs are head-major [H, S, D]
 
-        # ---- Q: two 64-row blocks; tile row i = 2 * (8w + t) + u holds sequence row 16w + 8u + t,
-        # so each group of two consecutive tile rows shares one scale (index 8w + t).
-        for qb in tl.static_range(2):
-            qblk = 2 * b + qb
-            i = tl.arange(0, 64)
-            rows = qblk * 64 + 16 * (i // 16) + 8 * (i % 2) + (i // 2) % 8
+        # ---- Q: 64-row blocks; sub-tile row i holds sequence row 16w + 8u + t with
+        # w = 2*half + i//16, t = (i//2) % 8, u = i % 2: rows 2g and 2g+1 share scale 8w + t.
+        for qs in tl.range(0, 4, loop_unroll_factor=UNROLL):
+            qblk = 2 * b + qs // 2
+            rows = qblk * 64 + 16 * (2 * (qs % 2) + i // 16) + 8 * (i % 2) + (i // 2) % 8
             m = rows < S
             if FUSED:
-                x = _norm_rope_rows(Q, QW, T, rows, m, h, c, sqs, sqh, st_s, st_i, st_r, st_c, eps, D, HALF)
+                x = _norm_rope_rows(Q, QW, RC, rows, m, h, c, sqs, sqh, S, eps, D, HALF)
             else:
                 x = _load_rows(Q, rows, m, h, c, sqs, sqh).to(tl.float32)
             x = tl.where(m[:, None], x, 0.0)
             if ROTATE:
-                x = _fwht128(x, 64)
-            x3 = tl.reshape(x, [32, 2, D])
+                x = _fwht128(x, 32)
+            x3 = tl.reshape(x, [16, 2, D])
             scale = tl.max(tl.max(tl.abs(x3), axis=2), axis=1) / 127. + 0.0000001
             y = x3 / scale[:, None, None]
             y += 0.5 * tl.where(y >= 0, 1, -1)
-            y = tl.reshape(y.to(tl.int8), [64, D])
+            y = tl.reshape(y.to(tl.int8), [32, D])
             tl.store(QO + head_base + rows[:, None] * D + c[None, :], y, mask=m[:, None])
-            g = tl.arange(0, 32)
-            tl.store(QS + h * NQB * 32 + qblk * 32 + g, scale, mask=(g < 32) & (qblk < NQB))
+            g = tl.arange(0, 16)
+            tl.store(QS + h * NQB * 32 + qblk * 32 + (qs % 2) * 16 + g, scale, mask=(g < 16) & (qblk < NQB))
 
-        # ---- K (smoothed): tile row i = 32t + 2j + e holds sequence row 8j + 2t + e; the 32 rows
-        # of tile block t share scale t.
-        i = tl.arange(0, 128)
-        rows = b * 128 + 8 * ((i // 2) % 16) + 2 * (i // 32) + i % 2
-        m = rows < S
+        # ---- K (smoothed): sub-tile t holds rows 8j + 2t + e (j = i//2, e = i%2), one scale.
         km = tl.load(KM + h * D + c)
-        if FUSED:
-            x = _norm_rope_rows(K, KW, T, rows, m, h, c, sks, skh, st_s, st_i, st_r, st_c, eps, D, HALF)
-            x = x - km[None, :]
-        else:
-            xin = _load_rows(K, rows, m, h, c, sks, skh)
-            x = _round_like(xin.to(tl.float32) - km[None, :], xin.dtype, EMULATE_FP8)
-        x = tl.where(m[:, None], x, 0.0)
-        if ROTATE:
-            x = _fwht128(x, 128)
-        x3 = tl.reshape(x, [4, 32, D])
-        scale = tl.max(tl.max(tl.abs(x3), axis=2), axis=1) / 127. + 0.0000001
-        y = x3 / scale[:, None, None]
-        y += 0.5 * tl.where(y >= 0, 1, -1)
-        y = tl.reshape(y.to(tl.int8), [128, D])
-        tl.store(KO + head_base + rows[:, None] * D + c[None, :], y, mask=m[:, None])
-        tl.store(KS + h * NKB * 4 + b * 4 + tl.arange(0, 4), scale)
+        for t in tl.range(0, 4, loop_unroll_factor=UNROLL):
+            rows = b * 128 + 8 * (i // 2) + 2 * t + i % 2
+            m = rows < S
+            if FUSED:
+                x = _norm_rope_rows(K, KW, RC, rows, m, h, c, sks, skh, S, eps, D, HALF)
+                x = x - km[None, :]
+            else:
+                xin = _load_rows(K, rows, m, h, c, sks, skh)
+                x = _round_like(xin.to(tl.float32) - km[None, :], xin.dtype, EMULATE_FP8)
+            x = tl.where(m[:, None], x, 0.0)
+            if ROTATE:
+                x = _fwht128(x, 32)
+            scale = tl.max(tl.abs(x)) / 127. + 0.0000001
+            y = x / scale
+            y += 0.5 * tl.where(y >= 0, 1, -1)
+            tl.store(KO + head_base + rows[:, None] * D + c[None, :], y.to(tl.int8), mask=m[:, None])
+            tl.store(KS + h * NKB * 4 + b * 4 + t, scale)
 
-        # ---- V: tile row j is output position j of the block; it reads token 16(j//16) + pinv(j%16)
-        # (the inverse of SageAttention's fp8-mma permutation); rows past S are the zero pad.
-        j = tl.arange(0, 128)
-        qq = j % 16
-        src = b * 128 + (j // 16) * 16 + ((qq // 2) % 2) * 8 + (qq // 4) * 2 + qq % 2
-        mv = src < S
-        vv = _load_rows(V, src, mv, h, c, svs, svh).to(tl.float32)
+        # ---- V: sub-tile row jj is output position j = 32*part + jj of the block; it reads token
+        # 16(j//16) + pinv(j%16) (the inverse of SageAttention's fp8-mma permutation); rows past S
+        # are the zero pad.
         recp = tl.load(VR + h * D + c)
-        vq = _e4m3(vv * recp[None, :], EMULATE_FP8)
-        tl.store(VO + h * D * LPAD + c[None, :] * LPAD + b * 128 + j[:, None], vq)
+        for part in tl.range(0, 4, loop_unroll_factor=UNROLL):
+            j = part * 32 + i
+            qq = j % 16
+            src = b * 128 + (j // 16) * 16 + ((qq // 2) % 2) * 8 + (qq // 4) * 2 + qq % 2
+            mv = src < S
+            vv = _load_rows(V, src, mv, h, c, svs, svh).to(tl.float32)
+            vq = _e4m3(vv * recp[None, :], EMULATE_FP8)
+            tl.store(VO + h * D * LPAD + c[None, :] * LPAD + b * 128 + j[:, None], vq)
 
 
 def _require_triton():
@@ -255,10 +258,12 @@ def _require_triton():
         raise RuntimeError(f"the sage2 fast path needs Triton: {TRITON_ERROR}")
 
 
-def _table_strides(rope_table):
-    if rope_table is None:
-        return 0, 0, 0, 0, 0
-    return rope_table.shape[-3], rope_table.stride(1), rope_table.stride(3), rope_table.stride(4), rope_table.stride(5)
+def rope_coefficients(rope_table: torch.Tensor) -> torch.Tensor:
+    """[1, S, 1, rot/2, 2, 2] rotation table -> [2, S, rot] fp32: the factor on each channel itself
+    (f00 for c < rot/2, f11 above) and on its partner channel (f01, f10). Contiguous rows, so the
+    kernels read it coalesced."""
+    f = rope_table[0, :, 0].to(torch.float32)
+    return torch.stack((torch.cat((f[..., 0, 0], f[..., 1, 1]), -1), torch.cat((f[..., 0, 1], f[..., 1, 0]), -1)))
 
 
 def check_inputs(q, k, v, *, fused=False, rope_table=None, q_weight=None, k_weight=None, eps=None):
@@ -305,27 +310,20 @@ def _geometry(q):
 # pass 1: reduction
 
 
-@torch.library.custom_op(f"{LIB}::sage2_reduce", mutates_args=())
-def sage2_reduce(k: torch.Tensor, v: torch.Tensor, k_weight: Optional[torch.Tensor],
-                 rope_table: Optional[torch.Tensor], eps: float, fused: bool,
-                 div_mode: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (k_mean [H, D] fp32, v_scale [1, H, D] fp32, v_recp [H, D] fp32)."""
+def _reduce_impl(k, v, k_weight, rope_coef, eps, fused, div_mode=0):
     _require_triton()
     s, h, d, _, _, _ = _geometry(k)
     dev = k.device
     nsplit = -(-s // ROWS_PER_SPLIT)
     vmax = torch.empty(nsplit, h, d, dtype=torch.float32, device=dev)
     ksum = torch.empty(nsplit, h, d, dtype=torch.float64, device=dev) if fused else vmax
-    kmean_in = vmax
-    if not fused:
-        kmean_in = k.mean(dim=1, keepdim=True)  # SageAttention's own call, same bits
-    half, st_s, st_i, st_r, st_c = _table_strides(rope_table)
+    kmean_in = vmax if fused else k.mean(dim=1, keepdim=True)  # SageAttention's own call, same bits
+    half = rope_coef.shape[-1] // 2 if rope_coef is not None else 0
     w = k_weight.contiguous() if k_weight is not None else vmax
-    t = rope_table if rope_table is not None else vmax
+    rc = rope_coef if rope_coef is not None else vmax
     _reduce_kernel[(nsplit * h,)](
-        k, v, w, t, ksum, vmax, s, h, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-        st_s, st_i, st_r, st_c, float(eps), D=d, HALF=half, FUSED=fused,
-        ROWS=ROWS_PER_SPLIT, RB=64, num_warps=4)
+        k, v, w, rc, ksum, vmax, s, h, k.stride(1), k.stride(2), v.stride(1), v.stride(2), float(eps),
+        D=d, HALF=half, FUSED=fused, ROWS=ROWS_PER_SPLIT, RB=32, num_warps=8)
     kmean = torch.empty(h, d, dtype=torch.float32, device=dev)
     vscale = torch.empty(1, h, d, dtype=torch.float32, device=dev)
     vrecp = torch.empty(h, d, dtype=torch.float32, device=dev)
@@ -334,8 +332,16 @@ def sage2_reduce(k: torch.Tensor, v: torch.Tensor, k_weight: Optional[torch.Tens
     return kmean, vscale, vrecp
 
 
+@torch.library.custom_op(f"{LIB}::sage2_reduce", mutates_args=())
+def sage2_reduce(k: torch.Tensor, v: torch.Tensor, k_weight: Optional[torch.Tensor],
+                 rope_coef: Optional[torch.Tensor], eps: float, fused: bool,
+                 div_mode: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (k_mean [H, D] fp32, v_scale [1, H, D] fp32, v_recp [H, D] fp32)."""
+    return _reduce_impl(k, v, k_weight, rope_coef, eps, fused, div_mode)
+
+
 @sage2_reduce.register_fake
-def _(k, v, k_weight, rope_table, eps, fused, div_mode=0):
+def _(k, v, k_weight, rope_coef, eps, fused, div_mode=0):
     _, _, h, d = k.shape
     return (k.new_empty(h, d, dtype=torch.float32), k.new_empty(1, h, d, dtype=torch.float32),
             k.new_empty(h, d, dtype=torch.float32))
@@ -345,12 +351,7 @@ def _(k, v, k_weight, rope_table, eps, fused, div_mode=0):
 # pass 2: quantisation
 
 
-@torch.library.custom_op(f"{LIB}::sage2_quantize", mutates_args=())
-def sage2_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor,
-                   v_recp: torch.Tensor, q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor],
-                   rope_table: Optional[torch.Tensor], eps: float, fused: bool, rotate: bool,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (q_int8 [H, S, D], q_scale [1, H, nq], k_int8 [H, S, D], k_scale [1, H, nk], v_fp8 [H, D, S_pad])."""
+def _quantize_impl(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate):
     _require_triton()
     s, h, d, nqb, nkb, lpad = _geometry(q)
     dev = q.device
@@ -359,21 +360,29 @@ def sage2_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: to
     qs = torch.empty(1, h, nqb * 32, dtype=torch.float32, device=dev)
     ks = torch.empty(1, h, nkb * 4, dtype=torch.float32, device=dev)
     vo = torch.empty(h, d, lpad, dtype=torch.float8_e4m3fn, device=dev)
-    half, st_s, st_i, st_r, st_c = _table_strides(rope_table)
+    half = rope_coef.shape[-1] // 2 if rope_coef is not None else 0
     qw = q_weight.contiguous() if q_weight is not None else k_mean
     kw = k_weight.contiguous() if k_weight is not None else k_mean
-    t = rope_table if rope_table is not None else k_mean
+    rc = rope_coef if rope_coef is not None else k_mean
     _quant_kernel[(nkb * h,)](
-        q, k, v, k_mean, v_recp, qw, kw, t, qo, qs, ko, ks, vo,
-        s, h, nqb, nkb, lpad,
-        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-        st_s, st_i, st_r, st_c, float(eps),
-        D=d, HALF=half, FUSED=fused, ROTATE=rotate, EMULATE_FP8=interpreting(), num_warps=8)
+        q, k, v, k_mean, v_recp, qw, kw, rc, qo, qs, ko, ks, vo, s, h, nqb, nkb, lpad,
+        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), float(eps),
+        D=d, HALF=half, FUSED=fused, ROTATE=rotate, EMULATE_FP8=interpreting(),
+        UNROLL=QUANT_UNROLL[fused], num_warps=QUANT_WARPS[fused])
     return qo, qs, ko, ks, vo
 
 
+@torch.library.custom_op(f"{LIB}::sage2_quantize", mutates_args=())
+def sage2_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor,
+                   v_recp: torch.Tensor, q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor],
+                   rope_coef: Optional[torch.Tensor], eps: float, fused: bool, rotate: bool,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (q_int8 [H, S, D], q_scale [1, H, nq], k_int8 [H, S, D], k_scale [1, H, nk], v_fp8 [H, D, S_pad])."""
+    return _quantize_impl(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate)
+
+
 @sage2_quantize.register_fake
-def _(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_table, eps, fused, rotate):
+def _(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate):
     _, s, h, d = q.shape
     nqb, nkb, lpad = -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
     return (q.new_empty(h, s, d, dtype=torch.int8), q.new_empty(1, h, nqb * 32, dtype=torch.float32),
@@ -383,14 +392,21 @@ def _(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_table, eps, fused, rotat
 
 def quantize_operands(q, k, v, *, mode="exact", rope_table=None, q_weight=None, k_weight=None, eps=None,
                       div_mode=None):
-    """Both passes. Returns a dict with the same keys as ``sage2_quant_ref.prepare_reference``."""
+    """Both passes. Returns a dict with the same keys as ``sage2_quant_ref.prepare_reference``.
+
+    Under torch.compile the custom ops are traced; in eager mode their implementations are called
+    directly (the dispatcher's per-call cost is a visible share of the work at short sequences).
+    """
     fused, rotate = mode_flags(mode)
     check_inputs(q, k, v, fused=fused, rope_table=rope_table, q_weight=q_weight, k_weight=k_weight, eps=eps)
     eps = 0.0 if eps is None else float(eps)
     div_mode = V_DIV_MODE if div_mode is None else div_mode
-    kmean, vscale, vrecp = torch.ops.sage_strided_nhd.sage2_reduce(
-        k, v, k_weight if fused else None, rope_table if fused else None, eps, fused, div_mode)
-    qo, qs, ko, ks, vo = torch.ops.sage_strided_nhd.sage2_quantize(
-        q, k, v, kmean, vrecp, q_weight if fused else None, k_weight if fused else None,
-        rope_table if fused else None, eps, fused, rotate)
+    coef = rope_coefficients(rope_table) if fused and rope_table is not None else None
+    qw, kw = (q_weight, k_weight) if fused else (None, None)
+    if torch.compiler.is_compiling():
+        reduce, quantize = torch.ops.sage_strided_nhd.sage2_reduce, torch.ops.sage_strided_nhd.sage2_quantize
+    else:
+        reduce, quantize = _reduce_impl, _quantize_impl
+    kmean, vscale, vrecp = reduce(k, v, kw, coef, eps, fused, div_mode)
+    qo, qs, ko, ks, vo = quantize(q, k, v, kmean, vrecp, qw, kw, coef, eps, fused, rotate)
     return {"q_int8": qo, "q_scale": qs, "k_int8": ko, "k_scale": ks, "v_fp8": vo, "v_scale": vscale}
