@@ -51,7 +51,7 @@ HEAD_DIM = 128
 ROWS_PER_SPLIT = 512  # reduction pass: rows of one head per program
 # Quantisation pass tuning, indexed by "fused": unroll factor of the 32-row sub-tile loops and
 # warps per program (see benchmarks/results/sage2-fast-notes.md for the measurements).
-QUANT_UNROLL = {False: 1, True: 1}
+QUANT_UNROLL = {False: 4, True: 1}
 QUANT_WARPS = {False: 8, True: 8}
 # How the V scale and its reciprocal are divided (SageAttention's CUDA is built with
 # --use_fast_math): 0 = Triton's "/" (div.full.f32), 1 = div.approx.ftz.f32, 2 = div.rn.f32.
