@@ -110,8 +110,10 @@ def attention_from_fused_qkv(qkv, heads: int, head_dim: int, *, chain: BackendCh
             # replaces it instead of adding to it (freed here when the caller handed it over).
             del q, k, v, qkv
             out = backend.attend(prepared)
+            chunks = len(prepared.head_chunks)
             del prepared
-            record = chain.record(backend, skipped, fast_path=f"{backend.name} prepared operands ({mode})")
+            record = chain.record(backend, skipped, fast_path=f"{backend.name} prepared operands ({mode})",
+                                  head_chunks=chunks)
             record.layout = layout
             flat, record.copies = token_major(out)
             return flat, record
