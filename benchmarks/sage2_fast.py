@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.measure import interleaved_times, peak_extra_bytes, summary
+from devkit.inputs import fused_attention_inputs
 from devkit.pack import kernels as _kernels
 
 kernels = _kernels()
@@ -41,14 +42,8 @@ MODES = ("exact", "rotated", "fused", "fused_rotated")
 
 
 def make_buffer(seq, seed, heads=HEADS):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    qkv = torch.randn(seq, 3 * heads * D, device="cuda", generator=g, dtype=torch.bfloat16)
-    ang = torch.rand(seq, ROT // 2, device="cuda", generator=g) * 6.283
-    c, s = ang.cos(), ang.sin()
-    table = torch.stack([c, -s, s, c], -1).reshape(1, seq, 1, ROT // 2, 2, 2)
-    qw = (1 + 0.2 * torch.randn(D, device="cuda", generator=g)).to(torch.bfloat16)
-    kw = (1 + 0.2 * torch.randn(D, device="cuda", generator=g)).to(torch.bfloat16)
-    return qkv, table, qw, kw
+    return fused_attention_inputs(seq, heads, D, ROT, seed=seed, weight_mean=1.0, weight_spread=0.2,
+                                  table_dtype=torch.float32)
 
 
 def views(qkv, heads=HEADS):

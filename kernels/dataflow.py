@@ -118,17 +118,9 @@ def attention_from_fused_qkv(qkv, heads: int, head_dim: int, *, chain: BackendCh
             flat, record.copies = token_major(out)
             return flat, record
 
-    if layout == "strided_nhd":
-        out, record = chain.run(q, k, v, layout="NHD", scale=scale)
-        flat, copies = token_major(out)
-        record.copies += copies
-    else:
-        # The baseline's three layout copies in and one transposed copy out.
-        qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        out, record = chain.run(qh, kh, vh, layout="HND", scale=scale)
-        flat, copies = token_major(out.transpose(1, 2))
-        record.copies += 3 + copies
-    record.layout = layout
+    out, record = attention_nhd(q, k, v, chain=chain, layout=layout, scale=scale)
+    flat, copies = token_major(out)
+    record.copies += copies
     record.skipped = earlier + record.skipped
     record.fast_path_skipped = no_fast_path
     return flat, record
@@ -140,8 +132,29 @@ def _normalise(q, k, rope_table, q_weight, k_weight, eps, q_norm, k_norm, inplac
     return q_norm(q[0]).unsqueeze(0), k_norm(k[0]).unsqueeze(0)
 
 
+def attention_nhd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chain: BackendChain,
+                  layout: str = "strided_nhd", mask=None, scale: float | None = None):
+    """Attention on NHD [B, S, H, D] q/k/v (views with any strides); returns (NHD output, CallRecord).
+
+    ``strided_nhd`` hands the views to the back-end as they are. ``hnd`` (the baseline) makes
+    contiguous [B, H, S, D] copies first (none for inputs already head-major in memory) and returns
+    the HND output as an NHD view, so the caller's token-major step makes the baseline's output copy.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "strided_nhd":
+        out, record = chain.run(q, k, v, layout="NHD", scale=scale, mask=mask)
+    else:
+        qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        out, record = chain.run(qh, kh, vh, layout="HND", scale=scale, mask=mask)
+        record.copies += sum(a.data_ptr() != b.data_ptr() for a, b in zip((qh, kh, vh), (q, k, v)))
+        out = out.transpose(1, 2)
+    record.layout = layout
+    return out, record
+
+
 def attention_token_major(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, *,
-                          chain: BackendChain, mask=None, scale: float | None = None):
+                          chain: BackendChain, layout: str = "strided_nhd", mask=None, scale: float | None = None):
     """Attention on token-major [B, S, H*D] q/k/v (how most ComfyUI models call attention).
 
     They are viewed NHD [B, S, H, D] with no copy, and the back-end's NHD output is viewed back
@@ -152,8 +165,7 @@ def attention_token_major(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hea
         raise ValueError(f"{inner} channels do not split into {heads} heads")
     d = inner // heads
     qn, kn, vn = (t.view(t.shape[0], t.shape[1], heads, d) for t in (q, k, v))
-    out, record = chain.run(qn, kn, vn, layout="NHD", scale=scale, mask=mask)
+    out, record = attention_nhd(qn, kn, vn, chain=chain, layout=layout, scale=scale, mask=mask)
     flat, copies = token_major(out)
     record.copies += copies
-    record.layout = "strided_nhd"
     return flat.view(b, s, inner), record

@@ -56,17 +56,6 @@ class AttentionOverride:
         return _override_call(self, func, q, k, v, heads, mask=mask, attn_precision=attn_precision,
                               skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape, **kwargs)
 
-    def _attention(self, qn, kn, vn, *, mask, scale):
-        """NHD views in, NHD output out (a view of HND memory for the hnd reference)."""
-        if self.layout == "strided_nhd":
-            return self.chain.run(qn, kn, vn, layout="NHD", scale=scale, mask=mask)
-        # hnd reference: contiguous HND copies in, HND back-end call
-        qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (qn, kn, vn))
-        out, rec = self.chain.run(qh, kh, vh, layout="HND", scale=scale, mask=mask)
-        rec.copies += sum(a.data_ptr() != b.data_ptr() for a, b in zip((qh, kh, vh), (qn, kn, vn)))
-        rec.layout = "hnd"
-        return out.transpose(1, 2), rec
-
 
 @torch.compiler.disable
 def _override_call(self, func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
@@ -93,7 +82,8 @@ def _override_call(self, func, q, k, v, heads, mask=None, attn_precision=None, s
         h, d = heads, inner // heads
         qn, kn, vn = (t.view(t.shape[0], t.shape[1], h, d) for t in (q, k, v))
     try:
-        out, rec = self._attention(qn, kn, vn, mask=_mask_4d(mask), scale=kwargs.get("scale"))
+        out, rec = kernels.attention_nhd(qn, kn, vn, chain=self.chain, layout=self.layout, mask=_mask_4d(mask),
+                                         scale=kwargs.get("scale"))
     except kernels.NoBackendError as exc:
         return stock(str(exc))
     if skip_output_reshape:

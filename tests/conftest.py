@@ -22,3 +22,28 @@ def gen():
     """A fresh seeded generator per test: every check draws its own random inputs."""
     g = torch.Generator().manual_seed(1234)
     return g
+
+
+# --- a real ComfyUI (host tests and the browser test) ----------------------------------------------
+@pytest.fixture(scope="session")
+def comfy_inprocess():
+    """ComfyUI importable in this process (CPU, PyTorch attention) and the pack with its nodes."""
+    from host_fixtures import import_comfy, import_pack, require_host
+
+    host = require_host()
+    try:
+        import_comfy(host)
+        pack = import_pack(host)
+    except Exception as exc:  # a broken host is a failure, not a skip
+        pytest.fail(f"ComfyUI at {host} found but not importable: {type(exc).__name__}: {exc}")
+    return pack
+
+
+@pytest.fixture(scope="session")
+def comfy_server(tmp_path_factory):
+    """One real ComfyUI server per test session on 127.0.0.1 with the pack and the helper nodes."""
+    from host_fixtures import require_host, start_server
+
+    server = start_server(require_host(), tmp_path_factory.mktemp("comfyui"))
+    yield server
+    server.stop()

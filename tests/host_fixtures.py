@@ -1,4 +1,4 @@
-"""Shared fixtures for tests that need a real ComfyUI ("host").
+"""Helpers for tests that need a real ComfyUI ("host"); the fixtures built on them are in conftest.py.
 
 The host is found through ``COMFYUI_PATH`` (falling back to ``<repo>/.comfyui``, where
 ``scripts/setup_comfyui_host.sh`` puts one). Without a host every test using these
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from devkit.comfy import find_host, import_comfyui
-from devkit.h3 import TINY_H3, TINY_WAN, patcher_for, tiny_h3_model, tiny_wan_model, write_checkpoint  # noqa: F401
+from devkit.h3 import TINY_H3, TINY_WAN, patcher_for, tiny_h3_model, tiny_wan_model, write_checkpoint  # noqa: F401  (re-exported for tests)
 from devkit.net import free_port
 from devkit.pack import PACK_MODULE
 from devkit.pack import import_pack as devkit_import_pack
@@ -74,17 +74,6 @@ def import_pack(host: Path | None = None):
     module = devkit_import_pack()
     importlib.import_module(f"{PACK_MODULE}.nodes")  # sets module.nodes (and .kernels)
     return module
-
-
-@pytest.fixture(scope="session")
-def comfy_inprocess():
-    host = require_host()
-    try:
-        import_comfy(host)
-        pack = import_pack(host)
-    except Exception as exc:  # a broken host is a failure, not a skip
-        pytest.fail(f"ComfyUI at {host} found but not importable: {type(exc).__name__}: {exc}")
-    return pack
 
 
 # --- a real ComfyUI server ---------------------------------------------------------------------
@@ -270,22 +259,20 @@ def _install_into_host(host: Path) -> None:
     shutil.copyfile(Path(__file__).with_name("host_helper_nodes.py"), custom / HELPER_NODES)
 
 
-@pytest.fixture(scope="session")
-def comfy_server(tmp_path_factory):
-    host = require_host()
+def start_server(host: Path, workdir: Path) -> "ComfyServer":
+    """A started ComfyUI server with the tiny checkpoints, the pack and the helper nodes installed."""
     import_comfy(host)  # to build the checkpoints with ComfyUI's own model classes
     models = host / "models" / "diffusion_models"
     write_checkpoint(tiny_h3_model(seed=1), models / H3_CKPT)
     write_checkpoint(tiny_wan_model(seed=2), models / WAN_CKPT)
     _install_into_host(host)
-    server = ComfyServer(host, sys.executable, tmp_path_factory.mktemp("comfyui"))
+    server = ComfyServer(host, sys.executable, workdir)
     try:
         server.start()
     except RuntimeError as exc:
         server.stop()
         pytest.fail(f"ComfyUI host at {host} did not start: {exc}")
-    yield server
-    server.stop()
+    return server
 
 
 # --- graphs ------------------------------------------------------------------------------------

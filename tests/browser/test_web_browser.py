@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from host_fixtures import comfy_server, h3_graph, patch_inputs  # noqa: F401  (fixture)
+from host_fixtures import h3_graph, patch_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 BROWSER_DIR = ROOT / "tests" / "browser"

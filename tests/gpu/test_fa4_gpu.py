@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.measure import peak_extra_bytes
+from devkit.inputs import fused_attention_inputs
 from comfyui_sage_strided_nhd import kernels
 from comfyui_sage_strided_nhd.kernels.backends import BACKENDS
 from comfyui_sage_strided_nhd.kernels.offsets import fits
@@ -44,15 +46,7 @@ def fa4():
 
 
 def inputs(seq, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    qkv = torch.randn(seq, 3 * HEADS * HEAD_DIM, device="cuda", generator=g, dtype=torch.bfloat16)
-    angles = torch.rand(seq, ROT // 2, device="cuda", generator=g) * 6.283
-    c, s = angles.cos(), angles.sin()
-    table = torch.stack([c, -s, s, c], -1).reshape(1, seq, 1, ROT // 2, 2, 2).to(torch.bfloat16)
-    # Weights > 1 sharpen the softmax so errors in the kernel are not averaged away.
-    qw = (2 + 0.3 * torch.randn(HEAD_DIM, device="cuda", generator=g)).to(torch.bfloat16)
-    kw = (2 + 0.3 * torch.randn(HEAD_DIM, device="cuda", generator=g)).to(torch.bfloat16)
-    return qkv, table, qw, kw
+    return fused_attention_inputs(seq, HEADS, HEAD_DIM, ROT, seed=seed)
 
 
 def normed(qkv, table, qw, kw):
@@ -129,13 +123,9 @@ def test_strided_views_go_in_without_copies(fa4):
     q, k, v = kernels.split_fused_qkv(qkv, HEADS, HEAD_DIM)
     out, _ = kernels.BackendChain.for_choice("fa4", "cuda").run(q, k, v, layout="NHD")  # compiled and warm
     del out
-    torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out, rec = kernels.BackendChain.for_choice("fa4", "cuda").run(q, k, v, layout="NHD")
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak, (out, rec) = peak_extra_bytes(
+        lambda: kernels.BackendChain.for_choice("fa4", "cuda").run(q, k, v, layout="NHD"), torch.device("cuda"))
     out_bytes = out.numel() * out.element_size()
     log_result({"backend": "fa4", "seq": seq, "peak_extra_bytes": peak, "output_bytes": out_bytes})
     assert rec.backend == "fa4" and out.is_contiguous() and out.shape == q.shape

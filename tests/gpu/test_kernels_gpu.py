@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from devkit.inputs import fused_attention_inputs
 from comfyui_sage_strided_nhd import kernels
 from comfyui_sage_strided_nhd.kernels.backends import BACKENDS
 from comfyui_sage_strided_nhd.kernels.offsets import fits
@@ -36,15 +37,7 @@ def log_result(row):
 
 
 def inputs(seq, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    qkv = torch.randn(seq, 3 * HEADS * HEAD_DIM, device="cuda", generator=g, dtype=torch.bfloat16)
-    angles = torch.rand(seq, ROT // 2, device="cuda", generator=g) * 6.283
-    c, s = angles.cos(), angles.sin()
-    table = torch.stack([c, -s, s, c], -1).reshape(1, seq, 1, ROT // 2, 2, 2).to(torch.bfloat16)
-    # Weights > 1 sharpen the softmax so errors in the kernel are not averaged away.
-    qw = (2 + 0.3 * torch.randn(HEAD_DIM, device="cuda", generator=g)).to(torch.bfloat16)
-    kw = (2 + 0.3 * torch.randn(HEAD_DIM, device="cuda", generator=g)).to(torch.bfloat16)
-    return qkv, table, qw, kw
+    return fused_attention_inputs(seq, HEADS, HEAD_DIM, ROT, seed=seed)
 
 
 def reference_rows(qkv_normed, rows, heads):

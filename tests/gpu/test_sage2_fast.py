@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from devkit.inputs import fused_attention_inputs
 from comfyui_sage_strided_nhd.kernels import sage2_quant, sage2_quant_ref
 from comfyui_sage_strided_nhd.kernels.backends import BACKENDS
 
@@ -48,14 +49,7 @@ def log_result(row):
 
 
 def fused_buffer(seq, seed, heads=HEADS):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    qkv = torch.randn(seq, 3 * heads * D, device="cuda", generator=g, dtype=torch.bfloat16)
-    ang = torch.rand(seq, ROT // 2, device="cuda", generator=g) * 6.283
-    c, s = ang.cos(), ang.sin()
-    table = torch.stack([c, -s, s, c], -1).reshape(1, seq, 1, ROT // 2, 2, 2)
-    qw = (2 + 0.3 * torch.randn(D, device="cuda", generator=g)).to(torch.bfloat16)
-    kw = (2 + 0.3 * torch.randn(D, device="cuda", generator=g)).to(torch.bfloat16)
-    return qkv, table, qw, kw
+    return fused_attention_inputs(seq, heads, D, ROT, seed=seed, table_dtype=torch.float32)
 
 
 def views(qkv, heads=HEADS):

@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks import schema
 from benchmarks.h3_reference_run import REFERENCE_COPY
-from host_fixtures import comfy_inprocess, require_host, tiny_h3_model, write_checkpoint  # noqa: F401
+from host_fixtures import require_host, tiny_h3_model, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--tiny", "--device", "cpu", "--backend", "sdpa", "--reps", "2", "--warmup", "1",

@@ -7,7 +7,7 @@ import builtins
 import pytest
 import torch
 
-from host_fixtures import comfy_inprocess  # noqa: F401  (fixture)
+
 
 
 @pytest.mark.parametrize("width, height, frames", [(1344, 768, 124), (64, 64, 5), (512, 320, 50)])

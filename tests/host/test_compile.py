@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-from host_fixtures import (H3_CKPT, ComfyServer, _install_into_host, h3_graph, import_comfy, patch_inputs,
-                           require_host, tiny_h3_model, write_checkpoint)
+from host_fixtures import (H3_CKPT, ComfyServer, _install_into_host, h3_graph, import_comfy, patch_inputs, require_host,
+                           tiny_h3_model, write_checkpoint)
 
 STEPS = 2  # a second model call per prompt: pack state that changes per call would show as a recompile
 PACK_WORDS = ("sage", "report", "calls", "H3AttentionForward", "AttentionOverride", "_attend", "run_chain", "comfyui_sage")

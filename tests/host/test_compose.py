@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from host_fixtures import (H3_CKPT, TINY_H3, TINY_WAN, WAN_CKPT, comfy_server, patch_inputs,  # noqa: F401  (fixture)
-                           tiny_h3_model, write_checkpoint)
+from host_fixtures import (H3_CKPT, TINY_H3, TINY_WAN, WAN_CKPT, patch_inputs, require_host, tiny_h3_model,
+                           write_checkpoint)
 
 STEPS = 2
 PREF_CKPT = "sage_nhd_test_h3_pref.safetensors"  # its own file: the preference stand-in mutates the loaded model
@@ -87,7 +87,6 @@ def stock(comfy_server):
 @pytest.fixture(scope="module")
 def pref_ckpt(comfy_server):
     """A copy of the tiny H3 checkpoint (same weights) for the graphs that give it a preference."""
-    from host_fixtures import require_host
     write_checkpoint(tiny_h3_model(seed=1), require_host() / "models" / "diffusion_models" / PREF_CKPT)
     return PREF_CKPT
 

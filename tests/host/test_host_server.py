@@ -7,10 +7,9 @@ ComfyUI host is found (see tests/host_fixtures.py).
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from host_fixtures import comfy_server, h3_graph, patch_inputs, wan_graph  # noqa: F401  (fixture)
+from host_fixtures import h3_graph, patch_inputs, wan_graph
 
 STEPS = 2
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from host_fixtures import comfy_inprocess, patcher_for, tiny_h3_model, tiny_wan_model  # noqa: F401  (fixture)
+from host_fixtures import patcher_for, tiny_h3_model, tiny_wan_model
 
 S = 12
 

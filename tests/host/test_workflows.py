@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from host_fixtures import comfy_server  # noqa: F401  (fixture)
+
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / "workflows"
