@@ -53,6 +53,7 @@ import torch
 from devkit import comfy as comfy_host
 from devkit import h3 as h3_model
 from devkit.pack import kernels as pack_kernels
+from devkit.pack import submodule
 
 from . import schema
 from . import sections as sec
@@ -178,13 +179,7 @@ def default_out(facts: dict, backend: str) -> Path:
 
 def patch_model(model_patcher, layout: str, backend: str, prep_mode: str = "exact", patch_refiner: bool = True):
     """A clone of ``model_patcher`` patched exactly as the node patches it: (clone, summary)."""
-    import importlib
-
-    from devkit.pack import PACK_MODULE, import_pack
-
-    import_pack()
-    h3_patch = importlib.import_module(f"{PACK_MODULE}.nodes.h3_patch")
-    return h3_patch.patch_model(model_patcher, layout=layout, backend=backend, patch_refiner=patch_refiner,
+    return submodule("nodes.h3_patch").patch_model(model_patcher, layout=layout, backend=backend, patch_refiner=patch_refiner,
                                 prep_mode=prep_mode)
 
 
@@ -199,17 +194,15 @@ def last_payload(report):
 def backends_that_ran(summaries: dict) -> tuple[str, list, dict]:
     """Back-ends the patched forwards ran in each layout's last sampling run (from the node's own run
     report), their fallbacks, and the back-ends per layout."""
+    payloads = {layout: last_payload(summary["report"]) for layout, summary in summaries.items()}
+    payloads = {layout: p for layout, p in payloads.items() if p is not None}
     by_layout, fallbacks = {}, []
-    for layout, summary in summaries.items():
-        payload = last_payload(summary["report"])
-        if payload is None:
-            continue
+    for layout, payload in payloads.items():
         by_layout[layout] = "+".join(f"{b} x{n}" for b, n in sorted(payload["backends_ran"].items())) or "none"
         if payload.get("fast_path"):
             by_layout[layout] += f" [fast path: {payload['fast_path']}]"
         fallbacks += payload["fallbacks"]
-    ran = sorted({b for summary in summaries.values() if (p := last_payload(summary["report"]))
-                  for b in p["backends_ran"]})
+    ran = sorted({b for p in payloads.values() for b in p["backends_ran"]})
     return "+".join(ran) or "none", fallbacks, by_layout
 
 
@@ -276,7 +269,7 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
     clones, summaries, extras, contexts = {}, {}, {}, {}
     for layout in layouts:
         clones[layout], summaries[layout] = patch_model(base, layout, args.backend, prep_mode=args.prep)
-    kernels = pack_kernels()
+    kernels = pack_kernels()  # the one registry the patched forwards use
     for v in args.variants:
         extras[v["name"]], summaries[v["name"]] = patch_model(base, v["layout"], v["backend"], prep_mode=v["prep"])
         if v["nofast"]:

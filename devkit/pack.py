@@ -29,6 +29,11 @@ def import_pack():
     return module
 
 
-def kernels():
+def submodule(name: str):
+    """A module of the pack by its dotted name inside it, e.g. ``kernels`` or ``nodes.h3_patch``."""
     import_pack()
-    return importlib.import_module(f"{PACK_MODULE}.kernels")
+    return importlib.import_module(f"{PACK_MODULE}.{name}")
+
+
+def kernels():
+    return submodule("kernels")

@@ -23,9 +23,6 @@ BACKEND_CHOICES = ("auto",) + tuple(sorted(BACKENDS, key=AUTO_ORDER.index))
 _logged: set[tuple[str, str, str]] = set()
 
 
-SKIP_KINDS = ("unavailable", "unsupported", "raised")
-
-
 @dataclass(frozen=True)
 class Skip:
     """A back-end the chain passed over for one call, and why.
@@ -114,10 +111,10 @@ class BackendChain:
         """
         for backend, skipped in self.candidates(q, k, v, layout=layout):
             check = getattr(backend, "fast_path_verdict", None)
-            if check is not None and not getattr(backend, "fast_path_enabled", True):
-                return None, skipped, f"{backend.name} fast path switched off"
             if check is None:
                 return None, skipped, ""  # nothing to report: this back-end has no fast path at all
+            if not getattr(backend, "fast_path_enabled", True):
+                return None, skipped, f"{backend.name} fast path switched off"
             verdict = check(q, k, v, layout=layout)
             if not verdict:
                 return None, skipped, f"{backend.name} fast path: {verdict.reason}"

@@ -17,7 +17,6 @@ fixtures is SKIPPED with the reason; nothing passes vacuously.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import shutil
@@ -35,7 +34,7 @@ import pytest
 from devkit.comfy import find_host, import_comfyui
 from devkit.h3 import TINY_H3, TINY_WAN, patcher_for, tiny_h3_model, tiny_wan_model, write_checkpoint  # noqa: F401  (re-exported for tests)
 from devkit.net import free_port
-from devkit.pack import PACK_MODULE
+from devkit.pack import submodule
 from devkit.pack import import_pack as devkit_import_pack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,9 +70,8 @@ def import_pack(host: Path | None = None):
     """The repo loaded as one package (as ComfyUI loads it), with ComfyUI importable for ``pack.nodes``."""
     if host is not None:
         import_comfy(host)
-    module = devkit_import_pack()
-    importlib.import_module(f"{PACK_MODULE}.nodes")  # sets module.nodes (and .kernels)
-    return module
+    submodule("nodes")  # sets pack.nodes (and .kernels)
+    return devkit_import_pack()
 
 
 # --- a real ComfyUI server ---------------------------------------------------------------------
