@@ -16,8 +16,9 @@ so ``torch.compile`` traces them without graph breaks):
 
 Modes (``sage2_quant_ref.MODES``): ``exact`` (inputs already normed+roped), ``fused`` (RMSNorm
 and split-half partial RoPE applied in fp32 inside both passes), ``rotated`` and
-``fused_rotated`` (Q and the smoothed K multiplied by a normalised 128-point Hadamard matrix in
-fp32 before the int8 step; scores are unchanged because the matrix is orthogonal).
+``fused_rotated`` (Q and the smoothed K multiplied by a normalised 128-point Hadamard matrix
+before the int8 step, as an exact integer product on the int8 tensor cores; scores are unchanged
+because the matrix is orthogonal).
 
 Every kernel forms offsets from int64 program ids and row indices, and every grid is
 one-dimensional (about S/128 * H programs: 140,000 at S = 320,000 with 56 heads).
@@ -36,7 +37,7 @@ from typing import Optional
 import torch
 
 from .qk_transform import check_rope_table
-from .sage2_quant_ref import FP8_MAX, K_BLOCK, Q_BLOCK, mode_flags, padded_len
+from .sage2_quant_ref import FP8_MAX, K_BLOCK, Q_BLOCK, ROT_MIN_EXPONENT, mode_flags, padded_len
 
 try:  # Triton ships with PyTorch's CUDA (and recent CPU) wheels; the pack must import without it.
     import triton
@@ -49,10 +50,9 @@ except Exception as exc:  # pragma: no cover - depends on the install
 LIB = "sage_strided_nhd"
 HEAD_DIM = 128
 ROWS_PER_SPLIT = 512  # reduction pass: rows of one head per program
-# Quantisation pass tuning, indexed by "fused": unroll factor of the 32-row sub-tile loops and
-# warps per program (see benchmarks/results/sage2-fast-notes.md for the measurements).
-QUANT_UNROLL = {False: 4, True: 1}
-QUANT_WARPS = {False: 8, True: 8}
+# Quantisation pass tuning per mode, keyed (fused, rotate): (unroll factor of the 32-row sub-tile
+# loops, warps per program); benchmarks/results/sage2-fast-notes.md has the measurements.
+QUANT_CONFIG = {(False, False): (4, 8), (False, True): (4, 8), (True, False): (1, 8), (True, True): (1, 8)}
 # How the V scale and its reciprocal are divided (SageAttention's CUDA is built with
 # --use_fast_math): 0 = Triton's "/" (div.full.f32), 1 = div.approx.ftz.f32, 2 = div.rn.f32.
 V_DIV_MODE = int(os.environ.get("SAGE2_FAST_V_DIV", "0"))
@@ -63,6 +63,7 @@ def interpreting() -> bool:
 
 
 if triton is not None:
+    _ROT_MIN_EXPONENT = tl.constexpr(ROT_MIN_EXPONENT)
 
     @triton.jit
     def _div(a, b, MODE: tl.constexpr):
@@ -97,12 +98,36 @@ if triton is not None:
         return x.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _fwht128(x, R: tl.constexpr):
-        """Normalised Walsh-Hadamard transform of each row of an [R, 128] fp32 tile."""
-        for _ in tl.static_range(7):
-            a, b = tl.split(tl.permute(tl.reshape(x, [R, 2, 64]), (0, 2, 1)))
-            x = tl.reshape(tl.join(a + b, a - b), [R, 128])
-        return x * 0.08838834764831845
+    def _sylvester128():
+        """The +-1 Sylvester Hadamard matrix, int8 [128, 128]: H[i, j] = (-1)^popcount(i & j)."""
+        n = tl.arange(0, 128)
+        par = n[:, None] & n[None, :]
+        par = par ^ (par >> 4)
+        par = par ^ (par >> 2)
+        par = par ^ (par >> 1)
+        return (1 - 2 * (par & 1)).to(tl.int8)
+
+    @triton.jit
+    def _hadamard_rows(x, sylvester):
+        """Normalised Walsh-Hadamard transform of each row of an [R, 128] fp32 tile (R >= 16).
+
+        Each row in 14-bit fixed point under the power of two above its absmax, split into two
+        7-bit int8 digits, each multiplied by the +-1 Sylvester matrix on the int8 tensor cores
+        (int32 accumulation: exact in any order, and exact in fp32 after). Same steps as
+        ``sage2_quant_ref.hadamard_rows``, so the two agree bit for bit on any device.
+        """
+        e = (tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        e = tl.maximum(e, _ROT_MIN_EXPONENT)
+        to_fixed = ((267 - e) << 23).to(tl.float32, bitcast=True)  # 2^14 / s, s = 2^(e - 126)
+        from_fixed = ((e - 13) << 23).to(tl.float32, bitcast=True)  # s / 2^14
+        fixed = (x * to_fixed[:, None]).to(tl.int32)  # |fixed| < 2^14, truncated toward zero
+        mag = tl.abs(fixed)
+        neg = fixed < 0
+        hi = tl.where(neg, -(mag >> 7), mag >> 7).to(tl.int8)
+        lo = tl.where(neg, -(mag & 127), mag & 127).to(tl.int8)
+        acc = tl.dot(hi, sylvester, out_dtype=tl.int32)
+        acc = tl.dot(lo, sylvester, acc * 128, out_dtype=tl.int32)
+        return acc.to(tl.float32) * from_fixed[:, None] * 0.08838834764831845
 
     @triton.jit
     def _load_rows(X, rows, m, h, c, stride_s, stride_h):
@@ -196,6 +221,7 @@ if triton is not None:
         c = tl.arange(0, D)
         i = tl.arange(0, 32)
         head_base = h * S * D  # int8 Q/K outputs are head-major [H, S, D]
+        sylvester = _sylvester128()  # used by the rotated modes only (dead code otherwise)
 
         # ---- Q: 64-row blocks; sub-tile row i holds sequence row 16w + 8u + t with
         # w = 2*half + i//16, t = (i//2) % 8, u = i % 2: rows 2g and 2g+1 share scale 8w + t.
@@ -209,7 +235,7 @@ if triton is not None:
                 x = _load_rows(Q, rows, m, h, c, sqs, sqh).to(tl.float32)
             x = tl.where(m[:, None], x, 0.0)
             if ROTATE:
-                x = _fwht128(x, 32)
+                x = _hadamard_rows(x, sylvester)
             x3 = tl.reshape(x, [16, 2, D])
             scale = tl.max(tl.max(tl.abs(x3), axis=2), axis=1) / 127. + 0.0000001
             y = x3 / scale[:, None, None]
@@ -232,7 +258,7 @@ if triton is not None:
                 x = _round_like(xin.to(tl.float32) - km[None, :], xin.dtype, EMULATE_FP8)
             x = tl.where(m[:, None], x, 0.0)
             if ROTATE:
-                x = _fwht128(x, 32)
+                x = _hadamard_rows(x, sylvester)
             scale = tl.max(tl.abs(x)) / 127. + 0.0000001
             y = x / scale
             y += 0.5 * tl.where(y >= 0, 1, -1)
@@ -368,7 +394,7 @@ def _quantize_impl(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, 
         q, k, v, k_mean, v_recp, qw, kw, rc, qo, qs, ko, ks, vo, s, h, nqb, nkb, lpad,
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), float(eps),
         D=d, HALF=half, FUSED=fused, ROTATE=rotate, EMULATE_FP8=interpreting(),
-        UNROLL=QUANT_UNROLL[fused], num_warps=QUANT_WARPS[fused])
+        UNROLL=QUANT_CONFIG[fused, rotate][0], num_warps=QUANT_CONFIG[fused, rotate][1])
     return qo, qs, ko, ks, vo
 
 

@@ -19,7 +19,8 @@ accumulation), not from its code:
 
 The ``fused`` variants also apply per-head RMSNorm (whole head_dim, fp64 statistics) and the
 split-half partial RoPE in fp32, the ``rotated`` variants multiply Q and the smoothed K by a
-normalised 128-point Walsh-Hadamard matrix (fp32 butterflies) before the int8 step. The order of
+normalised 128-point Walsh-Hadamard matrix (an exact integer product on fixed-point rows) before
+the int8 step. The order of
 every floating-point operation mirrors the Triton kernels in ``sage2_quant.py``, so under
 ``TRITON_INTERPRET=1`` the two agree bit for bit.
 """
@@ -33,6 +34,9 @@ import torch
 Q_BLOCK, K_BLOCK, V_PAD = 64, 128, 128
 FP8_MAX = 448.0
 INV_SQRT_128 = 1.0 / math.sqrt(128.0)
+# Rotation: rows whose absmax is below 2^(ROT_MIN_EXPONENT - 127) are treated as if it were that
+# (keeps every power-of-two factor of hadamard_rows a normal fp32; such rows quantise to 0 anyway).
+ROT_MIN_EXPONENT = 32
 
 MODES = ("exact", "fused", "rotated", "fused_rotated")
 
@@ -55,22 +59,39 @@ def v_permutation(n: int) -> torch.Tensor:
     return (torch.arange(n) // 16 * 16 + p.repeat(n // 16))
 
 
-def hadamard_rows(x: torch.Tensor) -> torch.Tensor:
-    """Normalised 128-point Walsh-Hadamard transform of the last dim, fp32.
+def sylvester_hadamard(n: int = 128) -> torch.Tensor:
+    """The +-1 Sylvester Hadamard matrix: H[i, j] = (-1)^popcount(i & j) (symmetric, H H = n I)."""
+    i = torch.arange(n)
+    parity = torch.zeros(n, n, dtype=torch.long)
+    both = i[:, None] & i[None, :]
+    while bool(both.any()):
+        parity ^= both & 1
+        both = both >> 1
+    return 1 - 2 * parity
 
-    Seven constant-geometry butterfly stages: pair (i, i + 64) -> (2i, 2i + 1) as (a + b, a - b).
-    Each stage is exact in order (one rounding per output), so the result does not depend on
-    summation order. The product of the stages is the Sylvester Hadamard matrix H_128 (symmetric,
-    entries +-1), scaled here by 1/sqrt(128) so it is orthogonal.
+
+def hadamard_rows(x: torch.Tensor) -> torch.Tensor:
+    """Normalised 128-point Walsh-Hadamard transform of the last dim, fp32, in exact arithmetic.
+
+    Each row is written in 14-bit fixed point under ``s``, the power of two just above its absmax
+    (``s >= 2^(ROT_MIN_EXPONENT - 126)``), truncated toward zero: < 2^-13 of the row's absmax per
+    element (1/64 of the int8 step that follows at most), so, the matrix being orthogonal, a row's
+    error norm < sqrt(128) 2^-13 absmax. That integer vector times the +-1 Sylvester matrix is exact
+    in any summation order and in fp32 (|sums| < 2^21): the kernel does it on int8 tensor cores in
+    two 7-bit digits with int32 accumulation, here in float64. Then the scale ``s / 2^14`` and
+    ``1/sqrt(128)`` (which makes the matrix orthogonal), the only rounding.
     """
     if x.shape[-1] != 128:
         raise ValueError(f"hadamard_rows needs a last dim of 128, got {x.shape[-1]}")
     x = x.float()
-    lead = x.shape[:-1]
-    for _ in range(7):
-        a, b = x[..., :64], x[..., 64:]
-        x = torch.stack((a + b, a - b), dim=-1).reshape(*lead, 128)
-    return x * torch.tensor(INV_SQRT_128, dtype=torch.float32)
+    e = (x.abs().amax(-1, keepdim=True).view(torch.int32) >> 23) & 0xFF
+    e = e.clamp(min=ROT_MIN_EXPONENT)
+    to_fixed = ((267 - e) << 23).view(torch.float32)  # 2^14 / s with s = 2^(e - 126)
+    from_fixed = ((e - 13) << 23).view(torch.float32)
+    fixed = (x * to_fixed).to(torch.int32)
+    h = sylvester_hadamard(128).to(device=x.device, dtype=torch.float64)
+    y = (fixed.double() @ h).float()
+    return y * from_fixed * torch.tensor(INV_SQRT_128, dtype=torch.float32)
 
 
 def norm_rope_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float, rope_table: torch.Tensor | None):
@@ -138,8 +159,8 @@ def quant_v_per_channel(v: torch.Tensor):
     vp = vf.new_zeros(h, d, sp)
     vp[..., :s] = vf
     y = (vp * recp[..., None]).clamp(-FP8_MAX, FP8_MAX)
-    out = torch.empty(h, d, sp, dtype=torch.float8_e4m3fn)
-    out[..., v_permutation(sp)] = y.to(torch.float8_e4m3fn)
+    out = torch.empty(h, d, sp, dtype=torch.float8_e4m3fn, device=vf.device)
+    out[..., v_permutation(sp).to(vf.device)] = y.to(torch.float8_e4m3fn)
     return out, scale[None]
 
 
@@ -168,26 +189,31 @@ def prepare_reference(q, k, v, *, mode="exact", rope_table=None, q_weight=None, 
             "v_fp8": v_fp8, "v_scale": v_scale}
 
 
+def dequantize_operands(ops: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The values the sm90 kernel's operands stand for: Q, K, V as fp32 [H, S, D] (V unpermuted)."""
+    qi, ki = ops["q_int8"].float(), ops["k_int8"].float()
+    h, s, d = qi.shape
+    rows = torch.arange(s, device=qi.device)
+    q_group = rows // 16 * 8 + rows % 8
+    k_group = rows // 128 * 4 + (rows % 8) // 2
+    if int(q_group.max()) >= ops["q_scale"].shape[-1]:
+        raise ValueError("q_scale has fewer groups than q_int8's rows need")
+    qd = qi * ops["q_scale"][0][:, q_group, None]
+    kd = ki * ops["k_scale"][0][:, k_group, None]
+    sp = ops["v_fp8"].shape[-1]
+    order = v_permutation(sp).to(qi.device)
+    vd = ops["v_fp8"].float()[..., order][..., :s] * ops["v_scale"][0][..., None]  # [H, D, S]
+    return qd, kd, vd.transpose(1, 2)
+
+
 def dequant_attention_reference(ops: dict, sm_scale: float) -> torch.Tensor:
     """fp32 attention from prepared operands (what the sm90 kernel computes, without its rounding).
 
     Returns [1, S, H, D] fp32. Small shapes only (materialises S x S per head).
     """
-    qi, ki = ops["q_int8"].float(), ops["k_int8"].float()
-    h, s, d = qi.shape
-    nq = ops["q_scale"].shape[-1]
-    qs = ops["q_scale"][0]
-    ks = ops["k_scale"][0]
-    rows = torch.arange(s)
-    q_group = rows // 16 * 8 + rows % 8
-    k_group = rows // 128 * 4 + (rows % 8) // 2
-    assert q_group.max() < nq
-    qd = qi * qs[:, q_group, None]
-    kd = ki * ks[:, k_group, None]
-    sp = ops["v_fp8"].shape[-1]
-    vd = ops["v_fp8"].float()[..., v_permutation(sp)][..., :s] * ops["v_scale"][0][..., None]  # [H, D, S]
+    qd, kd, vd = dequantize_operands(ops)
     p = torch.softmax((qd @ kd.transpose(1, 2)) * sm_scale, dim=-1)
-    return (p @ vd.transpose(1, 2)).permute(1, 0, 2)[None]
+    return (p @ vd).permute(1, 0, 2)[None]
 
 
 def norm_rope_eager_(q, k, rope_table, q_weight, k_weight, eps):
