@@ -165,8 +165,8 @@ def variant_rows(data: dict) -> list[tuple[str, ...]]:
         times = " / ".join(_fmt_s(b.get(f"{name}_p50_seconds"), "ms") for b in blocks)
         # the block section stores stock_over_<variant> for every variant
         ratio = " / ".join(_fmt_x(1.0 if name == "stock" else b.get(f"stock_over_{name}")) for b in blocks)
-        if name == "stock":
-            same = "-"
+        if name == "stock" or not any(f"stock_vs_{name}_bit_exact" in b for b in blocks):
+            same = "-"  # stock itself, or a run without stock (--no-stock): nothing to compare with
         elif all(b.get(f"stock_vs_{name}_bit_exact") for b in blocks):
             same = "bit-exact"
         else:

@@ -11,7 +11,7 @@ import pytest
 from benchmarks import measure, results_table, schema
 from devkit.h3 import FULL_H3, packed_token_count
 from benchmarks.h3_reference_run import REFERENCE_COPY, _section, parse_args
-from benchmarks.report import Report, markdown_table, text_table
+from benchmarks.report import Report, markdown_table, text_table, variant_rows
 from benchmarks.sections import sampling_order
 
 SHARED_REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "gb10-strided-nhd-results.json"
@@ -157,3 +157,14 @@ def test_a_failing_section_does_not_lose_the_others(tmp_path):
     assert on_disk["sections_completed"] == ["sampling_2_step"]
     assert on_disk["errors"]["real_block_results"]["error"].startswith("ZeroDivisionError")
     assert on_disk["sampling_2_step"] == {"speedup": 1.02}
+
+
+def test_variant_table_without_stock_says_nothing_was_compared():
+    block = {"block": 0, "strided_nhd_p50_seconds": 0.1, "nhd_rotated_p50_seconds": 0.101}
+    with_stock = dict(block, stock_p50_seconds=0.105, stock_vs_nhd_rotated_bit_exact=False,
+                      stock_vs_nhd_rotated_max_abs_difference=0.03125,
+                      stock_vs_strided_nhd_bit_exact=True)
+    without = {row[0]: row[4] for row in variant_rows({"real_block_results": [block]})}
+    assert without == {"strided_nhd": "-", "nhd_rotated": "-"}
+    compared = {row[0]: row[4] for row in variant_rows({"real_block_results": [with_stock]})}
+    assert compared == {"strided_nhd": "bit-exact", "nhd_rotated": "max abs 0.0312", "stock": "-"}
