@@ -52,7 +52,7 @@ HEAD_DIM = 128
 ROWS_PER_SPLIT = 512  # reduction pass: rows of one head per program
 # Quantisation pass tuning per mode, keyed (fused, rotate): (unroll factor of the 32-row sub-tile
 # loops, warps per program); benchmarks/results/sage2-fast-notes.md has the measurements.
-QUANT_CONFIG = {(False, False): (4, 8), (False, True): (4, 8), (True, False): (1, 8), (True, True): (1, 8)}
+QUANT_CONFIG = {(False, False): (1, 8), (False, True): (1, 4), (True, False): (1, 8), (True, True): (1, 8)}
 # How the V scale and its reciprocal are divided (SageAttention's CUDA is built with
 # --use_fast_math): 0 = Triton's "/" (div.full.f32), 1 = div.approx.ftz.f32, 2 = div.rn.f32.
 V_DIV_MODE = int(os.environ.get("SAGE2_FAST_V_DIV", "0"))
