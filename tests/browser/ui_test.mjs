@@ -48,6 +48,14 @@ const fromPack = (s) => /sage[-_ ]?strided[-_ ]?nhd|SageStridedNHD|sage_nhd/i.te
 const consoleErrors = [];
 const packProblems = [];
 
+// Press Escape until no dialog is visible (the first-start template browser among them).
+async function closeDialogs(page) {
+  for (let i = 0; i < 5 && await page.locator('[role="dialog"]').first().isVisible().catch(() => false); i++) {
+    await page.keyboard.press("Escape");
+    await page.waitForTimeout(300);
+  }
+}
+
 const browser = await chromium.launch({ executablePath: browserPath, headless: true, args: CHROMIUM_ARGS });
 const page = await browser.newPage({ viewport: { width: 1600, height: 1000 } });
 // Only the local ComfyUI may be reached: anything else (e.g. the frontend looking up model
@@ -228,18 +236,31 @@ try {
   await page.screenshot({ path: join(out, "node-added.png") });
 
   // --- the node is found by the node search box (double-click on the canvas) ---
+  // On a slow machine the first-start template browser can open late, and keys typed before the
+  // search input has focus are lost, so each attempt closes every dialog first, waits for the
+  // search input and types into it; three attempts before the check fails.
   await page.evaluate(() => window.app.graph.clear());
-  for (let i = 0; i < 3 && await page.locator('[role="dialog"]').first().isVisible().catch(() => false); i++) {
-    await page.keyboard.press("Escape"); // the first-start template browser
-    await page.waitForTimeout(300);
-  }
-  await page.mouse.dblclick(800, 500);
-  await page.waitForTimeout(500);
-  await page.keyboard.type("Sage Strided", { delay: 30 });
   const hit = page.locator('[role="option"], li, .option-container').filter({ hasText: "Sage Strided NHD Attention" }).first();
-  const found = await hit.waitFor({ timeout: 15_000 }).then(() => true, () => false);
+  let found = false;
+  let searchDetail = "";
+  for (let attempt = 0; attempt < 3 && !found; attempt++) {
+    await closeDialogs(page);
+    await page.mouse.dblclick(800, 500);
+    const input = page.locator('[role="dialog"] input:visible').first();
+    if (!await input.waitFor({ timeout: 5_000 }).then(() => true, () => false)) {
+      searchDetail = `attempt ${attempt + 1}: no search input appeared after the double-click`;
+      continue;
+    }
+    await input.click();
+    await input.pressSequentially("Sage Strided", { delay: 30 });
+    found = await hit.waitFor({ timeout: 15_000 }).then(() => true, () => false);
+    if (!found) {
+      searchDetail = `attempt ${attempt + 1}: typed ${JSON.stringify(await input.inputValue().catch(() => "?"))}, ` +
+        `options seen: ${JSON.stringify(await page.locator('[role="option"]').allTextContents().catch(() => []))}`;
+    }
+  }
   await page.screenshot({ path: join(out, "node-search.png") });
-  check("node search finds Sage Strided NHD Attention", found);
+  check("node search finds Sage Strided NHD Attention", found, searchDetail);
   await page.keyboard.press("Escape");
   await page.waitForTimeout(300);
 
