@@ -3,7 +3,7 @@
     python -m benchmarks.isolated_attention --seq 8192 37810 --out report.json            # GPU, every available back-end
     python -m benchmarks.isolated_attention --device cpu --seq 64 256 --heads 4 --out r.json  # CPU smoke run (sdpa)
 
-The README's table is made from the JSON by ``python -m benchmarks.results_table``.
+The table in docs/BENCHMARKS.md is made from the JSON by ``python -m benchmarks.results_table``.
 
 One timed call is the whole attention of a block: views (or the baseline's copies)
 of a fused qkv buffer [S, 3*H*D], comfy-kitchen RMSNorm+RoPE in place, the
@@ -17,6 +17,7 @@ Writes JSON keyed by back-end then S, with the reference report's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -24,12 +25,13 @@ import time
 
 import torch
 
+from devkit.backends import describe_backends
 from devkit.pack import kernels as _kernels
 from devkit.rope import make_rope_table
 
 kernels = _kernels()
 AUTO_ORDER, BACKENDS = kernels.AUTO_ORDER, kernels.BACKENDS
-BackendChain, describe_backends = kernels.BackendChain, kernels.describe_backends
+BackendChain, QKNorm = kernels.BackendChain, kernels.QKNorm
 attention_from_fused_qkv = kernels.attention_from_fused_qkv
 
 LAYOUTS = ("hnd", "strided_nhd")
@@ -68,13 +70,13 @@ def measure(backend, seq, args):
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     pristine, table, qw, kw = make_inputs(seq, args.heads, args.head_dim, args.rot_dim, device, dtype, args.seed)
     work = torch.empty_like(pristine)
-    chain = BackendChain.for_choice(backend, device)
+    chain = BackendChain.for_choice(backend)
     timer = Timer(device)
     cuda = device.type == "cuda"
 
     def call(layout):
-        return attention_from_fused_qkv(work, args.heads, args.head_dim, chain=chain, layout=layout,
-                                        rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
+        norm = QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)  # applied once: one per call
+        return attention_from_fused_qkv(work, args.heads, args.head_dim, chain=chain, layout=layout, norm=norm)
 
     times = {layout: [] for layout in LAYOUTS}
     peak = {}
@@ -90,11 +92,12 @@ def measure(backend, seq, args):
                 base = torch.cuda.memory_allocated()
             (out, rec), seconds = timer(lambda: call(layout))
             if rec.backend != backend:
-                raise RuntimeError(f"{backend} did not run ({rec.fallbacks}); refusing to report it")
+                skipped = [(s.backend, s.reason) for s in rec.skipped]
+                raise RuntimeError(f"{backend} did not run ({skipped}); refusing to report it")
             if cuda:
                 peak[layout] = max(peak.get(layout, 0), torch.cuda.max_memory_allocated() - base)
             if rep == 0:
-                outputs[layout], records[layout] = out.float().cpu(), rec.as_dict()
+                outputs[layout], records[layout] = out.float().cpu(), dataclasses.asdict(rec)
             if rep >= args.warmup:
                 times[layout].append(seconds)
             del out

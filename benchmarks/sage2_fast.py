@@ -1,15 +1,15 @@
-"""The sage2 sm90 fast path on an H100/H200: speed (issue 9) and int8 accuracy with outliers (issue 13).
+"""The sage2 sm90 prepared path on an H100/H200: speed (issue 9) and int8 accuracy with outliers (issue 13).
 
     python -m benchmarks.sage2_fast --out h200-sage2-fast.json                 # both parts
     python -m benchmarks.sage2_fast --part speed --seq 8192 37810 --reps 15
 
 Speed: strided NHD views [1, S, 56, 128] of one fused bf16 buffer [S, 3*7168] (already normed +
 roped for the exact and rotated modes; fused modes are timed on the same buffer with their own
-norm+rope inside). Variants run interleaved rep by rep (each leads in turn), CUDA events around
-each call, median of ``--reps``:
+norm+rope inside: a ``kernels.QKNorm`` folded into the passes). Variants run interleaved rep by
+rep (each leads in turn), CUDA events around each call, median of ``--reps``:
   sageattn            -- stock ``sageattn(q, k, v, tensor_layout="NHD")``, its own preparation inside
   kernel_alone        -- ``attend()`` on operands prepared once (SageAttention's sm90 kernel only)
-  fast_<mode>         -- ``prepare()`` + ``attend()`` for exact / rotated / fused / fused_rotated
+  prepared_<mode>     -- ``prepare()`` + ``attend()`` for exact / rotated / fused / fused_rotated
   prepare_<mode>      -- ``prepare()`` alone
 Peak extra memory of one call each, and whether exact mode equals sageattn bit for bit.
 
@@ -17,7 +17,7 @@ Accuracy: random Q/K/V at the H3 head shape, then keys whose energy sits in k of
 (k = 1, 2, 4, 8; those channels 10x, 30x or 100x, as a norm weight's gain puts them) and/or a
 per-channel mean offset on K, plus one case with the same channels concentrated in Q and K at
 constant row norm; relative L2 error of the output against fp32 attention on the first and last
-256 query rows, for sageattn as is, the fast path's exact and rotated modes, SDPA in bf16 and
+256 query rows, for sageattn as is, the prepared path's exact and rotated modes, SDPA in bf16 and
 comfy-kitchen int8_attention when importable. Each mode's error is split by source: Q/K int8
 alone, all operands dequantised (fp32 attention), and the kernel's output (the rest is the
 kernel's own fp8 P). Issue 13's targets are checked and printed.
@@ -33,16 +33,18 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.measure import interleaved_times, peak_extra_bytes, summary
+from devkit import sage2_oracle
 from devkit.inputs import fused_attention_inputs
 from devkit.pack import kernels as _kernels
+from devkit.pack import submodule
 
 kernels = _kernels()
-from comfyui_sage_strided_nhd.kernels import sage2_quant, sage2_quant_ref  # noqa: E402
+sage2_quant = submodule("kernels.sage2_quant")
 
 BACKEND = kernels.BACKENDS["sage2"]
 HEADS, D, ROT, EPS = 56, 128, 96, 1e-5
 MODES = ("exact", "rotated", "fused", "fused_rotated")
-OPERANDS = ("q_int8", "q_scale", "k_int8", "k_scale", "v_fp8", "v_scale")  # fields of a Prepared
+OPERANDS = ("q_int8", "q_scale", "k_int8", "k_scale", "v_fp8", "v_scale")  # keys of a Prepared's operands
 
 
 def make_buffer(seq, seed, heads=HEADS):
@@ -65,40 +67,31 @@ def event_timed(fn):
     return run
 
 
-def pick_v_div_mode(q, k, v):
-    """Which division reproduces SageAttention's fp8 V scales (its CUDA is built --use_fast_math)."""
-    from sageattention.quant import per_channel_fp8
-    pad = (128 - v.shape[1] % 128) % 128
-    vp = torch.cat([v, torch.zeros(1, pad, v.shape[2], D, dtype=v.dtype, device=v.device)], 1) if pad else v
-    vf, vs, _ = per_channel_fp8(vp, tensor_layout="NHD", smooth_v=False)
-    counts = {}
-    for mode in (0, 1, 2):
-        ops = sage2_quant.quantize_operands(q, k, v, div_mode=mode)
-        counts[mode] = int((ops["v_fp8"].view(torch.uint8) != vf[0].permute(1, 0, 2).view(torch.uint8)).sum()
-                           + (ops["v_scale"] != vs).sum())
-    best = min(counts, key=counts.get)
-    return best, counts
-
-
 def speed(seq, reps, warmup):
     from sageattention import sageattn
     qkv, table, qw, kw = make_buffer(seq, 7)
     q, k, v = views(qkv)
-    sage2_quant_ref.norm_rope_eager_(q, k, table, qw, kw, EPS)
-    div_mode, div_counts = pick_v_div_mode(q, k, v)
-    sage2_quant.V_DIV_MODE = div_mode
-    fused_kw = dict(rope_table=table, q_weight=qw, k_weight=kw, eps=EPS)
+    sage2_oracle.norm_rope_eager_(q, k, table, qw, kw, EPS)
     prepared = BACKEND.prepare(q, k, v, mode="exact")
 
     def prep(mode):
-        return BACKEND.prepare(q, k, v, mode=mode, **(fused_kw if mode.startswith("fused") else {}))
+        # the fused modes fold a (new, not yet applied) QKNorm into the passes; the others take q, k as they are
+        norm = (kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=EPS)
+                if sage2_quant.mode_flags(mode)[0] else None)
+        return BACKEND.prepare(q, k, v, mode=mode, norm=norm)
+
+    for mode in MODES:  # a fused mode that could not fold would run (and be timed as) its unfused twin
+        p = prep(mode)
+        if p.mode != mode or p.norm_folded != sage2_quant.mode_flags(mode)[0]:
+            raise RuntimeError(f"prepare(mode={mode!r}) ran mode {p.mode!r} (norm folded: {p.norm_folded})")
+        del p
 
     calls = {
         "sageattn": lambda: sageattn(q, k, v, tensor_layout="NHD"),
         "kernel_alone": lambda: BACKEND.attend(prepared),
     }
     for mode in MODES:
-        calls[f"fast_{mode}"] = (lambda m: lambda: BACKEND.attend(prep(m)))(mode)
+        calls[f"prepared_{mode}"] = (lambda m: lambda: BACKEND.attend(prep(m)))(mode)
         calls[f"prepare_{mode}"] = (lambda m: lambda: prep(m))(mode)
     times = interleaved_times({n: event_timed(f) for n, f in calls.items()}, reps=reps, warmup=warmup)
     rows = {n: summary(t) for n, t in times.items()}
@@ -110,14 +103,13 @@ def speed(seq, reps, warmup):
     alone = BACKEND.attend(prepared)
     p50 = {n: r["p50_seconds"] * 1e3 for n, r in rows.items()}
     return {
-        "seq": seq, "heads": HEADS, "head_dim": D, "reps": reps, "v_div_mode": div_mode,
-        "v_div_mode_mismatches": div_counts, "variants": rows,
+        "seq": seq, "heads": HEADS, "head_dim": D, "reps": reps, "variants": rows,
         "exact_bit_identical_to_sageattn": bool(torch.equal(out["exact"], ref)),
         "kernel_alone_bit_identical_to_sageattn": bool(torch.equal(alone, ref)),
         "max_abs_vs_sageattn": {m: (o.float() - ref.float()).abs().max().item() for m, o in out.items()},
-        "fast_minus_kernel_ms": {m: p50[f"fast_{m}"] - p50["kernel_alone"] for m in MODES},
+        "prepared_minus_kernel_ms": {m: p50[f"prepared_{m}"] - p50["kernel_alone"] for m in MODES},
         "sageattn_minus_kernel_ms": p50["sageattn"] - p50["kernel_alone"],
-        "speedup_vs_sageattn": {m: p50["sageattn"] / p50[f"fast_{m}"] for m in MODES},
+        "speedup_vs_sageattn": {m: p50["sageattn"] / p50[f"prepared_{m}"] for m in MODES},
     }
 
 
@@ -129,8 +121,8 @@ def tuning(seq, reps, warmup, modes=("exact", "rotated")):
     from sageattention import sageattn
     qkv, table, qw, kw = make_buffer(seq, 7)
     q, k, v = views(qkv)
-    sage2_quant_ref.norm_rope_eager_(q, k, table, qw, kw, EPS)
-    keys = {m: sage2_quant_ref.mode_flags(m) for m in modes}
+    sage2_oracle.norm_rope_eager_(q, k, table, qw, kw, EPS)
+    keys = {m: sage2_quant.mode_flags(m) for m in modes}
     default = {m: sage2_quant.QUANT_CONFIG[key] for m, key in keys.items()}
     prepared = {m: BACKEND.prepare(q, k, v, mode=m) for m in modes}
 
@@ -151,12 +143,12 @@ def tuning(seq, reps, warmup, modes=("exact", "rotated")):
     identical = {}
     for m in modes:
         prep = lambda m=m: BACKEND.prepare(q, k, v, mode=m)  # noqa: E731
-        calls[f"fast_{m}"] = lambda prep=prep: BACKEND.attend(prep())
+        calls[f"prepared_{m}"] = lambda prep=prep: BACKEND.attend(prep())
         for cfg in QUANT_CONFIGS:
             calls[f"prepare_{m}_u{cfg[0]}_w{cfg[1]}"] = with_config(m, cfg, prep)
             p = with_config(m, cfg, prep)()
-            identical[f"{m}_u{cfg[0]}_w{cfg[1]}"] = all(bool(torch.equal(as_bits(getattr(p, n)), as_bits(getattr(prepared[m], n))))
-                                                        for n in OPERANDS)
+            identical[f"{m}_u{cfg[0]}_w{cfg[1]}"] = all(
+                bool(torch.equal(as_bits(p.operands[n]), as_bits(prepared[m].operands[n]))) for n in OPERANDS)
     times = interleaved_times({n: event_timed(f) for n, f in calls.items()}, reps=reps, warmup=warmup)
     rows = {n: summary(t) for n, t in times.items()}
     for n, r in rows.items():
@@ -200,14 +192,10 @@ def attention_rows(q, k, v, rows):
     return F.scaled_dot_product_attention(q[None, :, rows].float(), k[None].float(), v[None].float())[0].transpose(0, 1)
 
 
-def operand_dict(prepared):
-    return {n: getattr(prepared, n) for n in OPERANDS}
-
-
 def error_sources(ops, v, rows, ref):
     """Split a mode's error: Q/K int8 alone (V exact), all operands dequantised (what is left for the
     kernel's own fp8 P and accumulation is the total minus this), both in fp32."""
-    qd, kd, vd = sage2_quant_ref.dequantize_operands(ops)
+    qd, kd, vd = sage2_oracle.dequantize_operands(ops)
     v_true = v[0].transpose(0, 1)
     return {"qk_int8_only": rel_l2(attention_rows(qd, kd, v_true, rows), ref),
             "operands_dequantised": rel_l2(attention_rows(qd, kd, vd, rows), ref)}
@@ -240,8 +228,8 @@ def accuracy(seq, heads, seed=11):
         prepared = {m: BACKEND.prepare(q, k, v, mode=m) for m in ("exact", "rotated")}
         outs = {
             "sageattn": sageattn(q, k, v, tensor_layout="NHD")[0, rows],
-            "fast_exact": BACKEND.attend(prepared["exact"])[0, rows],
-            "fast_rotated": BACKEND.attend(prepared["rotated"])[0, rows],
+            "prepared_exact": BACKEND.attend(prepared["exact"])[0, rows],
+            "prepared_rotated": BACKEND.attend(prepared["rotated"])[0, rows],
             "sdpa_bf16": F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                         v.transpose(1, 2)).transpose(1, 2)[0, rows],
         }
@@ -253,7 +241,7 @@ def accuracy(seq, heads, seed=11):
                 ck = None
         err = {m: rel_l2(o, ref) for m, o in outs.items()}
         results[name] = err
-        sources[name] = {m: error_sources(operand_dict(prepared[m]), v, rows, ref) for m in prepared}
+        sources[name] = {m: error_sources(prepared[m].operands, v, rows, ref) for m in prepared}
         print(f"accuracy S={seq} {name:16s} " + "  ".join(f"{m} {e * 100:.2f}%" for m, e in err.items())
               + "  | " + "  ".join(f"{m}: qk {d['qk_int8_only'] * 100:.2f}% ops {d['operands_dequantised'] * 100:.2f}%"
                                    for m, d in sources[name].items()), flush=True)
@@ -267,13 +255,13 @@ def accuracy(seq, heads, seed=11):
 def accuracy_verdict(a):
     """Issue 13's accuracy targets, checked on one accuracy run."""
     err = a["rel_l2_vs_fp32"]
-    plain = err["plain"]["fast_exact"]
-    triggered = [c for c, e in err.items() if e["fast_exact"] > 2 * plain]
-    half = {c: err[c]["fast_rotated"] <= err[c]["fast_exact"] / 2 for c in triggered}
-    ck = {c: err[c]["fast_rotated"] <= e["comfy_kitchen_int8"] for c, e in err.items() if "comfy_kitchen_int8" in e}
+    plain = err["plain"]["prepared_exact"]
+    triggered = [c for c, e in err.items() if e["prepared_exact"] > 2 * plain]
+    half = {c: err[c]["prepared_rotated"] <= err[c]["prepared_exact"] / 2 for c in triggered}
+    ck = {c: err[c]["prepared_rotated"] <= e["comfy_kitchen_int8"] for c, e in err.items() if "comfy_kitchen_int8" in e}
     return {"outlier_cases_over_2x_plain": triggered, "rotated_at_most_half_of_sage2": half,
             "rotated_at_most_comfy_kitchen_int8": ck,
-            "rotated_no_worse_on_plain": err["plain"]["fast_rotated"] <= err["plain"]["fast_exact"]}
+            "rotated_no_worse_on_plain": err["plain"]["prepared_rotated"] <= err["plain"]["prepared_exact"]}
 
 
 def print_speed(r):
@@ -281,11 +269,11 @@ def print_speed(r):
     print(f"{'variant':22s} {'p50 ms':>9s} {'spread':>7s} {'peak extra MiB':>15s}")
     for n, row in r["variants"].items():
         print(f"{n:22s} {row['p50_seconds'] * 1e3:9.3f} {row['spread'] * 100:6.1f}% {row['peak_extra_mib']:15.1f}")
-    print("prepare+kernel minus kernel alone (ms): " + ", ".join(f"{m} {d:.3f}" for m, d in r["fast_minus_kernel_ms"].items())
+    print("prepare+kernel minus kernel alone (ms): "
+          + ", ".join(f"{m} {d:.3f}" for m, d in r["prepared_minus_kernel_ms"].items())
           + f"; sageattn minus kernel alone {r['sageattn_minus_kernel_ms']:.3f}")
     print(f"exact bit-identical to sageattn: {r['exact_bit_identical_to_sageattn']}  "
-          f"(kernel alone: {r['kernel_alone_bit_identical_to_sageattn']}); V division mode {r['v_div_mode']} "
-          f"(mismatches per mode {r['v_div_mode_mismatches']})")
+          f"(kernel alone: {r['kernel_alone_bit_identical_to_sageattn']})")
 
 
 def main(argv=None):
@@ -300,10 +288,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
+    available = BACKEND.available()
+    if not available:
+        sys.exit(f"sage2 unavailable: {available.reason}")
     q = torch.empty(1, 128, 1, D, dtype=torch.bfloat16, device="cuda")
-    verdict = BACKEND.fast_path_verdict(q, q, q, layout="NHD")
+    verdict = BACKEND.prepared_verdict(q, q, q)
     if not verdict:
-        sys.exit(f"fast path unavailable: {verdict.reason}")
+        sys.exit(f"prepared path unavailable: {verdict.reason}")
     cap = torch.cuda.get_device_capability()
     report = {"device": torch.cuda.get_device_name(), "compute_capability": f"SM{cap[0]}{cap[1]}",
               "torch": torch.__version__, "triton": getattr(sage2_quant.triton, "__version__", None),

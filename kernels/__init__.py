@@ -1,16 +1,14 @@
-"""Strided NHD attention for fused-QKV transformers, with no ComfyUI import.
-
-See dataflow.py for the data path, chain.py for back-end selection and
-fallback, offsets.py for the int32 offset rule, backends/ for the kernels.
-"""
+"""Strided NHD attention for fused-QKV transformers, with no ComfyUI import (docs/ARCHITECTURE.md)."""
 
 from .backends import AUTO_ORDER, BACKENDS
-from .chain import BACKEND_CHOICES, BackendChain, CallRecord, NoBackendError, Skip, describe_backends
-from .dataflow import LAYOUTS, PREP_MODES, attention_from_fused_qkv, attention_nhd, attention_token_major, split_fused_qkv, token_major
-from .qk_transform import norm_rope, rope_rot_dim
+from .backends.base import REASON_CODES
+from .chain import BACKEND_CHOICES, BackendChain, CallRecord, NoBackendError, Skip
+from .dataflow import LAYOUTS, attention_from_fused_qkv, attention_nhd, split_fused_qkv, token_major
+from .qk_transform import QKNorm, norm_rope, rope_rot_dim
+from .sage2_quant import MODES as PREPARED_MODES
 
 __all__ = [
-    "AUTO_ORDER", "BACKENDS", "BACKEND_CHOICES", "LAYOUTS", "PREP_MODES", "Skip", "BackendChain", "CallRecord", "NoBackendError",
-    "attention_from_fused_qkv", "attention_nhd", "attention_token_major", "describe_backends", "norm_rope", "rope_rot_dim",
-    "split_fused_qkv", "token_major",
+    "AUTO_ORDER", "BACKENDS", "BACKEND_CHOICES", "LAYOUTS", "PREPARED_MODES", "REASON_CODES", "BackendChain",
+    "CallRecord", "NoBackendError", "QKNorm", "Skip", "attention_from_fused_qkv", "attention_nhd", "norm_rope",
+    "rope_rot_dim", "split_fused_qkv", "token_major",
 ]

@@ -1,14 +1,14 @@
-"""The back-end chain: pick the first back-end that can take a call, fall back, report why.
+"""The back-end chain: the first back-end that can take a call runs it; every skip is recorded.
 
-Every decision is recorded in a :class:`CallRecord` returned with the output,
-and each distinct fallback is logged once, so the caller can always say which
-kernel actually ran.
+One scan per call: available, then supports, then the back-end's prepared path when the call
+asks for one and the chain allows it, else its plain call; one that raises is skipped. The
+:class:`CallRecord` says what ran and why; each distinct fallback is logged once.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,14 +25,11 @@ _logged: set[tuple[str, str, str]] = set()
 
 @dataclass(frozen=True)
 class Skip:
-    """A back-end the chain passed over for one call, and why.
-
-    ``kind``: ``unavailable`` (cannot run on this machine at all: not installed, no CUDA, no kernel
-    for this GPU), ``unsupported`` (cannot take this particular call: dtype, head size, mask, device)
-    or ``raised`` (it was tried and raised).
-    """
+    """A back-end (or its prepared path) passed over for one call. ``code``: a key of REASON_CODES;
+    ``kind``: ``unavailable`` (not on this machine), ``unsupported`` (not this call) or ``raised``."""
 
     backend: str
+    code: str
     reason: str
     kind: str
 
@@ -43,110 +40,118 @@ class CallRecord:
 
     requested: str
     backend: str = ""
-    layout: str = ""                # the dataflow's layout ("strided_nhd" | "hnd"), set by the dataflow
+    layout: str = ""                    # the dataflow's layout ("strided_nhd" | "hnd"), set by the dataflow
     skipped: tuple[Skip, ...] = ()
     head_chunks: int = 1
-    compacted: bool = False         # inputs copied into compact head chunks to keep int32 offsets in range
-    copies: int = 0                 # tensor copies the pack's dataflow made for this call
-    fast_path: str = ""             # the back-end's own prepared-operand path, when it ran
-    fast_path_skipped: str = ""     # why no fast path ran, when the chain looked for one
-    compiled: tuple[dict, ...] = ()  # JIT compiles this call triggered: {"backend", "key", "seconds"}
-
-    @property
-    def fallbacks(self) -> tuple[tuple[str, str], ...]:
-        return tuple((s.backend, s.reason) for s in self.skipped)
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["skipped"] = [asdict(s) for s in self.skipped]
-        d["compiled"] = list(self.compiled)
-        return d
+    compacted: bool = False             # inputs copied into compact head chunks to keep int32 offsets in range
+    copies: int = 0                     # tensor copies the pack's dataflow made for this call
+    prepared: str = ""                  # the prepared path's mode, when it ran
+    prepared_skipped: Skip | None = None  # why the back-end that ran did not take its prepared path
+    compiled: tuple[dict, ...] = ()     # JIT compiles this call triggered: {"backend", "key", "seconds"}
 
 
 class NoBackendError(RuntimeError):
-    """No back-end in the chain could take the call; the message lists every reason."""
+    """No back-end in the chain could take the call; the message lists every back-end's reason."""
+
+    def __init__(self, skipped):
+        self.skipped = tuple(skipped)
+        super().__init__("no attention back-end could run this call ("
+                         + "; ".join(f"{s.backend}: {s.reason}" for s in self.skipped) + ")")
 
 
 @dataclass
 class BackendChain:
+    """The back-ends one call may use, in order. ``prepared=False`` switches every prepared path off."""
+
     requested: str
     backends: list[AttentionBackend] = field(default_factory=list)
+    prepared: bool = True
 
     @classmethod
-    def for_choice(cls, choice: str, device=None) -> "BackendChain":
-        """``auto``: every back-end, fastest first. A named back-end: it first, then the rest as fallbacks.
-
-        ``device`` is the caller's target device; the chain itself decides per call from the tensors
-        it is given, so the same chain serves a model that moves between devices.
-        """
+    def for_choice(cls, choice: str, *, prepared: bool = True) -> "BackendChain":
+        """``auto``: every back-end, fastest first. A named back-end: it first, then the rest as fallbacks."""
         if choice not in BACKEND_CHOICES:
             raise ValueError(f"unknown attention back-end {choice!r}; choose one of {', '.join(BACKEND_CHOICES)}")
         order = list(AUTO_ORDER)
         if choice != "auto":
             order.remove(choice)
             order.insert(0, choice)
-        return cls(choice, [BACKENDS[name] for name in order])
+        return cls(choice, [BACKENDS[name] for name in order], prepared)
 
-    def candidates(self, q, k, v, *, layout: str, mask=None):
-        """Yield (back-end, skips so far) for each back-end that says it can take this call."""
+    def run(self, q, k, v, **kwargs):
+        """Attention on q, k, v (keywords of ``run_handed``); returns (output, CallRecord)."""
+        return self.run_handed([q, k, v], **kwargs)
+
+    def run_handed(self, views: list, *, layout: str, scale: float | None = None, mask=None, norm=None,
+                   prepared_mode: str | None = None):
+        """``run`` on ``views = [q, k, v]``, which it empties: a prepared path can then free them.
+
+        ``norm``: the ``QKNorm`` still owed (applied once, or handed to a prepared path);
+        ``prepared_mode``: ask for the prepared path (NHD, unmasked calls)."""
         if layout not in TENSOR_LAYOUTS:
             raise ValueError(f"tensor layout must be one of {TENSOR_LAYOUTS}, got {layout!r}")
-        _check_shapes(q, k, v)
+        _check_shapes(*views)
         skipped: list[Skip] = []
         for backend in self.backends:
-            verdict = backend.available()
-            kind = "unavailable"
+            verdict, kind = backend.available(), "unavailable"
             if verdict:
-                verdict, kind = backend.supports(q, k, v, layout=layout, mask=mask), "unsupported"
+                verdict, kind = backend.supports(*views, layout=layout, mask=mask), "unsupported"
             if not verdict:
-                skipped.append(Skip(backend.name, verdict.reason, kind))
+                skipped.append(Skip(backend.name, verdict.code, verdict.reason, kind))
                 continue
-            yield backend, skipped
-
-    def fast_path(self, q, k, v, *, layout: str):
-        """The back-end that would take this unmasked call, when it offers a prepared-operand fast path.
-
-        Returns (back-end or None, skips before it, why there is no fast path). A back-end with a
-        fast path has ``fast_path_verdict``, ``prepare`` and ``attend`` (see backends/sage2.py).
-        """
-        for backend, skipped in self.candidates(q, k, v, layout=layout):
-            check = getattr(backend, "fast_path_verdict", None)
-            if check is None:
-                return None, skipped, ""  # nothing to report: this back-end has no fast path at all
-            if not getattr(backend, "fast_path_enabled", True):
-                return None, skipped, f"{backend.name} fast path switched off"
-            verdict = check(q, k, v, layout=layout)
-            if not verdict:
-                return None, skipped, f"{backend.name} fast path: {verdict.reason}"
-            return backend, list(skipped), ""
-        return None, [], "no back-end can take this call"
-
-    def run(self, q, k, v, *, layout: str, scale: float | None = None, mask=None):
-        """Attention on q, k, v in tensor layout ``layout`` ("NHD" | "HND"); returns (output, CallRecord)."""
-        skipped: list[Skip] = []
-        for backend, skipped in self.candidates(q, k, v, layout=layout, mask=mask):
-            events = getattr(backend, "compile_events", None)
-            seen = len(events) if events is not None else 0
+            seen = len(backend.compile_events)
+            no_prepared = None
+            if backend.prepared_modes and prepared_mode is not None and layout == "NHD" and mask is None:
+                out, done = self._run_prepared(backend, views, prepared_mode, scale, norm)
+                if out is not None:
+                    return out, self._record(backend, skipped, seen, prepared=done.mode,
+                                             head_chunks=len(done.head_chunks))
+                no_prepared = done
+            if norm is not None:
+                views[0], views[1] = norm.apply(views[0], views[1])
             try:
-                out, chunks, compacted = _run_within_offsets(backend, q, k, v, layout, scale, mask)
+                out, chunks, compacted = _run_within_offsets(backend, *views, layout, scale, mask)
             except torch.cuda.OutOfMemoryError:
                 raise  # a smaller back-end won't help the caller more than a clear OOM
             except Exception as exc:
                 raise_if_context_lost(exc)
-                skipped.append(Skip(backend.name, f"raised {type(exc).__name__}: {exc}", "raised"))
+                skipped += [s for s in (no_prepared,) if s is not None and s.kind == "raised"]
+                skipped.append(Skip(backend.name, "raised", f"raised {type(exc).__name__}: {exc}", "raised"))
                 continue
-            record = self.record(backend, skipped, head_chunks=chunks, compacted=compacted)
-            record.copies = 4 * chunks if compacted else 0  # 3 compact inputs + 1 output copy per chunk
-            if events is not None and len(events) > seen:
-                record.compiled = tuple(dict(e, backend=backend.name) for e in events[seen:])
-            return out, record
-        raise NoBackendError("no attention back-end could run this call ("
-                             + "; ".join(f"{s.backend}: {s.reason}" for s in skipped) + ")")
+            views.clear()
+            # compacting copies 3 inputs and 1 output per chunk
+            return out, self._record(backend, skipped, seen, head_chunks=chunks, compacted=compacted,
+                                     copies=4 * chunks if compacted else 0, prepared_skipped=no_prepared)
+        raise NoBackendError(skipped)
 
-    def record(self, backend, skipped, **fields) -> CallRecord:
+    def _run_prepared(self, backend, views: list, mode: str, scale, norm):
+        """(output, Prepared), or (None, Skip: why the prepared path did not run). On success ``views``
+        is emptied before the kernel runs, so an error of the kernel itself has no fallback."""
+        if not self.prepared:
+            return None, Skip(backend.name, "switched_off", f"{backend.name} prepared path switched off", "unsupported")
+        if mode not in backend.prepared_modes:
+            return None, Skip(backend.name, "mode", f"{backend.name} has no prepared mode {mode!r}", "unsupported")
+        verdict = backend.prepared_verdict(*views)
+        if not verdict:
+            return None, Skip(backend.name, verdict.code, verdict.reason, "unsupported")
+        if norm is not None and not norm.foldable:
+            # only a norm the back-end may fold is its to apply: this one returns new tensors (or
+            # is applied already), and a fallback after a failed preparation must see them
+            views[0], views[1] = norm.apply(views[0], views[1])
+        try:
+            prepared = backend.prepare(*views, mode=mode, scale=scale, norm=norm)
+        except Exception as exc:
+            raise_if_context_lost(exc)
+            return None, Skip(backend.name, "raised", f"prepared path raised {type(exc).__name__}: {exc}", "raised")
+        views.clear()  # nothing reads the views now: the kernel's working set replaces them
+        return backend.attend(prepared), prepared
+
+    def _record(self, backend, skipped, compiles_seen: int, **fields) -> CallRecord:
         """The CallRecord of a call that ``backend`` took after ``skipped``; logs new skips once."""
-        _log_skips(self.requested, backend.name, skipped)
-        return CallRecord(self.requested, backend=backend.name, skipped=tuple(skipped), **fields)
+        extra = [fields["prepared_skipped"]] if fields.get("prepared_skipped") else []
+        _log_skips(self.requested, backend.name, skipped + [s for s in extra if s.kind == "raised"])
+        compiled = tuple(dict(e, backend=backend.name) for e in backend.compile_events[compiles_seen:])
+        return CallRecord(self.requested, backend=backend.name, skipped=tuple(skipped), compiled=compiled, **fields)
 
 
 def _check_shapes(q, k, v):
@@ -164,12 +169,9 @@ def raise_if_context_lost(exc: Exception) -> None:
 
 
 def _run_within_offsets(backend: AttentionBackend, q, k, v, layout, scale, mask):
-    """Call the back-end directly, or head by head-chunk when its int32 offsets would overflow.
-
-    Returns (output, head chunks, compacted). Chunks are compact copies, so their offsets are
-    bounded by their own size; each chunk's output is copied into one output tensor. A sequence
-    whose compact copy fits whole runs as one compacted chunk.
-    """
+    """(output, head chunks, compacted): the back-end called directly, or on compact copies of head
+    chunks (offsets bounded by their own size, outputs copied into one tensor) when its int32
+    offsets would overflow; a sequence whose compact copy fits whole runs as one compacted chunk."""
     limit = backend.max_element_offset
     seq_dim, head_dim_index = (1, 2) if layout == "NHD" else (2, 1)
     if limit is None or fits((q, k, v), seq_dim, backend.row_block, limit):
@@ -180,24 +182,19 @@ def _run_within_offsets(backend: AttentionBackend, q, k, v, layout, scale, mask)
     if per_chunk < 1:
         raise ValueError(f"sequence too long for {backend.name}: one head exceeds its int32 offset range")
     heads = q.shape[head_dim_index]
-    out = None
-    chunks = 0
-    for start in range(0, heads, per_chunk):
+    out, starts = None, range(0, heads, per_chunk)
+    for start in starts:
         n = min(per_chunk, heads - start)
-        part = [t.narrow(head_dim_index, start, n).contiguous() for t in (q, k, v)]
-        o = backend(*part, layout=layout, scale=scale)
+        o = backend(*(t.narrow(head_dim_index, start, n).contiguous() for t in (q, k, v)), layout=layout, scale=scale)
         if out is None:
-            shape = list(q.shape)
-            out = torch.empty(shape, dtype=o.dtype, device=o.device)
+            out = torch.empty(list(q.shape), dtype=o.dtype, device=o.device)
         out.narrow(head_dim_index, start, n).copy_(o)
-        chunks += 1
-    return out, chunks, True
+    return out, len(starts), True
 
 
 def _log_skips(requested: str, used: str, skipped) -> None:
-    """Log each distinct skip once. In auto mode a back-end that is not installed here is the
-    normal choice (info); a requested back-end missing, a call it cannot take, or one that
-    raised is a fallback the user should see (warning)."""
+    """Log each distinct skip once: info for auto passing over what is not installed here, warning
+    for a requested back-end missing, a call it cannot take, or one that raised."""
     for s in skipped:
         key = (requested, s.backend, s.reason)
         if key in _logged:
@@ -206,16 +203,3 @@ def _log_skips(requested: str, used: str, skipped) -> None:
         quiet = requested == "auto" and s.kind == "unavailable"
         log.log(logging.INFO if quiet else logging.WARNING,
                 "attention back-end %s skipped (%s); %s ran instead (requested: %s)", s.backend, s.reason, used, requested)
-
-
-def describe_backends(device=None) -> list[dict]:
-    """Every back-end in auto order with whether it can run here and why not."""
-    rows = []
-    for name in AUTO_ORDER:
-        verdict = BACKENDS[name].available()
-        if verdict and device is not None and BACKENDS[name].needs_cuda and torch.device(device).type != "cuda":
-            verdict_ok, reason = False, f"needs a CUDA device, got {torch.device(device).type}"
-        else:
-            verdict_ok, reason = verdict.ok, verdict.reason
-        rows.append({"name": name, "available": verdict_ok, "reason": reason})
-    return rows

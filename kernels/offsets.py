@@ -1,12 +1,6 @@
-"""Keeping int32-indexed kernels inside their offset range.
-
-A kernel that forms element offsets in 32-bit integers silently reads and
-writes the wrong memory once an offset reaches 2**31. With Q/K/V as views of
-the fused qkv buffer the row stride is 3*H*D, so that happens at S > 99,864 for
-H3; a contiguous [B,S,H,D] tensor reaches it at S*H*D >= 2**31. This module
-measures the largest offset a call would form and, when it is too large, plans
-head chunks whose compact copies fit.
-"""
+"""Keeping int32-indexed kernels inside their offset range (past 2**31 they silently read and write
+the wrong memory: H3's fused-buffer views at S > 99,864): the largest offset a call would form, and
+head chunks whose compact copies fit."""
 
 from __future__ import annotations
 
@@ -18,11 +12,8 @@ def _round_up(n: int, block: int) -> int:
 
 
 def largest_offset(t: torch.Tensor, seq_dim: int, row_block: int) -> int:
-    """Largest element offset from t's data pointer a kernel may form.
-
-    The sequence extent is rounded up to the kernel's row tile, since tiled
-    kernels compute tile base offsets before masking the tail.
-    """
+    """Largest element offset from t's data pointer a kernel may form (the sequence extent rounded
+    up to the kernel's row tile: tiled kernels form tile offsets before masking the tail)."""
     extent = 0
     for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
         if dim == seq_dim:

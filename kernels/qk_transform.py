@@ -1,9 +1,5 @@
-"""Per-head RMSNorm + split-half partial RoPE on Q and K, through comfy-kitchen.
-
-comfy-kitchen picks its CUDA, Triton or eager (plain PyTorch, CPU) implementation
-per call. The in-place variant writes straight into the strided Q/K views of the
-fused qkv buffer, so no Q/K copies are made.
-"""
+"""Per-head RMSNorm + split-half partial RoPE on Q and K, through comfy-kitchen (its CUDA, Triton
+or eager implementation, chosen per call), in place on the strided views: no Q/K copies."""
 
 from __future__ import annotations
 
@@ -37,11 +33,8 @@ def check_rope_table(rope_table: torch.Tensor, seq_len: int, head_dim: int) -> N
 
 def norm_rope(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,
               k_weight: torch.Tensor, eps: float, *, inplace: bool = True):
-    """RMSNorm over each head (whole head_dim) then rotate the first rot_dim dims (pairs i, i+rot/2).
-
-    q, k: [1, S, H, D], any strides with the last dim contiguous. In place by default
-    (returns the same views); ``inplace=False`` returns new tensors (training).
-    """
+    """RMSNorm over each head (whole head_dim), then rotate the first rot_dim dims (pairs i, i+rot/2).
+    q, k: [1, S, H, D] views with a contiguous last dim; in place, or new tensors (``inplace=False``)."""
     check_rope_table(rope_table, q.shape[1], q.shape[-1])
     ck = _kitchen()
     rot = rope_rot_dim(rope_table)
@@ -49,3 +42,42 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weig
         ck.rms_rope_split_half_(q, k, rope_table, q_weight, k_weight, epsilon=eps, rot_dim=rot)
         return q, k
     return ck.rms_rope_split_half(q, k, rope_table, q_weight, k_weight, epsilon=eps, rot_dim=rot)
+
+
+class QKNorm:
+    """The normalisation one attention call owes Q and K, applied at most once: RMSNorm + split-half
+    RoPE through comfy-kitchen (in place unless ``inplace`` is False), or the module's q_norm/k_norm. A
+    prepared path may fold a ``foldable`` one into its passes (``mark_folded``); else ``apply`` it."""
+
+    def __init__(self, *, rope_table=None, q_weight=None, k_weight=None, eps: float = 1e-6, q_norm=None,
+                 k_norm=None, inplace: bool = True):
+        if rope_table is not None and (q_weight is None or k_weight is None):
+            raise ValueError("q_weight and k_weight are required with a rope table")
+        if rope_table is None and (q_norm is None or k_norm is None):
+            raise ValueError("q_norm and k_norm are required without a rope table")
+        self.rope_table, self.q_weight, self.k_weight, self.eps = rope_table, q_weight, k_weight, eps
+        self.q_norm, self.k_norm, self.inplace = q_norm, k_norm, inplace
+        self.applied = False
+
+    def check(self, seq_len: int, head_dim: int) -> None:
+        if self.rope_table is not None:
+            check_rope_table(self.rope_table, seq_len, head_dim)
+
+    @property
+    def foldable(self) -> bool:
+        """Could a prepared path apply it inside its own passes (in place, with a rope table, not yet applied)?"""
+        return self.rope_table is not None and self.inplace and not self.applied
+
+    def mark_folded(self) -> None:
+        self.applied = True
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor):
+        """Normalise q, k [1, S, H, D] (once; later calls return them unchanged)."""
+        if self.applied:
+            return q, k
+        if self.rope_table is not None:
+            q, k = norm_rope(q, k, self.rope_table, self.q_weight, self.k_weight, self.eps, inplace=self.inplace)
+        else:
+            q, k = self.q_norm(q[0]).unsqueeze(0), self.k_norm(k[0]).unsqueeze(0)
+        self.applied = True  # only once it has succeeded: a fallback must not skip it
+        return q, k

@@ -1,33 +1,12 @@
-"""Triton kernels that turn strided NHD Q/K/V views into SageAttention 2's sm90 operands.
+"""Triton passes that turn strided NHD Q/K/V views into SageAttention 2's sm90 operands.
 
-Two passes over the data, registered as ``torch.library`` custom ops (with fake implementations,
-so ``torch.compile`` traces them without graph breaks):
-
-1. ``sage_strided_nhd::sage2_reduce`` -- the reduction pass: per (head, channel) absmax of V and,
-   in the fused modes, the sum of the normed+roped K over the sequence (fp64 partials per split
-   of the sequence, combined in a fixed order by a small finalize kernel). In the non-fused modes
-   the K mean is ``k.mean(dim=1)`` in K's dtype, the very call SageAttention makes, so the
-   smoothed K is bit-identical to stock.
-2. ``sage2_quantize`` -- the quantisation pass: one program per (128-token block, head) writes
-   Q and K as int8 with SageAttention's sm90 per-thread scales (Q: 64-row blocks, 2-row groups;
-   K: 128-row blocks, 32-row groups), and V as fp8 e4m3 in the layout the kernel reads: head-major
-   ``[H, D, S_pad]``, tokens permuted inside each group of 16, the pad rows written as zeros by
-   the same program (no ``torch.cat``, no bf16 V copy).
-
-Modes (``sage2_quant_ref.MODES``): ``exact`` (inputs already normed+roped), ``fused`` (RMSNorm
-and split-half partial RoPE applied in fp32 inside both passes), ``rotated`` and
-``fused_rotated`` (Q and the smoothed K multiplied by a normalised 128-point Hadamard matrix
-before the int8 step, as an exact integer product on the int8 tensor cores; scores are unchanged
-because the matrix is orthogonal).
-
-Every kernel forms offsets from int64 program ids and row indices, and every grid is
-one-dimensional (about S/128 * H programs: 140,000 at S = 320,000 with 56 heads).
-
-``sage2_quant_ref.py`` is the pure-PyTorch reference; under ``TRITON_INTERPRET=1`` (CPU) these
-kernels match it bit for bit. Two details exist only for that: the interpreter's float->fp8 cast
-truncates subnormals, so under the interpreter the kernels round to e4m3 themselves first
-(``_e4m3``), and divisions the GPU does approximately are exact there.
-"""
+``sage2_reduce``: V's per-channel absmax and, fused, the normed+roped K sum (fp64, fixed order; else
+``k.mean``, SageAttention's own call). ``sage2_quantize``: per (128-token block, head), int8 Q and K
+with the sm90 per-thread scales and fp8 V head-major ``[H, D, S_pad]``, permuted, zero pad. Both are
+torch.library custom ops with fake implementations; offsets are int64. ``MODES``: exact, fused
+(norm+rope inside), rotated and fused_rotated (an exact integer Hadamard product before int8).
+Under ``TRITON_INTERPRET=1`` they match devkit/sage2_oracle.py bit for bit (the interpreter's
+truncating casts are rounded in integer arithmetic)."""
 
 from __future__ import annotations
 
@@ -37,7 +16,6 @@ from typing import Optional
 import torch
 
 from .qk_transform import check_rope_table
-from .sage2_quant_ref import FP8_MAX, K_BLOCK, Q_BLOCK, ROT_MIN_EXPONENT, mode_flags, padded_len
 
 try:  # Triton ships with PyTorch's CUDA (and recent CPU) wheels; the pack must import without it.
     import triton
@@ -49,13 +27,31 @@ except Exception as exc:  # pragma: no cover - depends on the install
 
 LIB = "sage_strided_nhd"
 HEAD_DIM = 128
+# SageAttention 2's sm90 operand geometry: Q scales per 64-row block, K per 128-row block, V padded
+# to 128 rows; fp8 e4m3's largest finite value.
+Q_BLOCK, K_BLOCK, V_PAD = 64, 128, 128
+FP8_MAX = 448.0
+# Rotation: rows whose absmax is below 2^(ROT_MIN_EXPONENT - 127) are treated as if it were that
+# (keeps every power-of-two factor of the rotation a normal fp32; such rows quantise to 0 anyway).
+ROT_MIN_EXPONENT = 32
 ROWS_PER_SPLIT = 512  # reduction pass: rows of one head per program
-# Quantisation pass tuning per mode, keyed (fused, rotate): (unroll factor of the 32-row sub-tile
-# loops, warps per program); benchmarks/results/sage2-fast-notes.md has the measurements.
+
+# The preparation modes: name -> (RMSNorm+RoPE folded into the passes, Hadamard rotation of Q/K).
+MODES = {"exact": (False, False), "fused": (True, False), "rotated": (False, True), "fused_rotated": (True, True)}
+# Quantisation pass tuning per mode flags: (unroll factor of the 32-row sub-tile loops, warps per
+# program); benchmarks/results/sage2-fast-notes.md has the measurements.
 QUANT_CONFIG = {(False, False): (1, 8), (False, True): (1, 4), (True, False): (1, 8), (True, True): (1, 8)}
-# How the V scale and its reciprocal are divided (SageAttention's CUDA is built with
-# --use_fast_math): 0 = Triton's "/" (div.full.f32), 1 = div.approx.ftz.f32, 2 = div.rn.f32.
-V_DIV_MODE = int(os.environ.get("SAGE2_FAST_V_DIV", "0"))
+
+
+def mode_flags(mode: str) -> tuple[bool, bool]:
+    """(fused norm+rope, Hadamard rotation) for a mode name."""
+    if mode not in MODES:
+        raise ValueError(f"unknown sage2 preparation mode {mode!r}; expected one of {list(MODES)}")
+    return MODES[mode]
+
+
+def padded_len(seq: int) -> int:
+    return -(-seq // V_PAD) * V_PAD
 
 
 def interpreting() -> bool:
@@ -64,16 +60,6 @@ def interpreting() -> bool:
 
 if triton is not None:
     _ROT_MIN_EXPONENT = tl.constexpr(ROT_MIN_EXPONENT)
-
-    @triton.jit
-    def _div(a, b, MODE: tl.constexpr):
-        if MODE == 1:
-            return tl.inline_asm_elementwise("div.approx.ftz.f32 $0, $1, $2;", "=f,f,f", [a, b],
-                                             dtype=tl.float32, is_pure=True, pack=1)
-        elif MODE == 2:
-            return tl.div_rn(a, b)
-        else:
-            return a / b
 
     @triton.jit
     def _e4m3(y, EMULATE: tl.constexpr):
@@ -109,13 +95,10 @@ if triton is not None:
 
     @triton.jit
     def _hadamard_rows(x, sylvester):
-        """Normalised Walsh-Hadamard transform of each row of an [R, 128] fp32 tile (R >= 16).
-
-        Each row in 14-bit fixed point under the power of two above its absmax, split into two
-        7-bit int8 digits, each multiplied by the +-1 Sylvester matrix on the int8 tensor cores
-        (int32 accumulation: exact in any order, and exact in fp32 after). Same steps as
-        ``sage2_quant_ref.hadamard_rows``, so the two agree bit for bit on any device.
-        """
+        """Normalised Walsh-Hadamard transform of each row of an [R, 128] fp32 tile (R >= 16): the row
+        in 14-bit fixed point under the power of two above its absmax, as two 7-bit int8 digits, each
+        times the +-1 Sylvester matrix on the int8 tensor cores (int32: exact in any order). The
+        oracle's ``hadamard_rows`` takes the same steps, so the two agree bit for bit."""
         e = (tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
         e = tl.maximum(e, _ROT_MIN_EXPONENT)
         to_fixed = ((267 - e) << 23).to(tl.float32, bitcast=True)  # 2^14 / s, s = 2^(e - 126)
@@ -137,11 +120,8 @@ if triton is not None:
     @triton.jit
     def _norm_rope_rows(X, W, RC, rows, m, h, c, stride_s, stride_h, S, eps,
                         D: tl.constexpr, HALF: tl.constexpr):
-        """RMSNorm (fp64 statistics) then split-half RoPE on the first 2*HALF dims, fp32 [R, D].
-
-        RC: [2, S, 2*HALF] fp32 (``rope_coefficients``): per token and channel the factor on the
-        channel itself and the factor on its partner (c + HALF or c - HALF).
-        """
+        """RMSNorm (fp64 statistics) then split-half RoPE on the first 2*HALF dims, fp32 [R, D]. RC:
+        ``rope_coefficients``, per token and channel the factor on itself and on its partner."""
         base = X + rows[:, None] * stride_s + h * stride_h
         x = tl.load(base + c[None, :], mask=m[:, None], other=0.0).to(tl.float32)
         x64 = x.to(tl.float64)
@@ -189,7 +169,7 @@ if triton is not None:
 
     @triton.jit
     def _finalize_kernel(KSUM, VMAX, KMEAN_IN, KMEAN, VSCALE, VRECP, NSPLIT, H, S, scale_max,
-                         D: tl.constexpr, FUSED: tl.constexpr, DIV: tl.constexpr):
+                         D: tl.constexpr, FUSED: tl.constexpr):
         h = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, D)
         vm = tl.zeros([D], dtype=tl.float32)
@@ -205,8 +185,69 @@ if triton is not None:
             km = tl.load(KMEAN_IN + h * D + c).to(tl.float32)
         tl.store(KMEAN + h * D + c, km)
         smax = tl.zeros([D], dtype=tl.float32) + scale_max
-        tl.store(VSCALE + h * D + c, _div(vm, smax, DIV))
-        tl.store(VRECP + h * D + c, _div(smax, vm, DIV))
+        tl.store(VSCALE + h * D + c, vm / smax)
+        tl.store(VRECP + h * D + c, smax / vm)
+
+    @triton.jit
+    def _quant_q_subtile(Q, QW, RC, QO, QS, b, qs, h, c, i, S, NQB, sqs, sqh, eps, sylvester,
+                         D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr, ROTATE: tl.constexpr):
+        """Q sub-tile ``qs`` (of 4) of 128-token block ``b``: 64-row blocks, 2-row groups. Sub-tile row
+        i holds sequence row 16w + 8u + t with w = 2*half + i//16, t = (i//2) % 8, u = i % 2: rows 2g
+        and 2g+1 share scale 8w + t."""
+        qblk = 2 * b + qs // 2
+        rows = qblk * 64 + 16 * (2 * (qs % 2) + i // 16) + 8 * (i % 2) + (i // 2) % 8
+        m = rows < S
+        if FUSED:
+            x = _norm_rope_rows(Q, QW, RC, rows, m, h, c, sqs, sqh, S, eps, D, HALF)
+        else:
+            x = _load_rows(Q, rows, m, h, c, sqs, sqh).to(tl.float32)
+        x = tl.where(m[:, None], x, 0.0)
+        if ROTATE:
+            x = _hadamard_rows(x, sylvester)
+        x3 = tl.reshape(x, [16, 2, D])
+        scale = tl.max(tl.max(tl.abs(x3), axis=2), axis=1) / 127. + 0.0000001
+        y = x3 / scale[:, None, None]
+        y += 0.5 * tl.where(y >= 0, 1, -1)
+        y = tl.reshape(y.to(tl.int8), [32, D])
+        tl.store(QO + h * S * D + rows[:, None] * D + c[None, :], y, mask=m[:, None])
+        g = tl.arange(0, 16)
+        tl.store(QS + h * NQB * 32 + qblk * 32 + (qs % 2) * 16 + g, scale, mask=(g < 16) & (qblk < NQB))
+
+    @triton.jit
+    def _quant_k_subtile(K, KW, RC, KO, KS, km, b, t, h, c, i, S, NKB, sks, skh, eps, sylvester,
+                         D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr, ROTATE: tl.constexpr,
+                         EMULATE_FP8: tl.constexpr):
+        """Smoothed K sub-tile ``t`` (of 4): rows 8j + 2t + e (j = i//2, e = i%2), one scale."""
+        rows = b * 128 + 8 * (i // 2) + 2 * t + i % 2
+        m = rows < S
+        if FUSED:
+            x = _norm_rope_rows(K, KW, RC, rows, m, h, c, sks, skh, S, eps, D, HALF)
+            x = x - km[None, :]
+        else:
+            xin = _load_rows(K, rows, m, h, c, sks, skh)
+            x = _round_like(xin.to(tl.float32) - km[None, :], xin.dtype, EMULATE_FP8)
+        x = tl.where(m[:, None], x, 0.0)
+        if ROTATE:
+            x = _hadamard_rows(x, sylvester)
+        scale = tl.max(tl.abs(x)) / 127. + 0.0000001
+        y = x / scale
+        y += 0.5 * tl.where(y >= 0, 1, -1)
+        tl.store(KO + h * S * D + rows[:, None] * D + c[None, :], y.to(tl.int8), mask=m[:, None])
+        tl.store(KS + h * NKB * 4 + b * 4 + t, scale)
+
+    @triton.jit
+    def _quant_v_subtile(V, VO, recp, b, part, h, c, i, S, LPAD, svs, svh,
+                         D: tl.constexpr, EMULATE_FP8: tl.constexpr):
+        """V sub-tile ``part``: row jj is output position j = 32*part + jj of the block; it reads token
+        16(j//16) + pinv(j%16) (the inverse of SageAttention's fp8-mma permutation); rows past S are
+        the zero pad."""
+        j = part * 32 + i
+        qq = j % 16
+        src = b * 128 + (j // 16) * 16 + ((qq // 2) % 2) * 8 + (qq // 4) * 2 + qq % 2
+        mv = src < S
+        vv = _load_rows(V, src, mv, h, c, svs, svh).to(tl.float32)
+        vq = _e4m3(vv * recp[None, :], EMULATE_FP8)
+        tl.store(VO + h * D * LPAD + c[None, :] * LPAD + b * 128 + j[:, None], vq)
 
     @triton.jit
     def _quant_kernel(Q, K, V, KM, VR, QW, KW, RC, QO, QS, KO, KS, VO,
@@ -220,123 +261,70 @@ if triton is not None:
         b = pid // H
         c = tl.arange(0, D)
         i = tl.arange(0, 32)
-        head_base = h * S * D  # int8 Q/K outputs are head-major [H, S, D]
         sylvester = _sylvester128()  # used by the rotated modes only (dead code otherwise)
-
-        # ---- Q: 64-row blocks; sub-tile row i holds sequence row 16w + 8u + t with
-        # w = 2*half + i//16, t = (i//2) % 8, u = i % 2: rows 2g and 2g+1 share scale 8w + t.
         for qs in tl.range(0, 4, loop_unroll_factor=UNROLL):
-            qblk = 2 * b + qs // 2
-            rows = qblk * 64 + 16 * (2 * (qs % 2) + i // 16) + 8 * (i % 2) + (i // 2) % 8
-            m = rows < S
-            if FUSED:
-                x = _norm_rope_rows(Q, QW, RC, rows, m, h, c, sqs, sqh, S, eps, D, HALF)
-            else:
-                x = _load_rows(Q, rows, m, h, c, sqs, sqh).to(tl.float32)
-            x = tl.where(m[:, None], x, 0.0)
-            if ROTATE:
-                x = _hadamard_rows(x, sylvester)
-            x3 = tl.reshape(x, [16, 2, D])
-            scale = tl.max(tl.max(tl.abs(x3), axis=2), axis=1) / 127. + 0.0000001
-            y = x3 / scale[:, None, None]
-            y += 0.5 * tl.where(y >= 0, 1, -1)
-            y = tl.reshape(y.to(tl.int8), [32, D])
-            tl.store(QO + head_base + rows[:, None] * D + c[None, :], y, mask=m[:, None])
-            g = tl.arange(0, 16)
-            tl.store(QS + h * NQB * 32 + qblk * 32 + (qs % 2) * 16 + g, scale, mask=(g < 16) & (qblk < NQB))
-
-        # ---- K (smoothed): sub-tile t holds rows 8j + 2t + e (j = i//2, e = i%2), one scale.
+            _quant_q_subtile(Q, QW, RC, QO, QS, b, qs, h, c, i, S, NQB, sqs, sqh, eps, sylvester,
+                             D, HALF, FUSED, ROTATE)
         km = tl.load(KM + h * D + c)
         for t in tl.range(0, 4, loop_unroll_factor=UNROLL):
-            rows = b * 128 + 8 * (i // 2) + 2 * t + i % 2
-            m = rows < S
-            if FUSED:
-                x = _norm_rope_rows(K, KW, RC, rows, m, h, c, sks, skh, S, eps, D, HALF)
-                x = x - km[None, :]
-            else:
-                xin = _load_rows(K, rows, m, h, c, sks, skh)
-                x = _round_like(xin.to(tl.float32) - km[None, :], xin.dtype, EMULATE_FP8)
-            x = tl.where(m[:, None], x, 0.0)
-            if ROTATE:
-                x = _hadamard_rows(x, sylvester)
-            scale = tl.max(tl.abs(x)) / 127. + 0.0000001
-            y = x / scale
-            y += 0.5 * tl.where(y >= 0, 1, -1)
-            tl.store(KO + head_base + rows[:, None] * D + c[None, :], y.to(tl.int8), mask=m[:, None])
-            tl.store(KS + h * NKB * 4 + b * 4 + t, scale)
-
-        # ---- V: sub-tile row jj is output position j = 32*part + jj of the block; it reads token
-        # 16(j//16) + pinv(j%16) (the inverse of SageAttention's fp8-mma permutation); rows past S
-        # are the zero pad.
+            _quant_k_subtile(K, KW, RC, KO, KS, km, b, t, h, c, i, S, NKB, sks, skh, eps, sylvester,
+                             D, HALF, FUSED, ROTATE, EMULATE_FP8)
         recp = tl.load(VR + h * D + c)
         for part in tl.range(0, 4, loop_unroll_factor=UNROLL):
-            j = part * 32 + i
-            qq = j % 16
-            src = b * 128 + (j // 16) * 16 + ((qq // 2) % 2) * 8 + (qq // 4) * 2 + qq % 2
-            mv = src < S
-            vv = _load_rows(V, src, mv, h, c, svs, svh).to(tl.float32)
-            vq = _e4m3(vv * recp[None, :], EMULATE_FP8)
-            tl.store(VO + h * D * LPAD + c[None, :] * LPAD + b * 128 + j[:, None], vq)
+            _quant_v_subtile(V, VO, recp, b, part, h, c, i, S, LPAD, svs, svh, D, EMULATE_FP8)
 
 
 def _require_triton():
     if triton is None:
-        raise RuntimeError(f"the sage2 fast path needs Triton: {TRITON_ERROR}")
+        raise RuntimeError(f"the sage2 prepared path needs Triton: {TRITON_ERROR}")
 
 
 def rope_coefficients(rope_table: torch.Tensor) -> torch.Tensor:
-    """[1, S, 1, rot/2, 2, 2] rotation table -> [2, S, rot] fp32: the factor on each channel itself
-    (f00 for c < rot/2, f11 above) and on its partner channel (f01, f10). Contiguous rows, so the
-    kernels read it coalesced."""
+    """[1, S, 1, rot/2, 2, 2] rotation table -> [2, S, rot] fp32, coalesced: the factor on each channel
+    itself (f00 below rot/2, f11 above) and on its partner (f01, f10)."""
     f = rope_table[0, :, 0].to(torch.float32)
     return torch.stack((torch.cat((f[..., 0, 0], f[..., 1, 1]), -1), torch.cat((f[..., 0, 1], f[..., 1, 0]), -1)))
 
 
-def check_inputs(q, k, v, *, fused=False, rope_table=None, q_weight=None, k_weight=None, eps=None):
-    """Raise ValueError with the reason when the kernels cannot take these tensors."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be NHD [1, S, H, {HEAD_DIM}], got {t.dim()}-D {list(t.shape)}")
-        if t.shape[0] != 1:
-            raise ValueError(f"{name}: the fast path takes batch size 1, got {t.shape[0]}")
-        if t.shape[-1] != HEAD_DIM:
-            raise ValueError(f"{name}: head_dim must be {HEAD_DIM}, got {t.shape[-1]}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: last dim must be contiguous (stride {t.stride(-1)})")
-        if t.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"{name}: dtype must be bfloat16 or float16, got {t.dtype}")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k, v shapes differ: {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError("q, k and v dtypes differ")
-    if not (q.device == k.device == v.device):
-        raise ValueError("q, k and v are on different devices")
+def operand_problem(q, k, v) -> tuple[str, str] | None:
+    """(reason code, reason) when the passes cannot take these views, else None: the one input check
+    (the prepared-path verdict and :func:`quantize_operands` use it)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "shape", "q, k and v must be tensors"
+    if not (q.dim() == 4 and q.shape[0] == 1 and q.shape[-1] == HEAD_DIM and q.shape == k.shape == v.shape):
+        return "shape", (f"needs q, k, v of one shape [1, S, H, {HEAD_DIM}], got {list(q.shape)}, "
+                         f"{list(k.shape)}, {list(v.shape)}")
     if q.shape[1] < 1:
-        raise ValueError("empty sequence")
-    if fused:
-        if q_weight is None or k_weight is None or eps is None:
-            raise ValueError("fused modes need q_weight, k_weight and eps (the RMSNorm parameters)")
-        for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-            if tuple(w.shape) != (HEAD_DIM,):
-                raise ValueError(f"{name} must be [{HEAD_DIM}], got {list(w.shape)}")
-        if rope_table is not None:
-            check_rope_table(rope_table, q.shape[1], HEAD_DIM)
+        return "shape", "empty sequence"
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        return "strides", "needs a contiguous last dim"
+    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
+        return "dtype", f"needs bfloat16 q/k/v, got {q.dtype}/{k.dtype}/{v.dtype}"
+    if not (q.device == k.device == v.device):
+        return "shape", "q, k and v are on different devices"
+    return None
+
+
+def _check_norm(q, rope_table, q_weight, k_weight, eps):
+    if q_weight is None or k_weight is None or eps is None:
+        raise ValueError("fused modes need q_weight, k_weight and eps (the RMSNorm parameters)")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if tuple(w.shape) != (HEAD_DIM,):
+            raise ValueError(f"{name} must be [{HEAD_DIM}], got {list(w.shape)}")
+    if rope_table is not None:
+        check_rope_table(rope_table, q.shape[1], HEAD_DIM)
 
 
 def _geometry(q):
     _, s, h, d = q.shape
-    nqb = -(-s // Q_BLOCK)
-    nkb = -(-s // K_BLOCK)
-    return s, h, d, nqb, nkb, padded_len(s)
+    return s, h, d, -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
 
 
 # ---------------------------------------------------------------------------------------------
 # pass 1: reduction
 
 
-def _reduce_impl(k, v, k_weight, rope_coef, eps, fused, div_mode=0):
+def _reduce_impl(k, v, k_weight, rope_coef, eps, fused):
     _require_triton()
     s, h, d, _, _, _ = _geometry(k)
     dev = k.device
@@ -354,20 +342,20 @@ def _reduce_impl(k, v, k_weight, rope_coef, eps, fused, div_mode=0):
     vscale = torch.empty(1, h, d, dtype=torch.float32, device=dev)
     vrecp = torch.empty(h, d, dtype=torch.float32, device=dev)
     _finalize_kernel[(h,)](ksum, vmax, kmean_in, kmean, vscale, vrecp, nsplit, h, s, FP8_MAX,
-                           D=d, FUSED=fused, DIV=0 if interpreting() else div_mode, num_warps=1)
+                           D=d, FUSED=fused, num_warps=1)
     return kmean, vscale, vrecp
 
 
 @torch.library.custom_op(f"{LIB}::sage2_reduce", mutates_args=())
 def sage2_reduce(k: torch.Tensor, v: torch.Tensor, k_weight: Optional[torch.Tensor],
                  rope_coef: Optional[torch.Tensor], eps: float, fused: bool,
-                 div_mode: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (k_mean [H, D] fp32, v_scale [1, H, D] fp32, v_recp [H, D] fp32)."""
-    return _reduce_impl(k, v, k_weight, rope_coef, eps, fused, div_mode)
+    return _reduce_impl(k, v, k_weight, rope_coef, eps, fused)
 
 
 @sage2_reduce.register_fake
-def _(k, v, k_weight, rope_coef, eps, fused, div_mode=0):
+def _(k, v, k_weight, rope_coef, eps, fused):
     _, _, h, d = k.shape
     return (k.new_empty(h, d, dtype=torch.float32), k.new_empty(1, h, d, dtype=torch.float32),
             k.new_empty(h, d, dtype=torch.float32))
@@ -416,23 +404,23 @@ def _(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate
             q.new_empty(h, d, lpad, dtype=torch.float8_e4m3fn))
 
 
-def quantize_operands(q, k, v, *, mode="exact", rope_table=None, q_weight=None, k_weight=None, eps=None,
-                      div_mode=None):
-    """Both passes. Returns a dict with the same keys as ``sage2_quant_ref.prepare_reference``.
-
-    Under torch.compile the custom ops are traced; in eager mode their implementations are called
-    directly (the dispatcher's per-call cost is a visible share of the work at short sequences).
-    """
+def quantize_operands(q, k, v, *, mode="exact", rope_table=None, q_weight=None, k_weight=None, eps=None):
+    """Both passes: a dict q_int8, q_scale, k_int8, k_scale, v_fp8, v_scale (the oracle's keys). Fused
+    modes apply the norm parameters given; ValueError for inputs the passes cannot take. Eager calls
+    skip the dispatcher (its cost shows at short sequences); torch.compile traces the custom ops."""
     fused, rotate = mode_flags(mode)
-    check_inputs(q, k, v, fused=fused, rope_table=rope_table, q_weight=q_weight, k_weight=k_weight, eps=eps)
+    problem = operand_problem(q, k, v)
+    if problem:
+        raise ValueError(f"sage2 preparation: {problem[1]}")
+    if fused:
+        _check_norm(q, rope_table, q_weight, k_weight, eps)
     eps = 0.0 if eps is None else float(eps)
-    div_mode = V_DIV_MODE if div_mode is None else div_mode
     coef = rope_coefficients(rope_table) if fused and rope_table is not None else None
     qw, kw = (q_weight, k_weight) if fused else (None, None)
     if torch.compiler.is_compiling():
         reduce, quantize = torch.ops.sage_strided_nhd.sage2_reduce, torch.ops.sage_strided_nhd.sage2_quantize
     else:
         reduce, quantize = _reduce_impl, _quantize_impl
-    kmean, vscale, vrecp = reduce(k, v, kw, coef, eps, fused, div_mode)
+    kmean, vscale, vrecp = reduce(k, v, kw, coef, eps, fused)
     qo, qs, ko, ks, vo = quantize(q, k, v, kmean, vrecp, qw, kw, coef, eps, fused, rotate)
     return {"q_int8": qo, "q_scale": qs, "k_int8": ko, "k_scale": ks, "v_fp8": vo, "v_scale": vscale}

@@ -1,15 +1,11 @@
-"""The contract every attention back-end follows.
-
-A back-end is one small module: it says whether it can run at all on this
-machine (``available``), whether it can take one particular call
-(``supports``), and runs it (``__call__``). The reasons are data, so the chain
-can report exactly why a back-end was skipped.
-"""
+"""The contract every attention back-end follows, and the optional prepared-path capability
+(docs/ARCHITECTURE.md). Capabilities are declared as class attributes; reasons are data."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -21,10 +17,35 @@ INT32_MAX_OFFSET = 2**31 - 1
 TENSOR_LAYOUTS = ("NHD", "HND")
 
 
+# Why a back-end (or its prepared path) did not take a call: a short code, the UI's short label.
+# Every Verdict/Skip carries one of these codes beside its full sentence; web/report_text.js keeps
+# the same table (tests/unit/test_web_extension.py checks that they agree).
+REASON_CODES = {
+    "not_installed": "not installed",
+    "wrong_version": "other version installed",
+    "no_cuda": "needs CUDA",
+    "gpu_arch": "no kernel for this GPU",
+    "gpu_unavailable": "unavailable on this GPU",
+    "dtype": "dtype unsupported",
+    "head_dim": "head_dim unsupported",
+    "mask": "no mask support",
+    "strides": "needs contiguous last dim",
+    "shape": "shape unsupported",
+    "layout": "layout unsupported",
+    "too_long": "sequence too long",
+    "raised": "raised an error",
+    "switched_off": "switched off",
+    "mode": "mode not offered",
+    "model_request": "model asked for stock attention",
+    "no_backend": "no back-end could run",
+}
+
+
 @dataclass(frozen=True)
 class Verdict:
     ok: bool
     reason: str = ""
+    code: str = ""
 
     def __bool__(self) -> bool:
         return self.ok
@@ -33,18 +54,49 @@ class Verdict:
 YES = Verdict(True)
 
 
-def no(reason: str) -> Verdict:
-    return Verdict(False, reason)
+def no(code: str, reason: str) -> Verdict:
+    if code not in REASON_CODES:
+        raise ValueError(f"unknown reason code {code!r}")
+    return Verdict(False, reason, code)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One call's operands in a back-end's own format; the q/k/v views and their buffer may be freed."""
+
+    backend: str
+    mode: str                         # the mode that ran (a fused mode runs unfused when nothing can be folded)
+    operands: dict                    # name -> tensor, the back-end's own layout
+    sm_scale: float
+    out_dtype: torch.dtype
+    seq: int
+    heads: int
+    head_dim: int
+    head_chunks: tuple = ((0, 0),)    # (first head, end head) per kernel launch
+    norm_folded: bool = False         # the pending Q/K normalisation ran inside the preparation
+
+
+class PreparedPath(Protocol):
+    """The optional prepared-path capability (declared by ``prepared_modes``)."""
+
+    prepared_modes: tuple[str, ...]
+
+    def prepared_verdict(self, q, k, v) -> "Verdict":
+        """Can ``prepare`` take these NHD views (no mask)? Checked after ``available``/``supports``."""
+
+    def prepare(self, q, k, v, *, mode: str, scale: float | None, norm) -> Prepared:
+        """The operands for ``attend``. ``norm`` is the ``QKNorm`` the call still owes Q and K (or None):
+        the back-end folds it into its preparation or applies it first (``norm.apply``)."""
+
+    def attend(self, prepared: Prepared) -> torch.Tensor:
+        """The kernel on prepared operands -> contiguous NHD [1, S, H, D]."""
 
 
 class AttentionBackend:
-    """Base class: subclasses set the class attributes and implement the hooks.
+    """Base class: subclasses declare the class attributes and implement the hooks.
 
-    ``max_element_offset`` is the largest element offset (from a tensor's own
-    data pointer, or within a buffer the kernel allocates) the kernel indexes
-    safely; ``None`` means 64-bit indexing. ``row_block`` is the row tile the
-    kernel rounds sequence lengths up to when it forms offsets.
-    """
+    ``max_element_offset``: the largest element offset it indexes safely (``None``: 64-bit);
+    ``row_block``: its row tile; ``prepared_modes`` non-empty: it implements :class:`PreparedPath`."""
 
     name: str = ""
     max_element_offset: int | None = None
@@ -54,6 +106,8 @@ class AttentionBackend:
     max_head_dim: int | None = None
     needs_cuda: bool = True
     takes_mask: bool = False
+    prepared_modes: tuple[str, ...] = ()
+    compile_events: tuple | list = ()
 
     @functools.cached_property
     def _availability(self) -> Verdict:
@@ -63,26 +117,26 @@ class AttentionBackend:
         """Can this back-end run on this machine at all? Checked once."""
         return self._availability
 
-    def _check_available(self) -> Verdict:  # pragma: no cover - overridden
+    def _check_available(self) -> Verdict:
         raise NotImplementedError
 
     def supports(self, q, k, v, *, layout: str, mask=None) -> Verdict:
         """Can it take this call? Shared rules first, then the back-end's own."""
         if self.needs_cuda and q.device.type != "cuda":
-            return no(f"needs a CUDA device, got {q.device.type}")
+            return no("no_cuda", f"needs a CUDA device, got {q.device.type}")
         if q.dtype not in self.dtypes:
-            return no(f"dtype {q.dtype} not in {[str(d) for d in self.dtypes]}")
+            return no("dtype", f"dtype {q.dtype} not in {[str(d) for d in self.dtypes]}")
         if not (q.dtype == k.dtype == v.dtype):
-            return no("q, k and v dtypes differ")
+            return no("dtype", "q, k and v dtypes differ")
         head_dim = q.shape[-1]
         if self.head_dims is not None and head_dim not in self.head_dims:
-            return no(f"head_dim {head_dim} not in {list(self.head_dims)}")
+            return no("head_dim", f"head_dim {head_dim} not in {list(self.head_dims)}")
         if self.max_head_dim is not None and head_dim > self.max_head_dim:
-            return no(f"head_dim {head_dim} > {self.max_head_dim}")
+            return no("head_dim", f"head_dim {head_dim} > {self.max_head_dim}")
         if mask is not None and not self.takes_mask:
-            return no("attention masks are not supported")
+            return no("mask", "attention masks are not supported")
         if any(t.stride(-1) != 1 for t in (q, k, v)):
-            return no("last dim of q, k, v must be contiguous")
+            return no("strides", "last dim of q, k, v must be contiguous")
         return self._supports(q, k, v, layout=layout, mask=mask)
 
     def _supports(self, q, k, v, *, layout: str, mask=None) -> Verdict:
@@ -94,6 +148,4 @@ class AttentionBackend:
 
 
 def cuda_capability() -> tuple[int, int] | None:
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability()
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None

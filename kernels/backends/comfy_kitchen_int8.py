@@ -1,10 +1,6 @@
-"""comfy-kitchen ``int8_attention`` (CUDA, rotated INT8 Q/K/V).
-
-It takes ``[B, H, S, D]`` with any strides, so NHD input goes in as transposed
-views, but it always returns a contiguous HND tensor: with the NHD layout one
-output copy remains (made by the dataflow when it forms the token-major view).
-It raises rather than wrap past int32 offsets; the chain chunks before that.
-"""
+"""comfy-kitchen ``int8_attention`` (CUDA, rotated INT8 Q/K/V): takes ``[B, H, S, D]`` views of any
+strides (NHD goes in transposed) but returns contiguous HND, so one output copy remains; it raises
+rather than wrap past int32 offsets (the chain chunks before that)."""
 
 from __future__ import annotations
 
@@ -24,17 +20,17 @@ class ComfyKitchenInt8Backend(AttentionBackend):
         try:
             import comfy_kitchen
         except Exception as exc:
-            return no(f"comfy_kitchen not importable ({type(exc).__name__}: {exc})")
+            return no("not_installed", f"comfy_kitchen not importable ({type(exc).__name__}: {exc})")
         if not hasattr(comfy_kitchen, "int8_attention"):
-            return no("this comfy_kitchen has no int8_attention")
+            return no("wrong_version", "this comfy_kitchen has no int8_attention")
         if not torch.cuda.is_available():
-            return no("no CUDA device")
+            return no("no_cuda", "no CUDA device")
         try:
             ok = comfy_kitchen.int8_attention_is_available()
         except Exception as exc:
-            return no(f"int8_attention_is_available failed ({exc})")
+            return no("gpu_unavailable", f"int8_attention_is_available failed ({exc})")
         if not ok:
-            return no("comfy_kitchen reports int8_attention unavailable on this GPU/build")
+            return no("gpu_unavailable", "comfy_kitchen reports int8_attention unavailable on this GPU/build")
         self._attn = comfy_kitchen.int8_attention
         return YES
 

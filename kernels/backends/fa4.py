@@ -1,36 +1,9 @@
-"""FlashAttention-4 (PyPI ``flash-attn-4``: ``flash_attn.cute``, CuTe DSL kernels compiled at first call).
+"""FlashAttention-4 (PyPI ``flash-attn-4``: ``flash_attn.cute``, CuTe DSL, compiled at first call).
 
-``flash_attn_func`` takes [B, S, H, D] tensors with any strides whose last dim is
-contiguous (its ``maybe_contiguous`` copies only when a pointer or a stride is not
-16-byte aligned, which the fused qkv views always are), so the pack's strided NHD
-views go in as they are and the output comes back as a fresh contiguous NHD tensor.
-HND input goes in as transposed views of the same kind.
-
-Arches: the interface dispatches on ``major*10 + minor`` // 10: 8.x -> the Sm80
-kernel (mma.sync + cp.async), 9.x -> Sm90 (wgmma + TMA), 10.x/11.x -> Sm100
-(tcgen05), 12.x -> Sm120 (Sm80 MMA with the small shared memory); anything else
-asserts. Head dims: multiples of 8, up to 256 on sm90, up to 128 or exactly 256 on
-sm100/110 (``_validate_head_dims``); the Sm80/Sm120 kernels have no check of their
-own and their shared memory is sized for <= 128, so this back-end offers them <= 128.
-
-Indexing: ``to_cute_tensor`` marks the layout dynamic with 64-bit strides
-(``from_dlpack(use_32bit_stride=False)``), and on sm90/sm100 Q, K, V and O move by
-TMA, whose descriptors take 64-bit addresses and byte strides < 2**40 with 32-bit
-coordinates per mode (a sequence length, not an offset). So no offset wraps at
-2**31: verified on an H200 (sm90) at 320,000 tokens of the fused buffer's views,
-offsets up to 6.9e9 elements (tests/gpu/test_fa4_gpu.py). On the arches we could not
-run, the back-end keeps the int32 rule (the chain splits heads into compact copies
-past 2**31), which costs copies but cannot be silently wrong.
-
-The first call of each kernel configuration JIT-compiles it (1.7 s for bf16 at
-head_dim 128 on an H200; importing ``flash_attn.cute`` takes another 6-7 s, once, in
-``available()``). The compile cache is keyed by dtype, head dims, tile sizes, arch and
-flags, not by sequence length or head count: measured, S = 37,810 compiled, then
-8,192, 37,900, 127, the HND layout, a new chain and the token-major call site did not
-(sm100 alone picks a second Q stage, so one more compile, for S <= 128). Every call
-that grew that cache is recorded in ``compile_events`` (``{"key", "seconds"}``) so a
-run report can say what compiled and for how long.
-"""
+It takes the strided NHD views as they are (HND as transposed views) and returns contiguous NHD.
+Indexing is 64-bit (verified on sm90 to 320,000 tokens; other arches keep the int32 rule). Each
+JIT compile (~1.7 s, keyed by dtype/head dims/arch, not S) lands in ``compile_events``; importing
+``flash_attn.cute`` takes 6-7 s, once, in ``available()``."""
 
 from __future__ import annotations
 
@@ -102,19 +75,19 @@ class Fa4Backend(AttentionBackend):
 
     def _check_available(self):
         if not _installed():
-            return no(f"flash-attn-4 not installed ({INSTALL_HINT})")
+            return no("not_installed", f"flash-attn-4 not installed ({INSTALL_HINT})")
         cap = cuda_capability()
         if cap is None:
-            return no("no CUDA device")
+            return no("no_cuda", "no CUDA device")
         if cap[0] not in SUPPORTED_MAJORS:
-            return no(f"no fa4 kernel for compute capability {cap[0]}.{cap[1]}")
+            return no("gpu_arch", f"no fa4 kernel for compute capability {cap[0]}.{cap[1]}")
         t0 = time.perf_counter()
         try:
             module = importlib.import_module(MODULE)
             func = module.flash_attn_func
         except Exception as exc:  # a broken cutlass-dsl runtime raises anything from ImportError to RuntimeError
             first_line = str(exc).splitlines()[0] if str(exc) else ""
-            return no(f"flash_attn.cute not importable ({type(exc).__name__}: {first_line})")
+            return no("not_installed", f"flash_attn.cute not importable ({type(exc).__name__}: {first_line})")
         self.import_seconds = time.perf_counter() - t0
         self._func = func
         self._caches = _compile_caches(module)
@@ -125,16 +98,16 @@ class Fa4Backend(AttentionBackend):
 
     def _supports(self, q, k, v, *, layout, mask=None):
         if layout not in ("NHD", "HND"):
-            return no(f"layout {layout!r} not supported")
+            return no("layout", f"layout {layout!r} not supported")
         head_dim = q.shape[-1]
         cap = self._cap or cuda_capability() or (9, 0)
         top, extra = head_dim_rule(cap)
         if not (head_dim % 8 == 0 and (8 <= head_dim <= top or head_dim in extra)):
             sizes = f"multiples of 8 up to {top}" + "".join(f" or {e}" for e in extra)
-            return no(f"head_dim {head_dim} not supported on compute capability {cap[0]}.{cap[1]} ({sizes})")
+            return no("head_dim", f"head_dim {head_dim} not supported on compute capability {cap[0]}.{cap[1]} ({sizes})")
         heads_dim = 2 if layout == "NHD" else 1
         if q.shape[heads_dim] % k.shape[heads_dim]:
-            return no(f"{q.shape[heads_dim]} query heads do not group over {k.shape[heads_dim]} key heads")
+            return no("shape", f"{q.shape[heads_dim]} query heads do not group over {k.shape[heads_dim]} key heads")
         return YES
 
     def __call__(self, q, k, v, *, layout, scale=None, mask=None):

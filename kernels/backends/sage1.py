@@ -1,11 +1,6 @@
-"""PyPI ``sageattention==1.0.6``: Triton kernels, head_dim 64/96/128.
-
-It subtracts the key mean from K **in place** (``smooth_k``). The result is
-unchanged (softmax is shift-invariant per query row), but it writes into K,
-which in the fused dataflow is a view of the qkv buffer: nothing reads K after
-the attention call, so that is safe there. Callers that keep K for something
-else must not use this back-end. It also casts V to fp16.
-"""
+"""PyPI ``sageattention==1.0.6``: Triton kernels, head_dim 64/96/128. It casts V to fp16 and subtracts
+the key mean from K **in place** (``smooth_k``; softmax is shift-invariant, so the result holds): in
+the fused dataflow K is a view of the qkv buffer that nothing reads afterwards."""
 
 from __future__ import annotations
 
@@ -27,13 +22,13 @@ class Sage1Backend(AttentionBackend):
     def _check_available(self):
         module, major = installed_sageattention()
         if module is None:
-            return no(major)
+            return no("not_installed", major)
         if major != 1:
-            return no("installed sageattention is 2.x (use the sage2 back-end)")
+            return no("wrong_version", "installed sageattention is 2.x (use the sage2 back-end)")
         if importlib.util.find_spec("triton") is None:
-            return no("triton is not installed")
+            return no("not_installed", "triton is not installed")
         if not torch.cuda.is_available():
-            return no("no CUDA device")
+            return no("no_cuda", "no CUDA device")
         self._sageattn = module.sageattn
         return YES
 

@@ -51,6 +51,15 @@ def reference_rows(qkv_normed, rows, heads):
     return torch.stack(out, 1)  # [rows, heads, D]
 
 
+def norm(table, qw, kw):
+    """A fresh QKNorm per call (one is applied at most once)."""
+    return kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
+
+
+def skipped(rec):
+    return [(s.backend, s.reason) for s in rec.skipped]
+
+
 def available_or_skip(name):
     verdict = BACKENDS[name].available()
     if not verdict:
@@ -62,13 +71,13 @@ def available_or_skip(name):
 def test_backend_layouts_agree_and_match_fp32(name, seq):
     available_or_skip(name)
     qkv, table, qw, kw = inputs(seq, seed=seq)
-    chain = kernels.BackendChain.for_choice(name, "cuda")
+    chain = kernels.BackendChain.for_choice(name)
     outs, recs = {}, {}
     for layout in ("strided_nhd", "hnd"):
         work = qkv.clone()
         out, rec = kernels.attention_from_fused_qkv(work, HEADS, HEAD_DIM, chain=chain, layout=layout,
-                                                    rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
-        assert rec.backend == name, rec.fallbacks
+                                                    norm=norm(table, qw, kw))
+        assert rec.backend == name, skipped(rec)
         outs[layout], recs[layout] = out, rec
     normed = qkv.clone()
     q, k, _ = kernels.split_fused_qkv(normed, HEADS, HEAD_DIM)
@@ -81,7 +90,8 @@ def test_backend_layouts_agree_and_match_fp32(name, seq):
     row = {"backend": name, "seq": seq, "nhd_vs_hnd_max_abs": diff.max().item(),
            "nhd_vs_hnd_mean_abs": diff.mean().item(), "chunks": recs["strided_nhd"].head_chunks,
            "compacted": recs["strided_nhd"].compacted,
-           "nhd_copies": recs["strided_nhd"].copies, "hnd_copies": recs["hnd"].copies}
+           "nhd_copies": recs["strided_nhd"].copies, "hnd_copies": recs["hnd"].copies,
+           "nhd_prepared": recs["strided_nhd"].prepared}
     for layout, out in outs.items():
         got = out.view(seq, HEADS, HEAD_DIM)[rows][:, heads].float()
         rel = ((got - ref).norm() / ref.norm()).item()
@@ -94,8 +104,8 @@ def test_backend_layouts_agree_and_match_fp32(name, seq):
     assert torch.equal(outs["strided_nhd"], outs["hnd"]), f"max abs difference {row['nhd_vs_hnd_max_abs']}"
     needs_chunks = not fits(kernels.split_fused_qkv(qkv, HEADS, HEAD_DIM), 1, 128, 2**31 - 1)
     if BACKENDS[name].max_element_offset is not None:
-        if recs["strided_nhd"].fast_path:
-            # the sage2 fast path writes its own compact head-major operands: nothing to compact
+        if recs["strided_nhd"].prepared:
+            # the sage2 prepared path writes its own compact head-major operands: nothing to compact
             assert not recs["strided_nhd"].compacted
         else:
             assert recs["strided_nhd"].compacted == needs_chunks
@@ -104,21 +114,21 @@ def test_backend_layouts_agree_and_match_fp32(name, seq):
 @pytest.mark.parametrize("name", ["sage2", "comfy_kitchen_int8", "sage1"])
 def test_forced_head_chunking_gives_the_same_bits(name, monkeypatch):
     available_or_skip(name)
-    # the chain's int32 head chunking of the plain call (the sage2 fast path chunks by itself:
-    # tests/gpu/test_sage2_fast.py)
-    monkeypatch.setattr(BACKENDS[name], "fast_path_enabled", False, raising=False)
+    # the chain's int32 head chunking of the plain call (the sage2 prepared path chunks by itself:
+    # tests/gpu/test_sage2_fast.py), so the chain runs with every prepared path switched off
     seq = 8192
     qkv, table, qw, kw = inputs(seq, seed=7)
-    chain = kernels.BackendChain.for_choice(name, "cuda")
+    chain = kernels.BackendChain.for_choice(name, prepared=False)
 
     def run():
         work = qkv.clone()
-        return kernels.attention_from_fused_qkv(work, HEADS, HEAD_DIM, chain=chain, rope_table=table,
-                                                q_weight=qw, k_weight=kw, eps=1e-5)
+        return kernels.attention_from_fused_qkv(work, HEADS, HEAD_DIM, chain=chain, norm=norm(table, qw, kw))
 
     direct, rec_direct = run()
     monkeypatch.setattr(BACKENDS[name], "max_element_offset", seq * 8 * HEAD_DIM + 10**6)
     chunked, rec_chunked = run()
+    assert rec_direct.backend == rec_chunked.backend == name, (skipped(rec_direct), skipped(rec_chunked))
+    assert rec_direct.prepared == rec_chunked.prepared == ""
     assert rec_direct.head_chunks == 1 and rec_chunked.head_chunks > 1
     diff = (direct.float() - chunked.float()).abs().max().item()
     log_result({"backend": name, "check": "forced_chunking", "seq": seq, "chunks": rec_chunked.head_chunks,

@@ -1,10 +1,12 @@
-"""GPU checks of the sage2 sm90 fast path (H100/H200 with SageAttention 2 built; skipped elsewhere).
+"""GPU checks of the sage2 sm90 prepared path (H100/H200 with SageAttention 2 built; skipped elsewhere).
 
 * the pack's operands equal SageAttention's own (per-thread int8 Q/K, per-channel fp8 V) bit for bit;
 * exact mode: attend(prepare(q, k, v)) equals ``sageattn(q, k, v, tensor_layout="NHD")`` bit for
   bit at S = 127, 8,192 and 37,810 (56 heads, strided NHD views of one fused qkv buffer);
-* rotated mode's operands equal the torch reference's but for the division's rare last step;
-* fused and rotated modes: errors against fp32 attention, printed next to exact mode's;
+* rotated mode's operands equal the torch reference's (devkit/sage2_oracle.py) but for the division's
+  rare last step;
+* fused and rotated modes: errors against fp32 attention, printed next to exact mode's (the fused modes
+  fold a QKNorm into the passes);
 * 120,000 / 210,000 / 320,000 tokens: head and tail rows match fp32 attention (no gray tail);
 * torch.compile(fullgraph=True) traces the custom ops.
 
@@ -20,8 +22,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from devkit import sage2_oracle
 from devkit.inputs import fused_attention_inputs
-from comfyui_sage_strided_nhd.kernels import sage2_quant, sage2_quant_ref
+from comfyui_sage_strided_nhd import kernels
+from comfyui_sage_strided_nhd.kernels import sage2_quant
 from comfyui_sage_strided_nhd.kernels.backends import BACKENDS
 
 
@@ -30,8 +34,11 @@ def _skip_reason():
         return "needs a CUDA GPU"
     if torch.cuda.get_device_capability() != (9, 0):
         return f"needs sm90 (H100/H200), got {torch.cuda.get_device_capability()}"
+    available = BACKENDS["sage2"].available()
+    if not available:
+        return available.reason
     q = torch.empty(1, 128, 1, 128, dtype=torch.bfloat16, device="cuda")
-    verdict = BACKENDS["sage2"].fast_path_verdict(q, q, q, layout="NHD")
+    verdict = BACKENDS["sage2"].prepared_verdict(q, q, q)
     return None if verdict else verdict.reason
 
 
@@ -98,10 +105,9 @@ def test_operands_equal_sageattention_own(seq):
     qkv, *_ = fused_buffer(seq, 1)
     q, k, v = views(qkv)
     exp = sage_reference_operands(q, k, v)
-    results = {mode: mismatches(sage2_quant.quantize_operands(q, k, v, div_mode=mode), exp) for mode in (0, 1, 2)}
-    log_result({"check": "operands_vs_sageattention", "seq": seq, "mismatches_by_v_div_mode": results,
-                "default_v_div_mode": sage2_quant.V_DIV_MODE})
-    assert all(n == 0 for n in results[sage2_quant.V_DIV_MODE].values()), results
+    results = mismatches(sage2_quant.quantize_operands(q, k, v), exp)
+    log_result({"check": "operands_vs_sageattention", "seq": seq, "mismatches": results})
+    assert all(n == 0 for n in results.values()), results
 
 
 @pytest.mark.parametrize("seq", [127, 8192, 37810])
@@ -109,7 +115,7 @@ def test_exact_mode_bit_identical_to_sageattn(seq):
     from sageattention import sageattn
     qkv, *_ = fused_buffer(seq, 2)
     q, k, v = views(qkv)
-    assert B.fast_path_verdict(q, k, v, layout="NHD")
+    assert B.prepared_verdict(q, k, v)
     ref = sageattn(q, k, v, tensor_layout="NHD")
     out = B.attend(B.prepare(q, k, v, mode="exact"))
     assert out.is_contiguous() and out.shape == (1, seq, HEADS, D)
@@ -131,7 +137,7 @@ def test_rotated_operands_match_the_reference_on_the_gpu():
     row = {"check": "rotated_operands_vs_reference", "seq": seq, "heads": heads}
     for mode in ("exact", "rotated"):
         got = sage2_quant.quantize_operands(q, k, v, mode=mode)
-        exp = sage2_quant_ref.prepare_reference(q, k, v, mode=mode)
+        exp = sage2_oracle.prepare_reference(q, k, v, mode=mode)
         row[mode] = {"mismatches": mismatches(got, exp),
                      "int8_max_step": max(int((got[n].int() - exp[n].int()).abs().max()) for n in ("q_int8", "k_int8")),
                      "scale_max_rel": max(((got[n] - exp[n]).abs() / exp[n]).max().item() for n in ("q_scale", "k_scale"))}
@@ -149,16 +155,21 @@ def test_fused_and_rotated_modes_error():
     qkv, table, qw, kw = fused_buffer(seq, 3)
     raw = qkv.clone()
     q, k, v = views(qkv)
-    sage2_quant_ref.norm_rope_eager_(q, k, table, qw, kw, EPS)  # exact mode's inputs: normed in place
+    sage2_oracle.norm_rope_eager_(q, k, table, qw, kw, EPS)  # exact mode's inputs: normed in place
     rows = torch.cat([torch.arange(256), torch.arange(seq - 256, seq)]).cuda()
     heads = [0, 17, 55]
     ref = fp32_rows(q, k, v, rows, heads)
     exact = B.attend(B.prepare(q, k, v, mode="exact"))
     rotated = B.attend(B.prepare(q, k, v, mode="rotated"))
     rq, rk, rv = views(raw)
-    fused = B.attend(B.prepare(rq, rk, rv, mode="fused", rope_table=table, q_weight=qw, k_weight=kw, eps=EPS))
-    fused_rot = B.attend(B.prepare(rq, rk, rv, mode="fused_rotated", rope_table=table, q_weight=qw,
-                                   k_weight=kw, eps=EPS))
+    prepared = {}
+    for mode in ("fused", "fused_rotated"):
+        norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=EPS)  # one per call
+        prepared[mode] = B.prepare(rq, rk, rv, mode=mode, norm=norm)
+        assert prepared[mode].mode == mode and prepared[mode].norm_folded, (mode, prepared[mode].mode)
+        assert norm.applied  # folded: marked as applied, so nothing applies it again
+    fused = B.attend(prepared["fused"])
+    fused_rot = B.attend(prepared["fused_rotated"])
     sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     sel = lambda o: o[0, rows][:, heads]  # noqa: E731
     row = {"check": "mode_errors", "seq": seq,
@@ -178,7 +189,7 @@ def test_fused_and_rotated_modes_error():
 def test_long_sequences_head_and_tail_rows(seq):
     qkv, *_ = fused_buffer(seq, 4)
     q, k, v = views(qkv)
-    assert B.fast_path_verdict(q, k, v, layout="NHD")
+    assert B.prepared_verdict(q, k, v)
     p = B.prepare(q, k, v, mode="exact")
     out = B.attend(p)
     rows = torch.cat([torch.arange(64), torch.arange(seq - 64, seq)]).cuda()

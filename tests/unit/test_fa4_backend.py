@@ -16,9 +16,12 @@ import pytest
 import torch
 
 from comfyui_sage_strided_nhd import kernels
+from comfyui_sage_strided_nhd.kernels import chain as chain_module
 from comfyui_sage_strided_nhd.kernels.backends import AUTO_ORDER, BACKENDS, INT32_MAX_OFFSET, fa4
 from comfyui_sage_strided_nhd.kernels.backends.fa4 import Fa4Backend
 from comfyui_sage_strided_nhd.kernels.backends.sdpa import SdpaBackend
+from comfyui_sage_strided_nhd.kernels.chain import Skip
+from devkit.backends import describe_backends
 
 
 def fused_views(gen, s=40, h=4, d=64, dtype=torch.bfloat16):
@@ -92,11 +95,13 @@ def test_absent_module_says_how_to_install_it(absent, monkeypatch):
     verdict = Fa4Backend().available()
     assert not verdict
     assert verdict.reason == "flash-attn-4 not installed (pip install flash-attn-4)"
+    assert verdict.code == "not_installed"
 
 
 def test_installed_without_cuda_is_unavailable(fake, monkeypatch):
     with_gpu(monkeypatch, None)
-    assert Fa4Backend().available().reason == "no CUDA device"
+    verdict = Fa4Backend().available()
+    assert verdict.reason == "no CUDA device" and verdict.code == "no_cuda"
 
 
 @pytest.mark.parametrize("capability", [(7, 5), (6, 1), (13, 0)])
@@ -105,6 +110,7 @@ def test_arches_without_an_fa4_kernel(capability, fake, monkeypatch):
     verdict = Fa4Backend().available()
     assert not verdict
     assert verdict.reason == f"no fa4 kernel for compute capability {capability[0]}.{capability[1]}"
+    assert verdict.code == "gpu_arch"
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1)])
@@ -128,13 +134,15 @@ def test_a_module_that_raises_on_import_is_a_one_line_reason(monkeypatch):
     verdict = Fa4Backend().available()
     assert verdict.reason == (
         "flash_attn.cute not importable (RuntimeError: No CTK flavor installed: expected _cutlass_ir.cu13)")
+    assert verdict.code == "not_installed"
 
 
 def test_cpu_tensors_are_not_taken(fake, monkeypatch, gen):
     with_gpu(monkeypatch, (9, 0))
     b = Fa4Backend()
     q, k, v = fused_views(gen)
-    assert b.supports(q, k, v, layout="NHD").reason == "needs a CUDA device, got cpu"
+    verdict = b.supports(q, k, v, layout="NHD")
+    assert verdict.reason == "needs a CUDA device, got cpu" and verdict.code == "no_cuda"
 
 
 def supports_on_gpu(b, q, k, v, monkeypatch, layout="NHD", mask=None):
@@ -148,13 +156,16 @@ def test_unsupported_dtype_head_dim_and_mask(fake, monkeypatch, gen):
     b = Fa4Backend()
     assert b.available()
     q, k, v = fused_views(gen, dtype=torch.float32)
-    assert "dtype torch.float32 not in" in supports_on_gpu(b, q, k, v, monkeypatch).reason
+    verdict = supports_on_gpu(b, q, k, v, monkeypatch)
+    assert "dtype torch.float32 not in" in verdict.reason and verdict.code == "dtype"
     q, k, v = fused_views(gen, d=68)
-    assert supports_on_gpu(b, q, k, v, monkeypatch).reason == (
-        "head_dim 68 not supported on compute capability 9.0 (multiples of 8 up to 256)")
+    verdict = supports_on_gpu(b, q, k, v, monkeypatch)
+    assert verdict.reason == "head_dim 68 not supported on compute capability 9.0 (multiples of 8 up to 256)"
+    assert verdict.code == "head_dim"
     q, k, v = fused_views(gen, d=64)
     mask = torch.zeros(1, 1, 40, 40, dtype=torch.bool)
-    assert supports_on_gpu(b, q, k, v, monkeypatch, mask=mask).reason == "attention masks are not supported"
+    verdict = supports_on_gpu(b, q, k, v, monkeypatch, mask=mask)
+    assert verdict.reason == "attention masks are not supported" and verdict.code == "mask"
     assert supports_on_gpu(b, q, k, v, monkeypatch)
     assert supports_on_gpu(b, *(t.transpose(1, 2) for t in (q, k, v)), monkeypatch, layout="HND")
 
@@ -176,18 +187,21 @@ def test_grouped_heads_must_divide(fake, monkeypatch, gen):
     b.available()
     q = torch.randn(1, 8, 6, 64, dtype=torch.bfloat16)
     kv = torch.randn(1, 8, 4, 64, dtype=torch.bfloat16)
-    assert supports_on_gpu(b, q, kv, kv, monkeypatch).reason == "6 query heads do not group over 4 key heads"
+    verdict = supports_on_gpu(b, q, kv, kv, monkeypatch)
+    assert verdict.reason == "6 query heads do not group over 4 key heads" and verdict.code == "shape"
 
 
 def test_chain_for_fa4_on_cpu_falls_back_to_sdpa_and_records_why(absent, monkeypatch, gen, caplog):
     monkeypatch.setitem(BACKENDS, "fa4", Fa4Backend())
+    monkeypatch.setattr(chain_module, "_logged", set())  # each distinct skip is logged once per process
     q, k, v = fused_views(gen, dtype=torch.float32)
-    chain = kernels.BackendChain.for_choice("fa4", "cpu")
+    chain = kernels.BackendChain.for_choice("fa4")
     assert [b.name for b in chain.backends][:2] == ["fa4", "sage2"]
     with caplog.at_level(logging.WARNING, logger="sage_strided_nhd"):
         out, rec = chain.run(q, k, v, layout="NHD")
     assert rec.requested == "fa4" and rec.backend == "sdpa"
-    assert rec.fallbacks[0] == ("fa4", "flash-attn-4 not installed (pip install flash-attn-4)")
+    assert rec.skipped[0] == Skip("fa4", "not_installed", "flash-attn-4 not installed (pip install flash-attn-4)",
+                                  "unavailable")
     assert any("fa4 skipped (flash-attn-4 not installed" in r.getMessage() for r in caplog.records)
     assert torch.equal(out, SdpaBackend()(q, k, v, layout="NHD"))
 
@@ -197,14 +211,25 @@ def test_installed_fa4_on_a_cpu_machine_falls_back_with_the_device_reason(fake, 
     monkeypatch.setitem(BACKENDS, "fa4", Fa4Backend())
     q, k, v = fused_views(gen, dtype=torch.float32)
     out, rec = kernels.BackendChain.for_choice("fa4").run(q, k, v, layout="NHD")
-    assert rec.backend == "sdpa" and rec.fallbacks[0] == ("fa4", "no CUDA device")
+    assert rec.backend == "sdpa" and rec.skipped[0] == Skip("fa4", "no_cuda", "no CUDA device", "unavailable")
 
 
 def test_describe_backends_lists_fa4_with_its_reason(absent, monkeypatch):
     monkeypatch.setitem(BACKENDS, "fa4", Fa4Backend())
-    rows = {r["name"]: r for r in kernels.describe_backends("cpu")}
-    assert rows["fa4"] == {"name": "fa4", "available": False,
+    rows = {r["name"]: r for r in describe_backends("cpu")}
+    assert list(rows) == list(AUTO_ORDER)
+    assert rows["fa4"] == {"name": "fa4", "available": False, "code": "not_installed",
                            "reason": "flash-attn-4 not installed (pip install flash-attn-4)"}
+    assert rows["sdpa"] == {"name": "sdpa", "available": True, "code": "", "reason": ""}
+
+
+def test_describe_backends_gives_an_available_fa4_the_device_reason(fake, monkeypatch):
+    with_gpu(monkeypatch, (9, 0))
+    monkeypatch.setitem(BACKENDS, "fa4", Fa4Backend())
+    assert {r["name"]: r for r in describe_backends()}["fa4"] == {
+        "name": "fa4", "available": True, "code": "", "reason": ""}
+    assert {r["name"]: r for r in describe_backends("cpu")}["fa4"] == {
+        "name": "fa4", "available": False, "code": "no_cuda", "reason": "needs a CUDA device, got cpu"}
 
 
 def test_calls_pass_the_strided_views_as_they_are_and_record_compiles_once(fake, monkeypatch, gen):
@@ -259,11 +284,13 @@ def test_the_chain_runs_fa4_through_the_dataflow(fake, monkeypatch, gen):
     monkeypatch.setitem(BACKENDS, "fa4", b)
     qkv = torch.randn(40, 3 * 4 * 64, generator=gen).to(torch.bfloat16)
     chain = kernels.BackendChain.for_choice("fa4")
-    norm = lambda x: x  # noqa: E731
+    identity = lambda x: x  # noqa: E731
     outs = {}
     for layout in ("strided_nhd", "hnd"):
+        norm = kernels.QKNorm(q_norm=identity, k_norm=identity)  # one per call: applied at most once
         outs[layout], rec = kernels.attention_from_fused_qkv(qkv.clone(), 4, 64, chain=chain, layout=layout,
-                                                             q_norm=norm, k_norm=norm)
-        assert rec.backend == "fa4" and rec.fallbacks == ()
+                                                             norm=norm)
+        assert rec.backend == "fa4" and rec.skipped == () and norm.applied
+        assert rec.prepared == "" and rec.prepared_skipped is None  # fa4 has no prepared path
     assert rec.copies == 3  # the HND baseline's three input copies; fa4's output is already token-major
     assert torch.equal(outs["strided_nhd"], outs["hnd"])

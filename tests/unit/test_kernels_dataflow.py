@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from comfyui_sage_strided_nhd import kernels
+from comfyui_sage_strided_nhd.kernels.backends.base import YES, AttentionBackend, Prepared
+from comfyui_sage_strided_nhd.kernels.backends.sdpa import SdpaBackend
 from devkit.rope import make_rope_table
 
 
@@ -17,10 +22,15 @@ def fused_inputs(seq, heads, head_dim, rot_dim, gen, dtype=torch.bfloat16):
     return qkv, table, qw, kw
 
 
-def run(qkv, heads, head_dim, layout, table=None, qw=None, kw=None, **kw_args):
-    chain = kernels.BackendChain.for_choice("sdpa", "cpu")
-    return kernels.attention_from_fused_qkv(qkv, heads, head_dim, chain=chain, layout=layout, rope_table=table,
-                                            q_weight=qw, k_weight=kw, eps=1e-5, **kw_args)
+def run(qkv, heads, head_dim, layout, table=None, qw=None, kw=None, *, q_norm=None, k_norm=None, inplace=True,
+        **kw_args):
+    """One call on the sdpa chain with a fresh QKNorm (one is applied at most once)."""
+    chain = kernels.BackendChain.for_choice("sdpa")
+    if table is not None:
+        norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5, inplace=inplace)
+    else:
+        norm = kernels.QKNorm(q_norm=q_norm, k_norm=k_norm)
+    return kernels.attention_from_fused_qkv(qkv, heads, head_dim, chain=chain, layout=layout, norm=norm, **kw_args)
 
 
 @pytest.mark.parametrize("seq,heads,head_dim,rot_dim", [(1, 2, 32, 16), (37, 4, 64, 48), (130, 3, 128, 96)])
@@ -74,18 +84,18 @@ def test_norm_rope_writes_into_the_fused_buffer_in_place(gen):
 def test_strided_nhd_output_is_a_view_of_the_kernel_output(gen, monkeypatch):
     heads, head_dim, seq = 4, 32, 33
     qkv, table, qw, kw = fused_inputs(seq, heads, head_dim, 16, gen)
-    chain = kernels.BackendChain.for_choice("sdpa", "cpu")
+    chain = kernels.BackendChain.for_choice("sdpa")
     seen = {}
-    original = chain.run
+    original = chain.run_handed
 
     def spy(*args, **kwargs):
         out, rec = original(*args, **kwargs)
         seen["out"] = out
         return out, rec
 
-    monkeypatch.setattr(chain, "run", spy)
-    flat, rec = kernels.attention_from_fused_qkv(qkv, heads, head_dim, chain=chain, rope_table=table,
-                                                 q_weight=qw, k_weight=kw, eps=1e-5)
+    monkeypatch.setattr(chain, "run_handed", spy)
+    flat, rec = kernels.attention_from_fused_qkv(
+        qkv, heads, head_dim, chain=chain, norm=kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5))
     assert seen["out"].is_contiguous(), "sdpa on NHD views should hand back token-major memory"
     assert flat.data_ptr() == seen["out"].data_ptr()
     assert flat.untyped_storage().data_ptr() == seen["out"].untyped_storage().data_ptr()
@@ -99,15 +109,28 @@ def test_hnd_baseline_counts_its_layout_copies(gen):
 
 
 def test_token_major_attention_views_and_matches_reference(gen):
+    """Token-major [B, S, H*D] q/k/v as [B, S, H, D] views through attention_nhd, back through token_major."""
     b, s, heads, d = 2, 20, 4, 16
     q, k, v = (torch.randn(b, s, heads * d, generator=gen) for _ in range(3))
-    chain = kernels.BackendChain.for_choice("auto", "cpu")
-    out, rec = kernels.attention_token_major(q, k, v, heads, chain=chain)
+    chain = kernels.BackendChain.for_choice("auto")
+    qn, kn, vn = (t.view(b, s, heads, d) for t in (q, k, v))
+    out, rec = kernels.attention_nhd(qn, kn, vn, chain=chain)
+    flat, copies = kernels.token_major(out)
     ref = torch.nn.functional.scaled_dot_product_attention(
         *(t.view(b, s, heads, d).transpose(1, 2) for t in (q, k, v))).transpose(1, 2).reshape(b, s, heads * d)
-    assert out.shape == (b, s, heads * d)
-    assert torch.equal(out, ref)
-    assert rec.backend == "sdpa"
+    assert flat.view(b, s, heads * d).shape == (b, s, heads * d)
+    assert torch.equal(flat.view(b, s, heads * d), ref)
+    assert rec.backend == "sdpa" and rec.layout == "strided_nhd"
+    assert copies == 0 and flat.data_ptr() == out.data_ptr(), "sdpa's NHD output is token-major already"
+
+
+def test_token_major_copies_only_what_is_not_token_major(gen):
+    out = torch.randn(2, 4, 5, 3, generator=gen)
+    flat, copies = kernels.token_major(out)
+    assert copies == 0 and flat.shape == (8, 15) and flat.data_ptr() == out.data_ptr()
+    head_major = torch.randn(2, 5, 4, 3, generator=gen).transpose(1, 2)  # [B, S, H, D] view of [B, H, S, D]
+    flat, copies = kernels.token_major(head_major)
+    assert copies == 1 and flat.is_contiguous() and torch.equal(flat, head_major.reshape(8, 15))
 
 
 def test_training_mode_rope_leaves_the_fused_buffer_alone(gen):
@@ -118,3 +141,78 @@ def test_training_mode_rope_leaves_the_fused_buffer_alone(gen):
     assert torch.equal(qkv, before)
     out_inference, _ = run(qkv.clone(), heads, head_dim, "strided_nhd", table, qw, kw)
     assert torch.equal(out_training, out_inference)
+
+
+class FakePrepared(AttentionBackend):
+    """A CPU back-end with a prepared path: ``prepare`` folds a foldable norm in ``fused`` mode (out of
+    place) or applies it, and stashes copies; ``attend`` runs SDPA on them and calls ``on_attend``."""
+
+    name = "fake_prepared"
+    needs_cuda = False
+    prepared_modes = ("exact", "fused")
+
+    def __init__(self, on_attend=None):
+        self.modes, self.calls, self.on_attend = [], 0, on_attend
+
+    def _check_available(self):
+        return YES
+
+    def prepared_verdict(self, q, k, v):
+        return YES
+
+    def prepare(self, q, k, v, *, mode, scale, norm):
+        self.modes.append(mode)
+        if mode == "fused" and norm.foldable:
+            q, k = kernels.norm_rope(q, k, norm.rope_table, norm.q_weight, norm.k_weight, norm.eps, inplace=False)
+            norm.mark_folded()
+        else:
+            q, k = norm.apply(q, k)
+            mode = "exact"
+        _, s, h, d = q.shape
+        return Prepared(self.name, mode, {"q": q.clone(), "k": k.clone(), "v": v.clone()}, 0.25, q.dtype, s, h, d,
+                        norm_folded=mode == "fused")
+
+    def attend(self, prepared):
+        if self.on_attend:
+            self.on_attend()
+        p = prepared.operands
+        return SdpaBackend()(p["q"], p["k"], p["v"], layout="NHD", scale=prepared.sm_scale).contiguous()
+
+    def __call__(self, q, k, v, *, layout, scale=None, mask=None):
+        self.calls += 1
+        return SdpaBackend()(q, k, v, layout=layout, scale=scale)
+
+
+@pytest.mark.parametrize("layout,inplace,asked", [("strided_nhd", True, ["fused"]), ("hnd", True, []),
+                                                  ("strided_nhd", False, [])])
+def test_the_prepared_path_is_asked_for_on_strided_nhd_with_an_in_place_norm_only(layout, inplace, asked, gen):
+    heads, head_dim = 2, 32
+    qkv, table, qw, kw = fused_inputs(24, heads, head_dim, 16, gen, torch.float32)
+    expect, _ = run(qkv.clone(), heads, head_dim, "strided_nhd", table, qw, kw, scale=0.25)
+    fake = FakePrepared()
+    norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5, inplace=inplace)
+    out, rec = kernels.attention_from_fused_qkv(qkv, heads, head_dim, chain=kernels.BackendChain("x", [fake]),
+                                                norm=norm, layout=layout, scale=0.25, prepared_mode="fused")
+    assert fake.modes == asked
+    assert rec.prepared == ("fused" if asked else "") and rec.layout == layout
+    assert fake.calls == (0 if asked else 1)
+    assert norm.applied
+    assert torch.equal(out, expect)  # folded out of place or applied in place: the same bits
+
+
+def test_a_handed_buffer_is_freed_before_the_prepared_kernel_runs(gen):
+    heads, head_dim = 2, 32
+    qkv = torch.randn(24, 3 * heads * head_dim, generator=gen)
+    expect, _ = run(qkv.clone(), heads, head_dim, "strided_nhd", q_norm=lambda x: x, k_norm=lambda x: x,
+                    scale=0.25)
+    buffer = weakref.ref(qkv)
+    alive_at_attend = []
+    fake = FakePrepared(on_attend=lambda: (gc.collect(), alive_at_attend.append(buffer() is not None)))
+    handed = [qkv]
+    del qkv
+    out, rec = kernels.attention_from_fused_qkv(handed, heads, head_dim, chain=kernels.BackendChain("x", [fake]),
+                                                norm=kernels.QKNorm(q_norm=lambda x: x, k_norm=lambda x: x),
+                                                scale=0.25, prepared_mode="exact")
+    assert handed == [] and rec.prepared == "exact"
+    assert alive_at_attend == [False], "the handed qkv buffer must be freed before the prepared kernel runs"
+    assert torch.equal(out, expect)

@@ -3,6 +3,7 @@ extension and the workflows, and one node."""
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import json
 import re
@@ -14,9 +15,12 @@ SHIPPED_TOP_LEVEL = {"__init__.py", "nodes", "kernels", "web", "workflows", "pyp
                      "README.md", "LICENSE", "node_list.json"}
 
 
-def tracked_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return [line for line in out.splitlines() if line]
+def repo_files() -> list[str]:
+    """Tracked files plus new ones git does not ignore (a directory walk sees those too, so a
+    restructure's new modules are checked before their commit); files gone from the work tree are left out."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return sorted({line for line in out.splitlines() if line and (ROOT / line).is_file()})
 
 
 def ignore_patterns() -> list[str]:
@@ -34,9 +38,13 @@ def ignored(path: str, patterns: list[str]) -> bool:
     return False
 
 
-def test_published_archive_holds_only_the_runtime_web_and_workflows():
+def shipped_files(files=None) -> list[str]:
     patterns = ignore_patterns()
-    shipped = [f for f in tracked_files() if not ignored(f, patterns)]
+    return [f for f in (repo_files() if files is None else files) if not ignored(f, patterns)]
+
+
+def test_published_archive_holds_only_the_runtime_web_and_workflows():
+    shipped = shipped_files()
     tops = {f.split("/", 1)[0] for f in shipped}
     assert tops <= SHIPPED_TOP_LEVEL, f"would ship: {sorted(tops - SHIPPED_TOP_LEVEL)}"
     assert {"__init__.py", "nodes", "kernels", "web", "workflows"} <= tops
@@ -49,10 +57,46 @@ MAPPING_PATTERNS = [r"_CLASS_MAPPINGS\s*=\s*{", r"^[^=]*_CLASS_MAPPINGS\[[\"']",
 
 def test_a_manager_scan_credits_the_pack_with_its_one_node():
     hits = []
-    for f in tracked_files():
+    for f in repo_files():
         if f.endswith(".py"):
             text = (ROOT / f).read_text(encoding="utf-8")
             hits += [f for p in MAPPING_PATTERNS if re.search(p, text, re.MULTILINE)]
     assert hits == [], f"a scan would credit the pack with node mappings in {sorted(set(hits))}"
     listed = json.loads((ROOT / "node_list.json").read_text())
     assert list(listed) == ["SageStridedNHDAttention"]
+
+
+def imported_top_levels(path: str) -> set[str]:
+    """The repository-level names a module imports: absolute imports by their first component, relative
+    ones resolved against the module's package (``from .. import x`` in kernels/backends/ -> kernels)."""
+    package = path.split("/")[:-1]
+    names = set()
+    for node in ast.walk(ast.parse((ROOT / path).read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                names.add(node.module.split(".")[0])
+                continue
+            base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
+            target = base + (node.module.split(".") if node.module else [])
+            names |= {target[0]} if target else {alias.name.split(".")[0] for alias in node.names}
+    return names
+
+
+def test_the_shipped_runtime_imports_nothing_that_is_left_out():
+    """The oracle, the benchmarks' helpers and the tests stay out of the archive, so no shipped module may
+    import them (the sage2 oracle moved from kernels/ to devkit/ for this reason)."""
+    files = repo_files()
+    shipped = shipped_files(files)
+    left_out = {f.split("/", 1)[0] for f in files if "/" in f} - {f.split("/", 1)[0] for f in shipped}
+    assert {"devkit", "tests", "benchmarks"} <= left_out
+    offenders = {f: sorted(imported_top_levels(f) & left_out) for f in shipped if f.endswith(".py")}
+    offenders = {f: names for f, names in offenders.items() if names}
+    assert offenders == {}, f"shipped modules importing what is not shipped: {offenders}"
+    assert "devkit/sage2_oracle.py" in files and not any(f.endswith("sage2_quant_ref.py") for f in shipped)
+
+
+def test_imported_top_levels_resolves_relative_imports():
+    assert imported_top_levels("kernels/backends/sage2.py") >= {"kernels", "torch"}
+    assert "devkit" in imported_top_levels("devkit/sage2_oracle.py")

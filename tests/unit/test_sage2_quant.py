@@ -1,16 +1,18 @@
-"""The sage2 fast path's operand preparation on CPU.
+"""The sage2 prepared path's operand preparation on CPU.
 
 The Triton kernels run under ``TRITON_INTERPRET=1`` in a subprocess (the flag must be set before
 the kernels are decorated, and other tests in this process must keep compiled Triton), on small
-shapes, and must equal the pure-PyTorch reference (kernels/sage2_quant_ref.py) bit for bit in
-every mode. The rest runs here: the rotation is an orthogonal Hadamard matrix, bad inputs give
-clear errors, the back-end says why the fast path is off.
+shapes, and must equal the pure-PyTorch oracle (devkit/sage2_oracle.py) bit for bit in every
+mode, directly and through ``Sage2Backend.prepare``. The rest runs here: the rotation is an
+orthogonal Hadamard matrix, bad inputs give clear errors with a reason code, the back-end says
+why the prepared path is off and which mode its preparation runs.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,8 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from comfyui_sage_strided_nhd.kernels import sage2_quant, sage2_quant_ref as ref
-from comfyui_sage_strided_nhd.kernels.backends import BACKENDS
+from comfyui_sage_strided_nhd import kernels
+from comfyui_sage_strided_nhd.kernels import sage2_quant
+from comfyui_sage_strided_nhd.kernels.backends import BACKENDS, sage2
+from comfyui_sage_strided_nhd.kernels.backends.base import REASON_CODES
+from devkit import sage2_oracle as ref
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,9 +37,21 @@ INTERPRETED_CHECKS = textwrap.dedent(r"""
     import torch
     import triton
     import triton.language as tl
-    from comfyui_sage_strided_nhd.kernels import sage2_quant as sq, sage2_quant_ref as ref
+    from comfyui_sage_strided_nhd import kernels
+    from comfyui_sage_strided_nhd.kernels import sage2_quant as sq
+    from comfyui_sage_strided_nhd.kernels.backends.sage2 import Sage2Backend
+    from devkit import sage2_oracle as ref
 
-    results = {"operands": {}, "fp8": None, "bf16": None, "compile": None}
+    def differing(got, exp):
+        diffs = {}
+        for key, e in exp.items():
+            a = got[key]
+            if a.dtype == torch.float8_e4m3fn:
+                a, e = a.view(torch.uint8), e.view(torch.uint8)
+            diffs[key] = int((a != e).sum()) if a.shape == e.shape else f"shape {list(a.shape)} vs {list(e.shape)}"
+        return diffs
+
+    results = {"operands": {}, "prepare": {}, "fp8": None, "bf16": None, "compile": None}
     for seq, heads, seed in ((200, 2, 0), (129, 1, 1), (144, 1, 3)):
         g = torch.Generator().manual_seed(seed)
         qkv = torch.randn(seq, 3 * heads * 128, generator=g) * 1.5
@@ -50,19 +67,41 @@ INTERPRETED_CHECKS = textwrap.dedent(r"""
         table = torch.stack([c, -s, s, c], -1).reshape(1, seq, 1, 48, 2, 2).float()
         qw = (1 + 0.3 * torch.randn(128, generator=g)).to(torch.bfloat16)
         kw = (1 + 0.3 * torch.randn(128, generator=g)).to(torch.bfloat16)
-        for mode in ref.MODES:
+        for mode in sq.MODES:
             if seed == 3 and mode.startswith("fused"):
                 continue  # rows under 2^-20 sit where RMSNorm's eps dominates: a rotation case, not a norm case
             extra = dict(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5) if mode.startswith("fused") else {}
             got = sq.quantize_operands(q, k, v, mode=mode, **extra)
             exp = ref.prepare_reference(q, k, v, mode=mode, **extra)
-            diffs = {}
-            for key, e in exp.items():
-                a = got[key]
-                if a.dtype == torch.float8_e4m3fn:
-                    a, e = a.view(torch.uint8), e.view(torch.uint8)
-                diffs[key] = int((a != e).sum()) if a.shape == e.shape else f"shape {list(a.shape)} vs {list(e.shape)}"
-            results["operands"][f"{mode}/S={seq}/H={heads}"] = diffs
+            results["operands"][f"{mode}/S={seq}/H={heads}"] = differing(got, exp)
+        if seed == 0:
+            # Sage2Backend.prepare: a fused mode folds an in-place QKNorm with a rope table (the views
+            # stay as they are); a module norm cannot be folded: it is applied and the unfused twin runs.
+            for mode in ("fused", "fused_rotated"):
+                before = qkv.clone()
+                norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
+                p = Sage2Backend().prepare(q, k, v, mode=mode, scale=0.1, norm=norm)
+                exp = ref.prepare_reference(q, k, v, mode=mode, rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
+                results["prepare"][f"{mode}/folded"] = {
+                    "mode": p.mode, "norm_folded": p.norm_folded, "applied": norm.applied,
+                    "views_untouched": bool(torch.equal(qkv, before)), "sm_scale": p.sm_scale,
+                    "geometry": [p.seq, p.heads, p.head_dim, [list(c) for c in p.head_chunks]],
+                    "out_dtype": str(p.out_dtype), "diffs": differing(p.operands, exp)}
+                q_calls, k_calls = [], []
+                def q_norm(x, calls=q_calls):
+                    calls.append(1)
+                    return torch.nn.functional.rms_norm(x, (128,), weight=qw, eps=1e-5)
+                def k_norm(x, calls=k_calls):
+                    calls.append(1)
+                    return torch.nn.functional.rms_norm(x, (128,), weight=kw, eps=1e-5)
+                norm = kernels.QKNorm(q_norm=q_norm, k_norm=k_norm)
+                p = Sage2Backend().prepare(q, k, v, mode=mode, norm=norm)
+                twin = "rotated" if mode == "fused_rotated" else "exact"
+                exp = ref.prepare_reference(q_norm(q[0]).unsqueeze(0), k_norm(k[0]).unsqueeze(0), v, mode=twin)
+                results["prepare"][f"{mode}/applied"] = {
+                    "mode": p.mode, "norm_folded": p.norm_folded, "applied": norm.applied,
+                    "norm_calls": [len(q_calls) - 1, len(k_calls) - 1], "sm_scale": p.sm_scale,
+                    "diffs": differing(p.operands, exp)}
 
     @triton.jit
     def convert(X, Y8, Y16, N: tl.constexpr):
@@ -113,7 +152,7 @@ def interpreted():
 
 
 @pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
-@pytest.mark.parametrize("mode", ref.MODES)
+@pytest.mark.parametrize("mode", sage2_quant.MODES)
 def test_triton_kernels_match_the_reference_bit_for_bit(interpreted, mode):
     rows = {name: d for name, d in interpreted["operands"].items() if name.startswith(mode + "/")}
     assert rows, interpreted["operands"]
@@ -130,6 +169,21 @@ def test_interpreter_roundings_match_torch(interpreted):
 @pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
 def test_torch_compile_traces_the_custom_ops_without_graph_breaks(interpreted):
     assert interpreted["compile"] is True, interpreted["compile"]
+
+
+@pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
+@pytest.mark.parametrize("mode", ["fused", "fused_rotated"])
+def test_backend_prepare_folds_the_norm_or_applies_it_bit_for_bit(interpreted, mode):
+    folded, applied = interpreted["prepare"][f"{mode}/folded"], interpreted["prepare"][f"{mode}/applied"]
+    assert {k: n for k, n in folded["diffs"].items() if n != 0} == {}, folded["diffs"]
+    assert (folded["mode"], folded["norm_folded"], folded["applied"], folded["views_untouched"]) == (
+        mode, True, True, True)
+    assert folded["sm_scale"] == 0.1 and folded["geometry"] == [200, 2, 128, [[0, 2]]]
+    assert folded["out_dtype"] == "torch.bfloat16"
+    twin = "rotated" if mode == "fused_rotated" else "exact"
+    assert {k: n for k, n in applied["diffs"].items() if n != 0} == {}, applied["diffs"]
+    assert (applied["mode"], applied["norm_folded"], applied["applied"]) == (twin, False, True)
+    assert applied["norm_calls"] == [1, 1] and applied["sm_scale"] == 128**-0.5
 
 
 def sylvester(n):
@@ -204,17 +258,30 @@ def _views(seq=64, heads=2, head_dim=128, dtype=torch.bfloat16):
     return qkv.unflatten(1, (3, heads, head_dim)).unsqueeze(0).unbind(2)
 
 
-@pytest.mark.parametrize("case, message", [
-    ("head_dim", "head_dim must be 128"),
-    ("batch", "batch size 1"),
-    ("strides", "last dim must be contiguous"),
-    ("shapes", "shapes differ"),
-    ("dtype", "dtype must be bfloat16 or float16"),
-    ("weights", "need q_weight, k_weight and eps"),
+def test_the_modes_and_constants_are_the_kernel_modules():
+    assert kernels.PREPARED_MODES is sage2_quant.MODES is ref.MODES
+    assert sage2_quant.MODES == {"exact": (False, False), "fused": (True, False), "rotated": (False, True),
+                                 "fused_rotated": (True, True)}
+    assert BACKENDS["sage2"].prepared_modes == tuple(sage2_quant.MODES)
+    assert (ref.Q_BLOCK, ref.K_BLOCK, ref.FP8_MAX, ref.ROT_MIN_EXPONENT) == (
+        sage2_quant.Q_BLOCK, sage2_quant.K_BLOCK, sage2_quant.FP8_MAX, sage2_quant.ROT_MIN_EXPONENT)
+    assert ref.mode_flags is sage2_quant.mode_flags and ref.padded_len is sage2_quant.padded_len
+    assert [sage2_quant.padded_len(n) for n in (1, 128, 129, 256)] == [128, 128, 256, 256]
+
+
+@pytest.mark.parametrize("case, code, message", [
+    ("head_dim", "shape", r"needs q, k, v of one shape \[1, S, H, 128\], got \[1, 64, 2, 64\]"),
+    ("batch", "shape", r"of one shape \[1, S, H, 128\], got \[2, 64, 2, 128\]"),
+    ("strides", "strides", "needs a contiguous last dim"),
+    ("shapes", "shape", r"got \[1, 64, 2, 128\], \[1, 65, 2, 128\], \[1, 64, 2, 128\]"),
+    ("empty", "shape", "empty sequence"),
+    ("tensor", "shape", "q, k and v must be tensors"),
+    ("dtype", "dtype", "needs bfloat16 q/k/v, got torch.float32/torch.float32/torch.float32"),
+    ("float16", "dtype", "needs bfloat16 q/k/v, got torch.float16/torch.float16/torch.float16"),
+    ("mixed", "dtype", "needs bfloat16 q/k/v, got torch.bfloat16/torch.float16/torch.bfloat16"),
 ])
-def test_bad_inputs_give_clear_errors(case, message):
+def test_bad_inputs_give_a_reason_code_and_a_clear_error(case, code, message):
     q, k, v = _views()
-    kw = {}
     if case == "head_dim":
         q, k, v = _views(head_dim=64)
     elif case == "batch":
@@ -223,37 +290,163 @@ def test_bad_inputs_give_clear_errors(case, message):
         q = torch.zeros(1, 64, 128, 2, dtype=torch.bfloat16).transpose(2, 3)
     elif case == "shapes":
         k = torch.zeros(1, 65, 2, 128, dtype=torch.bfloat16)
+    elif case == "empty":
+        q, k, v = _views(seq=0)
+    elif case == "tensor":
+        k = k.tolist()
     elif case == "dtype":
         q, k, v = _views(dtype=torch.float32)
-    elif case == "weights":
-        kw = {"fused": True}
-    with pytest.raises(ValueError, match=message):
-        sage2_quant.check_inputs(q, k, v, **kw)
+    elif case == "float16":
+        q, k, v = _views(dtype=torch.float16)
+    elif case == "mixed":
+        k = k.half()
+    problem = sage2_quant.operand_problem(q, k, v)
+    assert problem is not None and problem[0] == code and problem[0] in REASON_CODES
+    assert re.search(message, problem[1]), problem[1]
+    with pytest.raises(ValueError, match="^sage2 preparation: " + re.escape(problem[1]) + "$"):
+        sage2_quant.quantize_operands(q, k, v, mode="exact")
+
+
+def test_views_of_one_fused_buffer_have_no_problem():
+    assert sage2_quant.operand_problem(*_views()) is None
+    assert sage2_quant.operand_problem(*_views(seq=1, heads=3)) is None
+
+
+@pytest.mark.parametrize("missing", ["q_weight", "k_weight", "eps"])
+@pytest.mark.parametrize("mode", ["fused", "fused_rotated"])
+def test_fused_modes_without_norm_parameters_are_refused(mode, missing):
+    q, k, v = _views()
+    params = dict(q_weight=torch.ones(128), k_weight=torch.ones(128), eps=1e-6)
+    del params[missing]
+    with pytest.raises(ValueError, match=r"fused modes need q_weight, k_weight and eps \(the RMSNorm parameters\)"):
+        sage2_quant.quantize_operands(q, k, v, mode=mode, **params)
+
+
+def test_fused_norm_parameters_are_checked():
+    q, k, v = _views()
+    with pytest.raises(ValueError, match=r"q_weight must be \[128\], got \[64\]"):
+        sage2_quant.quantize_operands(q, k, v, mode="fused", q_weight=torch.ones(64), k_weight=torch.ones(128),
+                                      eps=1e-6)
+    with pytest.raises(ValueError, match="rope table covers 63 tokens but the sequence has 64"):
+        sage2_quant.quantize_operands(q, k, v, mode="fused", q_weight=torch.ones(128), k_weight=torch.ones(128),
+                                      eps=1e-6, rope_table=torch.zeros(1, 63, 1, 48, 2, 2))
 
 
 def test_unknown_mode_is_refused():
     q, k, v = _views()
-    with pytest.raises(ValueError, match="unknown sage2 fast-path mode"):
+    with pytest.raises(ValueError, match="unknown sage2 preparation mode 'fast'"):
         sage2_quant.quantize_operands(q, k, v, mode="fast")
+    with pytest.raises(ValueError, match="unknown sage2 preparation mode 'fast'"):
+        BACKENDS["sage2"].prepare(q, k, v, mode="fast")
 
 
-def test_backend_fast_path_says_why_it_is_off_on_this_machine():
+def test_backend_prepared_path_says_why_it_is_off_on_this_machine():
     q, k, v = _views()
-    verdict = BACKENDS["sage2"].fast_path_verdict(q, k, v, layout="NHD")
-    assert not verdict and verdict.reason
+    verdict = BACKENDS["sage2"].prepared_verdict(q, k, v)
+    assert not verdict and verdict.reason and verdict.code in REASON_CODES
 
 
-def test_prepare_fused_without_norm_parameters_is_refused():
-    q, k, v = _views()
-    with pytest.raises(ValueError, match="rope_table, q_weight"):
-        BACKENDS["sage2"].prepare(q, k, v, mode="fused")
+@pytest.mark.parametrize("capability, got", [(None, "no CUDA device"), ((8, 9), "8.9"), ((10, 0), "10.0")])
+def test_the_prepared_path_needs_sm90(capability, got, monkeypatch):
+    monkeypatch.setattr(sage2, "cuda_capability", lambda: capability)
+    verdict = sage2.Sage2Backend().prepared_verdict(*_views())
+    assert not verdict and verdict.code == "gpu_arch"
+    assert verdict.reason == f"prepared path needs sm90 (H100/H200), got {got}"
+
+
+def test_the_prepared_path_needs_cuda_tensors(monkeypatch):
+    monkeypatch.setattr(sage2, "cuda_capability", lambda: (9, 0))
+    verdict = sage2.Sage2Backend().prepared_verdict(*_views())
+    assert not verdict and verdict.code == "no_cuda" and verdict.reason == "prepared path needs CUDA tensors"
+
+
+class FakeNorm:
+    """A QKNorm stand-in for the back-end's policy: records what the back-end does with it."""
+
+    def __init__(self, foldable):
+        self.foldable, self.rope_table, self.q_weight, self.k_weight, self.eps = foldable, "table", "qw", "kw", 1e-5
+        self.applied = self.folded = 0
+
+    def apply(self, q, k):
+        self.applied += 1
+        return q, k
+
+    def mark_folded(self):
+        self.folded += 1
+
+
+@pytest.mark.parametrize("mode, foldable, ran, folded", [
+    ("exact", True, "exact", False), ("rotated", True, "rotated", False),
+    ("fused", True, "fused", True), ("fused_rotated", True, "fused_rotated", True),
+    ("fused", False, "exact", False), ("fused_rotated", False, "rotated", False),
+    ("fused", None, "exact", False), ("fused_rotated", None, "rotated", False), ("exact", None, "exact", False),
+])
+def test_prepare_folds_a_foldable_norm_or_applies_it_and_runs_the_unfused_twin(mode, foldable, ran, folded,
+                                                                              monkeypatch):
+    """The policy only (the passes themselves are checked bit for bit under the interpreter above)."""
+    calls = []
+
+    def quantize(q, k, v, *, mode, **params):
+        calls.append((mode, params))
+        return {"q_int8": "ops"}
+
+    monkeypatch.setattr(sage2.sage2_quant, "quantize_operands", quantize)
+    norm = None if foldable is None else FakeNorm(foldable)
+    q, k, v = _views(seq=300, heads=3)
+    p = sage2.Sage2Backend().prepare(q, k, v, mode=mode, scale=None, norm=norm)
+    params = dict(rope_table="table", q_weight="qw", k_weight="kw", eps=1e-5) if folded else {}
+    assert calls == [(ran, params)]
+    assert p.mode == ran and p.norm_folded is folded and p.backend == "sage2" and p.operands == {"q_int8": "ops"}
+    assert (p.seq, p.heads, p.head_dim, p.out_dtype) == (300, 3, 128, torch.bfloat16)
+    assert p.sm_scale == 128**-0.5 and p.head_chunks == sage2.head_chunks(300, 3, 128)
+    if norm is not None:
+        assert (norm.folded, norm.applied) == ((1, 0) if folded else (0, 1)), "the norm runs exactly once"
+
+
+def test_prepare_does_not_mark_a_norm_folded_when_the_passes_raise(monkeypatch):
+    def quantize(*a, **kw):
+        raise RuntimeError("passes failed in this test")
+
+    monkeypatch.setattr(sage2.sage2_quant, "quantize_operands", quantize)
+    norm = FakeNorm(True)
+    with pytest.raises(RuntimeError, match="passes failed"):
+        sage2.Sage2Backend().prepare(*_views(), mode="fused", norm=norm)
+    assert norm.folded == 0 and norm.applied == 0, "the norm is still owed to the fallback"
 
 
 def test_head_chunks_keep_every_span_below_2_31():
-    from comfyui_sage_strided_nhd.kernels.backends.sage2 import head_chunks
+    head_chunks = sage2.head_chunks
     for seq in (127, 37810, 210000, 320000, 1_000_000):
         chunks = head_chunks(seq, 56)
         assert chunks[0][0] == 0 and chunks[-1][1] == 56
         assert all(a1 == b0 for (_, a1), (b0, _) in zip(chunks, chunks[1:]))
-        assert all((h1 - h0) * 128 * ref.padded_len(seq) < 2**31 for h0, h1 in chunks)
+        assert all((h1 - h0) * 128 * sage2_quant.padded_len(seq) < 2**31 for h0, h1 in chunks)
     assert len(head_chunks(210000, 56)) == 1 and len(head_chunks(320000, 56)) == 2
+
+
+def test_when_the_passes_raise_after_a_module_norm_the_plain_call_still_gets_normalised_q_and_k(monkeypatch, gen):
+    """The real back-end's policy in a chain on CPU: prepared path 'available', passes failing, plain call spied."""
+    backend = sage2.Sage2Backend()
+    seen = {}
+
+    def plain(q, k, v, *, tensor_layout, is_causal, sm_scale):  # sageattn's keywords
+        assert tensor_layout == "NHD" and not is_causal
+        seen["q"], seen["k"] = q.clone(), k.clone()
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=sm_scale).transpose(1, 2)
+
+    def failing(*a, **kw):
+        raise RuntimeError("passes failed in this test")
+
+    monkeypatch.setattr(backend, "_check_available", lambda: sage2.YES)
+    monkeypatch.setattr(backend, "needs_cuda", False)
+    monkeypatch.setattr(backend, "prepared_verdict", lambda q, k, v: sage2.YES)
+    monkeypatch.setattr(backend, "_sageattn", plain, raising=False)
+    monkeypatch.setattr(sage2.sage2_quant, "quantize_operands", failing)
+    qkv = torch.randn(40, 3 * 128, generator=gen).to(torch.bfloat16)
+    q, k, _ = kernels.split_fused_qkv(qkv.clone(), 1, 128)
+    norm = kernels.QKNorm(q_norm=lambda x: x * 2, k_norm=lambda x: x * 4)
+    _, rec = kernels.attention_from_fused_qkv(qkv, 1, 128, chain=kernels.BackendChain("sage2", [backend]), norm=norm,
+                                              prepared_mode="exact")
+    assert rec.backend == "sage2" and rec.prepared_skipped.code == "raised"
+    assert torch.equal(seen["q"], q * 2) and torch.equal(seen["k"], k * 4)

@@ -1,4 +1,6 @@
-"""Pure-PyTorch reference of the sage2 fast path's operand preparation.
+"""Pure-PyTorch reference (the test oracle) of the sage2 prepared path's operand preparation.
+
+Tests and benchmarks compare ``kernels/sage2_quant.py`` against it; the runtime never imports it.
 
 Written from the semantics of SageAttention 2's sm90 path (``sageattn_qk_int8_pv_fp8_cuda_sm90``
 with its defaults: per-thread int8 Q/K, ``smooth_k``, per-channel fp8 V, "fp32+fp32" PV
@@ -21,7 +23,7 @@ The ``fused`` variants also apply per-head RMSNorm (whole head_dim, fp64 statist
 split-half partial RoPE in fp32, the ``rotated`` variants multiply Q and the smoothed K by a
 normalised 128-point Walsh-Hadamard matrix (an exact integer product on fixed-point rows) before
 the int8 step. The order of
-every floating-point operation mirrors the Triton kernels in ``sage2_quant.py``, so under
+every floating-point operation mirrors the Triton kernels in ``kernels/sage2_quant.py``, so under
 ``TRITON_INTERPRET=1`` the two agree bit for bit.
 """
 
@@ -31,25 +33,12 @@ import math
 
 import torch
 
-Q_BLOCK, K_BLOCK, V_PAD = 64, 128, 128
-FP8_MAX = 448.0
+from .pack import submodule
+
+_kernel = submodule("kernels.sage2_quant")  # the geometry and the modes are the kernel module's own
+Q_BLOCK, K_BLOCK, FP8_MAX, ROT_MIN_EXPONENT = _kernel.Q_BLOCK, _kernel.K_BLOCK, _kernel.FP8_MAX, _kernel.ROT_MIN_EXPONENT
+MODES, mode_flags, padded_len = _kernel.MODES, _kernel.mode_flags, _kernel.padded_len
 INV_SQRT_128 = 1.0 / math.sqrt(128.0)
-# Rotation: rows whose absmax is below 2^(ROT_MIN_EXPONENT - 127) are treated as if it were that
-# (keeps every power-of-two factor of hadamard_rows a normal fp32; such rows quantise to 0 anyway).
-ROT_MIN_EXPONENT = 32
-
-MODES = ("exact", "fused", "rotated", "fused_rotated")
-
-
-def mode_flags(mode: str) -> tuple[bool, bool]:
-    """(fused norm+rope, Hadamard rotation) for a mode name."""
-    if mode not in MODES:
-        raise ValueError(f"unknown sage2 fast-path mode {mode!r}; expected one of {list(MODES)}")
-    return mode.startswith("fused"), mode.endswith("rotated")
-
-
-def padded_len(seq: int) -> int:
-    return -(-seq // V_PAD) * V_PAD
 
 
 def v_permutation(n: int) -> torch.Tensor:
