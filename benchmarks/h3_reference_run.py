@@ -34,12 +34,14 @@ Other useful forms:
     python -m benchmarks.h3_reference_run --tiny --device cpu --backend sdpa  # seconds, any machine
 
 Prints progress per rep and per sampling step, and a short table last. With ``$OUT`` set, the
-JSON and PNG are also copied there. Make the README table with ``python -m benchmarks.results_table``.
+JSON and PNG are also copied there. The tables in docs/BENCHMARKS.md are made from the JSON with
+``python -m benchmarks.results_table``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import os
 import platform
@@ -52,6 +54,7 @@ import torch
 
 from devkit import comfy as comfy_host
 from devkit import h3 as h3_model
+from devkit.backends import describe_backends
 from devkit.pack import kernels as pack_kernels
 from devkit.pack import submodule
 
@@ -63,6 +66,49 @@ SECTIONS = ("isolated", "blocks", "profiler", "sampling_2_step", "sampling_12_st
 LAYOUT_ENV = "H3_SAGE_QKV_LAYOUT"
 REFERENCE_COPY = Path(__file__).resolve().parent / "reference" / "gb10-strided-nhd-results.json"
 
+# The reference report's keys that each of our sections makes; a run not asked for a section is not
+# checked for its keys (the rest every run makes).
+REFERENCE_KEYS_BY_SECTION = {
+    "isolated": ("isolated_attention_layout", "validation.isolated_attention", "dataflow.removed_copies_per_block"),
+    "blocks": ("real_block_results", "validation.blocks_0_24_49"),
+    "profiler": ("nsight_block_recapture",),
+    "sampling_2_step": ("sampling_2_step", "validation.full_50_block_two_step_trajectory"),
+    "sampling_12_step": ("sampling_12_step", "validation.canonical_12_step_trajectory"),
+}
+
+
+def timed_blocks(n_blocks: int) -> list[int]:
+    """The blocks the block section times: first, middle and last (0, 24, 49 of the full model)."""
+    return sorted({0, (n_blocks - 1) // 2, n_blocks - 1})
+
+
+def validation_names(n_blocks: int) -> dict[str, str]:
+    """Reference validation item -> this run's name for it, named for what ran: the blocks compared and
+    the block count of the model sampled (the full 50-block model keeps the reference's names)."""
+    return {"blocks_0_24_49": "blocks_" + "_".join(str(b) for b in timed_blocks(n_blocks)),
+            "full_50_block_two_step_trajectory": f"full_{n_blocks}_block_two_step_trajectory"}
+
+
+def reference_for(data: dict, reference: dict) -> dict:
+    """What a report of ours is checked against: the reference cut to the sections the run was asked
+    to make (``sections_requested``), its validation items renamed as the run names them."""
+    ref = copy.deepcopy(reference)
+    asked = data.get("sections_requested", SECTIONS)
+    for section, keys in REFERENCE_KEYS_BY_SECTION.items():
+        if section in asked:
+            continue
+        for key in keys:
+            *parents, last = key.split(".")
+            node = ref
+            for part in parents:
+                node = node.get(part, {})
+            node.pop(last, None)
+    n_blocks = (data.get("model") or {}).get("blocks")
+    if n_blocks and "validation" in ref:
+        names = validation_names(n_blocks)
+        ref["validation"] = {names.get(k, k): v for k, v in ref["validation"].items()}
+    return ref
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.h3_reference_run",
@@ -73,16 +119,17 @@ def parse_args(argv=None):
                    help=f"layouts to measure (default: ${LAYOUT_ENV} if set, else ab = both)")
     p.add_argument("--backend", default="auto", help="attention back-end of the patch: auto, sage2, sage1, "
                    "comfy_kitchen_int8, sdpa (stock ComfyUI runs the same kernel through its own flag)")
-    p.add_argument("--prep", default="exact", help="fast-path preparation mode of the layout variants "
-                   "(exact, fused, rotated; only where a back-end has a fast path)")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=LAYOUT:BACKEND:PREP[:nofast]",
+    p.add_argument("--prep", default="exact", help="prepared-path mode of the layout variants "
+                   "(exact, fused, rotated, fused_rotated; only where a back-end has a prepared path)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=LAYOUT:BACKEND:PREP[:noprepared]",
                    help="an extra patched variant timed beside stock and the layouts in blocks and profiler, e.g. "
-                        "nhd_fused=strided_nhd:sage2:fused, sdpa=strided_nhd:sdpa:exact, today=strided_nhd:sage2:exact:nofast "
-                        "(nofast: the back-end's fast path switched off for that variant). Repeatable.")
+                        "nhd_fused=strided_nhd:sage2:fused, sdpa=strided_nhd:sdpa:exact, today=strided_nhd:sage2:exact:noprepared "
+                        "(noprepared: the back-end's prepared path switched off for that variant). Repeatable.")
     p.add_argument("--checkpoint", help="H3 diffusion-model checkpoint (default: random full-size weights)")
     p.add_argument("--comfyui", help="ComfyUI source tree (default: $COMFYUI_PATH, else ./.comfyui)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true", help="a 3-block narrow H3 at 64x64x5 (tests, CPU)")
+    p.add_argument("--tiny", action="store_true",
+                   help=f"a {h3_model.TINY_H3['num_layers']}-block narrow H3 at 64x64x5 (tests, CPU)")
     p.add_argument("--blocks", type=int, help="random model only: this many DiT blocks instead of the config's "
                    "(a quick smoke run at full width)")
     p.add_argument("--width", type=int)
@@ -123,26 +170,11 @@ def parse_args(argv=None):
 def parse_variant(parser, spec: str) -> dict:
     name, _, rest = spec.partition("=")
     parts = rest.split(":")
-    if not name or len(parts) not in (3, 4) or parts[0] not in LAYOUTS or (len(parts) == 4 and parts[3] != "nofast"):
-        parser.error(f"--variant {spec!r}: expected NAME=LAYOUT:BACKEND:PREP[:nofast], LAYOUT one of {LAYOUTS}")
+    if not name or len(parts) not in (3, 4) or parts[0] not in LAYOUTS or (len(parts) == 4 and parts[3] != "noprepared"):
+        parser.error(f"--variant {spec!r}: expected NAME=LAYOUT:BACKEND:PREP[:noprepared], LAYOUT one of {LAYOUTS}")
     if name in ("stock",) + LAYOUTS:
         parser.error(f"--variant {spec!r}: the name {name!r} is taken")
-    return {"name": name, "layout": parts[0], "backend": parts[1], "prep": parts[2], "nofast": len(parts) == 4}
-
-
-def fast_path_off(backend):
-    """A context in which ``backend``'s fast path is switched off (the chain then calls it plainly)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def off():
-        before = getattr(backend, "fast_path_enabled", True)
-        backend.fast_path_enabled = False
-        try:
-            yield
-        finally:
-            backend.fast_path_enabled = before
-    return off
+    return {"name": name, "layout": parts[0], "backend": parts[1], "prep": parts[2], "prepared": len(parts) == 3}
 
 
 def log(message: str) -> None:
@@ -160,7 +192,7 @@ def resolve_backend(kernels, choice: str, device: torch.device) -> str:
     """The back-end ``auto`` (or a named choice) will run first here."""
     if choice not in kernels.BACKEND_CHOICES:
         raise SystemExit(f"unknown --backend {choice!r}; choose one of {', '.join(kernels.BACKEND_CHOICES)}")
-    rows = kernels.describe_backends(device)
+    rows = describe_backends(device)
     if choice != "auto":
         row = next(r for r in rows if r["name"] == choice)
         if not row["available"]:
@@ -177,10 +209,13 @@ def default_out(facts: dict, backend: str) -> Path:
     return Path("benchmarks/results") / f"h3-{slug}-{backend}.json"
 
 
-def patch_model(model_patcher, layout: str, backend: str, prep_mode: str = "exact", patch_refiner: bool = True):
-    """A clone of ``model_patcher`` patched exactly as the node patches it: (clone, summary)."""
-    return submodule("nodes.h3_patch").patch_model(model_patcher, layout=layout, backend=backend, patch_refiner=patch_refiner,
-                                prep_mode=prep_mode)
+def patch_model(model_patcher, layout: str, backend: str, prep_mode: str = "exact", prepared: bool = True):
+    """A clone of ``model_patcher`` patched exactly as the node patches it: (clone, installed patch).
+    ``prepared=False`` switches the chain's prepared paths off (a benchmark variant, not a node input)."""
+    settings = submodule("nodes.patch").Settings(layout=layout, backend=backend, prep_mode=prep_mode)
+    clone, patch = submodule("nodes.h3_patch").patch_model(model_patcher, settings)
+    patch.plan.default.prepared = prepared  # the plan of every run starts from this chain
+    return clone, patch
 
 
 def last_payload(report):
@@ -191,16 +226,16 @@ def last_payload(report):
     return last
 
 
-def backends_that_ran(summaries: dict) -> tuple[str, list, dict]:
+def backends_that_ran(patches: dict) -> tuple[str, list, dict]:
     """Back-ends the patched forwards ran in each layout's last sampling run (from the node's own run
     report), their fallbacks, and the back-ends per layout."""
-    payloads = {layout: last_payload(summary["report"]) for layout, summary in summaries.items()}
+    payloads = {layout: last_payload(patch.report) for layout, patch in patches.items()}
     payloads = {layout: p for layout, p in payloads.items() if p is not None}
     by_layout, fallbacks = {}, []
     for layout, payload in payloads.items():
         by_layout[layout] = "+".join(f"{b} x{n}" for b, n in sorted(payload["backends_ran"].items())) or "none"
-        if payload.get("fast_path"):
-            by_layout[layout] += f" [fast path: {payload['fast_path']}]"
+        for run in payload["prepared"]:
+            by_layout[layout] += f" [prepared path: {run['backend']} {run['mode']} x{run['calls']}]"
         fallbacks += payload["fallbacks"]
     ran = sorted({b for p in payloads.values() for b in p["backends_ran"]})
     return "+".join(ran) or "none", fallbacks, by_layout
@@ -220,7 +255,8 @@ def main(argv=None) -> int:
     report.update(**facts, torch=str(torch.__version__), attention=backend_first, attention_requested=args.backend,
                   resolution=[args.width, args.height], frames=args.frames, packed_tokens=None,
                   seed=args.seed, feature_flag=f"{LAYOUT_ENV}=strided_nhd", layout=args.layout,
-                  layouts_measured=layouts, backends_here=kernels.describe_backends(device))
+                  layouts_measured=layouts, sections_requested=list(args.sections),
+                  backends_here=describe_backends(device))
     log(f"{facts['device']} ({facts['compute_capability']}), torch {torch.__version__}, back-end {args.backend} "
         f"-> {backend_first}, layouts {layouts}, sections {args.sections}; writing {out}")
 
@@ -265,18 +301,17 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
     conditioning = h3_model.random_conditioning(args.text_tokens, config["text_dim"], args.weight_seed + 1)
     expected = h3_model.packed_token_count(args.width, args.height, args.frames, args.text_tokens)
     n_blocks = len(dm.blocks)
-    block_indices = sorted({0, (n_blocks - 1) // 2, n_blocks - 1})  # 0, 24, 49 for the full model
-    clones, summaries, extras, contexts = {}, {}, {}, {}
+    block_indices = timed_blocks(n_blocks)
+    clones, patches, extras = {}, {}, {}
     for layout in layouts:
-        clones[layout], summaries[layout] = patch_model(base, layout, args.backend, prep_mode=args.prep)
-    kernels = pack_kernels()  # the one registry the patched forwards use
+        clones[layout], patches[layout] = patch_model(base, layout, args.backend, prep_mode=args.prep)
     for v in args.variants:
-        extras[v["name"]], summaries[v["name"]] = patch_model(base, v["layout"], v["backend"], prep_mode=v["prep"])
-        if v["nofast"]:
-            contexts[v["name"]] = fast_path_off(kernels.BACKENDS[v["backend"]])
-    static = {k: v for k, v in summaries[layouts[0]].items() if k not in ("report", "backends_here", "layout")}
+        extras[v["name"]], patches[v["name"]] = patch_model(base, v["layout"], v["backend"], prep_mode=v["prep"],
+                                                              prepared=v["prepared"])
+    static = {k: v for k, v in patches[layouts[0]].report.static.items() if k != "layout"}
     report.update(
-        model={"source": source, "class": type(dm).__name__, "config": config, "dtype": str(dm.dtype),
+        model={"source": source, "class": type(dm).__name__, "blocks": n_blocks, "config": config,
+               "dtype": str(dm.dtype),
                "parameters": sum(p.numel() for p in dm.parameters()), "build_seconds": build_seconds},
         text_tokens=args.text_tokens, packed_rows_expected=expected,
         patch=dict(static, function="nodes.h3_patch.patch_model", patch_refiner=True),
@@ -288,7 +323,7 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
         })
     log(f"model ready in {build_seconds:.1f} s: {n_blocks} blocks, blocks timed {block_indices}, "
         f"expected packed tokens {expected['total']}")
-    return sec.Bench(device=device, base=base, clones=clones, summaries=summaries, extras=extras, contexts=contexts,
+    return sec.Bench(device=device, base=base, clones=clones, patches=patches, extras=extras,
                      conditioning=conditioning,
                      width=args.width, height=args.height, frames=args.frames, seed=args.seed,
                      block_indices=block_indices, log=log)
@@ -318,6 +353,7 @@ def run_sections(args, bench: sec.Bench, kernels, backend: str, report: Report) 
     if captured is None:
         return
     expected = report.data["packed_rows_expected"]["total"]
+    names = validation_names(len(bench.diffusion_model.blocks))
     report.update(packed_tokens=bench.packed_tokens)
     report.validation("packed_tokens", f"{bench.packed_tokens} as expected" if bench.packed_tokens == expected
                       else f"{bench.packed_tokens}, expected {expected}")
@@ -333,7 +369,7 @@ def run_sections(args, bench: sec.Bench, kernels, backend: str, report: Report) 
         rows = _section(report, "real_block_results",
                         lambda: sec.real_blocks(bench, args.reps, args.warmup, with_stock))
         if rows:
-            report.validation("blocks_0_24_49", sec.blocks_verdict(rows))
+            report.validation(names["blocks_0_24_49"], sec.blocks_verdict(rows))
             report.validation("blocks_compared", ", ".join(str(r["block"]) for r in rows))
             for layout in bench.layouts:
                 if with_stock:
@@ -341,7 +377,7 @@ def run_sections(args, bench: sec.Bench, kernels, backend: str, report: Report) 
     if "profiler" in args.sections:
         sec.ensure_stock_loaded(bench)
         _section(report, "profiler_block_recapture", lambda: sec.kernel_launches(bench, with_stock, torch.__version__))
-    for steps, key, item in ((2, "sampling_2_step", "full_50_block_two_step_trajectory"),
+    for steps, key, item in ((2, "sampling_2_step", names["full_50_block_two_step_trajectory"]),
                              (12, "sampling_12_step", "canonical_12_step_trajectory")):
         if key in args.sections:
             reps = args.reps_2_step if steps == 2 else args.reps_12_step
@@ -356,7 +392,7 @@ def run_sections(args, bench: sec.Bench, kernels, backend: str, report: Report) 
 def finish(args, bench, report: Report, out: Path) -> None:
     data = report.data
     if bench is not None:
-        data["attention"], data["attention_fallbacks"], by_layout = backends_that_ran(bench.summaries)
+        data["attention"], data["attention_fallbacks"], by_layout = backends_that_ran(bench.patches)
         data["attention_by_variant"] = dict(by_layout, stock=data.get("stock_attention", "-"))
         try:
             sec.ensure_stock_loaded(bench)  # ComfyUI unpatches the last sampled clone when stock loads
@@ -381,7 +417,8 @@ def finish(args, bench, report: Report, out: Path) -> None:
     data["source_artifacts"] = artifacts
     if REFERENCE_COPY.is_file():
         allow = schema.CUDA_ONLY if args.device == "cpu" else set()
-        problems = schema.check_against_reference(data, schema.load_reference(REFERENCE_COPY), allow_null=allow)
+        problems = schema.check_against_reference(data, reference_for(data, schema.load_reference(REFERENCE_COPY)),
+                                                  allow_null=allow)
         data["reference_schema"] = "follows the reference report's keys and types" if not problems else problems
     report.write()
     copy_to_out(artifacts)
@@ -391,7 +428,7 @@ def finish(args, bench, report: Report, out: Path) -> None:
     if args.device == "cpu":
         # a CPU proves the dataflow (same latents, which kernel ran), not the pack's speed
         print(correctness_table(data))
-        print("(CPU run: timings in the report are not the pack's speed; GPU results are in README.md)")
+        print("(CPU run: timings in the report are not the pack's speed; GPU results are in docs/BENCHMARKS.md)")
     else:
         print(text_table(data))
     if data["errors"]:
@@ -418,7 +455,7 @@ def release(bench: sec.Bench) -> None:
 
     mm.current_loaded_models.clear()
     bench.clones.clear()
-    bench.summaries.clear()
+    bench.patches.clear()
     bench.block_inputs.clear()
     bench.base = None
     gc.collect()

@@ -6,8 +6,9 @@ the dict for its report section; the runner writes the report after each one. Va
 - ``stock``: the unpatched model (ComfyUI's own attention: HND views, ``v.clone()``, output copy),
 - ``hnd``: this pack's patch with the reference baseline layout (contiguous HND copies),
 - ``strided_nhd``: this pack's patch with the strided NHD dataflow,
-- extra named variants (``--variant NAME=LAYOUT:BACKEND:PREP[:nofast]``): the same patch with
-  another back-end or fast-path preparation mode, side by side with the three above.
+- extra named variants (``--variant``, see ``benchmarks.h3_reference_run``): the same patch with
+  another back-end or prepared-path mode (or the prepared path switched off), side by side with
+  the three above.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Bench:
     device: torch.device
     base: object                      # the unpatched ModelPatcher (stock)
     clones: dict[str, object]         # layout -> patched ModelPatcher clone
-    summaries: dict[str, dict]        # layout -> the patch's summary (incl. its RunReport)
+    patches: dict[str, object]        # variant -> the installed patch (nodes.patch.InstalledPatch, its RunReport)
     conditioning: list
     width: int
     height: int
@@ -45,16 +46,10 @@ class Bench:
     sampling_warmed: bool = False
     outputs_finite: dict[str, bool] = field(default_factory=dict)
     extras: dict[str, object] = field(default_factory=dict)   # name -> patched clone of another setting
-    contexts: dict[str, Callable] = field(default_factory=dict)  # name -> context to run that variant in
 
     @property
     def layouts(self) -> list[str]:
         return list(self.clones)
-
-    def entered(self, name: str):
-        """The context a variant's calls run in (e.g. the sage2 fast path switched off)."""
-        factory = self.contexts.get(name)
-        return factory() if factory else contextlib.nullcontext()
 
     @property
     def diffusion_model(self):
@@ -165,7 +160,7 @@ def _block_call(bench: Bench, patcher, index: int, name: str = "") -> Callable:
     transformer_options = patcher.model_options.get("transformer_options", {})
 
     def run(meter=measure.timed):
-        with object_patches_applied(patcher) as dm, bench.entered(name):
+        with object_patches_applied(patcher) as dm:
             block = dm.blocks[index]
             x = x0.clone()  # blocks update their input in place
             return meter(lambda: block(x, t_emb, segments, rope, transformer_options=transformer_options),
@@ -187,15 +182,16 @@ def isolated_attention(bench: Bench, kernels, backend: str, reps: int, warmup: i
     inner = attn.heads * attn.head_dim
     gen = torch.Generator().manual_seed(bench.seed)
     qkv0 = torch.randn(s, 3 * inner, generator=gen).to(bench.device, dtype=attn.qkv_proj.weight.dtype)
-    chain = kernels.BackendChain.for_choice(backend, bench.device)
+    chain = kernels.BackendChain.for_choice(backend)
     records, outputs = {}, {}
 
     def runner(layout):
         def run():
             qkv = qkv0.clone()  # norm+rope works in place
+            norm = kernels.QKNorm(rope_table=rope, q_weight=attn.q_norm.weight, k_weight=attn.k_norm.weight,
+                                  eps=attn.q_norm.eps)  # applied at most once: one per call
             seconds, (out, rec) = measure.timed(lambda: kernels.attention_from_fused_qkv(
-                qkv, attn.heads, attn.head_dim, chain=chain, layout=layout, rope_table=rope,
-                q_weight=attn.q_norm.weight, k_weight=attn.k_norm.weight, eps=attn.q_norm.eps), bench.device)
+                qkv, attn.heads, attn.head_dim, chain=chain, layout=layout, norm=norm), bench.device)
             records[layout] = rec
             outputs.setdefault(layout, out)
             return seconds
@@ -207,7 +203,8 @@ def isolated_attention(bench: Bench, kernels, backend: str, reps: int, warmup: i
                       "layout (views or copies), back-end, token-major output",
               "backend_ran": {k: r.backend for k, r in records.items()},
               "copies": {k: r.copies for k, r in records.items()},
-              "fallbacks": {k: [list(f) for f in r.fallbacks] for k, r in records.items()}}
+              "prepared": {k: r.prepared for k, r in records.items()},
+              "fallbacks": {k: [[s.backend, s.reason] for s in r.skipped] for k, r in records.items()}}
     for layout, t in times.items():
         stats = measure.summary(t)
         result[f"{layout}_mean_seconds"] = stats["mean_seconds"]
@@ -274,7 +271,7 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
     counts = {}
     for name, patcher in bench.variants(with_stock).items():
         transformer_options = patcher.model_options.get("transformer_options", {})
-        with object_patches_applied(patcher) as dm, bench.entered(name):
+        with object_patches_applied(patcher) as dm:
             block = dm.blocks[index]
             inputs = [x0.clone(), x0.clone()]  # one for the warm call, one for the profiled call
             counts[name] = measure.profile_kernels(

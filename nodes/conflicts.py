@@ -1,52 +1,12 @@
-"""What the node does when something else also replaces attention on the model it runs.
-
-The node patches a clone; other nodes may patch the same model before it or after it in
-the chain. Nodes placed after it cannot be seen when it executes, so the whole stack is
-checked again when sampling starts (the OUTER_SAMPLE wrapper of the run report), on the
-ModelPatcher and model options actually being sampled. One rule per case, the same in
-both orders (the README carries the same list):
-
-1. **This node's own patch twice** (the node applied twice in a chain): the patch nearest
-   the sampler *replaces* the earlier one and the report says so (``replaced_own_patch``).
-2. **Another node's object patch of an H3 ``...attn.forward`` this node patches**: *refuse*
-   (:class:`PatchConflictError` naming the keys and the owner). Both replace the whole
-   forward, so one would silently drop the other.
-3. **Another node's ``optimized_attention_override``** ("Patch Sage Attention", core
-   "Model Attention Backend", ...):
-   - H3 path: *refuse*. The patched forwards do not call ``optimized_attention``, so the
-     other override would silently get no calls.
-   - override path (Wan, ...): *refuse* when it replaced this node's override; *compose*
-     when it wraps this node's override (holds it as the attention it falls back to, as
-     chaining overrides do): it runs first, the calls it declines come here, and the
-     report notes it.
-4. **Core "Model Sparse Attention"** (``BlockSparseAttention``, recognised by its
-   ``block_sparse_attention`` ON_PREPARE_STATE callback): *compose*, either order. Its
-   override chains the attention before it and reinstalls itself on top every step; on
-   H3 its block replaces pass their own ``attention=`` to the blocks for the calls it
-   makes sparse, and everything else (dense steps, ``dense_blocks``, the text refiner)
-   runs this node's forward, i.e. this node is its dense attention. Its sparse calls are
-   not counted here; the report notes the composition. An override it chains that is
-   neither this node's nor its own falls under rule 3.
-5. **Block replaces** (``patches_replace["dit"]``) from other nodes on H3: *compose*. Calls
-   they route to the block's ``attn`` run this node's forward and are counted; calls they
-   route elsewhere are theirs; the report notes how many blocks carry them.
-6. **The checkpoint's attention preference** (current ComfyUI: ``<attn>.comfy_attention``
-   with ``config`` such as ``{"attention": "comfy_kitchen_int8"}``): with ``backend = auto``
-   the pack *honours* it per module, running the preferred back-end first in the strided
-   NHD dataflow; an explicit back-end on the node *overrides* it. Either way the report
-   notes it per block family. A preference naming an attention the pack has no back-end
-   for is ignored with a note (as ComfyUI ignores unsupported ones).
-7. **Another node's object patch of ``...attn.comfy_attention.function``** (or a
-   ``function`` set without ``config``): a known ComfyUI attention function
-   (``attention_comfy_kitchen_int8``, ``attention_pytorch``, ``attention_sage``) is taken
-   as that module's preference (rule 6); any other function is *refused*, because this
-   node's forward does not call it.
-
-Ownership is recognised by the ``sage_strided_nhd`` attribute this pack sets on every
-callable it installs.
-"""
+"""The stack rules (1-7, written out once in docs/ARCHITECTURE.md): what the node does when something
+else patches attention on the same model. Checked when the node executes and again when sampling
+starts (:func:`plan_h3`, :func:`plan_override`: the run's Plan, or PatchConflictError). Ownership:
+the ``sage_strided_nhd`` attribute on every callable this pack installs."""
 
 from __future__ import annotations
+
+from .. import kernels
+from .patch import Note, Plan
 
 OWN_MARK = "sage_strided_nhd"
 SPARSE_CALLBACK_KEY = "block_sparse_attention"   # core Model Sparse Attention's ON_PREPARE_STATE key
@@ -82,25 +42,23 @@ def _is_sparse_override(fn, sparse_present: bool) -> bool:
     return sparse_present and getattr(fn, "__qualname__", "").endswith(SPARSE_OVERRIDE_QUALNAME)
 
 
+def _contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
 def wrapped_attention(fn, depth: int = 0) -> list:
     """Callables ``fn`` holds as the attention it falls back to (closure cells, ``previous``,
     ``__wrapped__``, partials), outermost first. Best effort: what cannot be seen is not listed."""
     if fn is None or depth > 8:
         return []
+    cells = [_contents(c) for c in getattr(fn, "__closure__", None) or ()]
     found = []
-    inner = []
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            inner.append(cell.cell_contents)
-        except ValueError:  # empty cell
-            continue
-    for name in ("previous", "__wrapped__", "func"):
-        inner.append(getattr(fn, name, None))
-    for obj in inner:
-        if callable(obj) and not isinstance(obj, type) and (is_own(obj) or getattr(obj, "__closure__", None)
-                                                            or hasattr(obj, "previous")):
-            if any(obj is f for f in found):
-                continue
+    for obj in cells + [getattr(fn, name, None) for name in ("previous", "__wrapped__", "func")]:
+        wraps = is_own(obj) or getattr(obj, "__closure__", None) or hasattr(obj, "previous")
+        if callable(obj) and not isinstance(obj, type) and wraps and not any(obj is f for f in found):
             found.append(obj)
             if not is_own(obj):
                 found.extend(wrapped_attention(obj, depth + 1))
@@ -132,21 +90,21 @@ def check_override_at_patch(model_patcher, path: str) -> bool:
     return False
 
 
-def check_override_at_sampling(model_patcher, model_options, path: str, ours=None) -> list[str]:
+def check_override_at_sampling(model_patcher, model_options, path: str, ours=None) -> list[Note]:
     """Rules 3 and 4 on the model being sampled; returns notes, raises PatchConflictError."""
     notes = []
     sparse = sparse_node_present(model_patcher)
     if sparse:
-        if path == "h3_forward_patch":
-            notes.append("composed with Model Sparse Attention: its sparse calls run its own attention (block-level "
-                         "attention=) and are not counted here; its dense calls run this node's forward")
-        else:
-            notes.append("composed with Model Sparse Attention: its override runs first and hands this node the "
-                         "calls it keeps dense")
+        notes.append(Note("sparse_composed", (
+            "composed with Model Sparse Attention: its sparse calls run its own attention (block-level "
+            "attention=) and are not counted here; its dense calls run this node's forward")
+            if path == "h3_forward_patch" else
+            "composed with Model Sparse Attention: its override runs first and hands this node the calls it keeps dense"))
     current = existing_override(model_options)
     if current is None:
         if path == "attention_override":
-            notes.append("this node's attention override is not on the model being sampled: nothing ran through it")
+            notes.append(Note("override_missing", "this node's attention override is not on the model being "
+                                                  "sampled: nothing ran through it"))
         return notes
     chain = [current] + wrapped_attention(current)
     if path == "h3_forward_patch":
@@ -163,25 +121,22 @@ def check_override_at_sampling(model_patcher, model_options, path: str, ours=Non
         if fn is ours:
             break
         if not _is_sparse_override(fn, sparse):
-            notes.append(f"composed with another node's attention override ({describe(fn)}): it runs first and "
-                         "hands this node the calls it declines")
+            notes.append(Note("override_composed", f"composed with another node's attention override ({describe(fn)}): "
+                                                   "it runs first and hands this node the calls it declines"))
     return notes
 
 
 def check_object_patches(model_patcher, keys) -> bool:
     """Rule 2 for the object-patch keys this node would set. True when any is our own (rule 1)."""
-    foreign, own = [], False
-    for key in keys:
-        obj = model_patcher.object_patches.get(key)
-        if obj is None:
-            continue
-        if is_own(obj):
-            own = True
-        else:
-            foreign.append(key)
+    found = [obj for key in keys if (obj := model_patcher.object_patches.get(key)) is not None]
+    foreign = [key for key in keys if _foreign(model_patcher.object_patches.get(key))]
     if foreign:
         raise forward_conflict(model_patcher, foreign, "already replaced")
-    return own
+    return any(is_own(obj) for obj in found)
+
+
+def _foreign(obj) -> bool:
+    return obj is not None and not is_own(obj)
 
 
 def forward_conflict(model_patcher, foreign: list[str], how: str) -> PatchConflictError:
@@ -191,3 +146,97 @@ def forward_conflict(model_patcher, foreign: list[str], how: str) -> PatchConfli
         f"this node patches ({shown}; first by {describe(model_patcher.object_patches[foreign[0]])}). "
         "Only one patch can own a forward: remove the other H3 attention patch node from this model's chain, "
         "or remove this one.")
+
+
+# --- rules 6 and 7: the checkpoint's attention preference ----------------------------------------
+# comfy_attention.config["attention"] names (ComfyUI's) -> the pack's back-end that runs them
+PREFERENCE_BACKENDS = {"comfy_kitchen_int8": "comfy_kitchen_int8", "sdpa": "sdpa", "pytorch": "sdpa",
+                       "sage": "sage2", "sage2": "sage2", "sage1": "sage1"}
+# ComfyUI attention functions another node may set as comfy_attention.function (rule 7)
+FUNCTION_BACKENDS = {"attention_comfy_kitchen_int8": "comfy_kitchen_int8", "attention_pytorch": "sdpa",
+                     "attention_sage": "sage2"}
+
+
+def preference(model_patcher, prefix: str):
+    """(pack back-end or None, its source, why it is ignored or None) for one attention module (rule 6);
+    PatchConflictError for a foreign attention function the pack cannot run (rule 7)."""
+    patched = model_patcher.object_patches.get(prefix + ".comfy_attention.function")
+    try:
+        cattn = model_patcher.get_model_object(prefix + ".comfy_attention")
+    except AttributeError:  # ComfyUI 0.33: no comfy_attention
+        cattn = None
+    config = getattr(cattn, "config", None)
+    function = patched if patched is not None else getattr(cattn, "function", None)
+    if patched is None and isinstance(config, dict) and config.get("attention"):
+        name = str(config["attention"])
+        backend = PREFERENCE_BACKENDS.get(name)
+        if backend is None or backend not in kernels.BACKENDS:
+            return None, f"comfy_attention.config {name!r}", "the pack has no back-end for it"
+        return backend, f"comfy_attention.config {name!r}", None
+    if function is None:
+        return None, "", None
+    backend = FUNCTION_BACKENDS.get(getattr(function, "__name__", ""))
+    if backend is None:
+        how = "set by another node's object patch" if patched is not None else "set on the module"
+        raise PatchConflictError(
+            f"Sage Strided NHD Attention: {prefix}.comfy_attention.function is {describe(function)} "
+            f"({how}). This node's forward does not call it, so it would be silently dropped: remove the node "
+            "that sets it, or remove this one.")
+    return backend, f"comfy_attention.function {describe(function)}", None
+
+
+def span(indices) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _preference_plan(model_patcher, keys, backend: str, default):
+    """Rule 6 per patched module: (chains that differ from ``default``, notes grouped per block family)."""
+    chains, groups = {}, {}
+    for key in keys:
+        prefix = key[: -len(".forward")]
+        preferred, source, ignored = preference(model_patcher, prefix)
+        if ignored:
+            code, verdict = "preference_ignored", f"ignored: {ignored}"
+        elif preferred is None:
+            continue
+        elif backend == "auto":
+            chains[key] = kernels.BackendChain.for_choice(preferred, prepared=default.prepared)
+            code, verdict = "preference_honoured", f"honoured: {preferred} runs first (backend auto)"
+        else:
+            code, verdict = "preference_overridden", f"overridden by the node's back-end {backend}"
+        family = "token_refiner blocks" if ".token_refiner." in prefix else "blocks"
+        groups.setdefault((code, family, source, verdict), []).append(int(prefix.split(".")[-2]))
+    notes = [Note(code, f"checkpoint attention preference ({source}) on {family} {span(ix)}: {verdict}")
+             for (code, family, source, verdict), ix in groups.items()]
+    return chains, notes
+
+
+def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default) -> Plan:
+    """The H3 forward patch's plan for one sampling run (rules 2-7); ``forwards``: object-patch key -> ours."""
+    notes = check_override_at_sampling(model_patcher, model_options, "h3_forward_patch")
+    active = [key for key, fwd in forwards.items() if model_patcher.object_patches.get(key) is fwd]
+    foreign = [key for key in forwards if _foreign(model_patcher.object_patches.get(key))]
+    if foreign:
+        raise forward_conflict(model_patcher, foreign, "replaced (after this node)")
+    chains, preference_notes = _preference_plan(model_patcher, active, backend, default)
+    notes += preference_notes
+    replaced = model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+    if replaced and not sparse_node_present(model_patcher):
+        notes.append(Note("block_replaces", f"another node replaces {len(replaced)} DiT block(s) (patches_replace "
+                                            "'dit'): calls they route to the block's attention run this node's "
+                                            "forward and are counted; others are theirs"))
+    blocks = sum(1 for k in active if ".token_refiner." not in k)
+    return Plan(default, chains, tuple(notes), blocks, len(active) - blocks)
+
+
+def plan_override(model_patcher, model_options, ours, default) -> Plan:
+    """The attention override's plan for one sampling run (rules 3, 4)."""
+    notes = check_override_at_sampling(model_patcher, model_options, "attention_override", ours=ours)
+    return Plan(default, notes=tuple(notes))

@@ -1,9 +1,5 @@
-"""The "Sage Strided NHD Attention" node: schema and a thin execute.
-
-MiniMax H3 models get their attention forwards replaced (h3_patch.py); any other model
-gets a per-clone attention override (override.py). Both patch a clone only and report
-once per sampling run (report.py). Conflicts follow the rules in conflicts.py.
-"""
+"""The "Sage Strided NHD Attention" node: schema and a thin execute. MiniMax H3 gets its attention
+forwards replaced (h3_patch.py), any other model an attention override (override.py), on a clone."""
 
 from __future__ import annotations
 
@@ -11,19 +7,19 @@ from comfy_api.latest import ComfyExtension, io
 
 from .. import kernels
 from . import h3_patch, override
-from .settings import check_settings
+from .patch import Settings
 
 CATEGORY = "advanced/model_patches"
 
 
-def patch_any_model(model_patcher, layout: str, backend: str, patch_refiner: bool = True, node_id=None,
-                    prep_mode: str = "exact"):
-    """The node's whole job, callable without a graph: returns ``(clone, summary)``."""
-    check_settings(layout, backend, prep_mode)
+def patch_any_model(model_patcher, layout: str = "strided_nhd", backend: str = "auto", patch_refiner: bool = True,
+                    node_id=None, prep_mode: str = "exact"):
+    """The node's whole job, callable without a graph: returns ``(clone, patch)``. Probes no back-end
+    (they are probed when sampling starts), so it imports no kernel package."""
+    settings = Settings(layout=layout, backend=backend, prep_mode=prep_mode, patch_refiner=patch_refiner)
     if h3_patch.is_h3_model(model_patcher.get_model_object("diffusion_model")):
-        return h3_patch.patch_model(model_patcher, layout, backend, patch_refiner, node_id=node_id,
-                                    prep_mode=prep_mode, checked=True)
-    return override.patch_model(model_patcher, layout, backend, node_id=node_id, prep_mode=prep_mode, checked=True)
+        return h3_patch.patch_model(model_patcher, settings, node_id=node_id)
+    return override.patch_model(model_patcher, settings, node_id=node_id)
 
 
 class SageStridedNHDAttention(io.ComfyNode):
@@ -38,10 +34,11 @@ class SageStridedNHDAttention(io.ComfyNode):
                 "MiniMax H3: Q/K/V stay strided views of the fused qkv buffer, the output is viewed "
                 "token-major. Other models: an attention override that hands the kernel NHD views. "
                 "Patches a copy of the model only; a report of what ran is sent after each sampling run."),
+            # widget order is the bundled workflows' (layout, backend, patch_text_refiner, sage2_prep)
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model to patch. The input model itself is left unchanged."),
                 io.Combo.Input(
-                    "layout", options=list(kernels.LAYOUTS), default="strided_nhd",
+                    "layout", options=list(kernels.LAYOUTS), default="strided_nhd", advanced=True,
                     tooltip="strided_nhd: no Q/K/V or output copies (fast, less memory). "
                             "hnd: the reference path with contiguous head-major copies, for A/B comparison."),
                 io.Combo.Input(
@@ -54,13 +51,14 @@ class SageStridedNHDAttention(io.ComfyNode):
                     tooltip="MiniMax H3 only: also patch the 2 text refiner blocks (run once per sampling). "
                             "Ignored for other models."),
                 io.Combo.Input(
-                    "sage2_prep", options=list(kernels.PREP_MODES), default="exact", optional=True,
-                    tooltip="How SageAttention 2's fast path (MiniMax H3, strided_nhd) prepares Q/K/V. "
-                            "exact: bit-identical to SageAttention. fused: norm+rope folded into the quantisation "
-                            "(not bit-identical; about as fast as exact on an H200). rotated: Q/K rotated "
-                            "(Hadamard) before int8, for H3's late-block outlier channels (about 1.4 ms more "
-                            "per attention at 37,810 tokens on an H200, lower int8 error). "
-                            "Ignored where the fast path does not run."),
+                    "sage2_prep", options=list(kernels.PREPARED_MODES), default="exact", optional=True,
+                    advanced=True,
+                    tooltip="How SageAttention 2's prepared path (MiniMax H3, strided_nhd, H100/H200) makes its "
+                            "int8/fp8 operands. exact: bit-identical to SageAttention. fused: RMSNorm+RoPE folded "
+                            "into the quantisation (not bit-identical; about as fast as exact on an H200). rotated: "
+                            "Q/K rotated (Hadamard) before int8, for H3's late-block outlier channels (about 0.65 ms "
+                            "more per attention call at 37,810 tokens on an H200, lower int8 error). fused_rotated: "
+                            "both. Ignored where the prepared path does not run."),
             ],
             outputs=[io.Model.Output(tooltip="The patched copy of the model.")],
             hidden=[io.Hidden.unique_id],

@@ -16,7 +16,7 @@ def test_fallback_latent_equals_the_node_latent(comfy_inprocess, monkeypatch, wi
 
     from benchmarks import sections
 
-    bench = sections.Bench(device=torch.device("cpu"), base=None, clones={}, summaries={}, conditioning=None,
+    bench = sections.Bench(device=torch.device("cpu"), base=None, clones={}, patches={}, conditioning=None,
                            width=width, height=height, frames=frames, seed=0, block_indices=[0])
     node = EmptyMiniMaxH3LatentAV.execute(width, height, frames)[0]["samples"]
     assert sections.empty_av_latent(bench)["samples"].unbind()[0].shape == node.unbind()[0].shape

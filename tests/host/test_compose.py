@@ -54,6 +54,12 @@ def counts(server, name: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def notes_text(report: dict) -> list[str]:
+    """The sentences of a report's notes (schema 3: {"code", "text"} each)."""
+    assert all(set(n) == {"code", "text"} for n in report["notes"]), report["notes"]
+    return [n["text"] for n in report["notes"]]
+
+
 def assert_latents_equal(a: dict, b: dict, what: str):
     assert a.keys() == b.keys(), f"{what}: streams {sorted(a)} vs {sorted(b)}"
     for k in a:
@@ -124,7 +130,7 @@ def test_wan_override_that_wraps_ours_composes_and_says_so(comfy_server, stock):
     assert r["status"] == "ok" and r["attention_calls"] > 0 and r["backends_ran"] == {"sdpa": r["attention_calls"]}
     assert counts(comfy_server, name)["calls"] == r["attention_calls"]  # every call passed through both
     assert any("composed with another node's attention override" in n and "other_backend_override" in n
-               for n in r["notes"]), r["notes"]
+               for n in notes_text(r)), r["notes"]
     assert_latents_equal(run.latent("9"), stock["wan"], "wrapping override + node vs stock")
 
 
@@ -151,7 +157,7 @@ def test_sparse_attention_composes_on_h3_in_either_order(comfy_server, stock, or
     assert c.get("block_sparse") == STEPS, c
     assert r["attention_calls"] == STEPS * (1 + TINY_H3["token_refiner_num_layers"]), r
     assert r["blocks_patched"] == 2 and r["status"] == "ok"
-    assert any("Model Sparse Attention" in n for n in r["notes"]), r["notes"]
+    assert any("Model Sparse Attention" in n for n in notes_text(r)), r["notes"]
     assert_latents_equal(run.latent("9"), stock["h3"], "sparse stand-in + node vs stock")
 
 
@@ -164,7 +170,7 @@ def test_sparse_attention_composes_on_wan_in_either_order(comfy_server, stock, o
     c = counts(comfy_server, name)
     assert c.get("sparse", 0) > 0 and c.get("dense", 0) > 0, c
     assert r["attention_calls"] == c["dense"], (r, c)  # its dense calls fall back to this node
-    assert any("Model Sparse Attention" in n for n in r["notes"]), r["notes"]
+    assert any("Model Sparse Attention" in n for n in notes_text(r)), r["notes"]
     assert_latents_equal(run.latent("9"), stock["wan"], "sparse stand-in + node vs stock (Wan)")
 
 
@@ -182,7 +188,7 @@ def test_checkpoint_preference_is_honoured_with_auto(comfy_server, pref_ckpt, or
     run = comfy_server.run_graph(chain_graph("h3", ordered(pref, order, patch_inputs(backend="auto")), name,
                                              ckpt=pref_ckpt))
     r = ok_report(run)
-    notes = " | ".join(r["notes"])
+    notes = " | ".join(notes_text(r))
     assert "checkpoint attention preference (comfy_attention.config 'comfy_kitchen_int8') on blocks 0: honoured" in notes
     # block 0 asked for comfy_kitchen_int8 first: on this CPU it cannot run, which is a fallback (not an auto skip)
     fb = {f["backend"]: f for f in r["fallbacks"]}
@@ -199,7 +205,7 @@ def test_explicit_backend_overrides_the_preference_and_says_so(comfy_server, pre
     run = comfy_server.run_graph(chain_graph("h3", ordered(pref, "before", patch_inputs(backend="sdpa")), name,
                                              ckpt=pref_ckpt))
     r = ok_report(run)
-    assert any("on blocks 0-1: overridden by the node's back-end sdpa" in n for n in r["notes"]), r["notes"]
+    assert any("on blocks 0-1: overridden by the node's back-end sdpa" in n for n in notes_text(r)), r["notes"]
     assert all(f["backend"] != "comfy_kitchen_int8" for f in r["fallbacks"]), r["fallbacks"]
 
 
@@ -207,7 +213,7 @@ def test_unsupported_preference_is_ignored_with_a_note(comfy_server, pref_ckpt):
     name = "pref_unknown"
     pref = ("SageNHDTestAttentionPreference", {"config": '{"attention": "flash_magic"}', "blocks": "1", "name": name})
     r = ok_report(comfy_server.run_graph(chain_graph("h3", ordered(pref, "before"), name, ckpt=pref_ckpt)))
-    assert any("'flash_magic'" in n and "ignored" in n for n in r["notes"]), r["notes"]
+    assert any("'flash_magic'" in n and "ignored" in n for n in notes_text(r)), r["notes"]
 
 
 # --- rule 7: another node's object patch of comfy_attention.function ------------------------------
@@ -227,7 +233,7 @@ def test_comfy_attention_function_of_comfyui_is_taken_as_the_preference(comfy_se
     fn = ("SageNHDTestComfyAttentionFunction", {"kind": "comfy_kitchen_int8", "block": 1})
     r = ok_report(comfy_server.run_graph(chain_graph("h3", [pref] + ordered(fn, "after", patch_inputs(backend="auto")),
                                                      name, ckpt=pref_ckpt)))
-    assert any("attention_comfy_kitchen_int8" in n and "on blocks 1: honoured" in n for n in r["notes"]), r["notes"]
+    assert any("attention_comfy_kitchen_int8" in n and "on blocks 1: honoured" in n for n in notes_text(r)), r["notes"]
 
 
 # --- interrupted and failed runs ---------------------------------------------------------------------

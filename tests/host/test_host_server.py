@@ -46,7 +46,9 @@ def test_node_is_listed_in_object_info(comfy_server):
     assert all(spec[1].get("tooltip") for spec in req.values()), "every input needs a tooltip"
     opt = info["input"].get("optional", {})
     assert list(opt) == ["sage2_prep"], "sage2_prep is optional: API graphs saved without it still validate"
-    assert opt["sage2_prep"][0] == ["exact", "fused", "rotated"] or opt["sage2_prep"][1].get("options") == ["exact", "fused", "rotated"]
+    modes = ["exact", "fused", "rotated", "fused_rotated"]
+    assert opt["sage2_prep"][0] == modes or opt["sage2_prep"][1].get("options") == modes
+    assert opt["sage2_prep"][1].get("advanced") is True and req["layout"][1].get("advanced") is True
     assert opt["sage2_prep"][1]["default"] == "exact" and opt["sage2_prep"][1].get("tooltip")
 
 
@@ -78,8 +80,8 @@ def test_h3_latents_bit_identical_across_layouts_and_stock_and_patch_reverts(com
         assert r["model_family"] == "MiniMaxH3" and r["path"] == "h3_forward_patch" and r["layout"] == layout
         assert r["blocks_patched"] == 2 and r["refiner_blocks_patched"] == 2 and r["node_id"] == "3"
         assert r["backends_ran"] == {"sdpa": r["attention_calls"]} and r["attention_calls"] >= 2 * STEPS
-        assert r["fallbacks"] == [] and r["status"] == "ok" and r["prompt_id"] and r["schema"] == 2
-        assert r["notes"] == [] and r["fast_path"] is None and r["compile_events"] == []
+        assert r["fallbacks"] == [] and r["status"] == "ok" and r["prompt_id"] and r["schema"] == 3
+        assert r["notes"] == [] and r["prepared"] == [] and r["compile_events"] == [] and r["error"] is None
     # copies the dataflow really made: none on strided_nhd; HND's 3 input + 1 output copies
     assert only_report(strided)["copies_per_call"] == 0.0
     assert only_report(hnd)["copies_per_call"] == 4.0
@@ -137,9 +139,9 @@ def test_foreign_object_patch_is_refused_with_a_clear_error(comfy_server):
 def test_api_graph_with_sage2_prep_validates_and_runs(comfy_server):
     run = comfy_server.run_graph(h3_graph(patch=dict(patch_inputs(), sage2_prep="rotated"), name="h3_prep_rotated"))
     r = only_report(run)
-    assert r["prep_mode"] == "rotated" and r["fast_path"] is None  # no sage2 fast path on a CPU
+    assert r["prep_mode"] == "rotated" and r["prepared"] == []  # no sage2 prepared path on a CPU
     stock = comfy_server.run_graph(h3_graph(patch=None, name="h3_prep_stock"))
-    assert_latents_equal(run.latent("9"), stock.latent("9"), "sage2_prep without a fast path changes nothing")
+    assert_latents_equal(run.latent("9"), stock.latent("9"), "sage2_prep without a prepared path changes nothing")
 
 
 def test_cpu_device_with_sage_requested_falls_back_to_sdpa_and_says_why(comfy_server):

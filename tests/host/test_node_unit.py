@@ -34,9 +34,22 @@ def assert_same(a, b, what):
     assert torch.equal(a, b), f"{what}: max abs difference {diff}"
 
 
-def make_report(pack, backend="sdpa", path="h3_forward_patch", layout="strided_nhd"):
-    return pack.nodes.report.RunReport(node_id="1", model_family="test", path=path, layout=layout,
-                                       backend_requested=backend)
+def make_patch(pack, backend="sdpa", path="h3_forward_patch", layout="strided_nhd", prep_mode="exact"):
+    """The node's per-clone state without a clone: settings, a report and the node's own chain."""
+    settings = pack.nodes.patch.Settings(layout=layout, backend=backend, prep_mode=prep_mode)
+    report = pack.nodes.report.RunReport(node_id="1", model_family="test", path=path, settings=settings)
+    plan = pack.nodes.patch.Plan(pack.kernels.BackendChain.for_choice(backend))
+    return pack.nodes.patch.InstalledPatch(settings, report, None, plan)
+
+
+def settings(pack, layout="strided_nhd", backend="auto", patch_refiner=True):
+    return pack.nodes.patch.Settings(layout=layout, backend=backend, patch_refiner=patch_refiner)
+
+
+def outer_sample_wrapper(pack, clone):
+    from comfy.patcher_extension import WrappersMP
+    (wrapper,) = clone.get_wrappers(WrappersMP.OUTER_SAMPLE, pack.nodes.patch.WRAPPER_KEY)
+    return wrapper
 
 
 # --- the H3 forward ------------------------------------------------------------------------------
@@ -48,11 +61,10 @@ def test_h3_patched_forward_equals_stock_forward_bit_for_bit(pack, layout, with_
     x = torch.randn(S, 64, generator=torch.Generator().manual_seed(9))
     kwargs = {"rope_freqs": rope_table(model)} if with_rope else {}
     stock = attn(x.clone(), **kwargs)
-    report = make_report(pack, layout=layout)
-    chain = pack.kernels.BackendChain.for_choice("sdpa")
-    patched = pack.nodes.h3_patch.H3AttentionForward(attn, chain=chain, layout=layout, report=report)
+    patch = make_patch(pack, layout=layout)
+    patched = pack.nodes.h3_patch.H3AttentionForward(attn, "blocks.1.attn.forward", patch)
     assert_same(patched(x.clone(), **kwargs), stock, f"{layout}, rope={with_rope}")
-    assert report.calls == 1 and dict(report.backends) == {"sdpa": 1}
+    assert patch.report.calls == 1 and dict(patch.report.backends) == {"sdpa": 1}
 
 
 def test_h3_training_mode_uses_out_of_place_rope_and_matches_stock(pack):
@@ -61,8 +73,7 @@ def test_h3_training_mode_uses_out_of_place_rope_and_matches_stock(pack):
     attn = model.blocks[0].attn
     x = torch.randn(S, 64, generator=torch.Generator().manual_seed(10))
     table = rope_table(model)
-    chain = pack.kernels.BackendChain.for_choice("sdpa")
-    patched = pack.nodes.h3_patch.H3AttentionForward(attn, chain=chain, layout="strided_nhd", report=make_report(pack))
+    patched = pack.nodes.h3_patch.H3AttentionForward(attn, "blocks.0.attn.forward", make_patch(pack))
     old = mm.in_training
     mm.in_training = True
     try:
@@ -112,23 +123,23 @@ def test_patch_refuses_changed_structure_and_leaves_the_model_alone(pack):
     model.blocks[1].attn.head_dim = 16
     mp = patcher_for(model)
     with pytest.raises(pack.nodes.h3_patch.H3StructureError, match=r"diffusion_model\.blocks\.1\.attn: .*head_dim=16"):
-        pack.nodes.h3_patch.patch_model(mp, "strided_nhd", "sdpa")
+        pack.nodes.h3_patch.patch_model(mp, settings(pack, backend="sdpa"))
     assert mp.object_patches == {} and "optimized_attention_override" not in mp.model_options["transformer_options"]
 
 
 # --- patching a ModelPatcher ---------------------------------------------------------------------
 def test_patch_model_patches_a_clone_only(pack):
     mp = patcher_for(tiny_h3_model())
-    clone, summary = pack.nodes.h3_patch.patch_model(mp, "strided_nhd", "auto", patch_refiner=True)
+    clone, patch = pack.nodes.h3_patch.patch_model(mp, settings(pack))
     assert clone is not mp and mp.object_patches == {} and mp.wrappers == {}
     keys = sorted(clone.object_patches)
     assert keys == sorted([f"diffusion_model.blocks.{i}.attn.forward" for i in range(2)]
                           + [f"diffusion_model.token_refiner.blocks.{i}.attn.forward" for i in range(2)])
-    assert summary["blocks_patched"] == 2 and summary["refiner_blocks_patched"] == 2
-    assert {b["name"] for b in summary["backends_here"]} == set(pack.kernels.AUTO_ORDER)
+    assert patch.report.static["blocks_patched"] == 2 and patch.report.static["refiner_blocks_patched"] == 2
 
-    clone2, summary2 = pack.nodes.h3_patch.patch_model(mp, "hnd", "sdpa", patch_refiner=False)
-    assert all(".token_refiner." not in k for k in clone2.object_patches) and summary2["refiner_blocks_patched"] == 0
+    clone2, patch2 = pack.nodes.h3_patch.patch_model(mp, settings(pack, "hnd", "sdpa", patch_refiner=False))
+    assert all(".token_refiner." not in k for k in clone2.object_patches)
+    assert patch2.report.static["refiner_blocks_patched"] == 0
 
 
 def test_bad_settings_are_refused(pack):
@@ -140,13 +151,13 @@ def test_bad_settings_are_refused(pack):
     with pytest.raises(ValueError, match="unknown sage2_prep mode 'fast'"):
         pack.nodes.patch_any_model(mp, "strided_nhd", "auto", prep_mode="fast")
     with pytest.raises(ValueError, match="unknown layout 'NHD'"):  # one vocabulary, validated in one place
-        pack.nodes.override.patch_model(patcher_for(tiny_wan_model()), "NHD", "auto")
+        pack.nodes.patch.Settings(layout="NHD")
 
 
 def test_non_h3_model_takes_the_override_path(pack):
     mp = patcher_for(tiny_wan_model())
-    clone, summary = pack.nodes.patch_any_model(mp, "strided_nhd", "auto")
-    assert summary["path"] == "attention_override" and clone.object_patches == {}
+    clone, patch = pack.nodes.patch_any_model(mp, "strided_nhd", "auto")
+    assert patch.report.static["path"] == "attention_override" and clone.object_patches == {}
     assert pack.nodes.conflicts.is_own(clone.model_options["transformer_options"]["optimized_attention_override"])
     assert "optimized_attention_override" not in mp.model_options["transformer_options"]
 
@@ -154,19 +165,19 @@ def test_non_h3_model_takes_the_override_path(pack):
 # --- conflict rules ------------------------------------------------------------------------------
 def test_own_patch_applied_twice_is_replaced_and_reported(pack):
     mp = patcher_for(tiny_h3_model())
-    first, _ = pack.nodes.h3_patch.patch_model(mp, "hnd", "sdpa", patch_refiner=True)
-    second, summary = pack.nodes.h3_patch.patch_model(first, "strided_nhd", "auto", patch_refiner=False)
-    assert summary["replaced_own_patch"] is True
+    first, _ = pack.nodes.h3_patch.patch_model(mp, settings(pack, "hnd", "sdpa"))
+    second, patch = pack.nodes.h3_patch.patch_model(first, settings(pack, patch_refiner=False))
+    assert patch.report.static["replaced_own_patch"] is True
     assert sorted(second.object_patches) == [f"diffusion_model.blocks.{i}.attn.forward" for i in range(2)]
-    assert all(f.layout == "strided_nhd" for f in second.object_patches.values())
+    assert all(f.patch.settings.layout == "strided_nhd" for f in second.object_patches.values())
     from comfy.patcher_extension import WrappersMP
-    assert len(second.get_wrappers(WrappersMP.OUTER_SAMPLE, pack.nodes.report.WRAPPER_KEY)) == 1
+    assert len(second.get_wrappers(WrappersMP.OUTER_SAMPLE, pack.nodes.patch.WRAPPER_KEY)) == 1
 
     wan = patcher_for(tiny_wan_model())
     o1, _ = pack.nodes.patch_any_model(wan, "hnd", "sdpa")
-    o2, s2 = pack.nodes.patch_any_model(o1, "strided_nhd", "sdpa")
-    assert s2["replaced_own_patch"] is True
-    assert o2.model_options["transformer_options"]["optimized_attention_override"].layout == "strided_nhd"
+    o2, p2 = pack.nodes.patch_any_model(o1, "strided_nhd", "sdpa")
+    assert p2.report.static["replaced_own_patch"] is True
+    assert o2.model_options["transformer_options"]["optimized_attention_override"].patch.settings.layout == "strided_nhd"
 
 
 def test_foreign_object_patch_is_refused(pack):
@@ -178,7 +189,7 @@ def test_foreign_object_patch_is_refused(pack):
     mp.add_object_patch("diffusion_model.blocks.1.attn.forward", other_packs_forward)
     with pytest.raises(pack.nodes.conflicts.PatchConflictError,
                        match=r"another node already replaced 1 attention forward.*blocks\.1\.attn\.forward.*other_packs_forward"):
-        pack.nodes.h3_patch.patch_model(mp, "strided_nhd", "auto")
+        pack.nodes.h3_patch.patch_model(mp, settings(pack))
 
 
 @pytest.mark.parametrize("family", ["h3", "wan"])
@@ -205,14 +216,13 @@ def test_override_matches_comfyui_pytorch_attention(pack, layout, skip_reshape, 
     from comfy.ldm.modules.attention import attention_pytorch
     b, h, s, d = 2, 3, 10, 16
     q, k, v = _qkv((b, h, s, d) if skip_reshape else (b, s, h * d), seed=1)
-    report = make_report(pack, path="attention_override", layout=layout)
-    override = pack.nodes.override.AttentionOverride(
-        chain=pack.kernels.BackendChain.for_choice("sdpa"), layout=layout, report=report)
+    patch = make_patch(pack, path="attention_override", layout=layout)
+    override = pack.nodes.override.AttentionOverride(patch)
     kw = dict(skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape)
     expected = attention_pytorch(q, k, v, h, **kw)
     got = override(attention_pytorch, q, k, v, h, **kw)
     assert_same(got, expected, f"override {layout} {kw}")
-    assert report.calls == 1 and report.stock_calls == 0
+    assert patch.report.calls == 1 and patch.report.stock_calls == 0
 
 
 def test_override_takes_masks_like_comfyui(pack):
@@ -221,8 +231,7 @@ def test_override_takes_masks_like_comfyui(pack):
     q, k, v = _qkv((b, s, h * d), seed=2)
     mask = torch.zeros(s, s)
     mask[:, -3:] = float("-inf")
-    override = pack.nodes.override.AttentionOverride(
-        chain=pack.kernels.BackendChain.for_choice("sdpa"), layout="strided_nhd", report=make_report(pack))
+    override = pack.nodes.override.AttentionOverride(make_patch(pack, path="attention_override"))
     assert_same(override(attention_pytorch, q, k, v, h, mask=mask), attention_pytorch(q, k, v, h, mask=mask), "mask")
 
 
@@ -233,14 +242,14 @@ def test_override_hands_gqa_back_to_comfyui_and_counts_it(pack):
         calls.append(kwargs)
         return "stock result"
 
-    report = make_report(pack, path="attention_override")
-    override = pack.nodes.override.AttentionOverride(
-        chain=pack.kernels.BackendChain.for_choice("sdpa"), layout="strided_nhd", report=report)
+    patch = make_patch(pack, path="attention_override")
+    override = pack.nodes.override.AttentionOverride(patch)
     q, k, v = _qkv((1, 8, 64), seed=3)
     assert override(stock, q, k, v, 4, enable_gqa=True) == "stock result"
     assert calls[0]["enable_gqa"] is True
-    p = report.payload()
+    p = patch.report.payload()
     assert p["stock_calls"] == 1 and p["fallbacks"][0]["backend"] == "stock" and "enable_gqa" in p["fallbacks"][0]["reason"]
+    assert p["fallbacks"][0]["code"] == "model_request"
 
 
 # --- back-ends that cannot run here ----------------------------------------------------------------
@@ -251,10 +260,8 @@ def test_missing_sageattention_falls_back_and_the_report_says_why(pack, monkeypa
     monkeypatch.setitem(sys.modules, "sageattention", None)  # import sageattention -> ImportError
     try:
         mp = patcher_for(tiny_h3_model(seed=6))
-        clone, summary = pack.nodes.h3_patch.patch_model(mp, "strided_nhd", "sage1")
-        avail = {b["name"]: b for b in summary["backends_here"]}
-        assert not avail["sage1"]["available"] and "not importable" in avail["sage1"]["reason"]
-        report = summary["report"]
+        clone, patch = pack.nodes.h3_patch.patch_model(mp, settings(pack, backend="sage1"))
+        report = patch.report
         model = mp.model.diffusion_model
         x = torch.randn(S, 64, generator=torch.Generator().manual_seed(1))
         stock = model.blocks[0].attn(x.clone(), rope_freqs=rope_table(model))
@@ -262,8 +269,8 @@ def test_missing_sageattention_falls_back_and_the_report_says_why(pack, monkeypa
         assert_same(ours, stock, "sage1 requested, sageattention missing")
         p = report.payload()
         assert p["backends_ran"] == {"sdpa": 1}
-        reasons = {f["backend"]: f["reason"] for f in p["fallbacks"]}
-        assert "not importable" in reasons["sage1"], reasons
+        reasons = {f["backend"]: (f["code"], f["reason"]) for f in p["fallbacks"]}
+        assert reasons["sage1"][0] == "not_installed" and "not importable" in reasons["sage1"][1], reasons
     finally:
         for b in backends:
             b.__dict__.pop("_availability", None)
@@ -272,10 +279,9 @@ def test_missing_sageattention_falls_back_and_the_report_says_why(pack, monkeypa
 # --- the run report ------------------------------------------------------------------------------
 def test_report_is_sent_once_per_sampling_run(pack):
     mp = patcher_for(tiny_h3_model(seed=2))
-    clone, summary = pack.nodes.h3_patch.patch_model(mp, "strided_nhd", "sdpa", node_id="17")
-    report = summary["report"]
-    from comfy.patcher_extension import WrappersMP
-    (wrapper,) = clone.get_wrappers(WrappersMP.OUTER_SAMPLE, pack.nodes.report.WRAPPER_KEY)
+    clone, patch = pack.nodes.h3_patch.patch_model(mp, settings(pack, backend="sdpa"), node_id="17")
+    report = patch.report
+    wrapper = outer_sample_wrapper(pack, clone)
     model = mp.model.diffusion_model
     fwd = clone.object_patches["diffusion_model.blocks.0.attn.forward"]
 
@@ -287,12 +293,11 @@ def test_report_is_sent_once_per_sampling_run(pack):
     assert wrapper(sampling_run) == "latent"
     first = report.last
     assert wrapper(sampling_run) == "latent"
-    assert report.last is not first and report.sent == [report.last]  # the last payload only, no growth
+    assert report.last is not first  # the last payload only, no growth
     p = report.last
-    assert p["schema"] == 2 and p["attention_calls"] == 3 and p["node_id"] == "17" and p["status"] == "ok"
-    assert p["copies_per_call"] == 0.0 and p["backends_ran"] == {"sdpa": 3}
-    assert "copies_avoided_per_call" not in p and "remaining_copies" not in p
-    assert p["fast_path"] is None and p["compile_events"] == [] and p["notes"] == []
+    assert p["schema"] == 3 and p["attention_calls"] == 3 and p["node_id"] == "17" and p["status"] == "ok"
+    assert p["copies_per_call"] == 0.0 and p["backends_ran"] == {"sdpa": 3} and p["error"] is None
+    assert p["prepared"] == [] and p["prepared_skipped"] == [] and p["compile_events"] == [] and p["notes"] == []
 
 
 def test_model_without_optimized_attention_calls_reports_that_nothing_changed(pack, caplog):
@@ -301,12 +306,11 @@ def test_model_without_optimized_attention_calls_reports_that_nothing_changed(pa
             return torch.softmax(x @ x.T, -1) @ x
 
     mp = patcher_for(NoAttention())
-    clone, summary = pack.nodes.patch_any_model(mp, "strided_nhd", "auto")
-    from comfy.patcher_extension import WrappersMP
-    (wrapper,) = clone.get_wrappers(WrappersMP.OUTER_SAMPLE, pack.nodes.report.WRAPPER_KEY)
+    clone, patch = pack.nodes.patch_any_model(mp, "strided_nhd", "auto")
+    wrapper = outer_sample_wrapper(pack, clone)
     with caplog.at_level("WARNING", logger="sage_strided_nhd"):
         wrapper(lambda: mp.model.diffusion_model(torch.randn(4, 4)))
-    p = summary["report"].last
+    p = patch.report.last
     assert p["status"] == "no_attention_calls" and p["attention_calls"] == 0
     assert "does not call ComfyUI's optimized_attention" in caplog.text
 
@@ -320,29 +324,33 @@ def test_node_schema_has_tooltips_and_defaults(pack):
     defaults = {i.id: getattr(i, "default", None) for i in schema.inputs}
     assert defaults["layout"] == "strided_nhd" and defaults["backend"] == "auto" and defaults["patch_text_refiner"] is True
     prep = schema.inputs[-1]
-    assert defaults["sage2_prep"] == "exact" and prep.optional and list(prep.options) == list(pack.kernels.PREP_MODES)
+    assert defaults["sage2_prep"] == "exact" and prep.optional and list(prep.options) == list(pack.kernels.PREPARED_MODES)
+    advanced = {i.id for i in schema.inputs if getattr(i, "advanced", None)}
+    assert advanced == {"layout", "sage2_prep"}  # most users should not touch them
 
 
-# --- schema 2: what the report reads from the records ------------------------------------------
-def test_report_reads_skip_kinds_from_the_records(pack):
+# --- schema 3: what the report reads from the records ------------------------------------------
+def test_report_reads_skip_kinds_and_codes_from_the_records(pack):
     k = pack.kernels
-    report = make_report(pack, backend="auto")
-    skipped = (k.Skip("sage2", "no CUDA device", "unavailable"), k.Skip("comfy_kitchen_int8", "needs CUDA", "unsupported"),
-               k.Skip("sage1", "raised RuntimeError: x", "raised"))
+    report = make_patch(pack, backend="auto").report
+    skipped = (k.Skip("sage2", "no_cuda", "no CUDA device", "unavailable"),
+               k.Skip("comfy_kitchen_int8", "no_cuda", "needs CUDA", "unsupported"),
+               k.Skip("sage1", "raised", "raised RuntimeError: x", "raised"))
     report.record(k.CallRecord("auto", backend="sdpa", skipped=skipped, head_chunks=2, copies=1,
-                               fast_path_skipped="sage2 fast path: not sm90",
+                               prepared_skipped=k.Skip("sage2", "gpu_arch", "not sm90", "unsupported"),
                                compiled=({"backend": "fa4", "key": "k1", "seconds": 1.5},)))
-    report.record(k.CallRecord("sage2", backend="sdpa", skipped=(k.Skip("sage2", "no CUDA device", "unavailable"),),
-                               fast_path="sage2 prepared operands (exact)"))
+    report.record(k.CallRecord("sage2", backend="sage2", prepared="exact",
+                               skipped=(k.Skip("fa4", "no_cuda", "no CUDA device", "unavailable"),)))
     p = report.payload()
-    assert p["skipped_unavailable"] == [{"backend": "sage2", "reason": "no CUDA device"}]  # auto + unavailable only
-    assert sorted((f["backend"], f["count"]) for f in p["fallbacks"]) == [
-        ("comfy_kitchen_int8", 1), ("sage1", 1), ("sage2", 1)]  # a named back-end missing is a fallback
-    assert p["head_chunks_max"] == 2 and p["copies_per_call"] == 0.5 and p["backends_ran"] == {"sdpa": 2}
-    assert p["fast_path"] == "sage2 prepared operands (exact) x1"
-    assert p["fast_path_skipped"] == [{"reason": "sage2 fast path: not sm90", "count": 1}]
+    assert p["skipped_unavailable"] == [{"backend": "sage2", "code": "no_cuda", "reason": "no CUDA device"}]
+    assert sorted((f["backend"], f["code"], f["count"]) for f in p["fallbacks"]) == [
+        ("comfy_kitchen_int8", "no_cuda", 1), ("fa4", "no_cuda", 1), ("sage1", "raised", 1)]  # named back-end: fallback
+    assert p["head_chunks_max"] == 2 and p["copies_per_call"] == 0.5 and p["backends_ran"] == {"sdpa": 1, "sage2": 1}
+    assert p["prepared"] == [{"backend": "sage2", "mode": "exact", "calls": 1}]
+    assert p["prepared_skipped"] == [{"backend": "sage2", "code": "gpu_arch", "reason": "not sm90", "count": 1}]
     assert p["compile_events"] == [{"backend": "fa4", "key": "k1", "seconds": 1.5}]
     assert any("compiled fa4 kernel k1" in m for m in p["messages"])
+    assert any("prepared path: sage2 exact x1" in m for m in p["messages"])
 
 
 def test_h3_forward_hands_the_fused_buffer_over_and_passes_prep_mode(pack, monkeypatch):
@@ -353,26 +361,24 @@ def test_h3_forward_hands_the_fused_buffer_over_and_passes_prep_mode(pack, monke
 
     def spy(qkv, *args, **kwargs):
         seen["handed"] = isinstance(qkv, list) and len(qkv) == 1
-        seen["prep_mode"] = kwargs.get("prep_mode")
+        seen["prepared_mode"] = kwargs.get("prepared_mode")
         return real(qkv, *args, **kwargs)
 
     monkeypatch.setattr(pack.kernels, "attention_from_fused_qkv", spy)
-    report = make_report(pack)
-    fwd = pack.nodes.h3_patch.H3AttentionForward(attn, chain=pack.kernels.BackendChain.for_choice("sdpa"),
-                                                 layout="strided_nhd", report=report, prep_mode="rotated")
+    patch = make_patch(pack, prep_mode="rotated")
+    fwd = pack.nodes.h3_patch.H3AttentionForward(attn, "blocks.0.attn.forward", patch)
     x = torch.randn(S, 64, generator=torch.Generator().manual_seed(9))
     assert_same(fwd(x.clone(), rope_freqs=rope_table(model)), attn(x.clone(), rope_freqs=rope_table(model)),
-                "rotated prep without a fast path")
-    assert seen == {"handed": True, "prep_mode": "rotated"} and report.calls == 1
+                "rotated prep without a prepared path")
+    assert seen == {"handed": True, "prepared_mode": "rotated"} and patch.report.calls == 1
 
 
 @pytest.mark.parametrize("exc,status", [("interrupt", "interrupted"), ("keyboard", "interrupted"), ("error", "failed")])
 def test_interrupted_and_failed_runs_reraise_unchanged_and_report_the_status(pack, exc, status):
     import comfy.model_management as mm
     mp = patcher_for(tiny_h3_model(seed=2))
-    clone, summary = pack.nodes.h3_patch.patch_model(mp, "strided_nhd", "sdpa")
-    from comfy.patcher_extension import WrappersMP
-    (wrapper,) = clone.get_wrappers(WrappersMP.OUTER_SAMPLE, pack.nodes.report.WRAPPER_KEY)
+    clone, patch = pack.nodes.h3_patch.patch_model(mp, settings(pack, backend="sdpa"))
+    wrapper = outer_sample_wrapper(pack, clone)
     error = {"interrupt": mm.InterruptProcessingException(), "keyboard": KeyboardInterrupt(),
              "error": ValueError("boom")}[exc]
 
@@ -382,14 +388,17 @@ def test_interrupted_and_failed_runs_reraise_unchanged_and_report_the_status(pac
     with pytest.raises(BaseException) as caught:
         wrapper(sampling_run)
     assert caught.value is error
-    p = summary["report"].last
+    p = patch.report.last
     assert p["status"] == status
     if status == "failed":
+        assert p["error"] == {"type": "ValueError", "message": "boom"}
         assert any("failed: ValueError: boom" in m for m in p["messages"])
+    else:
+        assert p["error"] is None
 
 
 def test_preference_resolution_through_the_comfy_attention_interface(pack):
-    h3p = pack.nodes.h3_patch
+    conflicts = pack.nodes.conflicts
     model = tiny_h3_model()
 
     class ComfyAttention(torch.nn.Module):  # the interface of current ComfyUI's ComfyAttention
@@ -406,9 +415,9 @@ def test_preference_resolution_through_the_comfy_attention_interface(pack):
     model.blocks[0].attn.comfy_attention = ComfyAttention({"attention": "comfy_kitchen_int8"}, attention_comfy_kitchen_int8)
     model.blocks[1].attn.comfy_attention = ComfyAttention(None, some_other_packs_attention)
     mp = patcher_for(model)
-    assert h3p.preference(mp, "diffusion_model.blocks.0.attn")[0] == "comfy_kitchen_int8"
-    assert h3p.preference(mp, "diffusion_model.token_refiner.blocks.0.attn") == (None, "", None)  # 0.33: no attribute
-    with pytest.raises(pack.nodes.conflicts.PatchConflictError, match="some_other_packs_attention"):
-        h3p.preference(mp, "diffusion_model.blocks.1.attn")
-    with pytest.raises(pack.nodes.conflicts.PatchConflictError, match=r"blocks\.1\.attn\.comfy_attention\.function"):
-        h3p.patch_model(mp, "strided_nhd", "auto")
+    assert conflicts.preference(mp, "diffusion_model.blocks.0.attn")[0] == "comfy_kitchen_int8"
+    assert conflicts.preference(mp, "diffusion_model.token_refiner.blocks.0.attn") == (None, "", None)  # 0.33
+    with pytest.raises(conflicts.PatchConflictError, match="some_other_packs_attention"):
+        conflicts.preference(mp, "diffusion_model.blocks.1.attn")
+    with pytest.raises(conflicts.PatchConflictError, match=r"blocks\.1\.attn\.comfy_attention\.function"):
+        pack.nodes.h3_patch.patch_model(mp, settings(pack))

@@ -66,11 +66,12 @@ import sys
 sys.modules["sageattention"] = None   # makes `import sageattention` raise ImportError
 sys.modules["triton"] = None
 sys.path.insert(0, {str(ROOT / 'tests')!r})
+sys.path.insert(0, {str(ROOT)!r})
 from host_fixtures import import_pack
 pack = import_pack(__import__("pathlib").Path({str(host)!r}))
 assert [n.__name__ for n in pack.nodes.NODES] == ["SageStridedNHDAttention"], pack.nodes.NODES
-from comfyui_sage_strided_nhd import kernels
-status = {{b["name"]: b for b in kernels.describe_backends("cpu")}}
+from devkit.backends import describe_backends
+status = {{b["name"]: b for b in describe_backends("cpu")}}
 for name in ("sage2", "sage1"):
     assert not status[name]["available"] and status[name]["reason"], status[name]
 assert status["sdpa"]["available"], status["sdpa"]
@@ -79,3 +80,34 @@ print("ok", status["sage2"]["reason"])
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
                           env={**os.environ, "COMFYUI_PATH": str(host)})
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_executing_the_node_imports_no_optional_kernel_package(tmp_path):
+    """Back-ends are probed when sampling starts, not when the node executes (flash-attn-4's import
+    alone takes ~7 s). A stand-in ``flash_attn.cute`` on the path shows whether anything imports it
+    (finding it imports only the empty parent package); sageattention cannot be checked this way, ComfyUI itself imports it at start-up."""
+    host = find_host()
+    if host is None:
+        pytest.skip("no ComfyUI host (run scripts/setup_comfyui_host.sh or set COMFYUI_PATH)")
+    stub = tmp_path / "flash_attn" / "cute"
+    stub.mkdir(parents=True)
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    (stub / "__init__.py").write_text("def flash_attn_func(*a, **k):\n    raise RuntimeError('stand-in')\n")
+    code = f"""
+import sys
+sys.path.insert(0, {str(tmp_path)!r})
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from host_fixtures import import_pack, patcher_for, tiny_h3_model, tiny_wan_model
+pack = import_pack(__import__("pathlib").Path({str(host)!r}))
+import torch
+torch.cuda.is_available = lambda: True  # as on an H200: where an fa4 probe would import it
+torch.cuda.get_device_capability = lambda *a: (9, 0)
+for backend in ("auto", "sage2", "fa4"):
+    pack.nodes.patch_any_model(patcher_for(tiny_h3_model()), "strided_nhd", backend)
+    pack.nodes.patch_any_model(patcher_for(tiny_wan_model()), "strided_nhd", backend)
+print("imported", sorted(m for m in sys.modules if m.startswith("flash_attn.cute")))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "COMFYUI_PATH": str(host)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "imported []" in proc.stdout, proc.stdout

@@ -1,0 +1,86 @@
+"""What the node installs on one ``ModelPatcher.clone()``: its settings, the run report, and the
+plan of the sampling run in progress: a value decided once when sampling starts (conflicts.py, on
+the patch stack actually sampled) and read by the patched forwards. The report only records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from comfy.patcher_extension import WrappersMP
+
+from .. import kernels
+from .report import RunReport
+
+NODE = "Sage Strided NHD Attention"
+WRAPPER_KEY = "sage_strided_nhd"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The node's inputs, validated once here."""
+
+    layout: str = "strided_nhd"
+    backend: str = "auto"
+    prep_mode: str = "exact"
+    patch_refiner: bool = True
+
+    def __post_init__(self):
+        for what, value, valid in (("layout", self.layout, kernels.LAYOUTS),
+                                   ("back-end", self.backend, kernels.BACKEND_CHOICES),
+                                   ("sage2_prep mode", self.prep_mode, tuple(kernels.PREPARED_MODES))):
+            if value not in valid:
+                raise ValueError(f"{NODE}: unknown {what} {value!r}; choose one of {', '.join(valid)}")
+
+
+@dataclass(frozen=True)
+class Note:
+    """A decision taken when sampling started: a short code and the sentence."""
+
+    code: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One sampling run's decisions: the chain each patched module's calls use, and the notes."""
+
+    default: kernels.BackendChain
+    chains: dict = field(default_factory=dict)   # module key -> BackendChain, where it differs from default
+    notes: tuple[Note, ...] = ()
+    blocks_patched: int = 0
+    refiner_blocks_patched: int = 0
+
+    def chain_for(self, key: str) -> kernels.BackendChain:
+        return self.chains.get(key, self.default)
+
+
+class InstalledPatch:
+    """The node's state on one clone. ``planner(model_patcher, model_options) -> Plan`` runs when
+    sampling starts (it may raise ``conflicts.PatchConflictError``)."""
+
+    def __init__(self, settings: Settings, report: RunReport, planner, plan: Plan):
+        self.settings = settings
+        self.report = report
+        self.planner = planner
+        self.plan = plan  # before the first sampling run: the node's own chain everywhere
+
+    def install(self, clone) -> None:
+        clone.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+        clone.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, self.outer_sample_wrapper)
+
+    def outer_sample_wrapper(self, executor, *args, **kwargs):
+        """ComfyUI OUTER_SAMPLE wrapper: plan, sample, report; exceptions pass through unchanged."""
+        self.report.begin_run()
+        try:
+            guider = getattr(executor, "class_obj", None)
+            patcher = getattr(guider, "model_patcher", None)
+            if patcher is not None:
+                options = getattr(guider, "model_options", None)
+                self.plan = self.planner(patcher, options if options is not None else patcher.model_options)
+                self.report.planned(self.plan)
+            return executor(*args, **kwargs)
+        except BaseException as exc:
+            self.report.ended_by(exc)
+            raise
+        finally:
+            self.report.finish_run()
