@@ -2,8 +2,12 @@
 // plain-text lines for the node's status box. Pure functions only: no DOM, no ComfyUI import,
 // so the formatting can be tested on its own (tests/browser/report_text.test.mjs).
 //
-// The lines come summary first (what ran, the layout, fallbacks and skips in short form, what the
-// layout saved), then the details (every full reason, notes). The node shows the first
+// The report (schema 3, nodes/report.py) carries its reasons as data: every fallback and skip has
+// a short `code` beside the full `reason` sentence. The summary shows the code's label, the details
+// show the sentence; nothing here parses the sentences.
+//
+// The lines come summary first (what ran, the layout, fallbacks and skips in short form, the
+// prepared path), then the details (every full reason, the error, notes). The node shows the first
 // STATUS_VISIBLE_LINES in a fixed-height box that scrolls for the rest, and the whole text as the
 // box's tooltip: nothing is cut off, and the node never changes size.
 
@@ -14,12 +18,34 @@ export const BACKEND_CHOICES = ["auto", "sage2", "fa4", "sdpa", "comfy_kitchen_i
 // Lines of the status box visible without scrolling (a typical run fits).
 export const STATUS_VISIBLE_LINES = 6;
 
+// Short label of each reason code. Mirrors REASON_CODES in kernels/backends/base.py exactly
+// (tests/unit/test_web_extension.py checks that they agree).
+export const REASON_LABELS = {
+  not_installed: "not installed",
+  wrong_version: "other version installed",
+  no_cuda: "needs CUDA",
+  gpu_arch: "no kernel for this GPU",
+  gpu_unavailable: "unavailable on this GPU",
+  dtype: "dtype unsupported",
+  head_dim: "head_dim unsupported",
+  mask: "no mask support",
+  strides: "needs contiguous last dim",
+  shape: "shape unsupported",
+  layout: "layout unsupported",
+  too_long: "sequence too long",
+  raised: "raised an error",
+  switched_off: "switched off",
+  mode: "mode not offered",
+  model_request: "model asked for stock attention",
+  no_backend: "no back-end could run",
+};
+
 // Report keys (nodes/report.py) the status does not show, and why; every other key is rendered
 // (tests/unit/test_web_extension.py checks that against the schema in nodes/report.py).
 export const KEYS_NOT_SHOWN = {
   schema: "format version, not news for the user",
   prompt_id: "the run it belongs to is the one just queued",
-  remaining_copies: "old payloads only; the README explains the copies left",
+  messages: "the log's sentences; the status renders the same facts from the data",
 };
 
 const MAX_SHORT_REASON_CHARS = 40;
@@ -37,32 +63,21 @@ function shorten(s, max) {
   return s.length > max ? s.slice(0, max - 1) + "…" : s;
 }
 
-// Short forms of the reasons the back-ends give (kernels/backends/*.py); the full reason is always
-// shown too, in the details.
-const SHORT_REASONS = [
-  [/triton is not installed/i, () => "needs Triton"],
-  [/sageattention is 1\.x/i, () => "only 1.x installed"],
-  [/sageattention is 2\.x/i, () => "2.x installed, use sage2"],
-  [/not importable|no module named|not installed/i, () => "not installed"],
-  [/no CUDA device|needs a CUDA device/i, () => "needs CUDA"],
-  [/compute capability (\d+)\.(\d+)/i, (m) => `no kernel for sm${m[1]}${m[2]}`],
-  [/has no int8_attention/i, () => "no int8_attention"],
-  [/int8_attention_is_available failed/i, () => "availability check failed"],
-  [/unavailable on this GPU/i, () => "unavailable on this GPU"],
-  [/head_dim (\d+)/i, (m) => `head_dim ${m[1]} unsupported`],
-  [/dtype (\S+) not in/i, (m) => `${m[1].replace(/^torch\./, "")} unsupported`],
-  [/masks? (are|is) not supported/i, () => "no mask support"],
-  [/must be contiguous/i, () => "needs contiguous last dim"],
-];
+// The entries of a list field that are objects (anything else in the list is ignored, not guessed at).
+function objects(list) {
+  return Array.isArray(list) ? list.filter((x) => x !== null && typeof x === "object" && !Array.isArray(x)) : [];
+}
 
-// "sageattention not importable (ModuleNotFoundError: ...)" -> "not installed".
-export function shortReason(reason) {
-  const full = text(reason, "no reason given");
-  for (const [pattern, make] of SHORT_REASONS) {
-    const m = full.match(pattern);
-    if (m) return make(m);
-  }
-  return shorten(full.split(/[;(:]/)[0].trim() || full, MAX_SHORT_REASON_CHARS);
+// " ×N", or "" when the count is missing.
+function times(count) {
+  return count === undefined || count === null ? "" : ` ×${text(count)}`;
+}
+
+// The short label of a reason code; for a code this extension does not know (a newer pack) or a
+// missing one, the start of the full reason.
+export function shortReason(code, reason) {
+  if (typeof code === "string" && Object.hasOwn(REASON_LABELS, code)) return REASON_LABELS[code];
+  return shorten(text(reason, "no reason given"), MAX_SHORT_REASON_CHARS);
 }
 
 // "sage2 ×2400, sdpa ×8", most calls first; empty when nothing ran.
@@ -75,17 +90,21 @@ export function formatBackendsRan(ran) {
     .join(", ");
 }
 
-// "4 vs hnd, 2 vs stock"; a null (unknown) side is left out; "" when nothing is known.
-export function formatCopiesAvoided(avoided) {
-  if (!avoided || typeof avoided !== "object") return "";
-  const parts = [];
-  if (isNumber(avoided.vs_hnd)) parts.push(`${avoided.vs_hnd} vs hnd`);
-  if (isNumber(avoided.vs_stock)) parts.push(`${avoided.vs_stock} vs stock`);
-  return parts.join(", ");
+// "sage2 exact ×100, sage2 fused ×4"; empty when no call took a prepared path.
+export function formatPrepared(prepared) {
+  return objects(prepared)
+    .filter((p) => Number(p.calls) > 0)
+    .map((p) => `${text(p.backend)}${p.mode ? ` ${text(p.mode)}` : ""} ×${Number(p.calls)}`)
+    .join(", ");
 }
 
-function asObject(value, key) {
-  return value && typeof value === "object" ? value : { [key]: value };
+// "RuntimeError: CUDA out of memory"; "" when there is no error.
+export function formatError(error) {
+  if (!error || typeof error !== "object") return "";
+  const type = text(error.type, "");
+  const message = text(error.message, "");
+  if (type && message) return `${type}: ${message}`;
+  return type || message;
 }
 
 // The headline for runs that did not simply finish ("" when they did).
@@ -103,7 +122,7 @@ export function reportState(report) {
   return Array.isArray(r.fallbacks) && r.fallbacks.length ? "fallback" : "report";
 }
 
-// The status lines for one report (schema documented in nodes/report.py). Every value is turned
+// The status lines for one report (schema 3, documented in nodes/report.py). Every value is turned
 // into a string here: the caller puts the result into textContent, never into HTML.
 export function formatReport(report) {
   const r = report && typeof report === "object" ? report : {};
@@ -112,10 +131,9 @@ export function formatReport(report) {
 
   const headline = statusHeadline(r.status);
   if (headline) lines.push(headline);
-  if (r.status === "failed") {
-    const error = r.error ?? (Array.isArray(r.messages) ? r.messages.find((m) => /failed:/.test(String(m))) : undefined);
-    if (error) details.push(`error: ${text(error)}`);
-  }
+  // the error first among the details: it is what ended the run
+  const error = formatError(r.error);
+  if (error) details.push(`error: ${error}`);
 
   if (r.status === "no_attention_calls") {
     lines.push("ran: nothing: no attention call went through the patch");
@@ -126,47 +144,40 @@ export function formatReport(report) {
   lines.push(`layout: ${text(r.layout)} · asked: ${text(r.backend_requested)}${prep}`);
   if (Number(r.stock_calls) > 0) lines.push(`handed back to ComfyUI attention: ×${Number(r.stock_calls)}`);
 
-  const fallbacks = (Array.isArray(r.fallbacks) ? r.fallbacks : []).map((fb) => asObject(fb, "reason"));
+  const fallbacks = objects(r.fallbacks);
   if (fallbacks.length === 0) lines.push("fallbacks: none");
   for (const f of fallbacks) {
-    const count = f.count !== undefined && f.count !== null ? ` ×${text(f.count)}` : "";
-    const reason = text(f.reason, "no reason given");
     const stock = f.backend === "stock"; // calls handed to ComfyUI's own attention
-    lines.push(`${stock ? "to ComfyUI attention" : `fallback from ${text(f.backend)}`}${count}: ${shortReason(reason)}`);
-    if (shortReason(reason) !== reason) {
-      details.push(`${stock ? "why calls went to ComfyUI attention" : `why ${text(f.backend)} fell back`}: ${reason}`);
+    const what = stock ? "to ComfyUI attention" : `fallback from ${text(f.backend)}`;
+    lines.push(`${what}${times(f.count)}: ${shortReason(f.code, f.reason)}`);
+    if (f.reason) {
+      details.push(`${stock ? "why calls went to ComfyUI attention" : `why ${text(f.backend)} fell back`}: ${text(f.reason)}`);
     }
   }
 
-  const skipped = (Array.isArray(r.skipped_unavailable) ? r.skipped_unavailable : []).map((sk) => asObject(sk, "backend"));
+  const skipped = objects(r.skipped_unavailable);
   if (skipped.length) {
-    lines.push("auto skipped: " + skipped.map((s) => (
-      s.reason ? `${text(s.backend)} (${shortReason(s.reason)})` : text(s.backend))).join(", "));
+    lines.push("auto skipped: " + skipped.map((s) => `${text(s.backend)} (${shortReason(s.code, s.reason)})`).join(", "));
     for (const s of skipped) {
-      if (s.reason && shortReason(s.reason) !== String(s.reason)) details.push(`why ${text(s.backend)} was skipped: ${s.reason}`);
+      if (s.reason) details.push(`why ${text(s.backend)} was skipped: ${text(s.reason)}`);
     }
   }
 
-  if (r.fast_path) lines.push(`fast path: ${text(r.fast_path)}`);
+  const prepared = formatPrepared(r.prepared);
+  if (prepared) lines.push(`prepared: ${prepared}`);
+  for (const s of objects(r.prepared_skipped)) {
+    lines.push(`no prepared path${times(s.count)}: ${shortReason(s.code, s.reason)}`);
+    if (s.reason) details.push(`why no ${text(s.backend)} prepared path: ${text(s.reason)}`);
+  }
+
   if (Number(r.head_chunks_max) > 1) lines.push(`split over heads: up to ${Number(r.head_chunks_max)} chunks (int32 offsets)`);
 
-  for (const sk of Array.isArray(r.fast_path_skipped) ? r.fast_path_skipped : []) {
-    const s = asObject(sk, "reason");
-    const count = s.count !== undefined && s.count !== null ? ` ×${text(s.count)}` : "";
-    const reason = text(s.reason, "no reason given");
-    lines.push(`no fast path${count}: ${shortReason(reason)}`);
-    if (shortReason(reason) !== reason) details.push(`why no fast path: ${reason}`);
-  }
-
+  // one attention call per block on the H3 path, per call of the model on the override path
   const per = r.path === "attention_override" ? "call" : "block";
-  const avoided = formatCopiesAvoided(r.copies_avoided_per_call);
-  if (avoided) lines.push(`copies avoided per ${per}: ${avoided}`);
-  else if (isNumber(r.copies_per_call) && Number(r.attention_calls) > 0) lines.push(`copies made per ${per}: ${r.copies_per_call}`);
+  if (isNumber(r.copies_per_call) && Number(r.attention_calls) > 0) lines.push(`copies made per ${per}: ${r.copies_per_call}`);
 
-  for (const ev of Array.isArray(r.compile_events) ? r.compile_events : []) {
-    const e = asObject(ev, "backend");
-    const secs = Number(e.seconds);
-    lines.push(`${text(e.backend)} compiled${Number.isFinite(secs) ? ` in ${secs.toFixed(1)} s` : ""}`);
+  for (const e of objects(r.compile_events)) {
+    lines.push(`${text(e.backend)} compiled${isNumber(e.seconds) ? ` in ${e.seconds.toFixed(1)} s` : ""}`);
     if (e.key) details.push(`${text(e.backend)} compiled for ${text(e.key)}`);
   }
 
@@ -175,8 +186,10 @@ export function formatReport(report) {
     : `${text(r.blocks_patched)} blocks + ${text(r.refiner_blocks_patched, "0")} refiner`;
   lines.push(`${text(r.model_family, "model ?")}: ${where}`);
   if (r.replaced_own_patch) lines.push("replaced an earlier patch of this node on the same model");
-  for (const note of Array.isArray(r.notes) ? r.notes : []) {
-    if (note !== undefined && note !== null && note !== "") lines.push(`note: ${text(note)}`);
+
+  // notes carry a code too (sparse_composed, preference_honoured, ...); the text says it all
+  for (const note of objects(r.notes)) {
+    if (note.text) details.push(`note: ${text(note.text)}`);
   }
   return [...lines, ...details];
 }

@@ -1,6 +1,6 @@
 // ComfyUI frontend extension for the Sage Strided NHD Attention node:
 //  - a status box on the node saying which layout and attention back-end actually ran, any
-//    fallbacks and skips with their reasons, and how many copies per block the layout avoided;
+//    fallbacks and skips with their reasons, the prepared path and the copies the dataflow made;
 //  - a setting for the back-end that newly added nodes start with;
 //  - the pack's templates listed in natural order in the template browser.
 // The status box has a fixed height (STATUS_VISIBLE_LINES lines, a typical run fits), so the node

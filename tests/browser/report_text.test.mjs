@@ -1,128 +1,121 @@
-// Unit tests of web/report_text.js: the text the node's status line shows for a report.
-// Run: node --test tests/browser/report_text.test.mjs
+// Unit tests of web/report_text.js: the text the node's status box shows for a report (schema 3,
+// nodes/report.py). Run: node --test tests/browser/report_text.test.mjs
 import { test } from "node:test";
 import assert from "node:assert/strict";
 
 import { readFileSync } from "node:fs";
 
 import {
-  STATUS_VISIBLE_LINES, sortOurTemplates, formatBackendsRan, formatCopiesAvoided, formatReport, pickNodeForReport, reportState, shortReason,
+  KEYS_NOT_SHOWN, REASON_LABELS, STATUS_VISIBLE_LINES, formatBackendsRan, formatError, formatPrepared, formatReport,
+  pickNodeForReport, reportState, shortReason, sortOurTemplates,
 } from "../../web/report_text.js";
 
 const LONGEST = JSON.parse(readFileSync(new URL("./fixtures/longest_report.json", import.meta.url), "utf8"));
 
+// A clean auto run on an H200 with SageAttention 2 installed: every key present, as the node sends it.
 const REPORT = {
-  schema: 1,
+  schema: 3,
   node_id: "2",
   prompt_id: "p1",
   model_family: "MiniMaxH3",
   path: "h3_forward_patch",
   layout: "strided_nhd",
   backend_requested: "auto",
+  prep_mode: "exact",
   blocks_patched: 50,
   refiner_blocks_patched: 2,
-  attention_calls: 104,
-  backends_ran: { sage1: 4, sdpa: 100 },
-  stock_calls: 0,
-  fallbacks: [],
-  head_chunks_max: 1,
-  copies_per_call: 0,
-  copies_avoided_per_call: { vs_stock: 2, vs_hnd: 4 },
-  remaining_copies: [],
   replaced_own_patch: false,
   status: "ok",
-  messages: [],
+  error: null,
+  attention_calls: 104,
+  backends_ran: { sage2: 104 },
+  stock_calls: 0,
+  fallbacks: [],
+  skipped_unavailable: [],
+  prepared: [{ backend: "sage2", mode: "exact", calls: 104 }],
+  prepared_skipped: [],
+  head_chunks_max: 1,
+  copies_per_call: 0.0,
+  compile_events: [],
+  notes: [],
+  messages: ["MiniMaxH3: 50 H3 blocks + 2 refiner blocks, layout strided_nhd, back-end requested auto"],
 };
 
-test("a clean run names what ran, layout, request and the copies avoided, and fits the box", () => {
-  const lines = formatReport(REPORT);
-  assert.deepEqual(lines, [
-    "ran: sdpa ×100, sage1 ×4",
-    "layout: strided_nhd · asked: auto",
-    "fallbacks: none",
-    "copies avoided per block: 4 vs hnd, 2 vs stock",
-    "MiniMaxH3: 50 blocks + 2 refiner",
-  ]);
-  assert.ok(lines.length <= STATUS_VISIBLE_LINES);
-});
+const show = (lines) => lines.join("\n");
 
-test("a typical sage2 run with its fast path fits the box", () => {
-  const lines = formatReport({ ...REPORT, backends_ran: { sage2: 104 }, fast_path: "sage2 sm90 fused prep (exact)" });
+test("a typical sage2 run: what ran, layout, the prepared path, and it fits the box", () => {
+  const lines = formatReport(REPORT);
   assert.deepEqual(lines, [
     "ran: sage2 ×104",
     "layout: strided_nhd · asked: auto",
     "fallbacks: none",
-    "fast path: sage2 sm90 fused prep (exact)",
-    "copies avoided per block: 4 vs hnd, 2 vs stock",
+    "prepared: sage2 exact ×104",
+    "copies made per block: 0",
     "MiniMaxH3: 50 blocks + 2 refiner",
   ]);
   assert.ok(lines.length <= STATUS_VISIBLE_LINES);
+  assert.equal(reportState(REPORT), "report");
 });
 
-test("a fallback run: short reason in the summary, the full one below, and it fits the box", () => {
-  const lines = formatReport({ ...REPORT, backend_requested: "sage1", backends_ran: { sdpa: 104 },
-    fallbacks: [{ backend: "sage1", reason: "no CUDA device", count: 104 }] });
+test("a fallback run: the code's label in the summary, the full reason below, and it fits the box", () => {
+  const lines = formatReport({ ...REPORT, backend_requested: "sage1", backends_ran: { sdpa: 104 }, prepared: [],
+    fallbacks: [{ backend: "sage1", code: "no_cuda", reason: "no CUDA device", count: 104 }] });
   assert.deepEqual(lines, [
     "ran: sdpa ×104",
     "layout: strided_nhd · asked: sage1",
     "fallback from sage1 ×104: needs CUDA",
-    "copies avoided per block: 4 vs hnd, 2 vs stock",
+    "copies made per block: 0",
     "MiniMaxH3: 50 blocks + 2 refiner",
     "why sage1 fell back: no CUDA device",
   ]);
   assert.ok(lines.length <= STATUS_VISIBLE_LINES);
-  assert.equal(reportState({ ...REPORT, fallbacks: [{ backend: "sage1", reason: "x" }] }), "fallback");
+  assert.equal(reportState({ ...REPORT, fallbacks: [{ backend: "sage1", code: "no_cuda", reason: "x", count: 1 }] }), "fallback");
 });
 
-test("each fallback gets its own line with back-end, count and reason", () => {
-  const lines = formatReport({
-    ...REPORT,
-    fallbacks: [
-      { backend: "sage2", reason: "sageattention 2 is not installed", count: 104 },
-      { backend: "sage1", reason: "head_dim 80 not supported", count: 3 },
-    ],
-  });
-  assert.ok(lines.includes("fallback from sage2 ×104: not installed"), lines.join("\n"));
-  assert.ok(lines.includes("why sage2 fell back: sageattention 2 is not installed"), lines.join("\n"));
-  assert.ok(lines.includes("fallback from sage1 ×3: head_dim 80 unsupported"), lines.join("\n"));
-  assert.ok(!lines.includes("fallbacks: none"));
+test("every reason code renders its own label, in fallbacks, skips and prepared skips", () => {
+  assert.ok(Object.keys(REASON_LABELS).length >= 16);
+  for (const [code, label] of Object.entries(REASON_LABELS)) {
+    const reason = `a full sentence for ${code} (details: 1.2; x)`;
+    assert.equal(shortReason(code, reason), label, code);
+    const lines = formatReport({
+      ...REPORT,
+      fallbacks: [{ backend: "fa4", code, reason, count: 5 }],
+      skipped_unavailable: [{ backend: "sage1", code, reason }],
+      prepared_skipped: [{ backend: "sage2", code, reason, count: 6 }],
+    });
+    assert.ok(lines.includes(`fallback from fa4 ×5: ${label}`), `${code}\n${show(lines)}`);
+    assert.ok(lines.includes(`auto skipped: sage1 (${label})`), `${code}\n${show(lines)}`);
+    assert.ok(lines.includes(`no prepared path ×6: ${label}`), `${code}\n${show(lines)}`);
+    // the sentence is never parsed, only shown whole in the details
+    assert.ok(lines.includes(`why fa4 fell back: ${reason}`), code);
+    assert.ok(lines.includes(`why sage1 was skipped: ${reason}`), code);
+    assert.ok(lines.includes(`why no sage2 prepared path: ${reason}`), code);
+  }
 });
 
-test("back-ends auto skipped are named apart from fallbacks, with short reasons", () => {
-  const lines = formatReport({ ...REPORT, skipped_unavailable: [
-    { backend: "sage2", reason: "sageattention not importable (ModuleNotFoundError: No module named 'sageattention')" },
-    { backend: "sage1", reason: "no CUDA device" }] });
-  assert.ok(lines.includes("auto skipped: sage2 (not installed), sage1 (needs CUDA)"), lines.join("\n"));
-  assert.ok(lines.includes("why sage2 was skipped: sageattention not importable (ModuleNotFoundError: No module named 'sageattention')"));
-  assert.ok(lines.includes("fallbacks: none"));
-  // old payloads: names only
-  assert.ok(formatReport({ ...REPORT, skipped_unavailable: ["sage2"] }).includes("auto skipped: sage2"));
+test("the label comes from the code, not from the words of the reason", () => {
+  // a reason that reads like another code's still gets its own code's label
+  assert.equal(shortReason("dtype", "sageattention not importable (ModuleNotFoundError)"), "dtype unsupported");
+  assert.equal(shortReason("no_cuda", ""), "needs CUDA");
 });
 
-test("short forms of every reason the back-ends give", () => {
-  const cases = {
-    "sageattention not importable (ImportError: libcuda.so.1)": "not installed",
-    "installed sageattention is 1.x (PyPI); SageAttention 2 must be built from source or a wheel": "only 1.x installed",
-    "installed sageattention is 2.x (use the sage2 back-end)": "2.x installed, use sage2",
-    "triton is not installed": "needs Triton",
-    "no CUDA device": "needs CUDA",
-    "needs a CUDA device, got cpu": "needs CUDA",
-    "no SageAttention 2 kernel for compute capability 8.7": "no kernel for sm87",
-    "comfy_kitchen not importable (ModuleNotFoundError: x)": "not installed",
-    "this comfy_kitchen has no int8_attention": "no int8_attention",
-    "comfy_kitchen reports int8_attention unavailable on this GPU/build": "unavailable on this GPU",
-    "int8_attention_is_available failed (RuntimeError: boom)": "availability check failed",
-    "head_dim 80 not in [64, 128]": "head_dim 80 unsupported",
-    "dtype torch.float32 not in ['torch.float16']": "float32 unsupported",
-    "attention masks are not supported": "no mask support",
-    "last dim of q, k, v must be contiguous": "needs contiguous last dim",
-  };
-  for (const [reason, short] of Object.entries(cases)) assert.equal(shortReason(reason), short, reason);
-  assert.ok(shortReason("x".repeat(500)).length <= 40);
-  assert.equal(shortReason(undefined), "no reason given");
+test("an unknown or missing code falls back to the start of the reason", () => {
+  const reason = "a newer pack's reason that this extension has no label for, and a long one at that";
+  assert.equal(shortReason("from_the_future", reason), "a newer pack's reason that this extensi…");
+  assert.equal(shortReason(undefined, reason).length, 40);
+  assert.equal(shortReason(null, "short reason"), "short reason");
+  assert.equal(shortReason(undefined, undefined), "no reason given");
+  // names on Object.prototype are not codes
+  assert.equal(shortReason("constructor", "built in"), "built in");
+  assert.equal(shortReason("toString", "built in"), "built in");
+
+  const lines = formatReport({ ...REPORT, fallbacks: [{ backend: "sage2", code: "from_the_future", reason, count: 1 }] });
+  const line = lines.find((l) => l.startsWith("fallback from sage2"));
+  assert.equal(line, "fallback from sage2 ×1: a newer pack's reason that this extensi…");
+  assert.ok(lines.includes(`why sage2 fell back: ${reason}`), show(lines));
 });
 
-test("a very long reason is short in the summary and whole in the details", () => {
+test("a very long reason without a known code is short in the summary and whole in the details", () => {
   const reason = "x".repeat(500);
   const lines = formatReport({ ...REPORT, fallbacks: [{ backend: "sage2", reason, count: 1 }] });
   const line = lines.find((l) => l.startsWith("fallback from sage2"));
@@ -130,55 +123,144 @@ test("a very long reason is short in the summary and whole in the details", () =
   assert.ok(lines.includes(`why sage2 fell back: ${reason}`));
 });
 
-test("interrupted and failed runs say so first", () => {
+test("each fallback gets its own line; calls handed to ComfyUI's attention are named so", () => {
+  const lines = formatReport({
+    ...REPORT,
+    fallbacks: [
+      { backend: "sage2", code: "not_installed", reason: "sageattention not importable (ImportError: x)", count: 104 },
+      { backend: "sage1", code: "head_dim", reason: "head_dim 80 not in [64, 96, 128]", count: 3 },
+      { backend: "stock", code: "model_request", reason: "the model turned off low-precision attention for this call", count: 2 },
+    ],
+  });
+  assert.ok(lines.includes("fallback from sage2 ×104: not installed"), show(lines));
+  assert.ok(lines.includes("fallback from sage1 ×3: head_dim unsupported"), show(lines));
+  assert.ok(lines.includes("to ComfyUI attention ×2: model asked for stock attention"), show(lines));
+  assert.ok(lines.includes("why calls went to ComfyUI attention: the model turned off low-precision attention for this call"));
+  assert.ok(!lines.includes("fallbacks: none"));
+});
+
+test("back-ends auto skipped are named apart from fallbacks, with their labels", () => {
+  const lines = formatReport({ ...REPORT, skipped_unavailable: [
+    { backend: "fa4", code: "not_installed", reason: "flash-attn-4 not installed (pip install flash-attn-4)" },
+    { backend: "sage1", code: "wrong_version", reason: "installed sageattention is 2.x (use the sage2 back-end)" }] });
+  assert.ok(lines.includes("auto skipped: fa4 (not installed), sage1 (other version installed)"), show(lines));
+  assert.ok(lines.includes("why fa4 was skipped: flash-attn-4 not installed (pip install flash-attn-4)"));
+  assert.ok(lines.includes("fallbacks: none"));
+});
+
+test("prepared and prepared_skipped lines", () => {
+  assert.equal(formatPrepared([{ backend: "sage2", mode: "exact", calls: 100 }]), "sage2 exact ×100");
+  assert.equal(formatPrepared([{ backend: "sage2", mode: "fused", calls: 90 }, { backend: "sage2", mode: "rotated", calls: 0 },
+    { backend: "sage2", calls: 3 }]), "sage2 fused ×90, sage2 ×3");
+  assert.equal(formatPrepared([]), "");
+  assert.equal(formatPrepared(undefined), "");
+
+  const lines = formatReport({ ...REPORT, prep_mode: "fused_rotated",
+    prepared: [{ backend: "sage2", mode: "fused_rotated", calls: 96 }],
+    prepared_skipped: [{ backend: "sage2", code: "gpu_arch", reason: "prepared path needs sm90 (H100/H200), got 8.9", count: 8 }] });
+  assert.ok(lines.includes("layout: strided_nhd · asked: auto · prep: fused_rotated"), show(lines));
+  assert.ok(lines.includes("prepared: sage2 fused_rotated ×96"), show(lines));
+  assert.ok(lines.includes("no prepared path ×8: no kernel for this GPU"), show(lines));
+  assert.ok(lines.includes("why no sage2 prepared path: prepared path needs sm90 (H100/H200), got 8.9"), show(lines));
+  // summary before details
+  assert.ok(lines.indexOf("no prepared path ×8: no kernel for this GPU") < lines.indexOf("MiniMaxH3: 50 blocks + 2 refiner"));
+  assert.ok(lines.indexOf("why no sage2 prepared path: prepared path needs sm90 (H100/H200), got 8.9") > lines.indexOf("MiniMaxH3: 50 blocks + 2 refiner"));
+
+  const none = formatReport({ ...REPORT, prepared: [], prepared_skipped: [] });
+  assert.ok(!none.some((l) => l.startsWith("prepared") || l.startsWith("no prepared")), show(none));
+});
+
+test("interrupted and failed runs say so first; a failed run shows its error", () => {
   const interrupted = formatReport({ ...REPORT, status: "interrupted" });
   assert.equal(interrupted[0], "run interrupted: counts cover the steps that ran");
+  assert.ok(!interrupted.some((l) => l.startsWith("error:")), show(interrupted));
   assert.equal(reportState({ ...REPORT, status: "interrupted" }), "interrupted");
+
   const failed = formatReport({ ...REPORT, status: "failed",
-    messages: ["MiniMaxH3: ...", "the sampling run failed: RuntimeError: CUDA out of memory"] });
+    error: { type: "RuntimeError", message: "CUDA error: an illegal memory access was encountered" } });
   assert.equal(failed[0], "run failed: counts cover the calls before the error");
-  assert.ok(failed.includes("error: the sampling run failed: RuntimeError: CUDA out of memory"), failed.join("\n"));
+  assert.ok(failed.includes("error: RuntimeError: CUDA error: an illegal memory access was encountered"), show(failed));
   assert.equal(reportState({ ...REPORT, status: "failed" }), "failed");
 });
 
-test("notes, fast path, fast-path skips and compile events are shown", () => {
-  const lines = formatReport({ ...REPORT, notes: ["composed with another pack's patch", ""],
-    fast_path: "sage2 prepared operands (exact) x100",
-    fast_path_skipped: [{ reason: "head_dim 80 not in [128]", count: 4 }],
+test("the error comes from the error field, never from the log messages", () => {
+  const lines = formatReport({ ...REPORT, status: "failed", error: null,
+    messages: ["the sampling run failed: RuntimeError: from the messages"] });
+  assert.equal(lines[0], "run failed: counts cover the calls before the error");
+  assert.ok(!show(lines).includes("from the messages"), show(lines));
+  assert.equal(formatError({ type: "KeyError", message: "'x'" }), "KeyError: 'x'");
+  assert.equal(formatError({ type: "RuntimeError", message: "" }), "RuntimeError");
+  assert.equal(formatError({ message: "just a message" }), "just a message");
+  assert.equal(formatError(null), "");
+  assert.equal(formatError("RuntimeError: a string"), "");
+});
+
+test("notes are objects: their text is shown in the details, whatever the code", () => {
+  const notes = [
+    { code: "sparse_composed", text: "composed with Model Sparse Attention: its override runs first and hands this node the calls it keeps dense" },
+    { code: "override_composed", text: "composed with another node's attention override (x.y): it runs first and hands this node the calls it declines" },
+    { code: "override_missing", text: "this node's attention override is not on the model being sampled: nothing ran through it" },
+    { code: "preference_honoured", text: "checkpoint attention preference (comfy_attention.config 'sage') on blocks 0-49: honoured: sage2 runs first (backend auto)" },
+    { code: "preference_overridden", text: "checkpoint attention preference (comfy_attention.config 'sage') on blocks 0-49: overridden by the node's back-end sdpa" },
+    { code: "preference_ignored", text: "checkpoint attention preference (comfy_attention.config 'flex') on blocks 0-49: ignored: the pack has no back-end for it" },
+    { code: "block_replaces", text: "another node replaces 2 DiT block(s) (patches_replace 'dit'): calls they route to the block's attention run this node's forward and are counted; others are theirs" },
+    { code: "a_new_note", text: "a note this extension has no code for" },
+  ];
+  const lines = formatReport({ ...REPORT, notes: [...notes, { code: "empty", text: "" }, "a bare string", null] });
+  const model = lines.indexOf("MiniMaxH3: 50 blocks + 2 refiner");
+  for (const n of notes) {
+    const at = lines.indexOf(`note: ${n.text}`);
+    assert.ok(at > model, `${n.code}\n${show(lines)}`);
+  }
+  assert.equal(lines.filter((l) => l.startsWith("note:")).length, notes.length, show(lines));
+  assert.ok(!show(lines).includes("[object Object]"));
+});
+
+test("compile events are shown, with their keys in the details", () => {
+  const lines = formatReport({ ...REPORT,
     compile_events: [{ backend: "fa4", key: "sm90 bf16 d128", seconds: 1.83 }, { backend: "sage2" }] });
-  assert.ok(lines.includes("note: composed with another pack's patch"));
-  assert.ok(!lines.includes("note: "));
-  assert.ok(lines.includes("fast path: sage2 prepared operands (exact) x100"));
-  assert.ok(lines.includes("no fast path ×4: head_dim 80 unsupported"));
-  assert.ok(lines.includes("why no fast path: head_dim 80 not in [128]"));
-  assert.ok(lines.includes("fa4 compiled in 1.8 s"));
+  assert.ok(lines.includes("fa4 compiled in 1.8 s"), show(lines));
   assert.ok(lines.includes("fa4 compiled for sm90 bf16 d128"));
   assert.ok(lines.includes("sage2 compiled"));
 });
 
-test("copies avoided: an unknown side is left out; without the field the copies made are shown", () => {
-  assert.equal(formatCopiesAvoided({ vs_stock: null, vs_hnd: 4 }), "4 vs hnd");
-  assert.equal(formatCopiesAvoided({ vs_stock: null, vs_hnd: null }), "");
-  assert.equal(formatCopiesAvoided(undefined), "");
-  const lines = formatReport({ ...REPORT, copies_avoided_per_call: { vs_stock: null, vs_hnd: 4 } });
-  assert.ok(lines.includes("copies avoided per block: 4 vs hnd"), lines.join("\n"));
-  const { copies_avoided_per_call, ...withoutAvoided } = REPORT;
-  const made = formatReport(withoutAvoided);
-  assert.ok(made.includes("copies made per block: 0"), made.join("\n"));
-  assert.ok(!made.some((l) => l.startsWith("copies avoided")));
+test("no schema-1 or schema-2 leftovers are rendered", () => {
+  const lines = formatReport({ ...REPORT, copies_avoided_per_call: { vs_stock: 2, vs_hnd: 4 },
+    remaining_copies: ["x"], fast_path: "sage2 x104", fast_path_skipped: [{ reason: "r", count: 1 }] });
+  assert.deepEqual(lines, formatReport(REPORT));
+  assert.ok(!("remaining_copies" in KEYS_NOT_SHOWN));
 });
 
-test("the longest report keeps every piece of information", () => {
+test("the longest report keeps every piece of information and needs the box to scroll", () => {
+  assert.equal(LONGEST.schema, 3);
   const lines = formatReport(LONGEST);
-  const all = lines.join("\n");
-  assert.equal(lines[0], "run interrupted: counts cover the steps that ran");
-  for (const f of LONGEST.fallbacks) assert.ok(all.includes(f.reason), f.reason);
-  for (const s of LONGEST.skipped_unavailable) assert.ok(all.includes(s.reason), s.reason);
-  for (const n of LONGEST.notes) assert.ok(lines.includes(`note: ${n}`), n);
+  const all = show(lines);
+  assert.equal(lines[0], "run failed: counts cover the calls before the error");
+  assert.equal(reportState(LONGEST), "failed");
+  assert.ok(lines.includes(`error: ${LONGEST.error.type}: ${LONGEST.error.message}`));
+  for (const f of LONGEST.fallbacks) {
+    assert.ok(Object.hasOwn(REASON_LABELS, f.code), f.code);
+    const what = f.backend === "stock" ? "to ComfyUI attention" : `fallback from ${f.backend}`;
+    assert.ok(lines.includes(`${what} ×${f.count}: ${REASON_LABELS[f.code]}`), `${f.backend} ${f.code}\n${all}`);
+    assert.ok(all.includes(f.reason), f.reason);
+  }
+  const skipLine = "auto skipped: " + LONGEST.skipped_unavailable.map((s) => `${s.backend} (${REASON_LABELS[s.code]})`).join(", ");
+  assert.ok(lines.includes(skipLine), `${skipLine}\n${all}`);
+  for (const s of LONGEST.skipped_unavailable) assert.ok(lines.includes(`why ${s.backend} was skipped: ${s.reason}`), s.reason);
+  assert.ok(lines.includes(`prepared: ${formatPrepared(LONGEST.prepared)}`));
+  for (const s of LONGEST.prepared_skipped) {
+    assert.ok(lines.includes(`no prepared path ×${s.count}: ${REASON_LABELS[s.code]}`), s.code);
+    assert.ok(lines.includes(`why no ${s.backend} prepared path: ${s.reason}`), s.reason);
+  }
+  for (const n of LONGEST.notes) assert.ok(lines.includes(`note: ${n.text}`), n.text);
   for (const e of LONGEST.compile_events) assert.ok(all.includes(e.key), e.key);
   assert.ok(lines.includes("split over heads: up to 3 chunks (int32 offsets)"));
-  assert.ok(lines.includes("to ComfyUI attention ×7: no mask support"));
+  assert.ok(lines.includes("handed back to ComfyUI attention: ×7"));
+  assert.ok(lines.includes("layout: strided_nhd · asked: auto · prep: fused_rotated"));
+  assert.ok(lines.includes("replaced an earlier patch of this node on the same model"));
   assert.ok(lines.length > STATUS_VISIBLE_LINES, "the fixture must need the box to scroll");
+  // the fixture carries every payload key (nodes/report.py), so no part of the format goes untried
+  for (const key of Object.keys(REPORT)) assert.ok(key in LONGEST, key);
 });
 
 test("markup from the server stays literal text", () => {
@@ -187,8 +269,10 @@ test("markup from the server stays literal text", () => {
 });
 
 test("no attention calls is said plainly", () => {
-  const lines = formatReport({ ...REPORT, status: "no_attention_calls", backends_ran: {}, attention_calls: 0 });
-  assert.ok(lines.some((l) => l.startsWith("ran: nothing")), lines.join("\n"));
+  const lines = formatReport({ ...REPORT, status: "no_attention_calls", backends_ran: {}, attention_calls: 0, prepared: [] });
+  assert.ok(lines.some((l) => l.startsWith("ran: nothing")), show(lines));
+  assert.ok(!lines.some((l) => l.startsWith("copies made")), show(lines));
+  assert.equal(reportState({ ...REPORT, status: "no_attention_calls" }), "no_calls");
 });
 
 test("override path, stock hand-backs, head chunks and a replaced patch are all shown", () => {
@@ -198,20 +282,25 @@ test("override path, stock hand-backs, head chunks and a replaced patch are all 
     model_family: "SDXL",
     stock_calls: 7,
     head_chunks_max: 3,
+    copies_per_call: 1.5,
     replaced_own_patch: true,
   });
-  assert.ok(lines.includes("SDXL: attention override"), lines.join("\n"));
+  assert.ok(lines.includes("SDXL: attention override"), show(lines));
   assert.ok(lines.includes("handed back to ComfyUI attention: ×7"));
   assert.ok(lines.includes("split over heads: up to 3 chunks (int32 offsets)"));
-  assert.ok(lines.some((l) => l.startsWith("copies avoided per call:")));
+  assert.ok(lines.includes("copies made per call: 1.5"));
   assert.ok(lines.includes("replaced an earlier patch of this node on the same model"));
 });
 
-test("missing fields give question marks instead of throwing", () => {
+test("missing or malformed fields give question marks instead of throwing", () => {
   const lines = formatReport({});
   assert.ok(lines.length >= 4);
   assert.ok(lines.every((l) => typeof l === "string"));
   assert.deepEqual(formatReport(null), formatReport({}));
+  const odd = formatReport({ fallbacks: [null, "sage2", 3], skipped_unavailable: "x", prepared: {}, prepared_skipped: [[]],
+    notes: "n", compile_events: [null], error: 5 });
+  assert.ok(odd.includes("fallbacks: none"), show(odd));
+  assert.ok(odd.every((l) => typeof l === "string" && !l.includes("undefined") && !l.includes("[object")), show(odd));
 });
 
 test("back-ends with zero calls are left out", () => {

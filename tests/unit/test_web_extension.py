@@ -3,6 +3,8 @@ the node and the kernels, and the status-line formatting (node's own test runner
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import re
 import shutil
@@ -11,8 +13,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
-from comfyui_sage_strided_nhd import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 WEB = ROOT / "web"
@@ -55,6 +55,8 @@ def test_node_type_matches_the_node():
 
 
 def test_setting_offers_exactly_the_kernels_back_end_choices():
+    from comfyui_sage_strided_nhd import kernels  # here only: the other checks read source files
+
     m = re.search(r"export const BACKEND_CHOICES = \[([^\]]*)\];", JS["report_text.js"])
     assert tuple(re.findall(r'"([^"]+)"', m.group(1))) == tuple(kernels.BACKEND_CHOICES)
 
@@ -86,6 +88,69 @@ def test_every_report_key_is_shown_or_deliberately_not():
     source = JS["report_text.js"] + JS["sage_strided_nhd.js"]
     unhandled = [k for k in keys if k not in not_shown and not re.search(rf"\.{k}\b", source)]
     assert not unhandled, f"report keys neither rendered by web/report_text.js nor in KEYS_NOT_SHOWN: {unhandled}"
+
+
+def js_object_block(source: str, name: str) -> str:
+    """The body of ``export const NAME = { ... };`` in a JS source."""
+    m = re.search(rf"^export const {name} = \{{\n(.*?)^\}};$", source, re.M | re.S)
+    assert m, f"{name} not found"
+    return m.group(1)
+
+
+def python_dict_constant(path: Path, name: str) -> dict:
+    """A module-level dict literal, read with ast: no import of the runtime (torch, ComfyUI) needed."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{name} not found in {path}")
+
+
+def test_reason_labels_mirror_the_kernels_reason_codes():
+    codes = python_dict_constant(ROOT / "kernels" / "backends" / "base.py", "REASON_CODES")
+    assert codes and all(isinstance(k, str) and isinstance(v, str) for k, v in codes.items())
+    labels = {}
+    for line in js_object_block(JS["report_text.js"], "REASON_LABELS").splitlines():
+        if not line.strip():
+            continue
+        m = re.fullmatch(r'  (\w+): "([^"\\]*)",', line)
+        assert m, f"REASON_LABELS line not in the form `  code: \"label\",`: {line!r}"
+        assert m.group(1) not in labels, f"REASON_LABELS lists {m.group(1)} twice"
+        labels[m.group(1)] = m.group(2)
+    assert sorted(labels) == sorted(codes), "REASON_LABELS (web/report_text.js) and REASON_CODES (kernels) name different codes"
+    assert labels == codes, "REASON_LABELS and REASON_CODES give different labels"
+
+
+def test_reasons_are_looked_up_not_parsed():
+    """The short forms come from the codes: no regex runs over the Python side's sentences."""
+    src = JS["report_text.js"]
+    assert "SHORT_REASONS" not in src
+    calls = re.findall(r"(\w*)\.(?:match|matchAll|test|exec|search)\(", src)
+    assert all(c == "TEMPLATE_NAME" for c in calls), f"regex calls in report_text.js: {calls}"
+    for gone in ("copies_avoided_per_call", "remaining_copies", "formatCopiesAvoided", "asObject", "fast_path"):
+        assert gone not in src, f"schema-1/2 leftover in web/report_text.js: {gone}"
+
+
+def test_keys_not_shown_are_keys_of_the_schema():
+    not_shown = set(re.findall(r"^  (\w+): \"", js_object_block(JS["report_text.js"], "KEYS_NOT_SHOWN"), re.M))
+    assert not_shown, "KEYS_NOT_SHOWN not parsed"
+    stale = not_shown - set(report_payload_keys())
+    assert not stale, f"KEYS_NOT_SHOWN names keys the payload no longer has: {sorted(stale)}"
+
+
+def test_longest_report_fixture_is_a_payload_of_the_documented_schema():
+    fixture = json.loads((ROOT / "tests" / "browser" / "fixtures" / "longest_report.json").read_text(encoding="utf-8"))
+    assert fixture.pop("_comment")
+    assert list(fixture) and set(fixture) == set(report_payload_keys()), \
+        sorted(set(fixture) ^ set(report_payload_keys()))
+    doc = (ROOT / "nodes" / "report.py").read_text(encoding="utf-8").split('"""')[1]
+    assert fixture["schema"] == int(re.search(r'^ +"schema": (\d+),', doc, re.M).group(1))
+    codes = python_dict_constant(ROOT / "kernels" / "backends" / "base.py", "REASON_CODES")
+    for key in ("fallbacks", "skipped_unavailable", "prepared_skipped"):
+        for entry in fixture[key]:
+            assert entry["code"] in codes and entry["reason"], (key, entry)
+    assert all(isinstance(n, dict) and n["code"] and n["text"] for n in fixture["notes"])
 
 
 def test_status_box_has_a_fixed_height_and_never_resizes_the_node():
