@@ -1,6 +1,6 @@
 """The reference report's schema, and a check that a report of ours follows it.
 
-The yardstick is the reference system's report (shared/reference/gb10-strided-nhd-results.json).
+The yardstick is the reference system's report (benchmarks/reference/gb10-strided-nhd-results.json, a copy of the shared one).
 Our report carries every key it has, with the same type, except the few listed here with the
 reason. ``check_against_reference`` returns the differences as readable lines (empty: it follows).
 """

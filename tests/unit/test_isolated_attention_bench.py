@@ -23,13 +23,14 @@ def test_bench_cpu_smoke_run_writes_the_reference_fields(tmp_path, capsys):
     assert "speedup" in capsys.readouterr().out
 
 
-def test_bench_table_is_generated_into_the_readme_block(tmp_path):
+def test_bench_table_is_generated_into_the_doc_block(tmp_path):
     report = tmp_path / "report.json"
     bench.main(["--device", "cpu", "--seq", "24", "--heads", "2", "--head-dim", "32", "--rot-dim", "16",
                 "--reps", "1", "--warmup", "0", "--out", str(report)])
-    readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- kernels-table:start -->\nold\n<!-- kernels-table:end -->\noutro\n")
-    results_table.main([str(report), "--readme", str(readme)])
-    text = readme.read_text()
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text("intro\n<!-- kernels-table:start -->\nold\n<!-- kernels-table:end -->\noutro\n")
+    results_table.main([str(report), "--doc", str(doc)])
+    text = doc.read_text()
     assert "old" not in text and text.startswith("intro\n") and text.endswith("outro\n")
     assert "| sdpa | 24 |" in text and "peak extra HND -> NHD" in text
+    assert f"Source: `{report.as_posix()}`" in text
