@@ -1,10 +1,6 @@
-"""comfyui-sage-strided-nhd: ComfyUI entry point.
-
-ComfyUI imports this package from custom_nodes/ and calls ``comfy_entrypoint``; the web
-extension (report status line) is served from ``WEB_DIRECTORY``. ComfyUI modules are
-imported inside the entry point so that importing this file outside ComfyUI (test
-collection, packaging tools) has no side effects and needs no ComfyUI.
-"""
+"""comfyui-sage-strided-nhd: ComfyUI's entry point (``comfy_entrypoint``) and the web extension's
+folder. ComfyUI is imported inside the entry point, so importing this file outside ComfyUI has no
+side effects."""
 
 WEB_DIRECTORY = "./web"
 
