@@ -1,4 +1,4 @@
-"""The stack rules (1-7, written out once in docs/ARCHITECTURE.md): what the node does when something
+"""The stack rules (1-8, written out once in docs/ARCHITECTURE.md): what the node does when something
 else patches attention on the same model. Checked when the node executes and again when sampling
 starts (:func:`plan_h3`, :func:`plan_override`: the run's Plan, or PatchConflictError). Ownership:
 the ``sage_strided_nhd`` attribute on every callable this pack installs."""
@@ -11,6 +11,8 @@ from .patch import Note, Plan
 OWN_MARK = "sage_strided_nhd"
 SPARSE_CALLBACK_KEY = "block_sparse_attention"   # core Model Sparse Attention's ON_PREPARE_STATE key
 SPARSE_OVERRIDE_QUALNAME = "make_attention_override.<locals>.override"
+# Attention forwards of other packs that compute stock's result; this node takes their place (rule 8)
+STOCK_EQUAL_FORWARDS = {"minimax_attn_lowmem_forward": "KJNodes' MiniMax H3 Low VRAM Attention"}
 ON_PREPARE_STATE = "on_prepare_state"            # comfy.patcher_extension.CallbacksMP.ON_PREPARE_STATE
 
 
@@ -126,13 +128,21 @@ def check_override_at_sampling(model_patcher, model_options, path: str, ours=Non
     return notes
 
 
-def check_object_patches(model_patcher, keys) -> bool:
-    """Rule 2 for the object-patch keys this node would set. True when any is our own (rule 1)."""
-    found = [obj for key in keys if (obj := model_patcher.object_patches.get(key)) is not None]
-    foreign = [key for key in keys if _foreign(model_patcher.object_patches.get(key))]
+def check_object_patches(model_patcher, keys) -> tuple[bool, list[str]]:
+    """Rules 1, 2, 8 for the attention forwards this node would set: (any is our own, keys held by a
+    known stock-equal forward this node takes over); another node's forward is refused."""
+    patches = model_patcher.object_patches
+    known = [key for key in keys if stock_equal(patches.get(key))]
+    foreign = [key for key in keys if _foreign(patches.get(key)) and key not in known]
     if foreign:
         raise forward_conflict(model_patcher, foreign, "already replaced")
-    return any(is_own(obj) for obj in found)
+    return any(is_own(patches.get(key)) for key in keys), known
+
+
+def stock_equal(obj) -> str | None:
+    """The node name of a known attention forward that computes stock's result (rule 8), else None."""
+    fn = getattr(obj, "__func__", obj)
+    return STOCK_EQUAL_FORWARDS.get(getattr(fn, "__name__", "")) if getattr(fn, "_uses_optimized_attention", 0) else None
 
 
 def _foreign(obj) -> bool:
@@ -218,9 +228,11 @@ def _preference_plan(model_patcher, keys, backend: str, default):
     return chains, notes
 
 
-def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default) -> Plan:
-    """The H3 forward patch's plan for one sampling run (rules 2-7); ``forwards``: object-patch key -> ours."""
-    notes = check_override_at_sampling(model_patcher, model_options, "h3_forward_patch")
+def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default, taken_over=()) -> Plan:
+    """The H3 forward patch's plan for one sampling run (rules 2-8); ``forwards``: object-patch key -> ours;
+    ``taken_over``: (key, node) of stock-equal forwards this node replaced when it executed."""
+    notes = check_override_at_sampling(model_patcher, model_options, "h3_forward_patch") + _block_notes(
+        model_patcher, forwards, taken_over)
     active = [key for key, fwd in forwards.items() if model_patcher.object_patches.get(key) is fwd]
     foreign = [key for key in forwards if _foreign(model_patcher.object_patches.get(key))]
     if foreign:
@@ -234,6 +246,20 @@ def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default)
                                             "forward and are counted; others are theirs"))
     blocks = sum(1 for k in active if ".token_refiner." not in k)
     return Plan(default, chains, tuple(notes), blocks, len(active) - blocks)
+
+
+def _block_notes(model_patcher, forwards, taken_over) -> list[Note]:
+    """Rule 8: other nodes' block forwards (they call the block's attention: this node's forward,
+    which takes an input handed over in a list) and the stock-equal attention forwards taken over."""
+    blocks = {key.rsplit(".attn.", 1)[0] + ".forward" for key in forwards}
+    theirs = [obj for key in sorted(blocks) if _foreign(obj := model_patcher.object_patches.get(key))]
+    notes = [Note("block_forwards", f"composed with another node's block forward ({describe(theirs[0])}) on "
+                                    f"{len(theirs)} blocks: the attention it calls runs this node's forward")] if theirs else []
+    for node in sorted({node for _, node in taken_over}):
+        n = sum(1 for _, other in taken_over if other == node)
+        notes.append(Note("forward_taken_over", f"{node}'s attention forward (stock-equal) on {n} blocks was taken "
+                                                "over by this node's; its other patches stay"))
+    return notes
 
 
 def plan_override(model_patcher, model_options, ours, default) -> Plan:

@@ -38,13 +38,10 @@ def attention_keys(diffusion_model, patch_refiner: bool) -> list[str]:
 
 def structure_problems(attn) -> list[str]:
     """Everything about ``attn`` that differs from the H3 attention the patch was written for."""
-    problems = []
-    for name in ("qkv_proj", "q_norm", "k_norm", "out_proj"):
-        if getattr(getattr(attn, name, None), "weight", None) is None:
-            problems.append(f"no {name}.weight")
-    for name in ("heads", "head_dim"):
-        if not isinstance(getattr(attn, name, None), int):
-            problems.append(f"{name} is not an int ({getattr(attn, name, None)!r})")
+    problems = [f"no {name}.weight" for name in ("qkv_proj", "q_norm", "k_norm", "out_proj")
+                if getattr(getattr(attn, name, None), "weight", None) is None]
+    problems += [f"{name} is not an int ({getattr(attn, name, None)!r})" for name in ("heads", "head_dim")
+                 if not isinstance(getattr(attn, name, None), int)]
     if problems:
         return problems
     inner = attn.heads * attn.head_dim
@@ -54,10 +51,8 @@ def structure_problems(attn) -> list[str]:
         problems.append(f"qkv_proj.weight is {list(qkv_w.shape)}, expected [3*heads*head_dim={3 * inner}, hidden]")
     if out_w.dim() != 2 or out_w.shape[1] != inner or (hidden is not None and out_w.shape[0] != hidden):
         problems.append(f"out_proj.weight is {list(out_w.shape)}, expected [hidden={hidden}, heads*head_dim={inner}]")
-    for name in ("q_norm", "k_norm"):
-        w = getattr(attn, name).weight
-        if tuple(w.shape) != (attn.head_dim,):
-            problems.append(f"{name}.weight is {list(w.shape)}, expected [head_dim={attn.head_dim}]")
+    problems += [f"{name}.weight is {list(getattr(attn, name).weight.shape)}, expected [head_dim={attn.head_dim}]"
+                 for name in ("q_norm", "k_norm") if tuple(getattr(attn, name).weight.shape) != (attn.head_dim,)]
     if not isinstance(getattr(attn.q_norm, "eps", None), float):
         problems.append("q_norm has no float eps")
     # ComfyUI 0.33 and current upstream share this signature (upstream added comfy_attention, not parameters)
@@ -79,9 +74,11 @@ class H3AttentionForward:
         self.patch = patch
 
     def __call__(self, x, rope_freqs=None, transformer_options={}):
-        # the fused buffer is handed over in a list: no frame here keeps it alive while the kernel runs
-        out = _attend(self, [self.attn.qkv_proj(x)], x.device, rope_freqs)
-        return self.attn.out_proj(out)
+        if isinstance(x, list):  # a block forward handed its input over (KJNodes' Low VRAM Attention)
+            x = x.pop()
+        device, handed = x.device, [self.attn.qkv_proj(x)]
+        del x  # the fused buffer, handed over in a list, is the only thing alive while the kernel runs
+        return self.attn.out_proj(_attend(self, handed, device, rope_freqs))
 
 
 @torch.compiler.disable
@@ -121,7 +118,8 @@ def patch_model(model_patcher, settings: Settings, node_id=None):
         raise ValueError(f"{NODE}: {type(diffusion_model).__name__} is not {H3_MODEL_CLASS}")
     conflicts.check_override_at_patch(model_patcher, "h3_forward_patch")
     prefixes = attention_keys(diffusion_model, settings.patch_refiner)
-    replaced_own = conflicts.check_object_patches(model_patcher, [p + ".forward" for p in prefixes])
+    replaced_own, known = conflicts.check_object_patches(model_patcher, [p + ".forward" for p in prefixes])
+    taken_over = [(key, conflicts.stock_equal(model_patcher.object_patches[key])) for key in known]
     _check_structure(model_patcher, prefixes)
     for prefix in prefixes:
         conflicts.preference(model_patcher, prefix)  # rule 7 when the node executes, too
@@ -137,7 +135,7 @@ def patch_model(model_patcher, settings: Settings, node_id=None):
     default = kernels.BackendChain.for_choice(settings.backend)
     forwards = {}
     patch = InstalledPatch(settings, report, lambda patcher, options: conflicts.plan_h3(
-        patcher, options, forwards, settings.backend, default), Plan(default))
+        patcher, options, forwards, settings.backend, default, taken_over), Plan(default))
     for prefix in prefixes:
         forwards[prefix + ".forward"] = H3AttentionForward(model_patcher.get_model_object(prefix),
                                                            prefix + ".forward", patch)

@@ -14,13 +14,9 @@ from .report import RunReport
 
 
 def _mask_4d(mask):
-    # same broadcast rule as ComfyUI's own attention functions: [S,S] / [B,S,S] -> [B,H,S,S]
-    if mask is None:
-        return None
-    if mask.ndim == 2:
-        mask = mask.unsqueeze(0)
-    if mask.ndim == 3:
-        mask = mask.unsqueeze(1)
+    """ComfyUI's own broadcast rule: [S, S] / [B, S, S] -> [B, H, S, S]."""
+    while mask is not None and mask.ndim in (2, 3):
+        mask = mask.unsqueeze(0 if mask.ndim == 2 else 1)
     return mask
 
 

@@ -44,6 +44,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+from comfy.model_management import InterruptProcessingException
+
 log = logging.getLogger("sage_strided_nhd")
 
 REPORT_EVENT = "sage_strided_nhd.report"
@@ -105,7 +107,7 @@ class RunReport:
             self.run = {"blocks_patched": plan.blocks_patched, "refiner_blocks_patched": plan.refiner_blocks_patched}
 
     def ended_by(self, exc: BaseException) -> None:
-        if isinstance(exc, _interrupt_types()):
+        if isinstance(exc, (KeyboardInterrupt, InterruptProcessingException)):
             self.status = "interrupted"
         else:
             self.status = "failed"
@@ -136,14 +138,6 @@ class RunReport:
 
 def _rows(counter: Counter, keys: tuple, count: str = "count") -> list[dict]:
     return [dict(zip(keys, k), **{count: n}) for k, n in counter.items()]
-
-
-def _interrupt_types() -> tuple[type[BaseException], ...]:
-    try:
-        import comfy.model_management
-        return KeyboardInterrupt, comfy.model_management.InterruptProcessingException
-    except Exception:  # not inside ComfyUI
-        return (KeyboardInterrupt,)
 
 
 def _messages(p: dict) -> list[str]:

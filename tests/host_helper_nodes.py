@@ -79,6 +79,47 @@ class SageNHDTestForeignH3Patch:
         return (m,)
 
 
+class SageNHDTestLowVramBlockPatch:
+    """Stands in for KJNodes' "MiniMax H3 Low VRAM Attention" (the behaviour its source shows): every
+    DiT block forward replaced by one that hands the normed input to ``self.attn`` in a one-element
+    list, and every attention forward by a stock-equal one that takes such a list, marked
+    ``_uses_optimized_attention`` and named ``minimax_attn_lowmem_forward``; an attention forward another
+    node already set is kept. Counts its block calls under <output>/<name>.json."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "name": ("STRING", {"default": "low_vram"})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "testing/sage_nhd"
+
+    def patch(self, model, name):
+        import types
+        from comfy.ldm.minimax import model as h3
+
+        def block_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options={}):
+            _count(name, "block_calls")
+            shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.adaln_proj(t_emb)
+            h = [h3._mod_scale_shift(block.norm1(x), shift_msa, scale_msa, mod_segments)]
+            x = h3._mod_gate(x, gate_msa, block.attn(h, rope_freqs=rope_freqs, transformer_options=transformer_options),
+                             mod_segments)
+            h = h3._mod_scale_shift(block.norm2(x), shift_mlp, scale_mlp, mod_segments)
+            return h3._mod_gate(x, gate_mlp, block.mlp(h), mod_segments)
+
+        def minimax_attn_lowmem_forward(attn, x, rope_freqs=None, transformer_options={}):
+            return type(attn).forward(attn, x.pop() if isinstance(x, list) else x, rope_freqs, transformer_options)
+
+        minimax_attn_lowmem_forward._uses_optimized_attention = True
+        m = model.clone()
+        for i, block in enumerate(m.get_model_object("diffusion_model").blocks):
+            m.add_object_patch(f"diffusion_model.blocks.{i}.forward", types.MethodType(block_forward, block))
+            key = f"diffusion_model.blocks.{i}.attn.forward"
+            if key not in m.object_patches:
+                m.add_object_patch(key, types.MethodType(minimax_attn_lowmem_forward, block.attn))
+        return (m,)
+
+
 class SageNHDTestForwardProbe:
     """Records, while the model runs, which attention modules have a replaced forward.
 
@@ -344,4 +385,4 @@ class SageNHDTestRaiseWhileSampling:
 NODE_CLASS_MAPPINGS = dict((cls.__name__, cls) for cls in (
     SageNHDTestForwardProbe, SageNHDTestConditioning, SageNHDTestSaveLatentTensors, SageNHDTestForeignH3Patch,
     SageNHDTestForeignOverride, SageNHDTestAttentionPreference, SageNHDTestComfyAttentionFunction,
-    SageNHDTestSparseAttention, SageNHDTestRaiseWhileSampling))
+    SageNHDTestSparseAttention, SageNHDTestRaiseWhileSampling, SageNHDTestLowVramBlockPatch))

@@ -145,6 +145,25 @@ def test_foreign_forward_patch_is_refused_in_either_order(comfy_server, order):
         assert r["status"] == "failed" and "replaced (after this node)" in " ".join(r["messages"])
 
 
+# --- rule 8: another node's block forwards (KJNodes' Low VRAM Attention) --------------------------
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_low_vram_block_patch_composes_in_either_order(comfy_server, stock, order):
+    """Its block forwards run (handing the attention input over in a list), every attention call runs
+    this node's forward, the result equals stock, and the report names what was composed."""
+    name = f"lv_{order}"
+    run = comfy_server.run_graph(chain_graph("h3", ordered(("SageNHDTestLowVramBlockPatch", {"name": name}), order),
+                                             name))
+    r = ok_report(run)
+    assert counts(comfy_server, name).get("block_calls") == STEPS * TINY_H3["num_layers"], counts(comfy_server, name)
+    assert r["attention_calls"] == STEPS * (TINY_H3["num_layers"] + TINY_H3["token_refiner_num_layers"]), r
+    codes = {n["code"] for n in r["notes"]}
+    assert "block_forwards" in codes, r["notes"]
+    # before this node, its stock-equal attention forwards were taken over (and said so); after it, it kept ours
+    assert ("forward_taken_over" in codes) == (order == "before"), r["notes"]
+    assert any("Low VRAM" in t for t in notes_text(r)) == (order == "before"), r["notes"]
+    assert_latents_equal(run.latent("9"), stock["h3"], f"low-VRAM stand-in {order} the node vs stock")
+
+
 # --- rule 4: core Model Sparse Attention --------------------------------------------------------
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_sparse_attention_composes_on_h3_in_either_order(comfy_server, stock, order):

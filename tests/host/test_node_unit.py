@@ -67,6 +67,32 @@ def test_h3_patched_forward_equals_stock_forward_bit_for_bit(pack, layout, with_
     assert patch.report.calls == 1 and dict(patch.report.backends) == {"sdpa": 1}
 
 
+def test_h3_forward_takes_its_input_handed_over_in_a_list(pack):
+    """A block forward may hand the normed input over in a one-element list (KJNodes' Low VRAM
+    Attention does): the forward empties it, so the input is freed after the qkv projection (rule 8)."""
+    model = tiny_h3_model(seed=3)
+    attn = model.blocks[0].attn
+    x = torch.randn(S, 64, generator=torch.Generator().manual_seed(9))
+    handed = [x.clone()]
+    ours = pack.nodes.h3_patch.H3AttentionForward(attn, "blocks.0.attn.forward", make_patch(pack))
+    assert_same(ours(handed, rope_freqs=rope_table(model)), attn(x.clone(), rope_freqs=rope_table(model)), "handed")
+    assert handed == []
+
+
+def test_a_known_stock_equal_forward_is_taken_over_and_others_are_refused(pack):
+    def minimax_attn_lowmem_forward(x, rope_freqs=None, transformer_options={}):
+        return x
+
+    minimax_attn_lowmem_forward._uses_optimized_attention = True
+    mp = patcher_for(tiny_h3_model())
+    mp.add_object_patch("diffusion_model.blocks.0.attn.forward", minimax_attn_lowmem_forward)
+    clone, _ = pack.nodes.h3_patch.patch_model(mp, settings(pack))
+    assert pack.nodes.conflicts.is_own(clone.object_patches["diffusion_model.blocks.0.attn.forward"])
+    del minimax_attn_lowmem_forward._uses_optimized_attention  # the same name without the mark: refused
+    with pytest.raises(pack.nodes.conflicts.PatchConflictError, match="minimax_attn_lowmem_forward"):
+        pack.nodes.h3_patch.patch_model(mp, settings(pack))
+
+
 def test_h3_training_mode_uses_out_of_place_rope_and_matches_stock(pack):
     import comfy.model_management as mm
     model = tiny_h3_model(seed=4)
