@@ -7,8 +7,6 @@ from .dataflow import LAYOUTS, attention_from_fused_qkv, attention_nhd, split_fu
 from .qk_transform import QKNorm, norm_rope, rope_rot_dim
 from .sage2_quant import MODES as PREPARED_MODES
 
-__all__ = [
-    "AUTO_ORDER", "BACKENDS", "BACKEND_CHOICES", "LAYOUTS", "PREPARED_MODES", "REASON_CODES", "BackendChain",
-    "CallRecord", "NoBackendError", "QKNorm", "Skip", "attention_from_fused_qkv", "attention_nhd", "norm_rope",
-    "rope_rot_dim", "split_fused_qkv", "token_major",
-]
+__all__ = ["AUTO_ORDER", "BACKENDS", "BACKEND_CHOICES", "LAYOUTS", "PREPARED_MODES", "REASON_CODES", "BackendChain",
+           "CallRecord", "NoBackendError", "QKNorm", "Skip", "attention_from_fused_qkv", "attention_nhd", "norm_rope",
+           "rope_rot_dim", "split_fused_qkv", "token_major"]

@@ -162,8 +162,7 @@ def _check_shapes(q, k, v):
 
 
 def raise_if_context_lost(exc: Exception) -> None:
-    # An illegal access poisons the CUDA context: every later kernel fails too, so falling
-    # back would only hide where it broke.
+    # an illegal access poisons the CUDA context: a fallback would only hide where it broke
     if "illegal memory access" in str(exc) or "device-side assert" in str(exc):
         raise exc
 

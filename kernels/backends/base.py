@@ -21,21 +21,13 @@ TENSOR_LAYOUTS = ("NHD", "HND")
 # Every Verdict/Skip carries one of these codes beside its full sentence; web/report_text.js keeps
 # the same table (tests/unit/test_web_extension.py checks that they agree).
 REASON_CODES = {
-    "not_installed": "not installed",
-    "wrong_version": "other version installed",
-    "no_cuda": "needs CUDA",
-    "gpu_arch": "no kernel for this GPU",
-    "gpu_unavailable": "unavailable on this GPU",
-    "dtype": "dtype unsupported",
-    "head_dim": "head_dim unsupported",
-    "mask": "no mask support",
-    "strides": "needs contiguous last dim",
-    "shape": "shape unsupported",
-    "layout": "layout unsupported",
-    "too_long": "sequence too long",
-    "raised": "raised an error",
-    "switched_off": "switched off",
-    "mode": "mode not offered",
+    "not_installed": "not installed", "wrong_version": "other version installed",
+    "no_cuda": "needs CUDA", "gpu_arch": "no kernel for this GPU",
+    "gpu_unavailable": "unavailable on this GPU", "dtype": "dtype unsupported",
+    "head_dim": "head_dim unsupported", "mask": "no mask support",
+    "strides": "needs contiguous last dim", "shape": "shape unsupported",
+    "layout": "layout unsupported", "too_long": "sequence too long",
+    "raised": "raised an error", "switched_off": "switched off", "mode": "mode not offered",
     "model_request": "model asked for stock attention",
     "no_backend": "no back-end could run",
 }
@@ -55,8 +47,7 @@ YES = Verdict(True)
 
 
 def no(code: str, reason: str) -> Verdict:
-    if code not in REASON_CODES:
-        raise ValueError(f"unknown reason code {code!r}")
+    assert code in REASON_CODES, f"unknown reason code {code!r}"  # a programming error, caught by the tests
     return Verdict(False, reason, code)
 
 

@@ -28,11 +28,9 @@ def _hopper_priority():
 
 
 def _kernel_priority(q: torch.Tensor):
-    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9:
-        factory = _hopper_priority()
-        if factory is not None:
-            return factory()
-    return contextlib.nullcontext()
+    hopper = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9
+    factory = _hopper_priority() if hopper else None
+    return factory() if factory is not None else contextlib.nullcontext()
 
 
 class SdpaBackend(AttentionBackend):
