@@ -223,3 +223,14 @@ def norm_rope_eager_(q, k, rope_table, q_weight, k_weight, eps):
         x[..., half:rot].copy_(second[None].to(x.dtype))
         x[..., rot:].copy_(xn[..., rot:])
     return q, k
+
+
+def operand_mismatches(got: dict, expected: dict) -> dict:
+    """Per operand name, how many elements differ (fp8 compared as bytes), or the shapes when they differ."""
+    out = {}
+    for key, e in expected.items():
+        a = got[key]
+        if a.dtype == torch.float8_e4m3fn:
+            a, e = a.view(torch.uint8), e.view(torch.uint8)
+        out[key] = int((a != e).sum().item()) if a.shape == e.shape else f"shape {list(a.shape)} vs {list(e.shape)}"
+    return out

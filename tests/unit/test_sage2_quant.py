@@ -42,14 +42,7 @@ INTERPRETED_CHECKS = textwrap.dedent(r"""
     from comfyui_sage_strided_nhd.kernels.backends.sage2 import Sage2Backend
     from devkit import sage2_oracle as ref
 
-    def differing(got, exp):
-        diffs = {}
-        for key, e in exp.items():
-            a = got[key]
-            if a.dtype == torch.float8_e4m3fn:
-                a, e = a.view(torch.uint8), e.view(torch.uint8)
-            diffs[key] = int((a != e).sum()) if a.shape == e.shape else f"shape {list(a.shape)} vs {list(e.shape)}"
-        return diffs
+    differing = ref.operand_mismatches
 
     results = {"operands": {}, "prepare": {}, "fp8": None, "bf16": None, "compile": None}
     for seq, heads, seed in ((200, 2, 0), (129, 1, 1), (144, 1, 3)):
