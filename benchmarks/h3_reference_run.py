@@ -126,6 +126,9 @@ def parse_args(argv=None):
                         "nhd_fused=strided_nhd:sage2:fused, sdpa=strided_nhd:sdpa:exact, today=strided_nhd:sage2:exact:noprepared "
                         "(noprepared: the back-end's prepared path switched off for that variant). Repeatable.")
     p.add_argument("--checkpoint", help="H3 diffusion-model checkpoint (default: random full-size weights)")
+    p.add_argument("--weights", choices=h3_model.WEIGHT_FORMATS, default="bf16",
+                   help="random model only: the linears' format (int8_convrot: as the bundled workflows' checkpoint "
+                        "stores qkv/out/fc1/fc2, loaded with ComfyUI's mixed_precision_ops)")
     p.add_argument("--comfyui", help="ComfyUI source tree (default: $COMFYUI_PATH, else ./.comfyui)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true",
@@ -293,9 +296,9 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
         config = dict(h3_model.TINY_H3 if args.tiny else h3_model.FULL_H3)
         if args.blocks:
             config["num_layers"] = args.blocks
-        log(f"building {'tiny' if args.tiny else 'full-size'} H3 with random weights on {device}")
-        base = h3_model.build_random_model(config, device, dtype, args.weight_seed)
-        source = f"random weights (seed {args.weight_seed}, N(0, 1/fan_in), norms 1, biases 0)"
+        log(f"building {'tiny' if args.tiny else 'full-size'} H3 with random {args.weights} weights on {device}")
+        base = h3_model.build_model(config, device, dtype, args.weight_seed, args.weights)
+        source = f"random {args.weights} weights (seed {args.weight_seed}, N(0, 1/fan_in), norms 1, biases 0)"
     build_seconds = time.perf_counter() - started
     dm = base.model.diffusion_model
     conditioning = h3_model.random_conditioning(args.text_tokens, config["text_dim"], args.weight_seed + 1)

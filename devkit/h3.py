@@ -83,6 +83,56 @@ def build_random_model(config: dict, device: torch.device, dtype: torch.dtype, s
     return comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=mm.unet_offload_device())
 
 
+# The linears the bundled workflows' checkpoint (minimax_h3_fl2va_pruned_int8_convrot) stores as
+# int8_tensorwise + convrot; ComfyUI loads them with mixed_precision_ops as QuantizedTensor
+# ("TensorWiseINT8Layout") and runs comfy-kitchen int8_linear with a rotating activation quantiser.
+INT8_CONVROT_LINEARS = (".attn.qkv_proj.weight", ".attn.out_proj.weight", ".mlp.fc1.weight", ".mlp.fc2.weight")
+WEIGHT_FORMATS = ("bf16", "int8_convrot")
+
+
+def int8_convrot_state_dict(state_dict: dict, groupsize: int = 256) -> dict:
+    """``state_dict`` with every DiT block's qkv/out/fc1/fc2 weight in ComfyUI's int8_tensorwise + convrot
+    format (int8 data, one fp32 scale per tensor, the ``comfy_quant`` JSON). The random weights are not
+    rotated first: the numbers mean nothing, the loaded layers and their kernels are the checkpoint's."""
+    import json
+
+    out = {}
+    for key, value in state_dict.items():
+        if not (key.startswith("blocks.") and key.endswith(INT8_CONVROT_LINEARS)):
+            out[key] = value
+            continue
+        w = value.float()
+        scale = (w.abs().amax() / 127.0).clamp(min=1e-12)
+        prefix = key[: -len("weight")]
+        out[key] = (w / scale).round().clamp(-127, 127).to(torch.int8)
+        out[prefix + "weight_scale"] = scale.reshape(()).cpu()
+        conf = {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": groupsize}
+        out[prefix + "comfy_quant"] = torch.tensor(list(json.dumps(conf).encode("utf-8")), dtype=torch.uint8)
+    return out
+
+
+def build_model(config: dict, device: torch.device, dtype: torch.dtype, seed: int, weights: str = "bf16"):
+    """``build_random_model``, or the same random weights loaded as ``weights`` (WEIGHT_FORMATS) the way
+    ComfyUI's UNETLoader loads such a checkpoint (comfy.sd picks mixed_precision_ops from comfy_quant)."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weights!r}; choose one of {WEIGHT_FORMATS}")
+    patcher = build_random_model(config, torch.device("cpu") if weights != "bf16" else device, dtype, seed)
+    if weights == "bf16":
+        return patcher
+    import comfy.model_management as mm
+    import comfy.sd
+
+    groupsize = 256 if config["hidden_size"] % 256 == 0 else config["hidden_size"]
+    with torch.inference_mode(False):  # loaded as a loader node loads: plain tensors, not inference ones
+        state = {k: v.clone() for k, v in patcher.model.diffusion_model.state_dict().items()}
+        quantised = comfy.sd.load_diffusion_model_state_dict(int8_convrot_state_dict(state, groupsize))
+        del patcher, state
+        quantised.load_device = device
+        # loaded here, outside inference mode: moving QuantizedTensor parameters re-registers them
+        mm.load_models_gpu([quantised], force_full_load=True)
+    return quantised
+
+
 def load_checkpoint_model(path: str):
     """A ComfyUI ModelPatcher for an H3 diffusion-model checkpoint, loaded as UNETLoader does."""
     import comfy.sd

@@ -141,3 +141,37 @@ def test_checkpoint_weights_are_loaded_like_unetloader(comfy_inprocess, tmp_path
     assert data["validation"]["full_2_block_two_step_trajectory"] == "identical video and audio checksums"
     # sections the run was not asked for (isolated, profiler, 12 steps) are not reported missing
     assert data["reference_schema"] == "follows the reference report's keys and types"
+
+
+def test_int8_convrot_weights_give_stock_bits_in_both_layouts(tmp_path):
+    """The bundled workflows' weight format (int8_tensorwise + convrot linears through ComfyUI's
+    mixed_precision_ops and comfy-kitchen int8_linear): blocks and 2-step sampling equal stock's bits."""
+    proc, data = run_harness(tmp_path, "--weights", "int8_convrot", "--sections", "blocks,sampling_2_step",
+                             "--stock-sampling")
+    assert proc.returncode == 0 and data["errors"] == {}, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert data["model"]["source"].startswith("random int8_convrot weights")
+    v = data["validation"]
+    assert v["blocks_stock_vs_strided_nhd"] == "bit-exact" and v["blocks_0_1"] == "bit-exact"
+    assert v["full_2_block_two_step_trajectory"] == "identical video and audio checksums"
+    s2 = data["sampling_2_step"]
+    assert s2["hnd_checksums"] == s2["strided_nhd_checksums"] == s2["checksums"]
+
+
+def test_int8_convrot_state_dict_marks_exactly_the_four_block_linears():
+    from devkit import h3
+
+    sd = {"blocks.0.attn.qkv_proj.weight": torch_randn(6, 4), "blocks.0.attn.q_norm.weight": torch_randn(4),
+          "blocks.0.mlp.fc2.weight": torch_randn(4, 8), "token_refiner.blocks.0.attn.qkv_proj.weight": torch_randn(6, 4)}
+    out = h3.int8_convrot_state_dict(sd, groupsize=4)
+    assert out["blocks.0.attn.qkv_proj.weight"].dtype == out["blocks.0.mlp.fc2.weight"].dtype == __import__("torch").int8
+    assert {"blocks.0.attn.qkv_proj.comfy_quant", "blocks.0.mlp.fc2.weight_scale"} <= set(out)
+    assert out["blocks.0.attn.q_norm.weight"] is sd["blocks.0.attn.q_norm.weight"]  # norms stay
+    assert out["token_refiner.blocks.0.attn.qkv_proj.weight"] is sd["token_refiner.blocks.0.attn.qkv_proj.weight"]
+    scale = out["blocks.0.mlp.fc2.weight_scale"]
+    assert (out["blocks.0.mlp.fc2.weight"].float() * scale - sd["blocks.0.mlp.fc2.weight"]).abs().max() <= scale / 2 + 1e-6
+
+
+def torch_randn(*shape):
+    import torch
+
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
