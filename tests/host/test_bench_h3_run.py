@@ -158,20 +158,19 @@ def test_int8_convrot_weights_give_stock_bits_in_both_layouts(tmp_path):
 
 
 def test_int8_convrot_state_dict_marks_exactly_the_four_block_linears():
+    import torch
+
     from devkit import h3
 
-    sd = {"blocks.0.attn.qkv_proj.weight": torch_randn(6, 4), "blocks.0.attn.q_norm.weight": torch_randn(4),
-          "blocks.0.mlp.fc2.weight": torch_randn(4, 8), "token_refiner.blocks.0.attn.qkv_proj.weight": torch_randn(6, 4)}
+    def randn(*shape):
+        return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+
+    sd = {"blocks.0.attn.qkv_proj.weight": randn(6, 4), "blocks.0.attn.q_norm.weight": randn(4),
+          "blocks.0.mlp.fc2.weight": randn(4, 8), "token_refiner.blocks.0.attn.qkv_proj.weight": randn(6, 4)}
     out = h3.int8_convrot_state_dict(sd, groupsize=4)
-    assert out["blocks.0.attn.qkv_proj.weight"].dtype == out["blocks.0.mlp.fc2.weight"].dtype == __import__("torch").int8
+    assert out["blocks.0.attn.qkv_proj.weight"].dtype == out["blocks.0.mlp.fc2.weight"].dtype == torch.int8
     assert {"blocks.0.attn.qkv_proj.comfy_quant", "blocks.0.mlp.fc2.weight_scale"} <= set(out)
     assert out["blocks.0.attn.q_norm.weight"] is sd["blocks.0.attn.q_norm.weight"]  # norms stay
     assert out["token_refiner.blocks.0.attn.qkv_proj.weight"] is sd["token_refiner.blocks.0.attn.qkv_proj.weight"]
     scale = out["blocks.0.mlp.fc2.weight_scale"]
     assert (out["blocks.0.mlp.fc2.weight"].float() * scale - sd["blocks.0.mlp.fc2.weight"]).abs().max() <= scale / 2 + 1e-6
-
-
-def torch_randn(*shape):
-    import torch
-
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
