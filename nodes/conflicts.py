@@ -5,6 +5,8 @@ the ``sage_strided_nhd`` attribute on every callable this pack installs."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from .. import kernels
 from .patch import Note, Plan
 
@@ -128,15 +130,15 @@ def check_override_at_sampling(model_patcher, model_options, path: str, ours=Non
     return notes
 
 
-def check_object_patches(model_patcher, keys) -> tuple[bool, list[str]]:
-    """Rules 1, 2, 8 for the attention forwards this node would set: (any is our own, keys held by a
-    known stock-equal forward this node takes over); another node's forward is refused."""
+def check_object_patches(model_patcher, keys) -> tuple[bool, dict[str, str]]:
+    """Rules 1, 2, 8 for the attention forwards this node would set: (any is our own, key -> node of
+    each known stock-equal forward this node takes over); another node's forward is refused."""
     patches = model_patcher.object_patches
-    known = [key for key in keys if stock_equal(patches.get(key))]
-    foreign = [key for key in keys if _foreign(patches.get(key)) and key not in known]
+    taken_over = {key: node for key in keys if (node := stock_equal(patches.get(key)))}
+    foreign = [key for key in keys if _foreign(patches.get(key)) and key not in taken_over]
     if foreign:
         raise forward_conflict(model_patcher, foreign, "already replaced")
-    return any(is_own(patches.get(key)) for key in keys), known
+    return any(is_own(patches.get(key)) for key in keys), taken_over
 
 
 def stock_equal(obj) -> str | None:
@@ -228,9 +230,9 @@ def _preference_plan(model_patcher, keys, backend: str, default):
     return chains, notes
 
 
-def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default, taken_over=()) -> Plan:
+def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default, taken_over=None) -> Plan:
     """The H3 forward patch's plan for one sampling run (rules 2-8); ``forwards``: object-patch key -> ours;
-    ``taken_over``: (key, node) of stock-equal forwards this node replaced when it executed."""
+    ``taken_over``: key -> node of the stock-equal forwards this node replaced when it executed."""
     notes = check_override_at_sampling(model_patcher, model_options, "h3_forward_patch") + _block_notes(
         model_patcher, forwards, taken_over)
     active = [key for key, fwd in forwards.items() if model_patcher.object_patches.get(key) is fwd]
@@ -255,8 +257,7 @@ def _block_notes(model_patcher, forwards, taken_over) -> list[Note]:
     theirs = [obj for key in sorted(blocks) if _foreign(obj := model_patcher.object_patches.get(key))]
     notes = [Note("block_forwards", f"composed with another node's block forward ({describe(theirs[0])}) on "
                                     f"{len(theirs)} blocks: the attention it calls runs this node's forward")] if theirs else []
-    for node in sorted({node for _, node in taken_over}):
-        n = sum(1 for _, other in taken_over if other == node)
+    for node, n in sorted(Counter((taken_over or {}).values()).items()):
         notes.append(Note("forward_taken_over", f"{node}'s attention forward (stock-equal) on {n} blocks was taken "
                                                 "over by this node's; its other patches stay"))
     return notes

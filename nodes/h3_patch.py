@@ -118,8 +118,7 @@ def patch_model(model_patcher, settings: Settings, node_id=None):
         raise ValueError(f"{NODE}: {type(diffusion_model).__name__} is not {H3_MODEL_CLASS}")
     conflicts.check_override_at_patch(model_patcher, "h3_forward_patch")
     prefixes = attention_keys(diffusion_model, settings.patch_refiner)
-    replaced_own, known = conflicts.check_object_patches(model_patcher, [p + ".forward" for p in prefixes])
-    taken_over = [(key, conflicts.stock_equal(model_patcher.object_patches[key])) for key in known]
+    replaced_own, taken_over = conflicts.check_object_patches(model_patcher, [p + ".forward" for p in prefixes])
     _check_structure(model_patcher, prefixes)
     for prefix in prefixes:
         conflicts.preference(model_patcher, prefix)  # rule 7 when the node executes, too

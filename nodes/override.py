@@ -35,14 +35,14 @@ class AttentionOverride:
 
 
 def _nhd_views(q, k, v, heads, skip_reshape):
-    """(q, k, v as NHD views, heads, head_dim) or (None, code, reason) for a call the pack leaves to stock."""
+    """(q, k, v as NHD views, heads, head_dim), or the reason (a string) the call's shape is left to stock."""
     if q.dim() != (4 if skip_reshape else 3):
-        return None, "shape", f"unexpected q shape {list(q.shape)} for skip_reshape={skip_reshape}"
+        return f"unexpected q shape {list(q.shape)} for skip_reshape={skip_reshape}"
     if skip_reshape:
         return tuple(t.transpose(1, 2) for t in (q, k, v)), q.shape[1], q.shape[3]
     inner = q.shape[2]
     if inner % heads:
-        return None, "shape", f"{inner} channels do not split into {heads} heads"
+        return f"{inner} channels do not split into {heads} heads"
     d = inner // heads
     return tuple(t.view(t.shape[0], t.shape[1], heads, d) for t in (q, k, v)), heads, d
 
@@ -60,9 +60,10 @@ def _override_call(patch: InstalledPatch, func, q, k, v, heads, mask=None, attn_
         return stock("model_request", "grouped-query attention (enable_gqa) is left to ComfyUI's attention")
     if kwargs.get("low_precision_attention", True) is False:
         return stock("model_request", "the model turned off low-precision attention for this call")
-    views, h, d = _nhd_views(q, k, v, heads, skip_reshape)
-    if views is None:
-        return stock(h, d)
+    shaped = _nhd_views(q, k, v, heads, skip_reshape)
+    if isinstance(shaped, str):
+        return stock("shape", shaped)
+    views, h, d = shaped
     try:
         out, rec = kernels.attention_nhd(*views, chain=patch.plan.default, layout=patch.settings.layout,
                                          mask=_mask_4d(mask), scale=kwargs.get("scale"))
