@@ -1,4 +1,4 @@
-"""The stack rules (1-8, written out once in docs/ARCHITECTURE.md): what the node does when something
+"""The stack rules (1-9, written out once in docs/ARCHITECTURE.md): what the node does when something
 else patches attention on the same model. Checked when the node executes and again when sampling
 starts (:func:`plan_h3`, :func:`plan_override`: the run's Plan, or PatchConflictError). Ownership:
 the ``sage_strided_nhd`` attribute on every callable this pack installs."""
@@ -6,6 +6,7 @@ the ``sage_strided_nhd`` attribute on every callable this pack installs."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 
 from .. import kernels
 from .patch import Note, Plan
@@ -15,6 +16,8 @@ SPARSE_CALLBACK_KEY = "block_sparse_attention"   # core Model Sparse Attention's
 SPARSE_OVERRIDE_QUALNAME = "make_attention_override.<locals>.override"
 # Attention forwards of other packs that compute stock's result; this node takes their place (rule 8)
 STOCK_EQUAL_FORWARDS = {"minimax_attn_lowmem_forward": "KJNodes' MiniMax H3 Low VRAM Attention"}
+# Block forwards of other packs that compute stock's result; the block fast path takes their place (rule 9)
+STOCK_EQUAL_BLOCK_FORWARDS = {"minimax_block_lowmem_forward": "KJNodes' MiniMax H3 Low VRAM Attention"}
 ON_PREPARE_STATE = "on_prepare_state"            # comfy.patcher_extension.CallbacksMP.ON_PREPARE_STATE
 
 
@@ -230,11 +233,15 @@ def _preference_plan(model_patcher, keys, backend: str, default):
     return chains, notes
 
 
-def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default, taken_over=None) -> Plan:
-    """The H3 forward patch's plan for one sampling run (rules 2-8); ``forwards``: object-patch key -> ours;
-    ``taken_over``: key -> node of the stock-equal forwards this node replaced when it executed."""
+def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default, taken_over=None,
+            blocks: "BlockPath | None" = None) -> Plan:
+    """The H3 forward patch's plan for one sampling run (rules 2-9); ``forwards``: object-patch key -> ours;
+    ``taken_over``: key -> node of the stock-equal forwards this node replaced when it executed;
+    ``blocks``: the block fast path as installed."""
+    blocks = blocks or BlockPath()
+    fast, block_notes = _block_path_notes(model_patcher, blocks)
     notes = check_override_at_sampling(model_patcher, model_options, "h3_forward_patch") + _block_notes(
-        model_patcher, forwards, taken_over)
+        model_patcher, forwards, taken_over) + block_notes
     active = [key for key, fwd in forwards.items() if model_patcher.object_patches.get(key) is fwd]
     foreign = [key for key in forwards if _foreign(model_patcher.object_patches.get(key))]
     if foreign:
@@ -246,8 +253,8 @@ def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default,
         notes.append(Note("block_replaces", f"another node replaces {len(replaced)} DiT block(s) (patches_replace "
                                             "'dit'): calls they route to the block's attention run this node's "
                                             "forward and are counted; others are theirs"))
-    blocks = sum(1 for k in active if ".token_refiner." not in k)
-    return Plan(default, chains, tuple(notes), blocks, len(active) - blocks)
+    n_blocks = sum(1 for k in active if ".token_refiner." not in k)
+    return Plan(default, chains, tuple(notes), n_blocks, len(active) - n_blocks, fast)
 
 
 def _block_notes(model_patcher, forwards, taken_over) -> list[Note]:
@@ -256,11 +263,50 @@ def _block_notes(model_patcher, forwards, taken_over) -> list[Note]:
     blocks = {key.rsplit(".attn.", 1)[0] + ".forward" for key in forwards}
     theirs = [obj for key in sorted(blocks) if _foreign(obj := model_patcher.object_patches.get(key))]
     notes = [Note("block_forwards", f"composed with another node's block forward ({describe(theirs[0])}) on "
-                                    f"{len(theirs)} blocks: the attention it calls runs this node's forward")] if theirs else []
+                                    f"{len(theirs)} blocks: the attention it calls runs this node's forward; "
+                                    "the block fast path does not run there")] if theirs else []
     for node, n in sorted(Counter((taken_over or {}).values()).items()):
         notes.append(Note("forward_taken_over", f"{node}'s attention forward (stock-equal) on {n} blocks was taken "
                                                 "over by this node's; its other patches stay"))
     return notes
+
+
+@dataclass(frozen=True)
+class BlockPath:
+    """The block fast path as the node installed it: key -> our block forward, the stock-equal block
+    forwards it took over (key -> node), or why it was not installed at all."""
+
+    forwards: dict = field(default_factory=dict)
+    taken_over: dict = field(default_factory=dict)
+    declined: str | None = None
+
+
+def check_block_forwards(model_patcher, keys) -> tuple[list[str], dict[str, str]]:
+    """Rule 9 when the node executes: (block forward keys the fast path may take, key -> node of the
+    stock-equal block forwards among them). Another node's unknown block forward keeps its block:
+    it calls the block's attention, which is this node's (rule 8)."""
+    patches = model_patcher.object_patches
+    taken_over = {k: node for k in keys if (node := STOCK_EQUAL_BLOCK_FORWARDS.get(
+        getattr(getattr(patches.get(k), "__func__", patches.get(k)), "__name__", "")))}
+    return [k for k in keys if not _foreign(patches.get(k)) or k in taken_over], taken_over
+
+
+def _block_path_notes(model_patcher, blocks: BlockPath) -> tuple[int, list[Note]]:
+    """Rule 9 on the patch stack sampled: how many blocks run the fast path, and the notes."""
+    patches = model_patcher.object_patches
+    if blocks.declined:
+        return 0, [Note("block_path_off", f"block fast path not installed: {blocks.declined}; "
+                                          "the attention-only patch runs")]
+    fast = [k for k, fwd in blocks.forwards.items() if patches.get(k) is fwd]
+    notes = [Note("block_forward_taken_over", f"{node}'s block forward (stock-equal) on {n} blocks was taken "
+                                              "over by this node's block fast path")
+             for node, n in sorted(Counter(blocks.taken_over.values()).items())]
+    mlp = [k for k in (key[: -len("forward")] + "mlp.forward" for key in fast) if _foreign(patches.get(k))]
+    if mlp:
+        notes.append(Note("mlp_forward_composed", f"another node's MLP forward ({describe(patches[mlp[0]])}) runs "
+                                                  f"inside this node's block fast path on {len(mlp)} blocks "
+                                                  "(this node does not chunk those MLPs)"))
+    return len(fast), notes
 
 
 def plan_override(model_patcher, model_options, ours, default) -> Plan:

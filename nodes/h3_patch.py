@@ -10,7 +10,7 @@ import comfy.model_management
 import torch
 
 from .. import kernels
-from . import conflicts
+from . import conflicts, h3_block
 from .patch import NODE, InstalledPatch, Plan, Settings
 from .report import RunReport
 
@@ -134,10 +134,29 @@ def patch_model(model_patcher, settings: Settings, node_id=None):
     default = kernels.BackendChain.for_choice(settings.backend)
     forwards = {}
     patch = InstalledPatch(settings, report, lambda patcher, options: conflicts.plan_h3(
-        patcher, options, forwards, settings.backend, default, taken_over), Plan(default))
+        patcher, options, forwards, settings.backend, default, taken_over, blocks), Plan(default))
+    blocks = _install_block_path(model_patcher, clone, diffusion_model, patch)
     for prefix in prefixes:
         forwards[prefix + ".forward"] = H3AttentionForward(model_patcher.get_model_object(prefix),
                                                            prefix + ".forward", patch)
         clone.add_object_patch(prefix + ".forward", forwards[prefix + ".forward"])
     patch.install(clone)
     return clone, patch
+
+
+def _install_block_path(model_patcher, clone, diffusion_model, patch: InstalledPatch) -> conflicts.BlockPath:
+    """The block fast path's forwards on the clone, where the settings, the block structure and the
+    patch stack allow it; the rest of the blocks keep the attention-only patch (rule 9)."""
+    if patch.settings.block_path != "exact":
+        return conflicts.BlockPath(declined="the node's block_path is attention_only")
+    problems = h3_block.structure_problems(diffusion_model.blocks[0]) if len(diffusion_model.blocks) else []
+    if problems:
+        return conflicts.BlockPath(declined=f"the DiT block differs from the one it was written for: {'; '.join(problems)}")
+    keys = h3_block.block_keys(diffusion_model)
+    free, taken_over = conflicts.check_block_forwards(model_patcher, keys)
+    forwards = {}
+    for key in free:
+        block = model_patcher.get_model_object(key[: -len(".forward")])
+        forwards[key] = h3_block.H3BlockForward(block, key, patch)
+        clone.add_object_patch(key, forwards[key])
+    return conflicts.BlockPath(forwards=forwards, taken_over=taken_over)

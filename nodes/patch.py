@@ -13,6 +13,8 @@ from .report import RunReport
 
 NODE = "Sage Strided NHD Attention"
 WRAPPER_KEY = "sage_strided_nhd"
+# MiniMax H3 block forward: exact (the block fast path, stock's bits) or the attention-only patch
+BLOCK_PATHS = ("exact", "attention_only")
 
 
 @dataclass(frozen=True)
@@ -23,13 +25,17 @@ class Settings:
     backend: str = "auto"
     prep_mode: str = "exact"
     patch_refiner: bool = True
+    block_path: str = "exact"
+    mlp_chunk_tokens: int = 8192  # block fast path: rows per MLP chunk (not a node input)
 
     def __post_init__(self):
-        for what, value, valid in (("layout", self.layout, kernels.LAYOUTS),
+        for what, value, valid in (("layout", self.layout, kernels.LAYOUTS), ("block path", self.block_path, BLOCK_PATHS),
                                    ("back-end", self.backend, kernels.BACKEND_CHOICES),
                                    ("sage2_prep mode", self.prep_mode, tuple(kernels.PREPARED_MODES))):
             if value not in valid:
                 raise ValueError(f"{NODE}: unknown {what} {value!r}; choose one of {', '.join(valid)}")
+        if not isinstance(self.mlp_chunk_tokens, int) or self.mlp_chunk_tokens < 1:
+            raise ValueError(f"{NODE}: mlp_chunk_tokens must be a positive int, got {self.mlp_chunk_tokens!r}")
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class Plan:
     notes: tuple[Note, ...] = ()
     blocks_patched: int = 0
     refiner_blocks_patched: int = 0
+    fast_path_blocks: int = 0   # H3 blocks whose forward is the block fast path (the rest: attention only)
 
     def chain_for(self, key: str) -> kernels.BackendChain:
         return self.chains.get(key, self.default)

@@ -98,7 +98,7 @@ class SageNHDTestLowVramBlockPatch:
         import types
         from comfy.ldm.minimax import model as h3
 
-        def block_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options={}):
+        def minimax_block_lowmem_forward(block, x, t_emb, mod_segments, rope_freqs, transformer_options={}):
             _count(name, "block_calls")
             shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.adaln_proj(t_emb)
             h = [h3._mod_scale_shift(block.norm1(x), shift_msa, scale_msa, mod_segments)]
@@ -113,7 +113,8 @@ class SageNHDTestLowVramBlockPatch:
         minimax_attn_lowmem_forward._uses_optimized_attention = True
         m = model.clone()
         for i, block in enumerate(m.get_model_object("diffusion_model").blocks):
-            m.add_object_patch(f"diffusion_model.blocks.{i}.forward", types.MethodType(block_forward, block))
+            m.add_object_patch(f"diffusion_model.blocks.{i}.forward",
+                               types.MethodType(minimax_block_lowmem_forward, block))
             key = f"diffusion_model.blocks.{i}.attn.forward"
             if key not in m.object_patches:
                 m.add_object_patch(key, types.MethodType(minimax_attn_lowmem_forward, block.attn))
@@ -333,6 +334,9 @@ class SageNHDTestSparseAttention:
                     return extra["original_block"](args)
                 if takes_attention:  # current ComfyUI: DiTBlock.forward(..., attention=None)
                     return extra["original_block"]({**args, "attention": attention})
+                if "attention" in inspect.signature(block.forward).parameters:  # 0.33 + a block forward taking it
+                    return {"img": block(args["img"], args["t_emb"], args["mod_segments"], args["rope_freqs"],
+                                         transformer_options=args["transformer_options"], attention=attention)}
                 # ComfyUI 0.33 has no attention= on the block: the same computation with this attention
                 x, t_emb, segs, rope = args["img"], args["t_emb"], args["mod_segments"], args["rope_freqs"]
                 shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.adaln_proj(t_emb)
@@ -382,7 +386,38 @@ class SageNHDTestRaiseWhileSampling:
 
 # Built from the class names (no mapping literal), so a ComfyUI-Manager scan of the repository does not
 # credit the pack with these test-only nodes (tests/unit/test_published_contents.py).
+class SageNHDTestChunkFeedForward:
+    """Stands in for KJNodes' "MiniMax H3 Chunk FeedForward" (the behaviour its source shows): every
+    block's ``mlp.forward`` replaced by one that runs ComfyUI's MLP over token chunks. Counts its calls."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "name": ("STRING", {"default": "chunk_ff"}),
+                             "chunks": ("INT", {"default": 2, "min": 1, "max": 64})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "testing/sage_nhd"
+
+    def patch(self, model, name, chunks):
+        import types
+
+        import comfy.ops
+
+        def minimax_mlp_chunked_forward(mlp, x):
+            _count(name, "mlp_calls")
+            return torch.cat([comfy.ops.linear_input_act(mlp.fc2, mlp.fc1(c), "swiglu")
+                              for c in torch.chunk(x, chunks, dim=0)])
+
+        m = model.clone()
+        for i, block in enumerate(m.get_model_object("diffusion_model").blocks):
+            m.add_object_patch(f"diffusion_model.blocks.{i}.mlp.forward",
+                               types.MethodType(minimax_mlp_chunked_forward, block.mlp))
+        return (m,)
+
+
 NODE_CLASS_MAPPINGS = dict((cls.__name__, cls) for cls in (
     SageNHDTestForwardProbe, SageNHDTestConditioning, SageNHDTestSaveLatentTensors, SageNHDTestForeignH3Patch,
     SageNHDTestForeignOverride, SageNHDTestAttentionPreference, SageNHDTestComfyAttentionFunction,
-    SageNHDTestSparseAttention, SageNHDTestRaiseWhileSampling, SageNHDTestLowVramBlockPatch))
+    SageNHDTestSparseAttention, SageNHDTestRaiseWhileSampling, SageNHDTestLowVramBlockPatch,
+    SageNHDTestChunkFeedForward))

@@ -185,6 +185,9 @@ export function formatReport(report) {
     ? "attention override"
     : `${text(r.blocks_patched)} blocks + ${text(r.refiner_blocks_patched, "0")} refiner`;
   lines.push(`${text(r.model_family, "model ?")}: ${where}`);
+  if (r.path !== "attention_override" && isNumber(r.fast_path_blocks)) {
+    lines.push(`block fast path: ${r.fast_path_blocks} of ${text(r.blocks_patched)} blocks`);
+  }
   if (r.replaced_own_patch) lines.push("replaced an earlier patch of this node on the same model");
 
   // notes carry a code too (sparse_composed, preference_honoured, ...); the text says it all

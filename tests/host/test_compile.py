@@ -22,7 +22,7 @@ from host_fixtures import (H3_CKPT, ComfyServer, _install_into_host, h3_graph, i
                            tiny_h3_model, write_checkpoint)
 
 STEPS = 2  # a second model call per prompt: pack state that changes per call would show as a recompile
-PACK_WORDS = ("sage", "report", "calls", "H3AttentionForward", "AttentionOverride", "_attend", "run_chain", "comfyui_sage")
+PACK_WORDS = ("sage", "report", "calls", "H3AttentionForward", "H3BlockForward", "AttentionOverride", "_attend", "run_chain", "comfyui_sage")
 
 
 @pytest.fixture(scope="module")

@@ -42,8 +42,8 @@ def make_patch(pack, backend="sdpa", path="h3_forward_patch", layout="strided_nh
     return pack.nodes.patch.InstalledPatch(settings, report, None, plan)
 
 
-def settings(pack, layout="strided_nhd", backend="auto", patch_refiner=True):
-    return pack.nodes.patch.Settings(layout=layout, backend=backend, patch_refiner=patch_refiner)
+def settings(pack, layout="strided_nhd", backend="auto", patch_refiner=True, **more):
+    return pack.nodes.patch.Settings(layout=layout, backend=backend, patch_refiner=patch_refiner, **more)
 
 
 def outer_sample_wrapper(pack, clone):
@@ -160,8 +160,11 @@ def test_patch_model_patches_a_clone_only(pack):
     assert clone is not mp and mp.object_patches == {} and mp.wrappers == {}
     keys = sorted(clone.object_patches)
     assert keys == sorted([f"diffusion_model.blocks.{i}.attn.forward" for i in range(2)]
+                          + [f"diffusion_model.blocks.{i}.forward" for i in range(2)]  # the block fast path
                           + [f"diffusion_model.token_refiner.blocks.{i}.attn.forward" for i in range(2)])
     assert patch.report.static["blocks_patched"] == 2 and patch.report.static["refiner_blocks_patched"] == 2
+    attention_only, _ = pack.nodes.h3_patch.patch_model(mp, settings(pack, block_path="attention_only"))
+    assert not any(k.endswith("blocks.0.forward") for k in attention_only.object_patches)
 
     clone2, patch2 = pack.nodes.h3_patch.patch_model(mp, settings(pack, "hnd", "sdpa", patch_refiner=False))
     assert all(".token_refiner." not in k for k in clone2.object_patches)
@@ -194,7 +197,8 @@ def test_own_patch_applied_twice_is_replaced_and_reported(pack):
     first, _ = pack.nodes.h3_patch.patch_model(mp, settings(pack, "hnd", "sdpa"))
     second, patch = pack.nodes.h3_patch.patch_model(first, settings(pack, patch_refiner=False))
     assert patch.report.static["replaced_own_patch"] is True
-    assert sorted(second.object_patches) == [f"diffusion_model.blocks.{i}.attn.forward" for i in range(2)]
+    assert sorted(second.object_patches) == sorted(f"diffusion_model.blocks.{i}.{what}forward"
+                                                   for i in range(2) for what in ("attn.", ""))
     assert all(f.patch.settings.layout == "strided_nhd" for f in second.object_patches.values())
     from comfy.patcher_extension import WrappersMP
     assert len(second.get_wrappers(WrappersMP.OUTER_SAMPLE, pack.nodes.patch.WRAPPER_KEY)) == 1
@@ -345,14 +349,16 @@ def test_node_schema_has_tooltips_and_defaults(pack):
     schema = pack.nodes.SageStridedNHDAttention.GET_SCHEMA()
     assert schema.node_id == "SageStridedNHDAttention" and schema.display_name == "Sage Strided NHD Attention"
     assert schema.category.startswith("advanced/model_patches")
-    assert [i.id for i in schema.inputs] == ["model", "layout", "backend", "patch_text_refiner", "sage2_prep"]
+    assert [i.id for i in schema.inputs] == ["model", "layout", "backend", "patch_text_refiner", "sage2_prep",
+                                             "block_path"]
     assert all(i.tooltip for i in schema.inputs)
     defaults = {i.id: getattr(i, "default", None) for i in schema.inputs}
     assert defaults["layout"] == "strided_nhd" and defaults["backend"] == "auto" and defaults["patch_text_refiner"] is True
-    prep = schema.inputs[-1]
+    prep, block = schema.inputs[-2:]
     assert defaults["sage2_prep"] == "exact" and prep.optional and list(prep.options) == list(pack.kernels.PREPARED_MODES)
+    assert defaults["block_path"] == "exact" and block.optional and list(block.options) == ["exact", "attention_only"]
     advanced = {i.id for i in schema.inputs if getattr(i, "advanced", None)}
-    assert advanced == {"layout", "sage2_prep"}  # most users should not touch them
+    assert advanced == {"layout", "sage2_prep", "block_path"}  # most users should not touch them
 
 
 # --- schema 3: what the report reads from the records ------------------------------------------

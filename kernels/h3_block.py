@@ -1,0 +1,93 @@
+"""The elementwise passes of an H3 DiT block that the block fast path fuses, with stock's bits.
+
+Stock modulates a normed row segment in two in-place passes, ``h.mul_(1 + scale).add_(shift)``, each
+rounding to the tensor's dtype. ``scale_shift_`` does both in one pass with the same two roundings
+(the product of two bf16/fp16 values is exact in fp32, and the rounding between the multiply and
+the add keeps the compiler from contracting them into an FMA), so the result is bit-identical.
+fp32 tensors take stock's two passes (there the intermediate rounding is a no-op and an FMA would
+change the bits). A torch.library custom op with a fake implementation: torch.compile traces it
+without a graph break. Offsets are int64. ``token_chunks`` splits a sequence for the block's MLP."""
+
+from __future__ import annotations
+
+import torch
+
+from .sage2_quant import LIB, interpreting, triton, tl
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+BLOCK_COLS, BLOCK_ROWS = 1024, 4
+
+if triton is not None:
+    @triton.jit
+    def _round(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
+        """fp32 -> dtype, round to nearest even. The interpreter truncates to bf16: rounded here first."""
+        if EMULATE_BF16 and dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        return x.to(dtype)
+
+    @triton.jit
+    def _scale_shift_kernel(h_ptr, scale_ptr, shift_ptr, rows, cols, stride_row,
+                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EMULATE_BF16: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
+        col_ok = c < cols
+        s = tl.load(scale_ptr + c, mask=col_ok, other=0.0).to(tl.float32)
+        b = tl.load(shift_ptr + c, mask=col_ok, other=0.0).to(tl.float32)
+        ptr = h_ptr + r[:, None] * stride_row + c[None, :]
+        ok = (r[:, None] < rows) & col_ok[None, :]
+        h = tl.load(ptr, mask=ok, other=0.0)
+        scaled = _round(h.to(tl.float32) * s[None, :], h.dtype, EMULATE_BF16)  # stock's mul_: one rounding
+        tl.store(ptr, _round(scaled.to(tl.float32) + b[None, :], h.dtype, EMULATE_BF16), mask=ok)  # add_
+
+
+def fusable(h: torch.Tensor) -> bool:
+    """One Triton pass can take ``h``: a 2-D bf16/fp16 row block with contiguous rows, on a GPU (or on
+    the CPU under TRITON_INTERPRET), Triton importable."""
+    on_device = h.is_cuda or (interpreting() and h.device.type == "cpu")
+    return (triton is not None and on_device and h.dim() == 2 and h.dtype in FUSED_DTYPES
+            and h.stride(-1) == 1 and h.numel() > 0)
+
+
+def _scale_shift_impl(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> None:
+    if not fusable(h):
+        h.mul_(scale1).add_(shift)
+        return
+    rows, cols = h.shape
+    grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
+    _scale_shift_kernel[grid](h, scale1.contiguous(), shift.contiguous(), rows, cols, h.stride(0),
+                              BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, EMULATE_BF16=interpreting(), num_warps=4)
+
+
+@torch.library.custom_op(f"{LIB}::scale_shift_", mutates_args=("h",))
+def _scale_shift_op(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> None:
+    _scale_shift_impl(h, scale1, shift)
+
+
+@_scale_shift_op.register_fake
+def _(h, scale1, shift):
+    return None
+
+
+def scale_shift_(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``h.mul_(scale1).add_(shift)`` in one pass, stock's bits; ``scale1`` and ``shift`` are one row
+    (``[cols]``, h's dtype). Returns ``h``. Eager calls skip the dispatcher."""
+    if torch.compiler.is_compiling():
+        torch.ops.sage_strided_nhd.scale_shift_(h, scale1, shift)
+    else:
+        _scale_shift_impl(h, scale1, shift)
+    return h
+
+
+def token_chunks(rows: int, chunk: int) -> list[tuple[int, int]]:
+    """``[(start, stop)]`` of at most ``chunk`` rows covering ``range(rows)``."""
+    if chunk <= 0:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    return [(a, min(a + chunk, rows)) for a in range(0, rows, chunk)]
+
+
+def clip_segments(segments, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """The ``(a, b, row)`` modulation segments that meet rows ``[start, stop)``, relative to ``start``."""
+    return [(max(a, start) - start, min(b, stop) - start, row) for a, b, row in segments
+            if min(b, stop) > max(a, start)]

@@ -1,0 +1,117 @@
+"""MiniMax H3: the block fast path. Each DiT block's forward is replaced, on the clone, by one that
+computes what stock's computes, in stock's order and with stock's bits:
+
+- modulation (``h.mul_(1 + scale).add_(shift)``) in one pass per segment (kernels.h3_block),
+- the normed block input handed to this pack's attention in a list, so it is freed after the qkv
+  projection; an ``attention=`` passed by a block replace (core Model Sparse Attention) runs instead,
+- the MLP half (norm2, modulation, fc1, SwiGLU, fc2, gated residual) in token chunks, so fc1's
+  [S, 2*ffn] output never exists whole. Rows are independent there (RMSNorm and the int8
+  activation quantiser are per row), so chunking changes no bit. Not chunked when the MLP weights
+  are not resident on the compute device (each chunk would cast them again) or when another node
+  replaced the MLP forward (KJNodes' Chunk FeedForward): that forward runs as it is.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import comfy.ops
+import torch
+
+from ..kernels import h3_block as ops
+from . import conflicts
+
+BLOCK_PARAMS = ("self", "x", "t_emb", "mod_segments", "rope_freqs", "transformer_options")
+# the module-level helpers stock's block forward uses, whose semantics the fast path reproduces
+STOCK_HELPERS = ("_mod_scale_shift", "_mod_gate")
+# activation dtypes whose MLP GEMMs give the same bits split by rows (int8 weights: per-row
+# quantiser, integer GEMM; bf16/fp16: tests/gpu/test_block_path.py checks it on the GPU)
+CHUNKED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def structure_problems(block) -> list[str]:
+    """What differs from the DiT block the fast path was written for (empty: it matches)."""
+    problems = [f"no {name}" for name in ("adaln_proj", "norm1", "norm2", "attn", "mlp")
+                if getattr(block, name, None) is None]
+    mlp = getattr(block, "mlp", None)
+    problems += [f"no mlp.{name}.weight" for name in ("fc1", "fc2")
+                 if getattr(getattr(mlp, name, None), "weight", None) is None]
+    if mlp is not None and "linear_input_act" not in type(mlp).forward.__code__.co_names:
+        problems.append("MLP.forward no longer calls comfy.ops.linear_input_act")
+    params = tuple(inspect.signature(type(block).forward).parameters)
+    if params not in (BLOCK_PARAMS, BLOCK_PARAMS + ("attention",)):
+        problems.append(f"forward{params} differs from forward{BLOCK_PARAMS}[+attention]")
+    module = sys.modules.get(type(block).__module__)
+    names = getattr(type(block).forward, "__code__", None)
+    missing = [n for n in STOCK_HELPERS if getattr(module, n, None) is None
+               or n not in getattr(names, "co_names", ())]
+    if missing:
+        problems.append(f"the block forward no longer uses {', '.join(missing)}")
+    return problems
+
+
+def modulate(h, shift, scale, segments):
+    """Stock's ``_mod_scale_shift`` (same expressions, same bits), one pass per segment."""
+    for a, b, row in segments:
+        ops.scale_shift_(h[a:b], 1.0 + scale[row].to(h.dtype), shift[row].to(h.dtype))
+    return h
+
+
+def gated_residual(x, gate, other, segments):
+    """Stock's ``_mod_gate``: ``x += other * gate`` per segment, in place."""
+    for a, b, row in segments:
+        x[a:b].addcmul_(other[a:b], gate[row].to(x.dtype))
+    return x
+
+
+def mlp_chunk_rows(mlp, x, chunk: int) -> int | None:
+    """Rows per MLP chunk, or None when the MLP must run whole as the model has it. fp32 activations
+    are not chunked: fp32 GEMMs split by rows need not give the same bits (measured on the CPU)."""
+    if "forward" in vars(mlp) or x.dtype not in CHUNKED_DTYPES:  # another node's MLP forward runs as it is
+        return None
+    resident = all(getattr(m.weight, "device", None) == x.device and not getattr(m, "weight_function", None)
+                   for m in (mlp.fc1, mlp.fc2))
+    return chunk if resident and x.shape[0] > chunk else None
+
+
+class H3BlockForward:
+    """Replacement for one H3 ``DiTBlock.forward`` (0.33's arguments and current upstream's
+    ``attention=``); the installed patch's settings give the MLP chunk size."""
+
+    sage_strided_nhd = True  # ownership mark (see conflicts.py)
+
+    def __init__(self, block, key: str, patch):
+        self.block = block
+        self.key = key
+        self.patch = patch
+
+    def __call__(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, attention=None):
+        blk = self.block
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = blk.adaln_proj(t_emb)
+        handed = [modulate(blk.norm1(x), shift_msa, scale_msa, mod_segments)]
+        if attention is None and conflicts.is_own(vars(blk.attn).get("forward")):
+            out = blk.attn(handed, rope_freqs=rope_freqs, transformer_options=transformer_options)
+        else:  # a block replace's attention, or another node's attention forward: a tensor, as stock hands it
+            out = (attention or blk.attn)(handed.pop(), rope_freqs=rope_freqs, transformer_options=transformer_options)
+        x = gated_residual(x, gate_msa, out, mod_segments)
+        del out
+        return self._mlp_half(x, shift_mlp, scale_mlp, gate_mlp, mod_segments)
+
+    def _mlp_half(self, x, shift, scale, gate, segments):
+        blk = self.block
+        chunk = mlp_chunk_rows(blk.mlp, x, self.patch.settings.mlp_chunk_tokens)
+        if chunk is None:
+            return gated_residual(x, gate, blk.mlp(modulate(blk.norm2(x), shift, scale, segments)), segments)
+        for a, b in ops.token_chunks(x.shape[0], chunk):
+            part, segs = x[a:b], ops.clip_segments(segments, a, b)
+            h = modulate(blk.norm2(part), shift, scale, segs)
+            y = comfy.ops.linear_input_act(blk.mlp.fc2, blk.mlp.fc1(h), "swiglu")  # stock's MLP.forward
+            del h
+            gated_residual(part, gate, y, segs)
+        return x
+
+
+def block_keys(diffusion_model) -> list[str]:
+    return [f"diffusion_model.blocks.{i}.forward" for i in range(len(diffusion_model.blocks))]
+

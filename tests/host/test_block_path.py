@@ -1,0 +1,116 @@
+"""The H3 block fast path (nodes/h3_block.py) in a real ComfyUI 0.33 host, on the CPU.
+
+A narrow H3 with the real head geometry (2 x 128 heads, rope on 96 dims) in both weight formats the
+users load (bf16; int8_tensorwise + convrot through ComfyUI's mixed_precision_ops): every block
+output must equal stock's bit for bit, with MLP chunks that cut modulation segments, with an
+``attention=`` from a block replace, and with the attention-only setting. Blocks the fast path does
+not know keep the attention-only patch, and the plan says why.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from devkit import h3 as dh
+
+CONFIG = dict(dh.TINY_H3, hidden_size=256, num_attention_heads=2, attention_head_dim=128, ffn_hidden_size=512)
+SEQ = 100
+
+
+@pytest.fixture(scope="module")
+def pack(comfy_inprocess):
+    return comfy_inprocess
+
+
+@pytest.fixture(scope="module", params=dh.WEIGHT_FORMATS)
+def model(request, pack):
+    return dh.build_model(CONFIG, torch.device("cpu"), torch.bfloat16, 0, request.param)
+
+
+def patched_call(pack, base, index, inputs, **settings):
+    """Block ``index`` of ``base`` with the node's patch applied: (output, the forward that ran, patch)."""
+    s = pack.nodes.patch.Settings(backend="sdpa", **settings)
+    clone, patch = pack.nodes.h3_patch.patch_model(base, s)
+    x, t_emb, segments, rope, *attention = inputs
+    clone.patch_model(load_weights=False)
+    try:
+        block = clone.model.diffusion_model.blocks[index]
+        forward = vars(block).get("forward")
+        extra = {"attention": attention[0]} if attention else {}
+        out = block(x.clone(), t_emb, segments, rope, transformer_options={}, **extra)
+    finally:
+        clone.unpatch_model(unpatch_weights=False)
+    return out, forward, patch
+
+
+def stock_call(base, index, inputs):
+    x, t_emb, segments, rope = inputs[:4]
+    return base.model.diffusion_model.blocks[index](x.clone(), t_emb, segments, rope, transformer_options={})
+
+
+@pytest.mark.parametrize("chunk", [7, 30, 8192])
+def test_fast_path_gives_stock_bits(pack, model, chunk):
+    inputs = dh.random_block_inputs(model.model.diffusion_model.blocks[1], SEQ, seed=chunk, dtype=torch.bfloat16)
+    want = stock_call(model, 1, inputs)
+    got, forward, _ = patched_call(pack, model, 1, inputs, mlp_chunk_tokens=chunk)
+    assert isinstance(forward, pack.nodes.h3_block.H3BlockForward)
+    assert torch.equal(got, want), f"max abs {(got.float() - want.float()).abs().max().item()}"
+
+
+def test_attention_from_a_block_replace_runs_inside_the_block(pack, model):
+    block = model.model.diffusion_model.blocks[0]
+    calls = []
+
+    def attention(h, rope_freqs=None, transformer_options={}):  # what Model Sparse Attention passes
+        calls.append(h.shape)
+        return type(block.attn).forward(block.attn, h, rope_freqs=rope_freqs, transformer_options=transformer_options)
+
+    inputs = dh.random_block_inputs(block, SEQ, seed=5, dtype=torch.bfloat16)
+    want = stock_call(model, 0, inputs)
+    got, _, patch = patched_call(pack, model, 0, (*inputs, attention), mlp_chunk_tokens=16)
+    assert calls == [torch.Size([SEQ, CONFIG["hidden_size"]])] and patch.report.calls == 0
+    assert torch.equal(got, want)
+
+
+def test_attention_only_setting_keeps_the_stock_block(pack, model):
+    inputs = dh.random_block_inputs(model.model.diffusion_model.blocks[0], SEQ, seed=6, dtype=torch.bfloat16)
+    got, forward, patch = patched_call(pack, model, 0, inputs, block_path="attention_only")
+    assert forward is None or not pack.nodes.conflicts.is_own(forward)
+    assert patch.report.calls == 1 and torch.equal(got, stock_call(model, 0, inputs))
+
+
+def test_mlp_runs_whole_where_chunks_would_cost_or_change_bits(pack):
+    chunk_rows = pack.nodes.h3_block.mlp_chunk_rows
+    layer = SimpleNamespace(weight=torch.empty(1), weight_function=[])
+    mlp = SimpleNamespace(fc1=layer, fc2=layer)
+    x = torch.empty(20, 4, dtype=torch.bfloat16)
+    assert chunk_rows(mlp, x, 8) == 8 and chunk_rows(mlp, x, 32) is None   # short sequences: whole
+    assert chunk_rows(mlp, x.float(), 8) is None                             # fp32 GEMMs split by rows differ
+    offloaded = SimpleNamespace(fc1=SimpleNamespace(weight=torch.empty(1, device="meta")), fc2=layer)
+    assert chunk_rows(offloaded, x, 8) is None                              # each chunk would cast it again
+    lora = SimpleNamespace(fc1=SimpleNamespace(weight=torch.empty(1), weight_function=[abs]), fc2=layer)
+    assert chunk_rows(lora, x, 8) is None
+    foreign = SimpleNamespace(fc1=layer, fc2=layer, forward=lambda h: h)     # another node's MLP forward
+    assert chunk_rows(foreign, x, 8) is None
+
+
+def test_unknown_block_structure_keeps_the_attention_only_patch(pack, monkeypatch):
+    import comfy.ldm.minimax.model as h3
+
+    class ChangedBlock(h3.DiTBlock):
+        def forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, scale=1.0):
+            return super().forward(x, t_emb, mod_segments, rope_freqs, transformer_options)
+
+    dm = dh.tiny_h3_model()
+    for block in dm.blocks:
+        block.__class__ = ChangedBlock
+    mp = dh.patcher_for(dm)
+    clone, patch = pack.nodes.h3_patch.patch_model(mp, pack.nodes.patch.Settings(backend="sdpa"))
+    assert not any(k.endswith(".0.forward") and ".attn." not in k for k in clone.object_patches)
+    plan = patch.planner(clone, clone.model_options)
+    assert plan.fast_path_blocks == 0 and plan.blocks_patched == 2
+    off = [n.text for n in plan.notes if n.code == "block_path_off"]
+    assert off and "forward(" in off[0] and "scale" in off[0], plan.notes

@@ -1,0 +1,82 @@
+"""The block fast path's elementwise pass (kernels/h3_block.py) on the CPU.
+
+``scale_shift_`` runs its Triton kernel under ``TRITON_INTERPRET=1`` in a subprocess (the flag must
+be set before the kernel is decorated) and must equal stock's two in-place passes
+(``h.mul_(scale1).add_(shift)``) bit for bit, on row blocks that are views of a larger tensor, with
+ragged edges, in bf16 and fp16. fp32 and non-row-major inputs take stock's passes themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfyui_sage_strided_nhd.kernels import h3_block
+
+ROOT = Path(__file__).resolve().parents[2]
+
+INTERPRETED = textwrap.dedent(r"""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from devkit.pack import import_pack
+    import_pack()
+    import torch
+    from comfyui_sage_strided_nhd.kernels import h3_block
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows, cols in ((5, 1030), (9, 64), (1, 3000)):
+            full = (torch.randn(rows + 6, cols, generator=g) * 4).to(dtype)
+            scale1 = (1.0 + torch.randn(cols, generator=g).to(dtype))
+            shift = torch.randn(cols, generator=g).to(dtype)
+            want = full.clone()
+            want[3:3 + rows].mul_(scale1).add_(shift)
+            got = full.clone()
+            assert h3_block.fusable(got[3:3 + rows])
+            h3_block.scale_shift_(got[3:3 + rows], scale1, shift)
+            out[f"{dtype}-{rows}x{cols}"] = [bool(torch.equal(got, want)), int((got != want).sum())]
+    print("RESULTS " + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED, str(ROOT)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+def test_scale_shift_kernel_gives_stock_bits(interpreted):
+    assert len(interpreted) == 6
+    for case, (equal, differing) in interpreted.items():
+        assert equal, f"{case}: {differing} elements differ from h.mul_(scale1).add_(shift)"
+
+
+def test_inputs_the_kernel_does_not_take_get_stocks_passes(gen):
+    for h in (torch.randn(4, 8, generator=gen),                       # fp32: an FMA would change the bits
+              torch.randn(8, 4, generator=gen).bfloat16().t()):      # rows not contiguous
+        assert not h3_block.fusable(h)
+        scale1, shift = torch.randn(h.shape[1], generator=gen).to(h.dtype), torch.randn(h.shape[1]).to(h.dtype)
+        want = h.clone().mul_(scale1).add_(shift)
+        assert torch.equal(h3_block.scale_shift_(h, scale1, shift), want)
+
+
+def test_token_chunks_and_clipped_segments():
+    assert h3_block.token_chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert h3_block.token_chunks(4, 8) == [(0, 4)]
+    with pytest.raises(ValueError, match="positive"):
+        h3_block.token_chunks(4, 0)
+    segments = [(0, 3, 1), (3, 9, 2), (9, 10, 0)]
+    assert h3_block.clip_segments(segments, 4, 8) == [(0, 4, 2)]
+    assert h3_block.clip_segments(segments, 8, 10) == [(0, 1, 2), (1, 2, 0)]
+    assert h3_block.clip_segments(segments, 0, 4) == [(0, 3, 1), (3, 4, 2)]
