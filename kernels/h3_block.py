@@ -80,11 +80,15 @@ def scale_shift_(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> 
     return h
 
 
-def token_chunks(rows: int, chunk: int) -> list[tuple[int, int]]:
-    """``[(start, stop)]`` of at most ``chunk`` rows covering ``range(rows)``."""
+def token_chunks(rows: int, chunk: int, align: int = 64) -> list[tuple[int, int]]:
+    """``[(start, stop)]`` covering ``range(rows)`` in as few chunks of at most ``chunk`` rows as
+    possible, of equal size (rounded up to ``align`` rows where that stays within ``chunk``): no
+    small last GEMM."""
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
-    return [(a, min(a + chunk, rows)) for a in range(0, rows, chunk)]
+    size = -(-rows // -(-rows // chunk)) if rows else chunk
+    size = min(-(-size // align) * align, chunk) if size >= align else size
+    return [(a, min(a + size, rows)) for a in range(0, rows, size)]
 
 
 def clip_segments(segments, start: int, stop: int) -> list[tuple[int, int, int]]:

@@ -55,7 +55,7 @@ class Plan:
     notes: tuple[Note, ...] = ()
     blocks_patched: int = 0
     refiner_blocks_patched: int = 0
-    fast_path_blocks: int = 0   # H3 blocks whose forward is the block fast path (the rest: attention only)
+    block_path_blocks: int = 0   # H3 blocks whose forward is the block fast path (the rest: attention only)
 
     def chain_for(self, key: str) -> kernels.BackendChain:
         return self.chains.get(key, self.default)

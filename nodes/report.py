@@ -20,7 +20,7 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "blocks_patched": 50,                # H3 DiT blocks running this node's forward (0 on the override path)
       "refiner_blocks_patched": 2,         # H3 text refiner blocks, the same way
       "block_path": "exact" | "attention_only",   # the node's block_path
-      "fast_path_blocks": 50,              # H3 DiT blocks whose whole forward ran the block fast path
+      "block_path_blocks": 50,              # H3 DiT blocks whose whole forward ran the block fast path
       "replaced_own_patch": false,         # the input model already carried this node's patch; it was replaced
       "status": "ok" | "no_attention_calls" | "interrupted" | "failed",
       "error": null | {"type": "RuntimeError", "message": "..."},   # what ended a failed run
@@ -76,7 +76,7 @@ class RunReport:
         self.prepared = Counter()            # (backend, mode) -> calls
         self.prepared_skipped = Counter()    # (backend, code, reason) -> calls
         self.compile_events: list[dict] = []
-        self.run = {k: self.static[k] for k in ("blocks_patched", "refiner_blocks_patched")} | {"fast_path_blocks": 0}
+        self.run = {k: self.static[k] for k in ("blocks_patched", "refiner_blocks_patched")} | {"block_path_blocks": 0}
         self.notes: list[dict] = []
         self.status: str | None = None
         self.error: dict | None = None
@@ -108,7 +108,7 @@ class RunReport:
         self.notes = [{"code": n.code, "text": n.text} for n in plan.notes]
         if self.static["path"] == "h3_forward_patch":
             self.run = {"blocks_patched": plan.blocks_patched, "refiner_blocks_patched": plan.refiner_blocks_patched,
-                        "fast_path_blocks": plan.fast_path_blocks}
+                        "block_path_blocks": plan.block_path_blocks}
 
     def ended_by(self, exc: BaseException) -> None:
         if isinstance(exc, (KeyboardInterrupt, InterruptProcessingException)):
@@ -150,7 +150,7 @@ def _messages(p: dict) -> list[str]:
              if p["path"] == "h3_forward_patch" else "ComfyUI optimized_attention override")
     lines = [f"{p['model_family']}: {where}, layout {p['layout']}, back-end requested {p['backend_requested']}"]
     if p["path"] == "h3_forward_patch":
-        lines.append(f"block fast path on {p['fast_path_blocks']} of {p['blocks_patched']} blocks "
+        lines.append(f"block fast path on {p['block_path_blocks']} of {p['blocks_patched']} blocks "
                      f"(block_path {p['block_path']}); the others: attention only")
     if p["status"] == "interrupted":
         lines.append("the sampling run was interrupted; the counts below cover the part that ran")

@@ -329,7 +329,7 @@ test("the pack's templates are listed in natural order; other packs' lists are l
 });
 
 test("the H3 path says on how many blocks the block fast path ran", () => {
-  const lines = formatReport({ ...REPORT, block_path: "exact", fast_path_blocks: 48 });
+  const lines = formatReport({ ...REPORT, block_path: "exact", block_path_blocks: 48 });
   assert.ok(lines.includes("block fast path: 48 of 50 blocks"), lines.join("\n"));
-  assert.ok(!formatReport({ ...REPORT, path: "attention_override", fast_path_blocks: 0 }).some((l) => l.startsWith("block fast path")));
+  assert.ok(!formatReport({ ...REPORT, path: "attention_override", block_path_blocks: 0 }).some((l) => l.startsWith("block fast path")));
 });

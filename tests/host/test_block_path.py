@@ -111,6 +111,6 @@ def test_unknown_block_structure_keeps_the_attention_only_patch(pack, monkeypatc
     clone, patch = pack.nodes.h3_patch.patch_model(mp, pack.nodes.patch.Settings(backend="sdpa"))
     assert not any(k.endswith(".0.forward") and ".attn." not in k for k in clone.object_patches)
     plan = patch.planner(clone, clone.model_options)
-    assert plan.fast_path_blocks == 0 and plan.blocks_patched == 2
+    assert plan.block_path_blocks == 0 and plan.blocks_patched == 2
     off = [n.text for n in plan.notes if n.code == "block_path_off"]
     assert off and "forward(" in off[0] and "scale" in off[0], plan.notes

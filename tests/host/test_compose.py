@@ -158,7 +158,7 @@ def test_low_vram_block_patch_composes_in_either_order(comfy_server, stock, orde
     # after it, they replace the fast path and call this node's attention (rule 8)
     block_calls = 0 if order == "before" else STEPS * TINY_H3["num_layers"]
     assert counts(comfy_server, name).get("block_calls", 0) == block_calls, counts(comfy_server, name)
-    assert r["fast_path_blocks"] == (TINY_H3["num_layers"] if order == "before" else 0), r
+    assert r["block_path_blocks"] == (TINY_H3["num_layers"] if order == "before" else 0), r
     assert r["attention_calls"] == STEPS * (TINY_H3["num_layers"] + TINY_H3["token_refiner_num_layers"]), r
     codes = {n["code"] for n in r["notes"]}
     assert ("block_forward_taken_over" if order == "before" else "block_forwards") in codes, r["notes"]
@@ -178,7 +178,7 @@ def test_chunk_feedforward_runs_inside_the_block_fast_path_in_either_order(comfy
     run = comfy_server.run_graph(chain_graph("h3", ordered(other, order), name))
     r = ok_report(run)
     assert counts(comfy_server, name).get("mlp_calls") == STEPS * TINY_H3["num_layers"], counts(comfy_server, name)
-    assert r["fast_path_blocks"] == TINY_H3["num_layers"], r
+    assert r["block_path_blocks"] == TINY_H3["num_layers"], r
     assert "mlp_forward_composed" in {n["code"] for n in r["notes"]}, r["notes"]
     # its fp32 chunked GEMMs need not give stock's bits on the CPU: the node must add no difference of its own
     assert_latents_equal(run.latent("9"), alone.latent("9"), f"chunk feedforward stand-in {order} the node vs alone")
@@ -188,7 +188,7 @@ def test_attention_only_block_path_leaves_the_blocks_alone(comfy_server, stock):
     run = comfy_server.run_graph(chain_graph("h3", [(SAGE, dict(patch_inputs(), block_path="attention_only"))],
                                              "attention_only"))
     r = ok_report(run)
-    assert r["fast_path_blocks"] == 0 and r["block_path"] == "attention_only", r
+    assert r["block_path_blocks"] == 0 and r["block_path"] == "attention_only", r
     assert "block_path_off" in {n["code"] for n in r["notes"]}, r["notes"]
     assert_latents_equal(run.latent("9"), stock["h3"], "attention-only vs stock")
 
@@ -205,7 +205,7 @@ def test_sparse_attention_composes_on_h3_in_either_order(comfy_server, stock, or
     assert c.get("block_sparse") == STEPS, c
     assert r["attention_calls"] == STEPS * (1 + TINY_H3["token_refiner_num_layers"]), r
     assert r["blocks_patched"] == 2 and r["status"] == "ok"
-    assert r["fast_path_blocks"] == 2, r  # block 0 runs the fast path with the sparse node's attention=
+    assert r["block_path_blocks"] == 2, r  # block 0 runs the fast path with the sparse node's attention=
     assert any("Model Sparse Attention" in n for n in notes_text(r)), r["notes"]
     assert_latents_equal(run.latent("9"), stock["h3"], "sparse stand-in + node vs stock")
 

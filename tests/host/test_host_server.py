@@ -45,7 +45,7 @@ def test_node_is_listed_in_object_info(comfy_server):
     assert req["patch_text_refiner"][1]["default"] is True
     assert all(spec[1].get("tooltip") for spec in req.values()), "every input needs a tooltip"
     opt = info["input"].get("optional", {})
-    assert list(opt) == ["sage2_prep"], "sage2_prep is optional: API graphs saved without it still validate"
+    assert list(opt) == ["sage2_prep", "block_path"], "optional: API graphs saved without them still validate"
     modes = ["exact", "fused", "rotated", "fused_rotated"]
     assert opt["sage2_prep"][0] == modes or opt["sage2_prep"][1].get("options") == modes
     assert opt["sage2_prep"][1].get("advanced") is True and req["layout"][1].get("advanced") is True

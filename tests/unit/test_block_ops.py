@@ -74,6 +74,8 @@ def test_inputs_the_kernel_does_not_take_get_stocks_passes(gen):
 def test_token_chunks_and_clipped_segments():
     assert h3_block.token_chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert h3_block.token_chunks(4, 8) == [(0, 4)]
+    assert h3_block.token_chunks(37810, 8192) == [(a, min(a + 7616, 37810)) for a in range(0, 37810, 7616)]
+    assert h3_block.token_chunks(16384, 8192) == [(0, 8192), (8192, 16384)]
     with pytest.raises(ValueError, match="positive"):
         h3_block.token_chunks(4, 0)
     segments = [(0, 3, 1), (3, 9, 2), (9, 10, 0)]
