@@ -5,14 +5,15 @@ rounding to the tensor's dtype. ``scale_shift_`` does both in one pass with the 
 (the product of two bf16/fp16 values is exact in fp32, and the rounding between the multiply and
 the add keeps the compiler from contracting them into an FMA), so the result is bit-identical.
 fp32 tensors take stock's two passes (there the intermediate rounding is a no-op and an FMA would
-change the bits). A torch.library custom op with a fake implementation: torch.compile traces it
-without a graph break. Offsets are int64. ``token_chunks`` splits a sequence for the block's MLP."""
+change the bits). Under torch.compile it is stock's expression again: inductor fuses it with the
+RMSNorm before it into one kernel, which an opaque custom op would prevent. Offsets are int64.
+``token_chunks`` splits a sequence for the block's MLP."""
 
 from __future__ import annotations
 
 import torch
 
-from .sage2_quant import LIB, interpreting, triton, tl
+from .sage2_quant import interpreting, triton, tl
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 BLOCK_COLS, BLOCK_ROWS = 1024, 4
@@ -60,23 +61,12 @@ def _scale_shift_impl(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor
                               BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, EMULATE_BF16=interpreting(), num_warps=4)
 
 
-@torch.library.custom_op(f"{LIB}::scale_shift_", mutates_args=("h",))
-def _scale_shift_op(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> None:
-    _scale_shift_impl(h, scale1, shift)
-
-
-@_scale_shift_op.register_fake
-def _(h, scale1, shift):
-    return None
-
-
 def scale_shift_(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """``h.mul_(scale1).add_(shift)`` in one pass, stock's bits; ``scale1`` and ``shift`` are one row
-    (``[cols]``, h's dtype). Returns ``h``. Eager calls skip the dispatcher."""
+    (``[cols]``, h's dtype). Returns ``h``."""
     if torch.compiler.is_compiling():
-        torch.ops.sage_strided_nhd.scale_shift_(h, scale1, shift)
-    else:
-        _scale_shift_impl(h, scale1, shift)
+        return h.mul_(scale1).add_(shift)  # inductor fuses it with the norm
+    _scale_shift_impl(h, scale1, shift)
     return h
 
 
