@@ -116,7 +116,8 @@ def build_model(config: dict, device: torch.device, dtype: torch.dtype, seed: in
     ComfyUI's UNETLoader loads such a checkpoint (comfy.sd picks mixed_precision_ops from comfy_quant)."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weights!r}; choose one of {WEIGHT_FORMATS}")
-    patcher = build_random_model(config, torch.device("cpu") if weights != "bf16" else device, dtype, seed)
+    # drawn (and quantised) on the device: the full 50-block model is 19e9 parameters
+    patcher = build_random_model(config, device, dtype, seed)
     if weights == "bf16":
         return patcher
     import comfy.model_management as mm
