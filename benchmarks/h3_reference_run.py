@@ -20,7 +20,17 @@ What it measures (written to the JSON after every section, so a failure keeps th
   them (RandomNoise 440420, KSamplerSelect res_multistep, BasicScheduler simple, BasicGuider,
   SamplerCustomAdvanced, EmptyMiniMaxH3LatentAV), HND and strided NHD in ABBA order; seconds,
   video/audio checksums, peak allocated/reserved bytes.
+- ``peak_memory_long_sequence`` (``--memory-at TOKENS``, last): peak extra memory of one block per
+  variant at the frame count whose packed token count is closest to TOKENS; no timing.
 - ``validation``: bit-exact or the measured difference per item; outputs finite; patches reverted.
+
+Variants beside stock and the layouts (``hnd`` and ``strided_nhd`` run the node's default block path,
+``exact``): ``--variant NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only]``, and the peer,
+KJNodes' MiniMax H3 nodes from a checkout given with ``--kjnodes DIR`` (``benchmarks/peer.py``;
+its code never enters this repository). ``--peer-table`` sets up stock, strided NHD, strided NHD on
+the attention-only block path and the peer's variants in one interleaved run. The peer calls
+ComfyUI's ``optimized_attention``, so its numbers stand beside the pack's only where stock runs the
+pack's kernel (the stock flag below; ``validation.peer_attention`` says so).
 
 The patch is the node's own (``nodes/h3_patch.patch_model`` on a ModelPatcher clone); stock is no patch.
 Layout: ``--layout ab`` (default) measures both layouts in one process; ``--layout strided_nhd|hnd``
@@ -32,6 +42,8 @@ Other useful forms:
     python -m benchmarks.h3_reference_run --sections blocks,profiler         # ~1 minute
     python -m benchmarks.h3_reference_run --checkpoint /models/h3.safetensors # real weights
     python -m benchmarks.h3_reference_run --tiny --device cpu --backend sdpa  # seconds, any machine
+    python -m benchmarks.h3_reference_run --peer-table --kjnodes ~/ComfyUI-KJNodes --blocks 2 \
+        --sections blocks,profiler --memory-at 120000                         # the pack against KJNodes
 
 Prints progress per rep and per sampling step, and a short table last. With ``$OUT`` set, the
 JSON and PNG are also copied there. The tables in docs/BENCHMARKS.md are made from the JSON with
@@ -45,6 +57,7 @@ import copy
 import gc
 import os
 import platform
+import re
 import shutil
 import sys
 import time
@@ -58,11 +71,15 @@ from devkit.backends import describe_backends
 from devkit.pack import kernels as pack_kernels
 from devkit.pack import submodule
 
-from . import schema
+from . import peer, schema
 from . import sections as sec
 from .report import LAYOUTS, Report, correctness_table, equality_verdict, text_table
 
 SECTIONS = ("isolated", "blocks", "profiler", "sampling_2_step", "sampling_12_step")
+MEMORY_SECTION = "memory"  # only with --memory-at; runs last (past the int32 line stock's attention may fault)
+VARIANT_USAGE = "NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only]"
+VARIANT_FLAGS = {"noprepared": ("prepared", False), "attention_only": ("block_path", "attention_only")}
+ATTENTION_ONLY = "attention_only"  # --peer-table's strided NHD variant on the attention-only block path
 LAYOUT_ENV = "H3_SAGE_QKV_LAYOUT"
 REFERENCE_COPY = Path(__file__).resolve().parent / "reference" / "gb10-strided-nhd-results.json"
 
@@ -121,10 +138,36 @@ def parse_args(argv=None):
                    "comfy_kitchen_int8, sdpa (stock ComfyUI runs the same kernel through its own flag)")
     p.add_argument("--prep", default="exact", help="prepared-path mode of the layout variants "
                    "(exact, fused, rotated, fused_rotated; only where a back-end has a prepared path)")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=LAYOUT:BACKEND:PREP[:noprepared]",
-                   help="an extra patched variant timed beside stock and the layouts in blocks and profiler, e.g. "
-                        "nhd_fused=strided_nhd:sage2:fused, sdpa=strided_nhd:sdpa:exact, today=strided_nhd:sage2:exact:noprepared "
-                        "(noprepared: the back-end's prepared path switched off for that variant). Repeatable.")
+    add_model_options(p)
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma list of {', '.join(SECTIONS)} ({MEMORY_SECTION}: added by --memory-at)")
+    p.add_argument("--skip-12-step", action="store_true")
+    p.add_argument("--reps", type=int, default=9, help="timed reps per block and variant")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--attention-reps", type=int, default=10)
+    p.add_argument("--reps-2-step", type=int, default=2, help="2-step runs per layout (2 = ABBA)")
+    p.add_argument("--reps-12-step", type=int, default=1, help="12-step runs per layout (2 = ABBA)")
+    p.add_argument("--no-stock", action="store_true", help="leave stock ComfyUI out of blocks, profiler and memory")
+    p.add_argument("--stock-sampling", action="store_true", help="also sample with stock attention, interleaved with the layouts")
+    p.add_argument("--no-chart", action="store_true")
+    add_variant_options(p)
+    args = p.parse_args(argv)
+    # --layout, else the preset's one layout, else the reference system's switch, else both
+    args.layout = args.layout or ("strided_nhd" if args.peer_table else None) or os.environ.get(LAYOUT_ENV) or "ab"
+    if args.layout not in ("ab",) + LAYOUTS:
+        p.error(f"{LAYOUT_ENV}={args.layout!r}: expected one of {', '.join(LAYOUTS)}")
+    args.sections = parse_sections(p, args)
+    args.variants = [parse_variant(p, spec) for spec in args.variant]
+    parse_peer_options(p, args)
+    shape = (64, 64, 5, 8) if args.tiny else (1344, 768, 124, 100)
+    for name, default in zip(("width", "height", "frames", "text_tokens"), shape):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return args
+
+
+def add_model_options(p) -> None:
+    """The model measured, where, and at which shape."""
     p.add_argument("--checkpoint", help="H3 diffusion-model checkpoint (default: random full-size weights)")
     p.add_argument("--weights", choices=h3_model.WEIGHT_FORMATS, default="bf16",
                    help="random model only: the linears' format (int8_convrot: as the bundled workflows' checkpoint "
@@ -141,43 +184,96 @@ def parse_args(argv=None):
     p.add_argument("--text-tokens", type=int)
     p.add_argument("--seed", type=int, default=440420, help="noise seed (the reference's)")
     p.add_argument("--weight-seed", type=int, default=0, help="seed of the random weights and text states")
-    p.add_argument("--sections", default=",".join(SECTIONS), help="comma list of " + ", ".join(SECTIONS))
-    p.add_argument("--skip-12-step", action="store_true")
-    p.add_argument("--reps", type=int, default=9, help="timed reps per block and variant")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--attention-reps", type=int, default=10)
-    p.add_argument("--reps-2-step", type=int, default=2, help="2-step runs per layout (2 = ABBA)")
-    p.add_argument("--reps-12-step", type=int, default=1, help="12-step runs per layout (2 = ABBA)")
-    p.add_argument("--no-stock", action="store_true", help="leave stock ComfyUI out of blocks and profiler")
-    p.add_argument("--stock-sampling", action="store_true", help="also sample with stock attention, interleaved with the layouts")
-    p.add_argument("--no-chart", action="store_true")
-    args = p.parse_args(argv)
-    args.layout = args.layout or os.environ.get(LAYOUT_ENV) or "ab"
-    if args.layout not in ("ab",) + LAYOUTS:
-        p.error(f"{LAYOUT_ENV}={args.layout!r}: expected one of {', '.join(LAYOUTS)}")
+
+
+def add_variant_options(p) -> None:
+    """The variants beside stock and the layouts: the pack's own, the peer's, and the memory section."""
+    p.add_argument("--variant", action="append", default=[], metavar=VARIANT_USAGE,
+                   help="an extra patched variant timed beside stock and the layouts in blocks, profiler and "
+                        "memory, e.g. nhd_fused=strided_nhd:sage2:fused, sdpa=strided_nhd:sdpa:exact, "
+                        "today=strided_nhd:sage2:exact:noprepared, attn=strided_nhd:sage2:exact:attention_only (flags after PREP, any order: noprepared = the "
+                        "back-end's prepared path switched off; attention_only = block_path attention_only instead of "
+                        "the node's default exact). Repeatable.")
+    p.add_argument("--kjnodes", type=Path, metavar="DIR",
+                   help="a ComfyUI-KJNodes checkout: adds the peer's variants " + ", ".join(peer.VARIANTS)
+                        + " (its nodes/minimax_nodes.py, nodes at their defaults) wherever variants take part")
+    p.add_argument("--peer-table", action="store_true",
+                   help=f"preset: stock, strided_nhd (block_path exact), {ATTENTION_ONLY} (strided_nhd, block_path "
+                        "attention_only) and, with --kjnodes, the peer's variants, all interleaved; sampling sections "
+                        "sample them all with stock")
+    p.add_argument("--sample-variants", metavar="all|NAME,...",
+                   help="extra variants (--variant, --kjnodes) that also sample, interleaved with the layouts")
+    p.add_argument("--memory-at", type=int, metavar="TOKENS",
+                   help="adds the memory section: peak extra memory of one block per variant at the frame count "
+                        "whose packed token count is closest to TOKENS (e.g. 120000); no timing")
+
+
+def parse_sections(parser, args) -> list[str]:
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in SECTIONS]
+    unknown = [s for s in chosen if s not in SECTIONS + (MEMORY_SECTION,)]
     if unknown:
-        p.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+        parser.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS + (MEMORY_SECTION,))}")
     if args.skip_12_step and "sampling_12_step" in chosen:
         chosen.remove("sampling_12_step")
-    args.sections = chosen
-    args.variants = [parse_variant(p, spec) for spec in args.variant]
-    shape = (64, 64, 5, 8) if args.tiny else (1344, 768, 124, 100)
-    for name, default in zip(("width", "height", "frames", "text_tokens"), shape):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-    return args
+    if args.memory_at is not None:
+        if args.memory_at <= 0:
+            parser.error(f"--memory-at {args.memory_at}: expected a positive token count")
+        chosen += [] if MEMORY_SECTION in chosen else [MEMORY_SECTION]
+    elif MEMORY_SECTION in chosen:
+        parser.error(f"section {MEMORY_SECTION} needs --memory-at TOKENS")
+    return chosen
 
 
 def parse_variant(parser, spec: str) -> dict:
+    """``NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only]`` (flags in any order) as a variant dict."""
     name, _, rest = spec.partition("=")
     parts = rest.split(":")
-    if not name or len(parts) not in (3, 4) or parts[0] not in LAYOUTS or (len(parts) == 4 and parts[3] != "noprepared"):
-        parser.error(f"--variant {spec!r}: expected NAME=LAYOUT:BACKEND:PREP[:noprepared], LAYOUT one of {LAYOUTS}")
-    if name in ("stock",) + LAYOUTS:
-        parser.error(f"--variant {spec!r}: the name {name!r} is taken")
-    return {"name": name, "layout": parts[0], "backend": parts[1], "prep": parts[2], "prepared": len(parts) == 3}
+    where = f"--variant {spec!r}: "
+    if not re.fullmatch(r"[A-Za-z0-9_]+", name) or len(parts) < 3 or parts[0] not in LAYOUTS:
+        parser.error(where + f"expected {VARIANT_USAGE}, NAME letters, digits and _, LAYOUT one of {', '.join(LAYOUTS)}")
+    kernels = pack_kernels()
+    if parts[1] not in kernels.BACKEND_CHOICES:
+        parser.error(where + f"unknown back-end {parts[1]!r}; choose one of {', '.join(kernels.BACKEND_CHOICES)}")
+    if parts[2] not in kernels.PREPARED_MODES:
+        parser.error(where + f"unknown prepared-path mode {parts[2]!r}; "
+                     f"choose one of {', '.join(kernels.PREPARED_MODES)}")
+    flags = parts[3:]
+    unknown = [f for f in flags if f not in VARIANT_FLAGS]
+    if unknown or len(set(flags)) != len(flags):
+        parser.error(where + (f"unknown flag(s) {unknown}" if unknown else "a flag given twice")
+                     + f"; flags: {', '.join(VARIANT_FLAGS)}")
+    variant = {"name": name, "layout": parts[0], "backend": parts[1], "prep": parts[2], "prepared": True,
+               "block_path": "exact"}
+    variant.update(VARIANT_FLAGS[f] for f in flags)
+    return variant
+
+
+def parse_peer_options(parser, args) -> None:
+    """--peer-table's variants, --kjnodes' checkout, the variant names (unique), --sample-variants."""
+    if args.peer_table:
+        if args.no_stock:
+            parser.error("--peer-table compares with stock: leave out --no-stock")
+        args.variants.insert(0, {"name": ATTENTION_ONLY, "layout": "strided_nhd", "backend": args.backend,
+                                 "prep": args.prep, "prepared": True, "block_path": "attention_only"})
+        args.stock_sampling = True
+        args.sample_variants = args.sample_variants or "all"
+    if args.kjnodes is not None:
+        try:
+            peer.check_checkout(args.kjnodes)
+        except FileNotFoundError as exc:
+            parser.error(f"--kjnodes: {exc}")
+    args.peer_variants = list(peer.VARIANTS) if args.kjnodes is not None else []
+    taken = ["stock", *LAYOUTS, *args.peer_variants]
+    for v in args.variants:
+        if v["name"] in taken:
+            parser.error(f"--variant {v['name']!r}: the name is taken (" + ", ".join(dict.fromkeys(taken)) + ")")
+        taken.append(v["name"])
+    extras = [v["name"] for v in args.variants] + args.peer_variants
+    asked = [n.strip() for n in (args.sample_variants or "").split(",") if n.strip()]
+    args.sampled_extras = extras if asked == ["all"] else asked
+    unknown = [n for n in args.sampled_extras if n not in extras]
+    if unknown:
+        parser.error(f"--sample-variants: no variant {unknown}; extra variants here: {', '.join(extras) or 'none'}")
 
 
 def log(message: str) -> None:
@@ -212,10 +308,12 @@ def default_out(facts: dict, backend: str) -> Path:
     return Path("benchmarks/results") / f"h3-{slug}-{backend}.json"
 
 
-def patch_model(model_patcher, layout: str, backend: str, prep_mode: str = "exact", prepared: bool = True):
+def patch_model(model_patcher, layout: str, backend: str, prep_mode: str = "exact", prepared: bool = True,
+                block_path: str = "exact"):
     """A clone of ``model_patcher`` patched exactly as the node patches it: (clone, installed patch).
     ``prepared=False`` switches the chain's prepared paths off (a benchmark variant, not a node input)."""
-    settings = submodule("nodes.patch").Settings(layout=layout, backend=backend, prep_mode=prep_mode)
+    settings = submodule("nodes.patch").Settings(layout=layout, backend=backend, prep_mode=prep_mode,
+                                                 block_path=block_path)
     clone, patch = submodule("nodes.h3_patch").patch_model(model_patcher, settings)
     patch.plan.default.prepared = prepared  # the plan of every run starts from this chain
     return clone, patch
@@ -305,18 +403,16 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
     expected = h3_model.packed_token_count(args.width, args.height, args.frames, args.text_tokens)
     n_blocks = len(dm.blocks)
     block_indices = timed_blocks(n_blocks)
-    clones, patches, extras = {}, {}, {}
-    for layout in layouts:
-        clones[layout], patches[layout] = patch_model(base, layout, args.backend, prep_mode=args.prep)
-    for v in args.variants:
-        extras[v["name"]], patches[v["name"]] = patch_model(base, v["layout"], v["backend"], prep_mode=v["prep"],
-                                                              prepared=v["prepared"])
+    clones, extras, patches, settings = build_variants(args, base, layouts)
+    if args.kjnodes is not None:
+        extras.update(build_peer_variants(args, base, report))
+        settings.update({name: {"peer": report.data["peer"]["variants"][name]} for name in args.peer_variants})
     static = {k: v for k, v in patches[layouts[0]].report.static.items() if k != "layout"}
     report.update(
         model={"source": source, "class": type(dm).__name__, "blocks": n_blocks, "config": config,
                "dtype": str(dm.dtype),
                "parameters": sum(p.numel() for p in dm.parameters()), "build_seconds": build_seconds},
-        text_tokens=args.text_tokens, packed_rows_expected=expected,
+        text_tokens=args.text_tokens, packed_rows_expected=expected, variant_settings=settings,
         patch=dict(static, function="nodes.h3_patch.patch_model", patch_refiner=True),
         dataflow={
             "qkv_input": "projection-strided NHD views with no Q/K/V materialization",
@@ -329,7 +425,35 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
     return sec.Bench(device=device, base=base, clones=clones, patches=patches, extras=extras,
                      conditioning=conditioning,
                      width=args.width, height=args.height, frames=args.frames, seed=args.seed,
-                     block_indices=block_indices, log=log)
+                     block_indices=block_indices, log=log, peer=list(args.peer_variants))
+
+
+def build_variants(args, base, layouts) -> tuple[dict, dict, dict, dict]:
+    """The pack's variants: (layout clones, extra clones, patches, settings per variant)."""
+    specs = [{"name": layout, "layout": layout, "backend": args.backend, "prep": args.prep, "prepared": True,
+              "block_path": "exact"} for layout in layouts] + args.variants  # exact: the node's default
+    clones, extras, patches, settings = {}, {}, {}, {}
+    for v in specs:
+        clone, patches[v["name"]] = patch_model(base, v["layout"], v["backend"], prep_mode=v["prep"],
+                                                prepared=v["prepared"], block_path=v["block_path"])
+        (clones if v["name"] in layouts else extras)[v["name"]] = clone
+        settings[v["name"]] = {k: v[k] for k in ("layout", "backend", "prep", "prepared", "block_path")}
+    return clones, extras, patches, settings
+
+
+def build_peer_variants(args, base, report) -> dict:
+    """KJNodes' variants, each made by its nodes' ``execute`` on the stock model; what was loaded and the
+    attention the peer calls go to ``report["peer"]``."""
+    import comfy.ldm.minimax.model as h3
+
+    module = peer.load_module(args.kjnodes)
+    clones, applied = peer.make_variants(module, base)
+    facts = peer.describe(args.kjnodes, module, h3.optimized_attention)
+    report.update(peer=dict(facts, variants=applied))
+    chains = ", ".join(f"{name} = {' + '.join(a['node'] for a in nodes)}" for name, nodes in applied.items())
+    log(f"peer: {facts['checkout']}/{facts['file']} (commit {facts['git_commit'] or 'unknown'}), its attention "
+        f"{facts['attention']}; variants {chains}")
+    return clones
 
 
 def _section(report: Report, name: str, fn):
@@ -367,46 +491,66 @@ def run_sections(args, bench: sec.Bench, kernels, backend: str, report: Report) 
         if iso and "bit_exact" in iso:
             report.validation("isolated_attention", equality_verdict(iso))
             report.data["dataflow"]["removed_copies_per_block"] = iso["copies"]["hnd"] - iso["copies"]["strided_nhd"]
+    if bench.peer:
+        report.validation("peer_attention", peer_kernel_verdict(report.data, backend))
     if "blocks" in args.sections:
-        sec.ensure_stock_loaded(bench)
-        rows = _section(report, "real_block_results",
-                        lambda: sec.real_blocks(bench, args.reps, args.warmup, with_stock))
-        if rows:
-            report.validation(names["blocks_0_24_49"], sec.blocks_verdict(rows))
-            report.validation("blocks_compared", ", ".join(str(r["block"]) for r in rows))
-            for layout in bench.layouts:
-                if with_stock:
-                    report.validation(f"blocks_stock_vs_{layout}", sec.stock_blocks_verdict(rows, layout))
+        run_blocks(args, bench, report, names["blocks_0_24_49"])
     if "profiler" in args.sections:
         sec.ensure_stock_loaded(bench)
         _section(report, "profiler_block_recapture", lambda: sec.kernel_launches(bench, with_stock, torch.__version__))
     for steps, key, item in ((2, "sampling_2_step", names["full_50_block_two_step_trajectory"]),
                              (12, "sampling_12_step", "canonical_12_step_trajectory")):
         if key in args.sections:
-            reps = args.reps_2_step if steps == 2 else args.reps_12_step
-            result = _section(report, key, lambda: sec.sampling(bench, steps, reps, args.stock_sampling))
-            if result:
-                report.validation(item, sec.trajectory_verdict(result))
-                repeats = [r.get("repeat_identical") for r in result["runs"] if "repeat_identical" in r]
-                if repeats:
-                    report.validation(f"{key}_repeat_runs", "identical" if all(repeats) else "differ between repeats")
+            run_sampling_section(args, bench, report, steps, key, item)
+    if MEMORY_SECTION in args.sections:  # last: past the int32 line stock's attention may fault the device
+        sec.ensure_stock_loaded(bench)
+        _section(report, "peak_memory_long_sequence", lambda: sec.peak_memory_at(bench, args.memory_at, with_stock))
+
+
+def run_blocks(args, bench: sec.Bench, report: Report, item: str) -> None:
+    sec.ensure_stock_loaded(bench)
+    rows = _section(report, "real_block_results",
+                    lambda: sec.real_blocks(bench, args.reps, args.warmup, not args.no_stock))
+    if not rows:
+        return
+    report.validation(item, sec.blocks_verdict(rows))
+    report.validation("blocks_compared", ", ".join(str(r["block"]) for r in rows))
+    if not args.no_stock:
+        for name in bench.variants(with_stock=False):
+            report.validation(f"blocks_stock_vs_{name}", sec.stock_blocks_verdict(rows, name))
+
+
+def run_sampling_section(args, bench: sec.Bench, report: Report, steps: int, key: str, item: str) -> None:
+    reps = args.reps_2_step if steps == 2 else args.reps_12_step
+    result = _section(report, key, lambda: sec.sampling(bench, steps, reps, args.stock_sampling, args.sampled_extras))
+    if not result:
+        return
+    report.validation(item, sec.trajectory_verdict(result))
+    repeats = [r.get("repeat_identical") for r in result["runs"] if "repeat_identical" in r]
+    if repeats:
+        report.validation(f"{key}_repeat_runs", "identical" if all(repeats) else "differ between repeats")
+    if args.stock_sampling:
+        for name in [n for n in dict.fromkeys(result["order"]) if n != "stock"]:
+            report.validation(f"{key}_stock_vs_{name}", sec.stock_sampling_verdict(result, name))
+
+
+def peer_kernel_verdict(data: dict, backend: str) -> str:
+    """Whether the peer's numbers stand beside the pack's: its forwards call ComfyUI's optimized_attention,
+    so it runs stock's kernel, which must be the pack's (stock started with the flag for that back-end)."""
+    facts, stock = data["peer"], data.get("stock_attention", "?")
+    flag = comfy_host.STOCK_FLAG_FOR_BACKEND.get(backend)
+    if not facts["same_attention_as_stock"]:
+        return f"NOT comparable: the peer calls {facts['attention']}, stock ComfyUI {stock}"
+    if flag is None:
+        return (f"NOT comparable: the pack runs {backend}, which stock ComfyUI has no flag for; "
+                f"the peer and stock call {stock}")
+    return f"same kernel: the peer and stock call {stock} (--{flag.replace('_', '-')}), the pack runs {backend}"
 
 
 def finish(args, bench, report: Report, out: Path) -> None:
     data = report.data
     if bench is not None:
-        data["attention"], data["attention_fallbacks"], by_layout = backends_that_ran(bench.patches)
-        data["attention_by_variant"] = dict(by_layout, stock=data.get("stock_attention", "-"))
-        try:
-            sec.ensure_stock_loaded(bench)  # ComfyUI unpatches the last sampled clone when stock loads
-            left = sec.patches_left_behind(bench.diffusion_model)
-        except Exception as exc:
-            left = [f"could not check: {type(exc).__name__}: {exc}"]
-        report.validation("patch_reverted", "no attention forward left patched on the shared model" if not left
-                          else f"still patched: {left[:3]}{'...' if len(left) > 3 else ''}")
-        bad = [k for k, ok in bench.outputs_finite.items() if not ok]
-        report.validation("outputs_finite", f"all {len(bench.outputs_finite)} outputs finite" if not bad
-                          else f"non-finite values in: {', '.join(bad)}")
+        after_the_runs(bench, report)
     artifacts = [str(out)]
     if not args.no_chart:
         try:
@@ -437,6 +581,25 @@ def finish(args, bench, report: Report, out: Path) -> None:
     if data["errors"]:
         print("errors in: " + ", ".join(data["errors"]))
     print(f"report: {out}")
+
+
+def after_the_runs(bench: sec.Bench, report: Report) -> None:
+    """What ran per variant (the node's own run reports; the peer calls stock's attention), and the
+    checks that the shared model is left unpatched and every output was finite."""
+    data = report.data
+    data["attention"], data["attention_fallbacks"], by_layout = backends_that_ran(bench.patches)
+    peer_ran = {name: f"{data.get('stock_attention', '-')} (KJNodes' forward)" for name in bench.peer}
+    data["attention_by_variant"] = dict(by_layout, stock=data.get("stock_attention", "-"), **peer_ran)
+    try:
+        sec.ensure_stock_loaded(bench)  # ComfyUI unpatches the last sampled clone when stock loads
+        left = sec.patches_left_behind(bench.diffusion_model)
+    except Exception as exc:
+        left = [f"could not check: {type(exc).__name__}: {exc}"]
+    report.validation("patch_reverted", "no attention forward left patched on the shared model" if not left
+                      else f"still patched: {left[:3]}{'...' if len(left) > 3 else ''}")
+    bad = [k for k, ok in bench.outputs_finite.items() if not ok]
+    report.validation("outputs_finite", f"all {len(bench.outputs_finite)} outputs finite" if not bad
+                      else f"non-finite values in: {', '.join(bad)}")
 
 
 def copy_to_out(paths: list[str]) -> None:

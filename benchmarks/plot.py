@@ -13,8 +13,11 @@ import argparse
 import json
 from pathlib import Path
 
-COLORS = {"stock": "#9e9e9e", "hnd": "#e07b39", "strided_nhd": "#2b7bba"}
-LABELS = {"stock": "stock ComfyUI", "hnd": "HND (baseline)", "strided_nhd": "strided NHD"}
+COLORS = {"stock": "#9e9e9e", "hnd": "#e07b39", "strided_nhd": "#2b7bba", "attention_only": "#7fb3d5",
+          "kj_lowvram": "#8e44ad", "kj_lowvram_chunkff": "#c39bd3"}
+LABELS = {"stock": "stock ComfyUI", "hnd": "HND (baseline)", "strided_nhd": "strided NHD",
+          "attention_only": "strided NHD, attention only", "kj_lowvram": "KJNodes Low VRAM Attention",
+          "kj_lowvram_chunkff": "KJNodes Low VRAM + Chunk FF"}
 
 
 def _groups(data: dict) -> list[tuple[str, str, list[tuple[str, dict]]]]:
@@ -39,7 +42,7 @@ def _groups(data: dict) -> list[tuple[str, str, list[tuple[str, dict]]]]:
     for label, vals in fast + slow:
         s = vals.get("strided_nhd")
         if s:
-            ratios.append((label, {v: (vals[v] / s if vals.get(v) else None) for v in ("stock", "hnd")}))
+            ratios.append((label, {v: (vals[v] / s if vals.get(v) else None) for v in COLORS if v != "strided_nhd"}))
     panels = (("attention and one block (p50)", "ms", fast), ("sampling", "s", slow),
               ("time / strided NHD time", "x", ratios), ("kernel launches per block", "", launches))
     return [(title, unit, items) for title, unit, items in panels

@@ -107,15 +107,16 @@ HEADER = ("measurement", "stock ComfyUI", "HND", "strided NHD", "HND / strided N
 
 
 def text_table(data: dict) -> str:
+    more = more_markdown(data)
     variants = variants_markdown(data)
     if variants:
-        return variants
+        return "\n\n".join(p for p in (variants, more) if p)
     rows = [HEADER] + table_rows(data)
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return "\n".join(lines) + (f"\n\n{more}" if more else "")
 
 
 def markdown_table(data: dict) -> str:
@@ -126,12 +127,13 @@ def markdown_table(data: dict) -> str:
 
 
 def correctness_table(data: dict) -> str:
-    """What a run on any machine proves, without timings: per variant, the back-end that ran and the
-    sampled checksums, and whether the outputs are equal (for the first-run summary on a CPU)."""
+    """What a run on any machine proves, without timings: per sampled variant, the back-end that ran and
+    the sampled checksums, and whether the outputs are equal (for the first-run summary on a CPU)."""
     sampling = data.get("sampling_2_step") or data.get("sampling_12_step") or {}
     ran = data.get("attention_by_variant") or {}
+    names = list(dict.fromkeys(["stock", *sampling.get("order", ()), "hnd", "strided_nhd"]))
     rows = [("variant", "attention that ran", "video checksum", "audio checksum")]
-    for name in ("stock", "hnd", "strided_nhd"):
+    for name in names:
         sums = sampling.get(f"{name}_checksums")
         if sums is None:
             continue
@@ -183,9 +185,95 @@ VARIANT_HEADER = ("variant", "attention that ran", "block p50", "stock / variant
                   "peak extra (block 0)", "kernels")
 
 
+def _markdown(header, rows) -> list[str]:
+    return (["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+            + ["| " + " | ".join(r) + " |" for r in rows])
+
+
 def variants_markdown(data: dict) -> str:
     rows = variant_rows(data)
-    if not rows:
+    return "\n".join(_markdown(VARIANT_HEADER, rows)) if rows else ""
+
+
+def more_markdown(data: dict) -> str:
+    """What follows the main table where it ran: the sampling tables per variant, the long-sequence
+    memory table, the pack against the peer."""
+    parts = []
+    for key in ("sampling_2_step", "sampling_12_step"):
+        sampled = sampling_variant_rows(data, key)
+        if sampled:
+            parts.append("\n".join(_markdown(SAMPLING_HEADER, sampled)))
+    parts.append(memory_markdown(data))
+    parts.append("\n".join(peer_lines(data)))
+    return "\n\n".join(p for p in parts if p)
+
+
+SAMPLING_HEADER = ("variant", "sampling", "stock / variant", "vs stock", "peak allocated")
+
+
+def sampling_variant_rows(data: dict, key: str) -> list[tuple[str, ...]]:
+    """One row per variant sampled in section ``key`` (empty when only stock and the layouts sampled)."""
+    s = data.get(key) or {}
+    names = list(dict.fromkeys(s.get("order", ())))
+    if set(names) <= {"stock", "hnd", "strided_nhd"}:
+        return []
+    rows = []
+    for name in names:
+        same = s.get(f"stock_vs_{name}_identical")
+        same = "-" if same is None else ("identical checksums" if same else
+                                         "differ: video max abs {video:.3g}, audio {audio:.3g}".format(
+                                             **s[f"stock_vs_{name}_max_abs_difference"]))
+        peak = s.get(f"{name}_peak_allocated_bytes")
+        rows.append((name, f"{s['steps']}-step {_fmt_s(s.get(f'{name}_seconds'))}",
+                     _fmt_x(1.0 if name == "stock" else s.get(f"stock_over_{name}")), same,
+                     "-" if peak is None else f"{peak / 2**30:.2f} GiB"))
+    return rows
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def memory_markdown(data: dict) -> str:
+    """The long-sequence memory section: peak extra of one block per variant, the pack's over each."""
+    m = data.get("peak_memory_long_sequence")
+    if not m:
         return ""
-    out = ["| " + " | ".join(VARIANT_HEADER) + " |", "|" + "|".join("---" for _ in VARIANT_HEADER) + "|"]
-    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
+    peaks, main = m["peak_extra_bytes"], m["pack"]
+    width, height = m["resolution"]
+    rows = []
+    for name, peak in peaks.items():
+        ratio = _fmt_x(peaks[main] / peak) if peak and peaks.get(main) else "-"
+        error = (m.get("errors") or {}).get(name, "")
+        rows.append((name, _mib(peak), ratio, error.splitlines()[0][:100] if error else ""))
+    lines = [f"Peak extra memory of one block (block {m['block']}) at {m['packed_tokens']:,} packed tokens "
+             f"({width}x{height}x{m['frames']}, asked {m['tokens_asked']:,}):", ""]
+    lines += _markdown(("variant", "peak extra", f"{main} / variant", "error"), rows)
+    past = m.get("past_int32_offsets") or []
+    if past:
+        sizes = ", ".join(f"{name.replace('_', ' ')} {m['elements'][name]:,}" for name in past)
+        lines += ["", f"- past 2**31 elements ({sizes}): kernels with int32 offsets (plain `sageattn`, stock's "
+                      "and the peer's attention, on the fused qkv buffer) are not exact there; outputs at this "
+                      "length are not compared, the peaks are what each variant allocated."]
+    return "\n".join(lines)
+
+
+def peer_lines(data: dict) -> list[str]:
+    """The pack (strided NHD) against each of the peer's variants: block time and peak extra memory."""
+    blocks = data.get("real_block_results") or []
+    peer = (data.get("peer") or {}).get("variants") or {}
+    main = "strided_nhd"
+    if not blocks or f"{main}_p50_seconds" not in blocks[0]:
+        return []
+    lines = []
+    for name, nodes in peer.items():
+        if f"{name}_p50_seconds" not in blocks[0]:
+            continue
+        what = " + ".join(f"{n['display_name']} ({', '.join(f'{k} {v}' for k, v in n['inputs'].items())})"
+                          for n in nodes)
+        times = " / ".join(_fmt_x(b[f"{name}_p50_seconds"] / b[f"{main}_p50_seconds"]) for b in blocks)
+        peaks = blocks[0].get("peak_extra_bytes") or {}
+        peak = (_fmt_x(peaks[main] / peaks[name]) if peaks.get(main) and peaks.get(name) else "-")
+        lines.append(f"- {main} against {name} (KJNodes: {what}): block time {name} / {main} {times}; "
+                     f"peak extra {main} / {name} {peak}.")
+    return lines

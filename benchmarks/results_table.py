@@ -23,7 +23,7 @@ import os
 import re
 from pathlib import Path
 
-from .report import markdown_table, variants_markdown
+from .report import markdown_table, more_markdown, variants_markdown
 
 MARKERS = {"results": ("<!-- results-table:start -->", "<!-- results-table:end -->"),
            "kernels": ("<!-- kernels-table:start -->", "<!-- kernels-table:end -->")}
@@ -114,6 +114,7 @@ VALIDATION_LABELS = {
     "sampling_2_step_repeat_runs": "2-step sampling, repeated runs of a layout",
     "canonical_12_step_trajectory": "12-step sampling, HND vs strided NHD",
     "sampling_12_step_repeat_runs": "12-step sampling, repeated runs of a layout",
+    "peer_attention": "the peer (KJNodes) and the pack",
     "patch_reverted": "after the patched runs",
     "outputs_finite": "outputs",
 }
@@ -122,8 +123,10 @@ VALIDATION_LABELS = {
 # Items named for what ran (benchmarks.h3_reference_run.validation_names): the blocks compared,
 # the block count of the model sampled.
 VALIDATION_PATTERNS = (
-    (re.compile(r"blocks(_\d+)+"), "blocks {blocks}, HND vs strided NHD"),
+    (re.compile(r"blocks(?:_\d+)+"), "blocks {blocks}, HND vs strided NHD"),
     (re.compile(r"full_\d+_block_two_step_trajectory"), "2-step sampling, HND vs strided NHD"),
+    (re.compile(r"blocks_stock_vs_(\w+)"), "blocks {blocks}, stock vs {0}"),
+    (re.compile(r"sampling_(\d+)_step_stock_vs_(\w+)"), "{0}-step sampling, stock vs {1}"),
 )
 
 
@@ -131,8 +134,9 @@ def validation_label(item: str) -> str:
     if item in VALIDATION_LABELS:
         return VALIDATION_LABELS[item]
     for pattern, label in VALIDATION_PATTERNS:
-        if pattern.fullmatch(item):
-            return label
+        match = pattern.fullmatch(item)
+        if match:
+            return label.format(*match.groups(), blocks="{blocks}")  # {blocks} is filled by the caller
     return item.replace("_", " ")
 
 
@@ -149,6 +153,8 @@ def section_markdown(path: Path, doc_dir: Path | None = None) -> str:
         return kernels_markdown(data, path.as_posix()) + ("\n\n" + "\n".join(dropped) if dropped else "") + "\n"
     variants = variants_markdown(data)
     parts = [describe_run(data, path.as_posix()), "", variants or markdown_table(data), ""]
+    more = more_markdown(data)
+    parts += [more, ""] if more else []
     parts += dropped
     parts += memory_lines(data)
     parts += validation_lines(data)

@@ -7,8 +7,10 @@ the dict for its report section; the runner writes the report after each one. Va
 - ``hnd``: this pack's patch with the reference baseline layout (contiguous HND copies),
 - ``strided_nhd``: this pack's patch with the strided NHD dataflow,
 - extra named variants (``--variant``, see ``benchmarks.h3_reference_run``): the same patch with
-  another back-end or prepared-path mode (or the prepared path switched off), side by side with
-  the three above.
+  another back-end, prepared-path mode or block path (or the prepared path switched off), side by
+  side with the three above,
+- the peer's variants (``--kjnodes``, ``benchmarks.peer``): KJNodes' MiniMax H3 nodes run on the
+  stock model; they take part wherever the extra variants do.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Bench:
     sampling_warmed: bool = False
     outputs_finite: dict[str, bool] = field(default_factory=dict)
     extras: dict[str, object] = field(default_factory=dict)   # name -> patched clone of another setting
+    peer: list[str] = field(default_factory=list)             # the extras that are the peer's (KJNodes)
 
     @property
     def layouts(self) -> list[str]:
@@ -118,45 +121,67 @@ def empty_av_latent(bench: Bench, shape: tuple[int, int, int] | None = None) -> 
 
 # --- capture ---------------------------------------------------------------------------------------
 
+class _Captured(Exception):
+    """Raised by the last capture hook when the forward is to stop there."""
+
+
+def stock_block_inputs(bench: Bench, shape, indices: list[int], stop: bool = False) -> tuple[dict, float, tuple]:
+    """``({block: (x, t_emb, segments, rope)}, seconds, outputs)`` of one stock forward at ``shape``
+    (width, height, frames; None = the benchmark's). ``stop``: the forward ends at the last block wanted
+    (outputs None): nothing after it is needed, and no stock block runs at that length (where int32
+    offsets overflow, one could fault the device)."""
+    import comfy.model_management as mm
+
+    mm.load_models_gpu([bench.base], force_full_load=True)
+    dm = bench.diffusion_model
+    latent = empty_av_latent(bench, shape)["samples"]
+    gen = torch.Generator().manual_seed(bench.seed)
+    video, audio = (torch.randn(t.shape, generator=gen).to(bench.device) for t in latent.unbind())
+    context = bench.conditioning[0][0].to(bench.device, dtype=dm.dtype)
+    kept = {}
+
+    def keep(index, args):
+        x, t_emb, segments, rope = args[:4]
+        kept[index] = (x.clone(), t_emb, segments, rope)  # blocks update x in place
+        if stop and len(kept) == len(indices):
+            raise _Captured
+
+    hooks = [dm.blocks[i].register_forward_pre_hook(lambda m, a, k, i=i: keep(i, a), with_kwargs=True)
+             for i in indices]
+
+    def forward():
+        return dm(x=[video, audio], timestep=torch.tensor([1000.0], device=bench.device), context=context,
+                  transformer_options={}, minimax_payload={})
+
+    try:
+        seconds, out = measure.timed(forward, bench.device)
+    except _Captured:
+        seconds, out = None, None
+    finally:
+        for h in hooks:
+            h.remove()
+    return kept, seconds, out
+
+
 def capture_block_inputs(bench: Bench) -> dict:
     """One stock forward of the whole model at the benchmark shape; keep the inputs of the timed blocks.
 
     The block inputs are real activations (what the sampler's first step feeds those blocks), so
     every variant is timed on the same data.
     """
-    import comfy.model_management as mm
-
-    mm.load_models_gpu([bench.base], force_full_load=True)
-    dm = bench.diffusion_model
-    latent = empty_av_latent(bench)["samples"]
-    gen = torch.Generator().manual_seed(bench.seed)
-    video, audio = (torch.randn(t.shape, generator=gen).to(bench.device) for t in latent.unbind())
-    context = bench.conditioning[0][0].to(bench.device, dtype=dm.dtype)
-
-    hooks = []
-    for index in bench.block_indices:
-        def keep(module, args, kwargs, index=index):
-            x, t_emb, segments, rope = args[:4]
-            bench.block_inputs[index] = (x.clone(), t_emb, segments, rope)
-        hooks.append(dm.blocks[index].register_forward_pre_hook(keep, with_kwargs=True))
-    try:
-        seconds, out = measure.timed(lambda: dm(x=[video, audio], timestep=torch.tensor([1000.0], device=bench.device),
-                                                context=context, transformer_options={}, minimax_payload={}),
-                                     bench.device)
-    finally:
-        for h in hooks:
-            h.remove()
+    kept, seconds, out = stock_block_inputs(bench, None, bench.block_indices)
+    bench.block_inputs.update(kept)
     bench.packed_tokens = int(bench.block_inputs[bench.block_indices[0]][0].shape[0])
     bench.outputs_finite["stock forward"] = measure.all_finite(*out)
     return {"seconds": seconds, "packed_tokens": bench.packed_tokens, "latent": bench.latent_source,
             "outputs_finite": bench.outputs_finite["stock forward"]}
 
 
-def _block_call(bench: Bench, patcher, index: int, name: str = "") -> Callable:
+def _block_call(bench: Bench, patcher, index: int, inputs: tuple | None = None) -> Callable:
     """``run(meter)``: one forward of block ``index`` with ``patcher``'s patches, on a fresh copy of its
-    captured input, measured by ``meter(fn, device)`` (``measure.timed`` or ``measure.peak_extra_bytes``).
-    The input copy is made before the meter starts."""
-    x0, t_emb, segments, rope = bench.block_inputs[index]
+    captured input (``inputs``, default the benchmark shape's), measured by ``meter(fn, device)``
+    (``measure.timed`` or ``measure.peak_extra_bytes``). The input copy is made before the meter starts."""
+    x0, t_emb, segments, rope = inputs or bench.block_inputs[index]
     transformer_options = patcher.model_options.get("transformer_options", {})
 
     def run(meter=measure.timed):
@@ -229,7 +254,7 @@ def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool) -> list[
     results = []
     for index in bench.block_indices:
         bench.log(f"  block {index}: {', '.join(variants)}")
-        runners = {name: _block_call(bench, p, index, name) for name, p in variants.items()}
+        runners = {name: _block_call(bench, p, index) for name, p in variants.items()}
         times = measure.interleaved_times({n: (lambda r=r: r()[0]) for n, r in runners.items()}, reps, warmup,
                                           progress=lambda m: bench.log(f"    {m}"))
         outputs, peaks = {}, {}
@@ -371,13 +396,39 @@ def run_sampling(bench: Bench, patcher, steps: int, label: str, shape=None, quie
     return run, (video, audio)
 
 
-def sampling(bench: Bench, steps: int, reps: int, with_stock: bool) -> dict:
-    """``steps``-step sampling per layout (ABBA order), checksums and peak memory compared."""
-    sampled = bench.layouts + (["stock"] if with_stock else [])
-    order = sampling_order(sampled, reps)  # stock interleaved with the layouts, so ratios to it hold too
-    runs, latents = [], {}
-    variants = {name: bench.variants(with_stock)[name] for name in sampled}
+def main_variant(bench: Bench) -> str:
+    """The pack's variant that other variants are compared with: strided NHD when it was measured."""
+    return "strided_nhd" if "strided_nhd" in bench.layouts else bench.layouts[0]
+
+
+def sampling(bench: Bench, steps: int, reps: int, with_stock: bool, extras: list[str] = ()) -> dict:
+    """``steps``-step sampling per layout and per extra variant in ``extras`` (and stock), interleaved in
+    ABBA order; seconds, checksums and peak memory per variant, latents compared."""
+    sampled = bench.layouts + list(extras) + (["stock"] if with_stock else [])
+    order = sampling_order(sampled, reps)  # stock interleaved with the rest, so ratios to it hold too
+    every = bench.variants(with_stock=True)
+    variants = {name: every[name] for name in sampled}
     warm_sampling(bench, variants)
+    runs, latents = _sampling_runs(bench, variants, order, steps)
+    result = {"sampler": SAMPLER, "scheduler": SCHEDULER, "steps": steps, "seed": bench.seed,
+              "guider": "BasicGuider (one model call per step)",
+              "nodes": "RandomNoise, KSamplerSelect, BasicScheduler, BasicGuider, SamplerCustomAdvanced",
+              "latent": bench.latent_source,
+              "order": order, "runs": runs}
+    for name in dict.fromkeys(order):
+        result.update(_sampling_means(name, [r for r in runs if r["variant"] == name]))
+    result["checksums"] = result[f"{main_variant(bench)}_checksums"]
+    if "hnd" in latents and "strided_nhd" in latents:
+        result.update(_layouts_compared(result, latents))
+    if "stock" in latents:
+        for name in [n for n in latents if n != "stock"]:
+            result.update(_compared_with_stock(result, latents, name))
+    return result
+
+
+def _sampling_runs(bench: Bench, variants: dict, order: list[str], steps: int) -> tuple[list, dict]:
+    """Every run in ``order``; the first latents per variant (repeats are checked against them)."""
+    runs, latents = [], {}
     for i, name in enumerate(order):
         label = f"{steps}-step {name} run {i + 1}/{len(order)}"
         bench.log(f"  {label}")
@@ -386,43 +437,129 @@ def sampling(bench: Bench, steps: int, reps: int, with_stock: bool) -> dict:
         runs.append(run)
         bench.log(f"  {label}: {run['seconds']:.2f} s, checksums {run['checksums']}")
         if name in latents:
-            same = all(torch.equal(a, b) for a, b in zip(latents[name], latent))
-            run["repeat_identical"] = same
+            run["repeat_identical"] = all(torch.equal(a, b) for a, b in zip(latents[name], latent))
         else:
             latents[name] = latent
         bench.outputs_finite[f"{steps}-step {name}"] = run["finite"]
+    return runs, latents
 
-    result = {"sampler": SAMPLER, "scheduler": SCHEDULER, "steps": steps, "seed": bench.seed,
-              "guider": "BasicGuider (one model call per step)",
-              "nodes": "RandomNoise, KSamplerSelect, BasicScheduler, BasicGuider, SamplerCustomAdvanced",
-              "latent": bench.latent_source,
-              "order": order, "runs": runs}
-    for name in dict.fromkeys(order):
-        mine = [r for r in runs if r["variant"] == name]
-        result[f"{name}_seconds"] = sum(r["seconds"] for r in mine) / len(mine)  # ABBA: the mean cancels drift
-        result[f"{name}_checksums"] = mine[0]["checksums"]
-        if "peak_allocated_bytes" in mine[0]:
-            result[f"{name}_peak_allocated_bytes"] = max(r["peak_allocated_bytes"] for r in mine)
-            result[f"{name}_peak_reserved_bytes"] = max(r["peak_reserved_bytes"] for r in mine)
-    main = "strided_nhd" if "strided_nhd" in latents else bench.layouts[0]
-    result["checksums"] = result[f"{main}_checksums"]
-    if "hnd" in latents and "strided_nhd" in latents:
-        result["speedup"] = measure.speedup(result["hnd_seconds"], result["strided_nhd_seconds"])
-        result["latency_reduction"] = 1.0 - result["strided_nhd_seconds"] / result["hnd_seconds"]
-        diffs = [measure.max_abs_difference(a, b) for a, b in zip(latents["hnd"], latents["strided_nhd"])]
-        result["identical_video_and_audio"] = all(d["bit_exact"] for d in diffs)
-        result["max_abs_difference"] = {"video": diffs[0]["max_abs_difference"], "audio": diffs[1]["max_abs_difference"]}
-        if "hnd_peak_allocated_bytes" in result:
-            result["peak_allocated_bytes_saved"] = result["hnd_peak_allocated_bytes"] - result["strided_nhd_peak_allocated_bytes"]
-            result["peak_reserved_bytes_saved"] = result["hnd_peak_reserved_bytes"] - result["strided_nhd_peak_reserved_bytes"]
-        else:
-            result["peak_allocated_bytes_saved"] = None
-            result["peak_reserved_bytes_saved"] = None
-    if "stock" in latents and main in latents:
-        diffs = [measure.max_abs_difference(a, b) for a, b in zip(latents["stock"], latents[main])]
-        result[f"stock_vs_{main}_identical"] = all(d["bit_exact"] for d in diffs)
-        result[f"stock_over_{main}"] = measure.speedup(result["stock_seconds"], result[f"{main}_seconds"])
-    return result
+
+def _sampling_means(name: str, mine: list[dict]) -> dict:
+    out = {f"{name}_seconds": sum(r["seconds"] for r in mine) / len(mine),  # ABBA: the mean cancels drift
+           f"{name}_checksums": mine[0]["checksums"]}
+    if "peak_allocated_bytes" in mine[0]:
+        out[f"{name}_peak_allocated_bytes"] = max(r["peak_allocated_bytes"] for r in mine)
+        out[f"{name}_peak_reserved_bytes"] = max(r["peak_reserved_bytes"] for r in mine)
+    return out
+
+
+def _layouts_compared(result: dict, latents: dict) -> dict:
+    """HND against strided NHD: the reference report's keys."""
+    out = {"speedup": measure.speedup(result["hnd_seconds"], result["strided_nhd_seconds"]),
+           "latency_reduction": 1.0 - result["strided_nhd_seconds"] / result["hnd_seconds"]}
+    diffs = [measure.max_abs_difference(a, b) for a, b in zip(latents["hnd"], latents["strided_nhd"])]
+    out["identical_video_and_audio"] = all(d["bit_exact"] for d in diffs)
+    out["max_abs_difference"] = {"video": diffs[0]["max_abs_difference"], "audio": diffs[1]["max_abs_difference"]}
+    if "hnd_peak_allocated_bytes" in result:
+        out["peak_allocated_bytes_saved"] = result["hnd_peak_allocated_bytes"] - result["strided_nhd_peak_allocated_bytes"]
+        out["peak_reserved_bytes_saved"] = result["hnd_peak_reserved_bytes"] - result["strided_nhd_peak_reserved_bytes"]
+    else:
+        out["peak_allocated_bytes_saved"] = None
+        out["peak_reserved_bytes_saved"] = None
+    return out
+
+
+def _compared_with_stock(result: dict, latents: dict, name: str) -> dict:
+    diffs = [measure.max_abs_difference(a, b) for a, b in zip(latents["stock"], latents[name])]
+    return {f"stock_vs_{name}_identical": all(d["bit_exact"] for d in diffs),
+            f"stock_vs_{name}_max_abs_difference": {"video": diffs[0]["max_abs_difference"],
+                                                    "audio": diffs[1]["max_abs_difference"]},
+            f"stock_over_{name}": measure.speedup(result["stock_seconds"], result[f"{name}_seconds"])}
+
+
+def stock_sampling_verdict(result: dict, name: str) -> str:
+    """Whether ``name``'s sampled latents equal stock's (for the validation items)."""
+    if f"stock_vs_{name}_identical" not in result:
+        return "not compared"
+    if result[f"stock_vs_{name}_identical"]:
+        return "identical video and audio checksums"
+    d = result[f"stock_vs_{name}_max_abs_difference"]
+    return (f"differ: video max abs {d['video']:.6g}, audio max abs {d['audio']:.6g}; checksums stock "
+            f"{result['stock_checksums']} vs {name} {result[f'{name}_checksums']}")
+
+
+# --- peak memory at a long sequence ----------------------------------------------------------------------
+
+MAX_FRAMES = 3600  # EmptyMiniMaxH3LatentAV's largest length
+
+
+def frames_for_tokens(tokens: int, width: int, height: int, text_tokens: int) -> tuple[int, dict]:
+    """The frame count on H3's 17k+5 grid whose packed token count at ``width`` x ``height`` is closest
+    to ``tokens`` (the shorter clip on a tie), and its row counts (``packed_token_count``)."""
+    best = None
+    for frames in range(5, MAX_FRAMES + 1, 17):
+        rows = packed_token_count(width, height, frames, text_tokens)
+        if best is None or abs(rows["total"] - tokens) < abs(best[1]["total"] - tokens):
+            best = (frames, rows)
+    return best
+
+
+def memory_order(bench: Bench, with_stock: bool = True) -> list[str]:
+    """The pack's main variant, the peer's, the pack's others, stock last. Past 2**31 elements kernels
+    with int32 offsets (plain sageattn on the fused qkv buffer, an unchunked int8 MLP) may fault, and
+    after a fault nothing more runs in the process: the comparison asked for comes first."""
+    main = main_variant(bench)
+    others = [n for n in bench.layouts + list(bench.extras) if n != main and n not in bench.peer]
+    return [main, *bench.peer, *others] + (["stock"] if with_stock else [])
+
+
+def peak_memory_at(bench: Bench, tokens: int, with_stock: bool = True) -> dict:
+    """Peak extra memory of one forward of the first timed block per variant, at the benchmark's
+    resolution and the frame count closest to ``tokens``; the block's input comes from a stock
+    forward stopped at that block. No timing: one warm call and one measured call per variant."""
+    frames, rows = frames_for_tokens(tokens, bench.width, bench.height, bench.conditioning[0][0].shape[1])
+    index = bench.block_indices[0]
+    kept, _, _ = stock_block_inputs(bench, (bench.width, bench.height, frames), [index], stop=True)
+    order = memory_order(bench, with_stock)
+    bench.log(f"  {kept[index][0].shape[0]} tokens ({bench.width}x{bench.height}x{frames}), block {index}: "
+              + ", ".join(order))
+    peaks, errors = _peaks_in_order(bench, order, index, kept[index])
+    block, rows_in = bench.diffusion_model.blocks[index], int(kept[index][0].shape[0])
+    spans = {"fused_qkv": rows_in * 3 * block.attn.heads * block.attn.head_dim,
+             "mlp_fc1_output": rows_in * block.mlp.fc1.out_features}
+    main = main_variant(bench)
+    return {"what": "peak memory allocated above the block's input during one block forward",
+            "tokens_asked": tokens, "packed_tokens": int(kept[index][0].shape[0]),
+            "packed_rows_expected": rows, "resolution": [bench.width, bench.height], "frames": frames,
+            "block": index, "order": order, "peak_extra_bytes": peaks, "errors": errors,
+            # plain sageattn forms int32 offsets into the fused qkv buffer, an int8 GEMM maybe into fc1's output
+            "elements": spans, "past_int32_offsets": [k for k, n in spans.items() if n >= 2**31],
+            "pack": main, "pack_over_peer": {p: _ratio(peaks.get(main), peaks.get(p)) for p in bench.peer},
+            "pack_over_stock": _ratio(peaks.get(main), peaks.get("stock"))}
+
+
+def _peaks_in_order(bench: Bench, order: list[str], index: int, inputs: tuple) -> tuple[dict, dict]:
+    variants = bench.variants(with_stock=True)
+    peaks, errors, lost = {}, {}, None
+    for name in order:
+        peaks[name] = None
+        if lost:
+            errors[name] = f"not run: the device failed in {lost}'s call"
+            continue
+        run = _block_call(bench, variants[name], index, inputs)
+        try:
+            run()  # warm: one-time allocations (cuBLAS workspace, Triton compiles) stay out of the peak
+            peaks[name] = run(measure.peak_extra_bytes)[0]
+        except Exception as exc:  # recorded; the other variants are still measured
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            lost = name if "CUDA error" in str(exc) else None
+        peak = peaks[name]
+        bench.log(f"    {name}: " + (errors.get(name) or ("-" if peak is None else f"{peak / 2**20:,.0f} MiB")))
+    return peaks, errors
+
+
+def _ratio(a, b):
+    return None if not a or not b else a / b
 
 
 def trajectory_verdict(result: dict) -> str:

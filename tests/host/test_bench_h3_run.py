@@ -174,3 +174,259 @@ def test_int8_convrot_state_dict_marks_exactly_the_four_block_linears():
     assert out["token_refiner.blocks.0.attn.qkv_proj.weight"] is sd["token_refiner.blocks.0.attn.qkv_proj.weight"]
     scale = out["blocks.0.mlp.fc2.weight_scale"]
     assert (out["blocks.0.mlp.fc2.weight"].float() * scale - sd["blocks.0.mlp.fc2.weight"]).abs().max() <= scale / 2 + 1e-6
+
+
+# --- the peer (KJNodes) through a stand-in, the variant flags, the long-sequence memory section -------
+# The real peer is never needed here: a stand-in with KJNodes' node classes, inputs and import shape
+# (comfy, comfy_api, server, a relative import of a sibling module) is written to tmp_path. Its defaults
+# differ from KJNodes' on purpose: the benchmark must read them from the node's schema.
+STAND_IN_NODES = '''
+"""Stand-in for KJNodes' nodes/minimax_nodes.py: the same node classes and inputs, stock-equal forwards."""
+import types
+
+import torch
+
+import comfy.model_management  # noqa: F401  (the real file imports comfy at the top)
+from comfy.ldm.modules.attention import optimized_attention  # noqa: F401  (the attention the peer calls)
+from comfy_api.latest import io
+
+try:
+    from server import PromptServer  # noqa: F401
+except Exception:
+    PromptServer = None
+
+from ..utility.helpers import check_head_chunks
+
+
+def lowvram_block_forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}):
+    check_head_chunks(transformer_options)
+    return type(self).forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options=transformer_options)
+
+
+def lowvram_attn_forward(self, x, rope_freqs=None, transformer_options={}):
+    return type(self).forward(self, x, rope_freqs, transformer_options)
+
+
+class MiniMaxLowVRAMAttention(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(node_id="MiniMaxLowVRAMAttention", display_name="MiniMax H3 Low VRAM Attention",
+                         category="testing", inputs=[io.Model.Input("model"),
+                                                     io.Int.Input("head_chunks", default=3, min=1, max=56)],
+                         outputs=[io.Model.Output()])
+
+    @classmethod
+    def execute(cls, model, head_chunks) -> io.NodeOutput:
+        m = model.clone()
+        m.model_options["transformer_options"]["minimax_head_chunks"] = head_chunks
+        for i, block in enumerate(m.get_model_object("diffusion_model").blocks):
+            m.add_object_patch(f"diffusion_model.blocks.{i}.forward", types.MethodType(lowvram_block_forward, block))
+            m.add_object_patch(f"diffusion_model.blocks.{i}.attn.forward",
+                               types.MethodType(lowvram_attn_forward, block.attn))
+        return io.NodeOutput(m)
+
+
+class MiniMaxChunkFeedForward(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(node_id="MiniMaxChunkFeedForward", display_name="MiniMax H3 Chunk FeedForward",
+                         category="testing", inputs=[io.Model.Input("model"), io.Int.Input("chunks", default=5),
+                                                     io.Int.Input("seq_threshold", default=2048)],
+                         outputs=[io.Model.Output()])
+
+    @classmethod
+    def execute(cls, model, chunks, seq_threshold) -> io.NodeOutput:
+        def forward(mlp, x):
+            if x.shape[0] <= seq_threshold:
+                return type(mlp).forward(mlp, x)
+            return torch.cat([type(mlp).forward(mlp, c) for c in torch.chunk(x, chunks)])
+
+        m = model.clone()
+        for i, block in enumerate(m.get_model_object("diffusion_model").blocks):
+            m.add_object_patch(f"diffusion_model.blocks.{i}.mlp.forward", types.MethodType(forward, block.mlp))
+        return io.NodeOutput(m)
+'''
+STAND_IN_HELPERS = '''
+def check_head_chunks(transformer_options):
+    # the block must get the clone's transformer_options, as in a graph
+    if transformer_options.get("minimax_head_chunks") != 3:
+        raise RuntimeError(f"the stand-in's block got no head_chunks: {sorted(transformer_options)}")
+'''
+PEER_NAMES = ["kj_lowvram", "kj_lowvram_chunkff"]
+PEER_TABLE = ["stock", "strided_nhd", "attention_only", *PEER_NAMES]
+
+
+def write_stand_in(root: Path) -> Path:
+    """A ComfyUI-KJNodes-shaped folder whose pack __init__ must never run."""
+    (root / "nodes").mkdir(parents=True)
+    (root / "utility").mkdir()
+    (root / "__init__.py").write_text('raise ImportError("the whole KJ pack was imported")\n')
+    (root / "nodes" / "__init__.py").write_text('raise ImportError("the KJ nodes package was imported")\n')
+    (root / "nodes" / "minimax_nodes.py").write_text(STAND_IN_NODES)
+    (root / "utility" / "__init__.py").write_text("")
+    (root / "utility" / "helpers.py").write_text(STAND_IN_HELPERS)
+    return root
+
+
+@pytest.fixture(scope="module")
+def peer_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("peer")
+    kj = write_stand_in(tmp / "kjnodes")
+    return run_harness(tmp, "--peer-table", "--kjnodes", str(kj), "--sections", "blocks,profiler,sampling_2_step",
+                       "--memory-at", "300", "--no-chart")
+
+
+def test_peer_table_takes_part_in_every_section(peer_run):
+    proc, data = peer_run
+    assert proc.returncode == 0 and data["errors"] == {}, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert data["sections_completed"] == ["capture", "real_block_results", "profiler_block_recapture",
+                                          "sampling_2_step", "peak_memory_long_sequence"]
+    assert data["layouts_measured"] == ["strided_nhd"]
+    for row in data["real_block_results"]:
+        assert all(row[f"{n}_p50_seconds"] > 0 for n in PEER_TABLE)
+        assert sorted(row["peak_extra_bytes"]) == sorted(PEER_TABLE)
+    prof = data["profiler_block_recapture"]
+    assert sorted(prof["large_copy_ops"]) == sorted(PEER_TABLE) and "kj_lowvram_kernel_launches" in prof
+    # sampled interleaved, ABBA over all five, stock among them
+    forward = ["strided_nhd", "attention_only", *PEER_NAMES, "stock"]
+    assert data["sampling_2_step"]["order"] == forward + forward[::-1]
+
+
+def test_peer_variants_are_its_nodes_at_their_schema_defaults(peer_run):
+    _, data = peer_run
+    peer = data["peer"]
+    assert peer["file"] == "nodes/minimax_nodes.py" and peer["git_commit"] is None and len(peer["sha256"]) == 64
+    low = {"node": "MiniMaxLowVRAMAttention", "display_name": "MiniMax H3 Low VRAM Attention",
+           "inputs": {"head_chunks": 3}}
+    ff = {"node": "MiniMaxChunkFeedForward", "display_name": "MiniMax H3 Chunk FeedForward",
+          "inputs": {"chunks": 5, "seq_threshold": 2048}}
+    assert peer["variants"] == {"kj_lowvram": [low], "kj_lowvram_chunkff": [low, ff]}
+    assert peer["attention"] == "attention_pytorch" and peer["same_attention_as_stock"] is True
+    assert data["validation"]["peer_attention"].startswith("same kernel: the peer and stock call attention_pytorch")
+    settings = data["variant_settings"]
+    assert settings["strided_nhd"]["block_path"] == "exact"  # the node's default
+    assert settings["attention_only"] == {"layout": "strided_nhd", "backend": "sdpa", "prep": "exact",
+                                          "prepared": True, "block_path": "attention_only"}
+    assert data["attention_by_variant"]["kj_lowvram"] == "attention_pytorch (KJNodes' forward)"
+
+
+def test_peer_and_block_paths_equal_stock_in_blocks_and_sampling(peer_run):
+    _, data = peer_run
+    v, s2 = data["validation"], data["sampling_2_step"]
+    for name in PEER_TABLE[1:]:
+        assert v[f"blocks_stock_vs_{name}"] == "bit-exact", name
+        assert v[f"sampling_2_step_stock_vs_{name}"] == "identical video and audio checksums", name
+        assert s2[f"stock_vs_{name}_identical"] is True and s2[f"{name}_checksums"] == s2["stock_checksums"]
+    assert v["patch_reverted"].startswith("no attention forward left patched")
+
+
+def test_memory_at_tokens_measures_one_block_per_variant_at_the_closest_frame_count(peer_run):
+    _, data = peer_run
+    m = data["peak_memory_long_sequence"]
+    # 64x64 with 8 text tokens: 56 frames pack 262 rows, 73 frames 340; 262 is closer to 300
+    assert (m["tokens_asked"], m["packed_tokens"], m["frames"], m["resolution"]) == (300, 262, 56, [64, 64])
+    assert m["packed_rows_expected"]["total"] == 262
+    assert m["order"] == ["strided_nhd", *PEER_NAMES, "attention_only", "stock"]  # the comparison first, stock last
+    assert m["peak_extra_bytes"] == dict.fromkeys(m["order"]) and m["errors"] == {}  # no peaks off CUDA
+    assert m["pack"] == "strided_nhd" and set(m["pack_over_peer"]) == set(PEER_NAMES)
+    assert m["past_int32_offsets"] == [] and m["elements"] == {"fused_qkv": 262 * 3 * 64, "mlp_fc1_output": 262 * 256}
+
+
+def test_tables_put_the_peer_beside_stock_and_the_pack(peer_run, tmp_path):
+    from benchmarks import results_table
+
+    _, data = peer_run
+    path = tmp_path / "peer.json"
+    path.write_text(json.dumps(data))
+    text = results_table.section_markdown(path)
+    for name in PEER_TABLE:
+        assert f"| {name} | " in text
+    assert "| kj_lowvram | attention_pytorch (KJNodes' forward) |" in text
+    assert "- strided_nhd against kj_lowvram (KJNodes: MiniMax H3 Low VRAM Attention (head_chunks 3))" in text
+    assert "| kj_lowvram_chunkff | 2-step " in text and "identical checksums" in text
+    assert "Peak extra memory of one block (block 0) at 262 packed tokens (64x64x56, asked 300)" in text
+    assert "- blocks 0, 1, stock vs kj_lowvram: bit-exact" in text
+
+
+def test_int8_convrot_peer_samples_12_steps_interleaved_with_stock(tmp_path):
+    kj = write_stand_in(tmp_path / "kjnodes")
+    proc, data = run_harness(tmp_path, "--weights", "int8_convrot", "--kjnodes", str(kj), "--layout", "strided_nhd",
+                             "--sections", "sampling_12_step", "--stock-sampling", "--sample-variants", "all",
+                             "--no-chart")
+    assert proc.returncode == 0 and data["errors"] == {}, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s12 = data["sampling_12_step"]
+    assert s12["order"] == ["strided_nhd", *PEER_NAMES, "stock"] and s12["steps"] == 12
+    for name in ["strided_nhd", *PEER_NAMES]:
+        assert s12[f"stock_vs_{name}_identical"] is True, name
+        assert data["validation"][f"sampling_12_step_stock_vs_{name}"] == "identical video and audio checksums"
+
+
+# --- the options, parsed (no ComfyUI needed) ----------------------------------------------------------------
+def test_variant_flags_come_after_prep_in_any_order():
+    from benchmarks.h3_reference_run import parse_args
+
+    a = parse_args(["--variant", "x=strided_nhd:sdpa:fused:attention_only:noprepared",
+                    "--variant", "y=hnd:auto:exact:noprepared:attention_only", "--variant", "z=strided_nhd:sage2:exact"])
+    x, y, z = a.variants
+    assert (x["prepared"], x["block_path"], x["prep"]) == (False, "attention_only", "fused")
+    assert (y["prepared"], y["block_path"], y["layout"]) == (False, "attention_only", "hnd")
+    assert (z["prepared"], z["block_path"]) == (True, "exact")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--variant", "x=strided_nhd:sage2:exact:fast"], "unknown flag(s) ['fast']"),
+    (["--variant", "x=strided_nhd:sage2:exact:noprepared:noprepared"], "a flag given twice"),
+    (["--variant", "x=nhd:sage2:exact"], "LAYOUT one of hnd, strided_nhd"),
+    (["--variant", "x=strided_nhd:sage2"], "expected NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only]"),
+    (["--variant", "x-1=strided_nhd:sage2:exact"], "NAME letters, digits and _"),
+    (["--variant", "x=strided_nhd:sage9:exact"], "unknown back-end 'sage9'"),
+    (["--variant", "x=strided_nhd:sage2:quick"], "unknown prepared-path mode 'quick'"),
+    (["--variant", "stock=strided_nhd:sage2:exact"], "the name is taken"),
+    (["--variant", "x=hnd:sdpa:exact", "--variant", "x=strided_nhd:sdpa:exact"], "the name is taken"),
+    (["--peer-table", "--variant", "attention_only=hnd:sdpa:exact"], "the name is taken"),
+    (["--peer-table", "--no-stock"], "leave out --no-stock"),
+    (["--kjnodes", "/nonexistent/kjnodes"], "no nodes/minimax_nodes.py under /nonexistent/kjnodes"),
+    (["--sample-variants", "kj_lowvram"], "--sample-variants: no variant ['kj_lowvram']"),
+    (["--sections", "blocks,memory"], "section memory needs --memory-at TOKENS"),
+    (["--memory-at", "0"], "expected a positive token count"),
+])
+def test_bad_options_are_refused_with_the_reason(argv, message, capsys):
+    from benchmarks.h3_reference_run import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_kjnodes_names_are_taken_and_peer_table_sets_up_the_comparison(tmp_path, monkeypatch):
+    from benchmarks.h3_reference_run import parse_args
+
+    monkeypatch.setenv("H3_SAGE_QKV_LAYOUT", "hnd")  # the preset's layout wins over the environment
+    kj = write_stand_in(tmp_path / "kjnodes")
+    with pytest.raises(SystemExit):
+        parse_args(["--kjnodes", str(kj), "--variant", "kj_lowvram=strided_nhd:sdpa:exact"])
+    a = parse_args(["--peer-table", "--kjnodes", str(kj), "--backend", "sdpa", "--memory-at", "120000"])
+    assert a.layout == "strided_nhd" and a.stock_sampling and a.peer_variants == PEER_NAMES
+    assert [(v["name"], v["backend"], v["block_path"]) for v in a.variants] == [("attention_only", "sdpa",
+                                                                                  "attention_only")]
+    assert a.sampled_extras == ["attention_only", *PEER_NAMES] and a.sections[-1] == "memory"
+    assert parse_args(["--peer-table"]).peer_variants == []  # without a checkout: no peer, no error
+    assert parse_args(["--peer-table", "--layout", "ab"]).layout == "ab"
+
+
+def test_peer_module_loads_by_path_without_the_pack(tmp_path):
+    """Under stub packages: the checkout's and nodes/' __init__ (which raise here) never run, and a
+    relative import of a sibling module resolves inside the checkout."""
+    import sys
+
+    from benchmarks import peer
+
+    root = write_stand_in(tmp_path / "kjnodes")
+    (root / "nodes" / "minimax_nodes.py").write_text("from ..utility.helpers import check_head_chunks\n")
+    try:
+        module = peer.load_module(root)
+        assert module.check_head_chunks.__module__ == f"{peer.PACKAGE}.utility.helpers"
+        assert module.__file__ == str((root / "nodes" / "minimax_nodes.py").resolve())
+    finally:
+        for name in [n for n in sys.modules if n == peer.PACKAGE or n.startswith(peer.PACKAGE + ".")]:
+            del sys.modules[name]

@@ -243,3 +243,115 @@ def test_variant_table_without_stock_says_nothing_was_compared():
     assert without == {"strided_nhd": "-", "nhd_rotated": "-"}
     compared = {row[0]: row[4] for row in variant_rows({"real_block_results": [with_stock]})}
     assert compared == {"strided_nhd": "bit-exact", "nhd_rotated": "max abs 0.0312", "stock": "-"}
+
+
+def test_memory_shape_is_the_frame_count_closest_to_the_tokens_asked():
+    from benchmarks.sections import frames_for_tokens
+
+    frames, rows = frames_for_tokens(120000, 1344, 768, 100)
+    assert (frames, rows["total"]) == (396, 119356)  # 379 frames pack 114,260, 413 pack 124,452
+    assert frames % 17 == 5
+    assert frames_for_tokens(37810, 1344, 768, 100)[0] == 124
+    assert frames_for_tokens(1, 64, 64, 8)[0] == 5  # never below the shortest clip
+
+
+def test_a_device_fault_in_the_memory_section_stops_the_variants_after_it(monkeypatch):
+    """Past the int32 line plain sageattn may fault: that variant's error is kept, the later ones are not
+    run (the device is gone), the earlier ones keep their peaks."""
+    from types import SimpleNamespace
+
+    from benchmarks import sections
+
+    def fake_call(bench, patcher, index, inputs):
+        def run(meter=None):
+            if patcher == "kj":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            if patcher == "bad":
+                raise ValueError("not H3")
+            return (7 * 2**20, None)
+        return run
+
+    monkeypatch.setattr(sections, "_block_call", fake_call)
+    bench = SimpleNamespace(variants=lambda with_stock: {"pack": "pack", "bad": "bad", "kj": "kj", "stock": "stock"},
+                            log=lambda message: None)
+    peaks, errors = sections._peaks_in_order(bench, ["pack", "bad", "kj", "stock"], 0, ())
+    assert peaks == {"pack": 7 * 2**20, "bad": None, "kj": None, "stock": None}
+    assert errors["bad"] == "ValueError: not H3" and errors["kj"].startswith("RuntimeError: CUDA error")
+    assert errors["stock"] == "not run: the device failed in kj's call"
+
+
+def peer_report() -> dict:
+    """A report of a --peer-table run in the shape the harness writes it (numbers made up)."""
+    names = ["stock", "strided_nhd", "attention_only", "kj_lowvram", "kj_lowvram_chunkff"]
+    p50 = dict(zip(names, (0.105, 0.100, 0.102, 0.104, 0.106)))
+    peaks = dict(zip(names, (4000 * 2**20, 3000 * 2**20, 3500 * 2**20, 4000 * 2**20, 3750 * 2**20)))
+    block = {"block": 0, "peak_extra_bytes": peaks, **{f"{n}_p50_seconds": t for n, t in p50.items()}}
+    for n in names[1:]:
+        block.update({f"stock_over_{n}": p50["stock"] / p50[n], f"stock_vs_{n}_bit_exact": True})
+    low = {"node": "MiniMaxLowVRAMAttention", "display_name": "MiniMax H3 Low VRAM Attention",
+           "inputs": {"head_chunks": 4}}
+    ff = {"node": "MiniMaxChunkFeedForward", "display_name": "MiniMax H3 Chunk FeedForward",
+          "inputs": {"chunks": 2, "seq_threshold": 4096}}
+    memory = {"tokens_asked": 120000, "packed_tokens": 119356, "resolution": [1344, 768], "frames": 396,
+              "block": 0, "pack": "strided_nhd", "past_int32_offsets": ["fused_qkv", "mlp_fc1_output"],
+              "elements": {"fused_qkv": 119356 * 21504, "mlp_fc1_output": 119356 * 28672},
+              "peak_extra_bytes": {"strided_nhd": 9000 * 2**20, "attention_only": 10000 * 2**20,
+                                   "kj_lowvram": 12000 * 2**20, "kj_lowvram_chunkff": None, "stock": None},
+              "errors": {"kj_lowvram_chunkff": "RuntimeError: CUDA error: an illegal memory access\nmore",
+                         "stock": "not run: the device failed in kj_lowvram_chunkff's call"}}
+    sampling = {"steps": 2, "order": ["strided_nhd", "kj_lowvram", "stock"], "stock_seconds": 10.5,
+                "strided_nhd_seconds": 10.0, "kj_lowvram_seconds": 10.4, "stock_over_strided_nhd": 1.05,
+                "stock_over_kj_lowvram": 10.5 / 10.4, "stock_vs_strided_nhd_identical": True,
+                "stock_vs_kj_lowvram_identical": False,
+                "stock_vs_kj_lowvram_max_abs_difference": {"video": 0.5, "audio": 0.25},
+                **{f"{n}_checksums": [1.0, 2.0] for n in ("stock", "strided_nhd", "kj_lowvram")}}
+    return {"real_block_results": [block], "peer": {"variants": {"kj_lowvram": [low], "kj_lowvram_chunkff": [low, ff]}},
+            "peak_memory_long_sequence": memory, "sampling_2_step": sampling}
+
+
+def test_peer_rows_put_the_pack_beside_each_peer_variant():
+    from benchmarks.report import more_markdown, variants_markdown
+
+    data = peer_report()
+    table = variants_markdown(data)
+    assert "| kj_lowvram | - | 104.00 ms | 1.010x | bit-exact | 4,000 MiB | - |" in table
+    more = more_markdown(data)
+    assert ("- strided_nhd against kj_lowvram (KJNodes: MiniMax H3 Low VRAM Attention (head_chunks 4)): "
+            "block time kj_lowvram / strided_nhd 1.040x; peak extra strided_nhd / kj_lowvram 0.750x.") in more
+    assert "MiniMax H3 Chunk FeedForward (chunks 2, seq_threshold 4096)): block time kj_lowvram_chunkff / " in more
+
+
+def test_memory_table_gives_the_pack_over_each_variant_and_the_errors():
+    from benchmarks.report import memory_markdown
+
+    text = memory_markdown(peer_report())
+    assert text.startswith("Peak extra memory of one block (block 0) at 119,356 packed tokens "
+                           "(1344x768x396, asked 120,000):")
+    assert "| kj_lowvram | 12,000 MiB | 0.750x |  |" in text
+    assert "| kj_lowvram_chunkff | - | - | RuntimeError: CUDA error: an illegal memory access |" in text
+    assert "| strided_nhd | 9,000 MiB | 1.000x |  |" in text
+    assert "- past 2**31 elements (fused qkv 2,566,631,424, mlp fc1 output 3,422,175,232)" in text
+
+
+def test_sampling_table_per_variant_says_whether_it_matched_stock():
+    from benchmarks.report import correctness_table, sampling_variant_rows
+
+    data = peer_report()
+    rows = {r[0]: r for r in sampling_variant_rows(data, "sampling_2_step")}
+    assert rows["strided_nhd"][1:4] == ("2-step 10.000 s", "1.050x", "identical checksums")
+    assert rows["kj_lowvram"][3] == "differ: video max abs 0.5, audio 0.25"
+    assert rows["stock"][2:4] == ("1.000x", "-")
+    table = correctness_table(data)
+    assert "kj_lowvram" in table and "stock vs kj_lowvram: DIFFER" in table
+    layouts_only = {"sampling_2_step": {"order": ["hnd", "strided_nhd", "stock"]}}
+    assert sampling_variant_rows(layouts_only, "sampling_2_step") == []
+
+
+def test_validation_items_of_any_variant_get_their_labels():
+    assert results_table.validation_lines({"validation": {
+        "blocks_compared": "0, 1", "blocks_stock_vs_kj_lowvram": "bit-exact",
+        "sampling_12_step_stock_vs_attention_only": "identical video and audio checksums",
+        "peer_attention": "same kernel"}}) == [
+        "- blocks 0, 1, stock vs kj_lowvram: bit-exact",
+        "- 12-step sampling, stock vs attention_only: identical video and audio checksums",
+        "- the peer (KJNodes) and the pack: same kernel"]
