@@ -126,8 +126,11 @@ def build_model(config: dict, device: torch.device, dtype: torch.dtype, seed: in
     groupsize = 256 if config["hidden_size"] % 256 == 0 else config["hidden_size"]
     with torch.inference_mode(False):  # loaded as a loader node loads: plain tensors, not inference ones
         state = {k: v.clone() for k, v in patcher.model.diffusion_model.state_dict().items()}
-        quantised = comfy.sd.load_diffusion_model_state_dict(int8_convrot_state_dict(state, groupsize))
-        del patcher, state
+        del patcher
+        # quantised where drawn, then handed over on the CPU as a checkpoint file's tensors are
+        state = {k: v.cpu() for k, v in int8_convrot_state_dict(state, groupsize).items()}
+        quantised = comfy.sd.load_diffusion_model_state_dict(state)
+        del state
         quantised.load_device = device
         # loaded here, outside inference mode: moving QuantizedTensor parameters re-registers them
         mm.load_models_gpu([quantised], force_full_load=True)

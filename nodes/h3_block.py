@@ -65,10 +65,17 @@ def gated_residual(x, gate, other, segments):
     return x
 
 
+def replaced_forward(module) -> bool:
+    """Another node's forward is on ``module`` (ComfyUI restores an object patch by setting the
+    original bound method back, so a ``forward`` attribute alone proves nothing)."""
+    fwd = vars(module).get("forward")
+    return fwd is not None and getattr(fwd, "__func__", fwd) is not getattr(type(module), "forward", None)
+
+
 def mlp_chunk_rows(mlp, x, chunk: int) -> int | None:
     """Rows per MLP chunk, or None when the MLP must run whole as the model has it. fp32 activations
     are not chunked: fp32 GEMMs split by rows need not give the same bits (measured on the CPU)."""
-    if "forward" in vars(mlp) or x.dtype not in CHUNKED_DTYPES:  # another node's MLP forward runs as it is
+    if replaced_forward(mlp) or x.dtype not in CHUNKED_DTYPES:  # another node's MLP forward runs as it is
         return None
     resident = all(getattr(m.weight, "device", None) == x.device and not getattr(m, "weight_function", None)
                    for m in (mlp.fc1, mlp.fc2))

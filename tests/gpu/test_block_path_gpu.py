@@ -9,6 +9,7 @@ is the block's work around the attention. Needs CUDA and the ComfyUI host ($COMF
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -28,7 +29,9 @@ def pack():
     from devkit.pack import import_pack
 
     import_comfyui(Path(HOST), cpu=False, stock_flag="use_pytorch_cross_attention")
-    return import_pack()
+    pack = import_pack()
+    importlib.import_module(pack.__name__ + ".nodes.h3_patch")  # the ComfyUI glue, now that comfy imports
+    return pack
 
 
 @pytest.fixture(scope="module", params=["bf16", "int8_convrot"])
@@ -42,9 +45,14 @@ def model(request, pack):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("seq,chunk", [(8192, 3000), (37810, 8192)])
-def test_full_width_block_gives_stock_bits(pack, model, seq, chunk):
+@pytest.mark.parametrize("one_pass_modulation", [True, False])
+@pytest.mark.parametrize("seq,chunk", [(8192, 3000), (37810, 8192), (8192, 8192)])
+def test_full_width_block_gives_stock_bits(pack, model, seq, chunk, one_pass_modulation, monkeypatch):
+    """(8192, 8192): no chunk; without the one-pass modulation: stock's mul_/add_ (which piece differs)."""
     from devkit import h3 as dh
+
+    if not one_pass_modulation:
+        monkeypatch.setattr(pack.kernels.h3_block, "fusable", lambda h: False)
 
     block = model.model.diffusion_model.blocks[0]
     x, t_emb, segments, rope = dh.random_block_inputs(block, seq, seed=seq, dtype=torch.bfloat16)
@@ -61,3 +69,45 @@ def test_full_width_block_gives_stock_bits(pack, model, seq, chunk):
     assert patch.report.calls == 1
     differ = int((got != want).sum())
     assert differ == 0, f"{differ} of {got.numel()} elements differ, max abs {(got.float() - want.float()).abs().max()}"
+
+
+# --- the pieces the fast path assumes give stock's bits: each checked on its own ---------------------
+def _rows_split(fn, x, chunk):
+    return torch.cat([fn(x[a:b]) for a, b in [(i, min(i + chunk, x.shape[0])) for i in range(0, x.shape[0], chunk)]])
+
+
+def _differ(a, b) -> int:
+    return int((a != b).sum())
+
+
+def test_modulation_pass_gives_stocks_bits_on_cuda(pack):
+    from comfyui_sage_strided_nhd.kernels import h3_block
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(37810, 5376, device="cuda", generator=g).bfloat16() * 3
+    scale1 = 1.0 + torch.randn(5376, device="cuda", generator=g).bfloat16()
+    shift = torch.randn(5376, device="cuda", generator=g).bfloat16()
+    want = h.clone()
+    want[100:514].mul_(scale1).add_(shift)
+    got = h.clone()
+    h3_block.scale_shift_(got[100:514], scale1, shift)
+    assert _differ(got, want) == 0
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8_convrot"])
+def test_mlp_pieces_give_the_same_bits_split_by_rows(pack, weights):
+    """RMSNorm, fc1 and the SwiGLU-quantising fc2 of the real model, whole vs in 7,616-row chunks."""
+    import comfy.ops
+    from devkit import h3 as dh
+
+    config = dict(dh.FULL_H3, num_layers=1, token_refiner_num_layers=1)
+    model = dh.build_model(config, torch.device("cuda"), torch.bfloat16, 0, weights)
+    block = model.model.diffusion_model.blocks[0]
+    x = torch.randn(37810, 5376, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).bfloat16()
+    with torch.inference_mode():
+        pieces = {"norm2": block.norm2, "fc1": block.mlp.fc1,
+                  "fc2_swiglu": lambda t: comfy.ops.linear_input_act(block.mlp.fc2, t, "swiglu")}
+        inputs = {"norm2": x, "fc1": x, "fc2_swiglu": block.mlp.fc1(x)}
+        differing = {name: _differ(fn(inputs[name]), _rows_split(fn, inputs[name], 7616)) for name, fn in pieces.items()}
+    print(f"rows split, {weights}: elements that differ {differing}")
+    assert all(n == 0 for n in differing.values()), differing

@@ -97,6 +97,24 @@ def test_mlp_runs_whole_where_chunks_would_cost_or_change_bits(pack):
     assert chunk_rows(foreign, x, 8) is None
 
 
+def test_a_restored_mlp_forward_is_not_another_nodes(pack, model):
+    """ComfyUI unpatches an object patch by setting the original bound method on the module: the
+    fast path must still chunk that MLP (a benchmark found it did not)."""
+    mlp = model.model.diffusion_model.blocks[0].mlp
+    x = torch.empty(40, CONFIG["hidden_size"], dtype=torch.bfloat16)
+    saved = vars(mlp).get("forward")
+    try:
+        mlp.forward = type(mlp).forward.__get__(mlp)  # what unpatch_model leaves behind
+        assert pack.nodes.h3_block.mlp_chunk_rows(mlp, x, 8) == 8
+        mlp.forward = lambda h: h
+        assert pack.nodes.h3_block.mlp_chunk_rows(mlp, x, 8) is None
+    finally:
+        if saved is None:
+            vars(mlp).pop("forward", None)
+        else:
+            mlp.forward = saved
+
+
 def test_unknown_block_structure_keeps_the_attention_only_patch(pack, monkeypatch):
     import comfy.ldm.minimax.model as h3
 
