@@ -3,7 +3,7 @@
 ``scale_shift_`` runs its Triton kernel under ``TRITON_INTERPRET=1`` in a subprocess (the flag must
 be set before the kernel is decorated) and must equal stock's two in-place passes
 (``h.mul_(scale1).add_(shift)``) bit for bit, on row blocks that are views of a larger tensor, with
-ragged edges, in bf16 and fp16. fp32 and non-row-major inputs take stock's passes themselves.
+ragged edges, in bf16. Other dtypes and non-row-major inputs take stock's passes themselves.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ INTERPRETED = textwrap.dedent(r"""
     from comfyui_sage_strided_nhd.kernels import h3_block
     g = torch.Generator().manual_seed(0)
     out = {}
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in (torch.bfloat16,):
         for rows, cols in ((5, 1030), (9, 64), (1, 3000)):
             full = (torch.randn(rows + 6, cols, generator=g) * 4).to(dtype)
             scale1 = (1.0 + torch.randn(cols, generator=g).to(dtype))
@@ -57,13 +57,14 @@ def interpreted():
 
 
 def test_scale_shift_kernel_gives_stock_bits(interpreted):
-    assert len(interpreted) == 6
+    assert len(interpreted) == 3
     for case, (equal, differing) in interpreted.items():
         assert equal, f"{case}: {differing} elements differ from h.mul_(scale1).add_(shift)"
 
 
 def test_inputs_the_kernel_does_not_take_get_stocks_passes(gen):
     for h in (torch.randn(4, 8, generator=gen),                       # fp32: an FMA would change the bits
+              torch.randn(4, 8, generator=gen).half(),
               torch.randn(8, 4, generator=gen).bfloat16().t()):      # rows not contiguous
         assert not h3_block.fusable(h)
         scale1, shift = torch.randn(h.shape[1], generator=gen).to(h.dtype), torch.randn(h.shape[1]).to(h.dtype)
