@@ -132,3 +132,25 @@ def test_unknown_block_structure_keeps_the_attention_only_patch(pack, monkeypatc
     assert plan.block_path_blocks == 0 and plan.blocks_patched == 2
     off = [n.text for n in plan.notes if n.code == "block_path_off"]
     assert off and "forward(" in off[0] and "scale" in off[0], plan.notes
+
+
+def test_fast_path_adds_no_graph_break_under_torch_compile(pack, model):
+    """torch._dynamo.explain of one block: the fast path breaks the graph exactly where the
+    attention-only patch does (the attention, kept out of the graph on purpose), nowhere else."""
+    block = model.model.diffusion_model.blocks[0]
+    inputs = dh.random_block_inputs(block, SEQ, seed=9, dtype=torch.bfloat16)
+    breaks = {}
+    for path in ("exact", "attention_only"):
+        clone, _ = pack.nodes.h3_patch.patch_model(
+            model, pack.nodes.patch.Settings(backend="sdpa", block_path=path, mlp_chunk_tokens=30))
+        clone.patch_model(load_weights=False)
+        try:
+            torch._dynamo.reset()
+            x, t_emb, segments, rope = inputs
+            explained = torch._dynamo.explain(lambda b: b(x.clone(), t_emb, segments, rope, transformer_options={}))(block)
+        finally:
+            clone.unpatch_model(unpatch_weights=False)
+        breaks[path] = [str(r.reason) for r in explained.break_reasons]
+    torch._dynamo.reset()
+    assert len(breaks["exact"]) == len(breaks["attention_only"]), breaks
+    assert all("_attend" in reason for reason in breaks["exact"]), breaks["exact"]
