@@ -139,6 +139,8 @@ def parse_args(argv=None):
     p.add_argument("--prep", default="exact", help="prepared-path mode of the layout variants "
                    "(exact, fused, rotated, fused_rotated; only where a back-end has a prepared path)")
     add_model_options(p)
+    p.add_argument("--compile-blocks", action="store_true",
+                   help="also time block 0 of stock and strided_nhd under torch.compile (inductor), interleaved")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma list of {', '.join(SECTIONS)} ({MEMORY_SECTION}: added by --memory-at)")
     p.add_argument("--skip-12-step", action="store_true")
@@ -495,6 +497,10 @@ def run_sections(args, bench: sec.Bench, kernels, backend: str, report: Report) 
         report.validation("peer_attention", peer_kernel_verdict(report.data, backend))
     if "blocks" in args.sections:
         run_blocks(args, bench, report, names["blocks_0_24_49"])
+    if args.compile_blocks:
+        sec.ensure_stock_loaded(bench)
+        _section(report, "compiled_block_results", lambda: sec.real_blocks(
+            bench, args.reps, max(args.warmup, 2), True, compiled_variants=("stock", "strided_nhd")))
     if "profiler" in args.sections:
         sec.ensure_stock_loaded(bench)
         _section(report, "profiler_block_recapture", lambda: sec.kernel_launches(bench, with_stock, torch.__version__))

@@ -177,16 +177,22 @@ def capture_block_inputs(bench: Bench) -> dict:
             "outputs_finite": bench.outputs_finite["stock forward"]}
 
 
-def _block_call(bench: Bench, patcher, index: int, inputs: tuple | None = None) -> Callable:
+def _block_call(bench: Bench, patcher, index: int, inputs: tuple | None = None, compiled: dict | None = None,
+                name: str = "") -> Callable:
     """``run(meter)``: one forward of block ``index`` with ``patcher``'s patches, on a fresh copy of its
     captured input (``inputs``, default the benchmark shape's), measured by ``meter(fn, device)``
-    (``measure.timed`` or ``measure.peak_extra_bytes``). The input copy is made before the meter starts."""
+    (``measure.timed`` or ``measure.peak_extra_bytes``). The input copy is made before the meter starts.
+    With ``compiled`` (name -> compiled block, filled here), the block runs under torch.compile."""
     x0, t_emb, segments, rope = inputs or bench.block_inputs[index]
     transformer_options = patcher.model_options.get("transformer_options", {})
 
     def run(meter=measure.timed):
         with object_patches_applied(patcher) as dm:
             block = dm.blocks[index]
+            if compiled is not None:
+                if name not in compiled:
+                    compiled[name] = torch.compile(block)
+                block = compiled[name]
             x = x0.clone()  # blocks update their input in place
             return meter(lambda: block(x, t_emb, segments, rope, transformer_options=transformer_options),
                          bench.device)
@@ -248,13 +254,20 @@ def isolated_attention(bench: Bench, kernels, backend: str, reps: int, warmup: i
 
 # --- real blocks -------------------------------------------------------------------------------------
 
-def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool) -> list[dict]:
-    """p50 of each variant on blocks 0 / middle / last, interleaved rep by rep; outputs compared."""
+def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool, compiled_variants=None) -> list[dict]:
+    """p50 of each variant on blocks 0 / middle / last, interleaved rep by rep; outputs compared. With
+    ``compiled_variants`` (names): only those, block 0 only, each under torch.compile (inductor, what
+    ComfyUI's TorchCompileModel uses); the compiles happen in the warm-up reps."""
     variants = bench.variants(with_stock)
+    indices, compiled = bench.block_indices, None
+    if compiled_variants is not None:
+        variants = {n: p for n, p in variants.items() if n in compiled_variants}
+        indices, compiled = bench.block_indices[:1], {}
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     results = []
-    for index in bench.block_indices:
-        bench.log(f"  block {index}: {', '.join(variants)}")
-        runners = {name: _block_call(bench, p, index) for name, p in variants.items()}
+    for index in indices:
+        bench.log(f"  block {index}: {', '.join(variants)}{' (torch.compile)' if compiled is not None else ''}")
+        runners = {name: _block_call(bench, p, index, compiled=compiled, name=name) for name, p in variants.items()}
         times = measure.interleaved_times({n: (lambda r=r: r()[0]) for n, r in runners.items()}, reps, warmup,
                                           progress=lambda m: bench.log(f"    {m}"))
         outputs, peaks = {}, {}

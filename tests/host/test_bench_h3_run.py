@@ -430,3 +430,16 @@ def test_peer_module_loads_by_path_without_the_pack(tmp_path):
     finally:
         for name in [n for n in sys.modules if n == peer.PACKAGE or n.startswith(peer.PACKAGE + ".")]:
             del sys.modules[name]
+
+
+def test_compiled_blocks_time_stock_and_the_pack_under_torch_compile(tmp_path):
+    import shutil
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("inductor on the CPU needs a C++ compiler (g++), none found")
+    proc, data = run_harness(tmp_path, "--layout", "strided_nhd", "--sections", "blocks", "--compile-blocks")
+    assert proc.returncode == 0 and data["errors"] == {}, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = data["compiled_block_results"]
+    assert len(rows) == 1 and rows[0]["block"] == 0, rows
+    row = rows[0]
+    assert row["stock_p50_seconds"] > 0 and row["strided_nhd_p50_seconds"] > 0 and "stock_over_strided_nhd" in row
+    assert set(row["peak_extra_bytes"]) == {"stock", "strided_nhd"}
