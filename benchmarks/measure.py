@@ -28,6 +28,18 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object
     return time.perf_counter() - start, result
 
 
+def event_timed(fn: Callable[[], object]) -> Callable[[], float]:
+    """A runner returning the seconds of one ``fn()`` between two CUDA events."""
+    def run():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    return run
+
+
 def rotated(names: list[str], rep: int) -> list[str]:
     """The variant order for repetition ``rep``: each variant leads in turn."""
     shift = rep % len(names)

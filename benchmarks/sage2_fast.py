@@ -32,7 +32,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.measure import interleaved_times, peak_extra_bytes, summary
+from benchmarks.measure import event_timed, interleaved_times, peak_extra_bytes, summary
 from devkit import sage2_oracle
 from devkit.inputs import fused_attention_inputs
 from devkit.pack import kernels as _kernels
@@ -55,16 +55,6 @@ def make_buffer(seq, seed, heads=HEADS):
 def views(qkv, heads=HEADS):
     return qkv.unflatten(1, (3, heads, D)).unsqueeze(0).unbind(2)
 
-
-def event_timed(fn):
-    def run():
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    return run
 
 
 def speed(seq, reps, warmup):
