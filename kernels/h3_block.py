@@ -4,8 +4,9 @@ Stock modulates a normed row segment in two in-place passes, ``h.mul_(1 + scale)
 rounding to the tensor's dtype. ``scale_shift_`` does both in one pass with the same two roundings
 (the product of two bf16 values is exact in fp32; each rounding to bf16 is done in integer
 operations, which keeps the compiler from folding it or contracting the multiply and add), so the
-result is bit-identical. Other dtypes take stock's two passes. Under torch.compile it is stock's expression again: inductor fuses it with the
-RMSNorm before it into one kernel, which an opaque custom op would prevent. Offsets are int64.
+result is bit-identical. Other dtypes take stock's two passes. Under torch.compile it is stock's
+expression again: inductor fuses it with the RMSNorm before it into one kernel, which an opaque
+custom op would prevent. Offsets are int64.
 ``token_chunks`` splits a sequence for the block's MLP."""
 
 from __future__ import annotations

@@ -33,8 +33,13 @@ def existing_override(model_options):
     return model_options.get("transformer_options", {}).get("optimized_attention_override")
 
 
+def plain_function(obj):
+    """The plain function behind a bound method (object patches are often ``types.MethodType``)."""
+    return getattr(obj, "__func__", obj)
+
+
 def describe(obj) -> str:
-    fn = getattr(obj, "__func__", obj)
+    fn = plain_function(obj)
     module = getattr(fn, "__module__", None) or type(obj).__module__
     name = getattr(fn, "__qualname__", None) or type(obj).__qualname__
     return f"{module}.{name}"
@@ -146,7 +151,7 @@ def check_object_patches(model_patcher, keys) -> tuple[bool, dict[str, str]]:
 
 def stock_equal(obj) -> str | None:
     """The node name of a known attention forward that computes stock's result (rule 8), else None."""
-    fn = getattr(obj, "__func__", obj)
+    fn = plain_function(obj)
     return STOCK_EQUAL_FORWARDS.get(getattr(fn, "__name__", "")) if getattr(fn, "_uses_optimized_attention", 0) else None
 
 
@@ -286,8 +291,8 @@ def check_block_forwards(model_patcher, keys) -> tuple[list[str], dict[str, str]
     stock-equal block forwards among them). Another node's unknown block forward keeps its block:
     it calls the block's attention, which is this node's (rule 8)."""
     patches = model_patcher.object_patches
-    taken_over = {k: node for k in keys if (node := STOCK_EQUAL_BLOCK_FORWARDS.get(
-        getattr(getattr(patches.get(k), "__func__", patches.get(k)), "__name__", "")))}
+    names = {k: getattr(plain_function(patches.get(k)), "__name__", "") for k in keys}
+    taken_over = {k: node for k in keys if (node := STOCK_EQUAL_BLOCK_FORWARDS.get(names[k]))}
     return [k for k in keys if not _foreign(patches.get(k)) or k in taken_over], taken_over
 
 

@@ -157,6 +157,6 @@ def _install_block_path(model_patcher, clone, diffusion_model, patch: InstalledP
     forwards = {}
     for key in free:
         block = model_patcher.get_model_object(key[: -len(".forward")])
-        forwards[key] = h3_block.H3BlockForward(block, key, patch)
+        forwards[key] = h3_block.H3BlockForward(block, patch)
         clone.add_object_patch(key, forwards[key])
     return conflicts.BlockPath(forwards=forwards, taken_over=taken_over)
