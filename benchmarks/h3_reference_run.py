@@ -77,8 +77,9 @@ from .report import LAYOUTS, Report, correctness_table, equality_verdict, text_t
 
 SECTIONS = ("isolated", "blocks", "profiler", "sampling_2_step", "sampling_12_step")
 MEMORY_SECTION = "memory"  # only with --memory-at; runs last (past the int32 line stock's attention may fault)
-VARIANT_USAGE = "NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only]"
-VARIANT_FLAGS = {"noprepared": ("prepared", False), "attention_only": ("block_path", "attention_only")}
+VARIANT_USAGE = "NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only|:fused_block]"
+VARIANT_FLAGS = {"noprepared": ("prepared", False), "attention_only": ("block_path", "attention_only"),
+                 "fused_block": ("block_path", "fused")}
 ATTENTION_ONLY = "attention_only"  # --peer-table's strided NHD variant on the attention-only block path
 LAYOUT_ENV = "H3_SAGE_QKV_LAYOUT"
 REFERENCE_COPY = Path(__file__).resolve().parent / "reference" / "gb10-strided-nhd-results.json"
@@ -140,7 +141,8 @@ def parse_args(argv=None):
                    "(exact, fused, rotated, fused_rotated; only where a back-end has a prepared path)")
     add_model_options(p)
     p.add_argument("--compile-blocks", action="store_true",
-                   help="also time block 0 of stock and strided_nhd under torch.compile (inductor), interleaved")
+                   help="also time block 0 of stock, strided_nhd and the fused_block variants under torch.compile "
+                        "(inductor), interleaved")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma list of {', '.join(SECTIONS)} ({MEMORY_SECTION}: added by --memory-at)")
     p.add_argument("--skip-12-step", action="store_true")
@@ -188,14 +190,19 @@ def add_model_options(p) -> None:
     p.add_argument("--weight-seed", type=int, default=0, help="seed of the random weights and text states")
 
 
+def compiled_variant_names(args) -> tuple[str, ...]:
+    """--compile-blocks' variants: stock, strided_nhd and the --variant ones on the fused block path."""
+    return ("stock", "strided_nhd", *(v["name"] for v in args.variants if v.get("block_path") == "fused"))
+
+
 def add_variant_options(p) -> None:
     """The variants beside stock and the layouts: the pack's own, the peer's, and the memory section."""
     p.add_argument("--variant", action="append", default=[], metavar=VARIANT_USAGE,
                    help="an extra patched variant timed beside stock and the layouts in blocks, profiler and "
                         "memory, e.g. nhd_fused=strided_nhd:sage2:fused, sdpa=strided_nhd:sdpa:exact, "
                         "today=strided_nhd:sage2:exact:noprepared, attn=strided_nhd:sage2:exact:attention_only (flags after PREP, any order: noprepared = the "
-                        "back-end's prepared path switched off; attention_only = block_path attention_only instead of "
-                        "the node's default exact). Repeatable.")
+                        "back-end's prepared path switched off; attention_only or fused_block = block_path "
+                        "attention_only or fused instead of the node's default exact). Repeatable.")
     p.add_argument("--kjnodes", type=Path, metavar="DIR",
                    help="a ComfyUI-KJNodes checkout: adds the peer's variants " + ", ".join(peer.VARIANTS)
                         + " (its nodes/minimax_nodes.py, nodes at their defaults) wherever variants take part")
@@ -227,7 +234,8 @@ def parse_sections(parser, args) -> list[str]:
 
 
 def parse_variant(parser, spec: str) -> dict:
-    """``NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only]`` (flags in any order) as a variant dict."""
+    """``NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only|:fused_block]`` (flags in any order) as a
+    variant dict."""
     name, _, rest = spec.partition("=")
     parts = rest.split(":")
     where = f"--variant {spec!r}: "
@@ -241,8 +249,10 @@ def parse_variant(parser, spec: str) -> dict:
                      f"choose one of {', '.join(kernels.PREPARED_MODES)}")
     flags = parts[3:]
     unknown = [f for f in flags if f not in VARIANT_FLAGS]
-    if unknown or len(set(flags)) != len(flags):
-        parser.error(where + (f"unknown flag(s) {unknown}" if unknown else "a flag given twice")
+    block_paths = [f for f in flags if VARIANT_FLAGS.get(f, ("",))[0] == "block_path"]
+    if unknown or len(set(flags)) != len(flags) or len(block_paths) > 1:
+        parser.error(where + (f"unknown flag(s) {unknown}" if unknown else "a flag given twice" if len(set(flags))
+                              != len(flags) else f"one block path at most, got {block_paths}")
                      + f"; flags: {', '.join(VARIANT_FLAGS)}")
     variant = {"name": name, "layout": parts[0], "backend": parts[1], "prep": parts[2], "prepared": True,
                "block_path": "exact"}
@@ -500,7 +510,7 @@ def run_sections(args, bench: sec.Bench, kernels, backend: str, report: Report) 
     if args.compile_blocks:
         sec.ensure_stock_loaded(bench)
         _section(report, "compiled_block_results", lambda: sec.real_blocks(
-            bench, args.reps, max(args.warmup, 2), True, compiled_variants=("stock", "strided_nhd")))
+            bench, args.reps, max(args.warmup, 2), True, compiled_variants=compiled_variant_names(args)))
     if "profiler" in args.sections:
         sec.ensure_stock_loaded(bench)
         _section(report, "profiler_block_recapture", lambda: sec.kernel_launches(bench, with_stock, torch.__version__))

@@ -89,12 +89,14 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> tuple[in
 
 
 def max_abs_difference(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """max/mean |a - b| in float64 terms, plus whether the bits are identical."""
+    """max/mean |a - b| and the relative L2 error ||a - b|| / ||a|| in float32 terms, plus whether the
+    bits are identical."""
     if a.shape != b.shape:
         raise ValueError(f"cannot compare outputs of shapes {tuple(a.shape)} and {tuple(b.shape)}")
     diff = (a.float() - b.float()).abs()
     return {"max_abs_difference": float(diff.max()) if diff.numel() else 0.0,
             "mean_abs_difference": float(diff.mean()) if diff.numel() else 0.0,
+            "relative_l2": float(diff.norm() / a.float().norm()) if diff.numel() and a.float().norm() > 0 else 0.0,
             "bit_exact": bool(torch.equal(a, b))}
 
 

@@ -291,6 +291,7 @@ def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool, compiled
                 diff = measure.max_abs_difference(outputs["stock"], outputs[layout])
                 row[f"stock_vs_{layout}_max_abs_difference"] = diff["max_abs_difference"]
                 row[f"stock_vs_{layout}_bit_exact"] = diff["bit_exact"]
+                row[f"stock_vs_{layout}_relative_l2"] = diff["relative_l2"]
                 row[f"stock_over_{layout}"] = measure.speedup(row["stock_p50_seconds"], row[f"{layout}_p50_seconds"])
         row["reps"] = reps
         results.append(row)

@@ -94,6 +94,7 @@ VARIANTS: dict[str, Variant | None] = {
     "sdpa": Variant(backend="sdpa", same_bits_as="sdpa"),
     "hnd": Variant(layout="hnd"),  # the HND baseline never takes a prepared path
     "sage2_exact_attention_only": Variant(block_path="attention_only"),
+    "sage2_exact_fused_block": Variant(block_path="fused", same_bits_as=None),
 }
 WEIGHT_FORMATS = ("bf16", "int8_convrot")  # devkit.h3.WEIGHT_FORMATS (not imported here: it imports torch)
 

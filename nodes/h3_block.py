@@ -9,6 +9,11 @@ computes what stock's computes, in stock's order and with stock's bits:
   activation quantiser are per row), so chunking changes no bit. Not chunked when the MLP weights
   are not resident on the compute device (each chunk would cast them again) or when another node
   replaced the MLP forward (KJNodes' Chunk FeedForward): that forward runs as it is.
+
+``block_path="fused"`` merges more than stock's bits allow (kernels.h3_block_fused): each RMSNorm
+with its modulation in one pass, the attention half's gated residual with the MLP half's norm, and
+(bf16 weights) SwiGLU in one pass. A norm the kernels cannot take (weights cast on the fly, LoRA
+weight functions, another node's forward) runs as the exact path runs it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import comfy.ops
 import torch
 
 from ..kernels import h3_block as ops
+from ..kernels import h3_block_fused as fused_ops
 from . import conflicts
 
 BLOCK_PARAMS = ("self", "x", "t_emb", "mod_segments", "rope_freqs", "transformer_options")
@@ -83,6 +89,42 @@ def mlp_chunk_rows(mlp, x, chunk: int) -> int | None:
     return chunk if resident and x.shape[0] > chunk else None
 
 
+def fused_norm_takes(norm, x) -> bool:
+    """The fused passes can stand in for ``norm``: stock's RMSNorm forward, its weight (if any, any
+    float dtype: the passes read it in fp32) resident on x's device, nothing patched onto it."""
+    w = getattr(norm, "weight", None)
+    return (not replaced_forward(norm) and not getattr(norm, "weight_function", None)
+            and not getattr(norm, "bias_function", None) and getattr(norm, "bias", None) is None
+            and len(getattr(norm, "normalized_shape", ())) == 1 and x.dtype in fused_ops.FUSED_DTYPES
+            and (w is None or (w.device == x.device and w.dtype.is_floating_point
+                               and type(w) in (torch.Tensor, torch.nn.Parameter))))
+
+
+def norm_eps(norm, x) -> float:
+    return norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps  # torch's rms_norm default
+
+
+def fused_norm_modulate(norm, x, shift, scale, segments, other=None, gate=None):
+    """``modulate(norm(x))`` (after ``x += other * gate`` when given) by the fused passes, per segment."""
+    h = torch.empty_like(x)
+    eps = norm_eps(norm, x)
+    for a, b, row in segments:
+        params = (norm.weight, scale[row].to(x.dtype), shift[row].to(x.dtype), eps, h[a:b])
+        if other is None:
+            fused_ops.norm_modulate(x[a:b], *params)
+        else:
+            fused_ops.residual_norm_modulate_(x[a:b], other[a:b], gate[row].to(x.dtype), *params)
+    return h
+
+
+def mlp_down(mlp, u, fused: bool):
+    """fc2(SwiGLU(u)) as stock's MLP.forward: ``linear_input_act`` (an int8 fc2 folds SwiGLU into its
+    activation quantiser); in fused mode a plain fc2 gets the one-pass SwiGLU."""
+    if fused and not isinstance(mlp.fc2.weight, getattr(comfy.ops, "QuantizedTensor", ())):
+        return mlp.fc2(fused_ops.swiglu(u))
+    return comfy.ops.linear_input_act(mlp.fc2, u, "swiglu")
+
+
 class H3BlockForward:
     """Replacement for one H3 ``DiTBlock.forward`` (0.33's arguments and current upstream's
     ``attention=``); the installed patch's settings give the MLP chunk size."""
@@ -96,26 +138,38 @@ class H3BlockForward:
     def __call__(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, attention=None):
         blk = self.block
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = blk.adaln_proj(t_emb)
-        handed = [modulate(blk.norm1(x), shift_msa, scale_msa, mod_segments)]
+        fused = self.patch.settings.block_path == "fused"
+        if fused and fused_norm_takes(blk.norm1, x):
+            handed = [fused_norm_modulate(blk.norm1, x, shift_msa, scale_msa, mod_segments)]
+        else:
+            handed = [modulate(blk.norm1(x), shift_msa, scale_msa, mod_segments)]
         if attention is None and conflicts.is_own(vars(blk.attn).get("forward")):
             out = blk.attn(handed, rope_freqs=rope_freqs, transformer_options=transformer_options)
         else:  # a block replace's attention, or another node's attention forward: a tensor, as stock hands it
             out = (attention or blk.attn)(handed.pop(), rope_freqs=rope_freqs, transformer_options=transformer_options)
+        if fused and fused_norm_takes(blk.norm2, x) and out.shape == x.shape and out.stride(-1) == 1:
+            h = fused_norm_modulate(blk.norm2, x, shift_mlp, scale_mlp, mod_segments, other=out, gate=gate_msa)
+            del out
+            return self._mlp_half(x, gate_mlp, mod_segments, lambda a, b, segs: h[a:b], fused=True)
         x = gated_residual(x, gate_msa, out, mod_segments)
         del out
-        return self._mlp_half(x, shift_mlp, scale_mlp, gate_mlp, mod_segments)
+        return self._mlp_half(x, gate_mlp, mod_segments,
+                              lambda a, b, segs: modulate(blk.norm2(x[a:b]), shift_mlp, scale_mlp, segs), fused)
 
-    def _mlp_half(self, x, shift, scale, gate, segments):
+    def _mlp_half(self, x, gate, segments, mlp_input, fused: bool):
+        """``x += mlp(mlp_input(a, b, segments of a:b)) * gate``, by token chunks where they give the same bits."""
         blk = self.block
         chunk = mlp_chunk_rows(blk.mlp, x, self.patch.settings.mlp_chunk_tokens)
         if chunk is None:
-            return gated_residual(x, gate, blk.mlp(modulate(blk.norm2(x), shift, scale, segments)), segments)
+            h = mlp_input(0, x.shape[0], segments)
+            y = blk.mlp(h) if replaced_forward(blk.mlp) or not fused else mlp_down(blk.mlp, blk.mlp.fc1(h), True)
+            return gated_residual(x, gate, y, segments)
         for a, b in ops.token_chunks(x.shape[0], chunk):
-            part, segs = x[a:b], ops.clip_segments(segments, a, b)
-            h = modulate(blk.norm2(part), shift, scale, segs)
-            y = comfy.ops.linear_input_act(blk.mlp.fc2, blk.mlp.fc1(h), "swiglu")  # stock's MLP.forward
+            segs = ops.clip_segments(segments, a, b)
+            h = mlp_input(a, b, segs)
+            y = mlp_down(blk.mlp, blk.mlp.fc1(h), fused)  # stock's MLP.forward
             del h
-            gated_residual(part, gate, y, segs)
+            gated_residual(x[a:b], gate, y, segs)
         return x
 
 

@@ -147,7 +147,7 @@ def patch_model(model_patcher, settings: Settings, node_id=None):
 def _install_block_path(model_patcher, clone, diffusion_model, patch: InstalledPatch) -> conflicts.BlockPath:
     """The block fast path's forwards on the clone, where the settings, the block structure and the
     patch stack allow it; the rest of the blocks keep the attention-only patch (rule 9)."""
-    if patch.settings.block_path != "exact":
+    if patch.settings.block_path == "attention_only":
         return conflicts.BlockPath(declined="the node's block_path is attention_only")
     problems = h3_block.structure_problems(diffusion_model.blocks[0]) if len(diffusion_model.blocks) else []
     if problems:

@@ -13,8 +13,9 @@ from .report import RunReport
 
 NODE = "Sage Strided NHD Attention"
 WRAPPER_KEY = "sage_strided_nhd"
-# MiniMax H3 block forward: exact (the block fast path, stock's bits) or the attention-only patch
-BLOCK_PATHS = ("exact", "attention_only")
+# MiniMax H3 block forward: the block fast path with stock's bits (exact) or with more passes merged
+# (fused, not bit-identical), or the attention-only patch
+BLOCK_PATHS = ("exact", "fused", "attention_only")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "prep_mode": "exact" | "fused" | "rotated" | "fused_rotated",   # the node's sage2_prep
       "blocks_patched": 50,                # H3 DiT blocks running this node's forward (0 on the override path)
       "refiner_blocks_patched": 2,         # H3 text refiner blocks, the same way
-      "block_path": "exact" | "attention_only",   # the node's block_path
+      "block_path": "exact" | "fused" | "attention_only",   # the node's block_path
       "block_path_blocks": 50,              # H3 DiT blocks whose whole forward ran the block fast path
       "replaced_own_patch": false,         # the input model already carried this node's patch; it was replaced
       "status": "ok" | "no_attention_calls" | "interrupted" | "failed",

@@ -64,7 +64,10 @@ class SageStridedNHDAttention(io.ComfyNode):
                     "block_path", options=list(BLOCK_PATHS), default="exact", optional=True, advanced=True,
                     tooltip="MiniMax H3 only. exact: each DiT block runs the block fast path (one-pass modulation, "
                             "the MLP in token chunks so its large intermediates never exist whole: less VRAM), "
-                            "bit-identical to stock. attention_only: only the attention forwards are replaced."),
+                            "bit-identical to stock. fused: also each RMSNorm with its modulation, the attention "
+                            "residual with the MLP's norm and (bf16 weights) SwiGLU in one pass each; not "
+                            "bit-identical (a few bf16 steps per value). attention_only: only the attention "
+                            "forwards are replaced."),
             ],
             outputs=[io.Model.Output(tooltip="The patched copy of the model.")],
             hidden=[io.Hidden.unique_id],

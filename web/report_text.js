@@ -186,7 +186,7 @@ export function formatReport(report) {
     : `${text(r.blocks_patched)} blocks + ${text(r.refiner_blocks_patched, "0")} refiner`;
   lines.push(`${text(r.model_family, "model ?")}: ${where}`);
   if (r.path !== "attention_override" && isNumber(r.block_path_blocks)) {
-    const off = r.block_path === "attention_only" ? " (block_path attention_only)" : "";
+    const off = r.block_path && r.block_path !== "exact" ? ` (block_path ${text(r.block_path)})` : "";
     lines.push(`block fast path: ${r.block_path_blocks} of ${text(r.blocks_patched)} blocks${off}`);
   }
   if (r.replaced_own_patch) lines.push("replaced an earlier patch of this node on the same model");

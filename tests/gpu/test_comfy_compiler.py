@@ -206,8 +206,8 @@ def check_report(data: dict) -> None:
     assert report is not None and report["status"] == "ok", report
     assert report["attention_calls"] == BLOCKS * STEPS + 2, report  # DiT blocks every step, refiner once
     assert data["plan_prepared"] is spec.prepared, data["plan_prepared"]
-    # the block fast path ran on every DiT block (block_path exact) or on none (None: a pack without it)
-    assert report.get("block_path_blocks") in (None, BLOCKS if spec.block_path == "exact" else 0), report
+    # the block fast path ran on every DiT block (block_path exact or fused) or on none (None: a pack without it)
+    assert report.get("block_path_blocks") in (None, 0 if spec.block_path == "attention_only" else BLOCKS), report
     if spec.backend == "sdpa":
         assert set(data["backends_ran"]) == {"sdpa"}, data["backends_ran"]
         return

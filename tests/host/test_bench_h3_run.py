@@ -371,13 +371,15 @@ def test_variant_flags_come_after_prep_in_any_order():
     assert (x["prepared"], x["block_path"], x["prep"]) == (False, "attention_only", "fused")
     assert (y["prepared"], y["block_path"], y["layout"]) == (False, "attention_only", "hnd")
     assert (z["prepared"], z["block_path"]) == (True, "exact")
+    assert parse_args(["--variant", "f=strided_nhd:sage2:fused:fused_block"]).variants[0]["block_path"] == "fused"
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--variant", "x=strided_nhd:sage2:exact:fast"], "unknown flag(s) ['fast']"),
     (["--variant", "x=strided_nhd:sage2:exact:noprepared:noprepared"], "a flag given twice"),
     (["--variant", "x=nhd:sage2:exact"], "LAYOUT one of hnd, strided_nhd"),
-    (["--variant", "x=strided_nhd:sage2"], "expected NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only]"),
+    (["--variant", "x=strided_nhd:sage2"], "expected NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only|:fused_block]"),
+    (["--variant", "x=strided_nhd:sage2:exact:fused_block:attention_only"], "one block path at most"),
     (["--variant", "x-1=strided_nhd:sage2:exact"], "NAME letters, digits and _"),
     (["--variant", "x=strided_nhd:sage9:exact"], "unknown back-end 'sage9'"),
     (["--variant", "x=strided_nhd:sage2:quick"], "unknown prepared-path mode 'quick'"),
@@ -436,10 +438,12 @@ def test_compiled_blocks_time_stock_and_the_pack_under_torch_compile(tmp_path):
     import shutil
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("inductor on the CPU needs a C++ compiler (g++), none found")
-    proc, data = run_harness(tmp_path, "--layout", "strided_nhd", "--sections", "blocks", "--compile-blocks")
+    proc, data = run_harness(tmp_path, "--layout", "strided_nhd", "--sections", "blocks", "--compile-blocks",
+                             "--variant", "fused=strided_nhd:sdpa:exact:fused_block")
     assert proc.returncode == 0 and data["errors"] == {}, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = data["compiled_block_results"]
     assert len(rows) == 1 and rows[0]["block"] == 0, rows
     row = rows[0]
     assert row["stock_p50_seconds"] > 0 and row["strided_nhd_p50_seconds"] > 0 and "stock_over_strided_nhd" in row
-    assert set(row["peak_extra_bytes"]) == {"stock", "strided_nhd"}
+    assert set(row["peak_extra_bytes"]) == {"stock", "strided_nhd", "fused"}
+    assert row["stock_vs_fused_bit_exact"] is False and 0 < row["stock_vs_fused_relative_l2"] < 1e-2

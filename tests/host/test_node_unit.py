@@ -356,7 +356,7 @@ def test_node_schema_has_tooltips_and_defaults(pack):
     assert defaults["layout"] == "strided_nhd" and defaults["backend"] == "auto" and defaults["patch_text_refiner"] is True
     prep, block = schema.inputs[-2:]
     assert defaults["sage2_prep"] == "exact" and prep.optional and list(prep.options) == list(pack.kernels.PREPARED_MODES)
-    assert defaults["block_path"] == "exact" and block.optional and list(block.options) == ["exact", "attention_only"]
+    assert defaults["block_path"] == "exact" and block.optional and list(block.options) == ["exact", "fused", "attention_only"]
     advanced = {i.id for i in schema.inputs if getattr(i, "advanced", None)}
     assert advanced == {"layout", "sage2_prep", "block_path"}  # most users should not touch them
 

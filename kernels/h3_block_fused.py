@@ -1,0 +1,181 @@
+"""The block fast path's fused mode (``block_path="fused"``): an H3 DiT block's elementwise passes
+merged further than stock's bits allow. Not bit-identical to stock; the error is stated in
+benchmarks (``--variant NAME=...:fused_block``) and bounded in tests.
+
+- ``norm_modulate``: RMSNorm (with its weight) and the modulation ``* (1 + scale) + shift`` in one
+  pass, fp32 throughout and one rounding at the end (stock: the norm's output is rounded, then each
+  of the two modulation passes rounds again). Reads x once, writes h once.
+- ``residual_norm_modulate``: stock's gated residual ``x += other * gate`` (in place, rounded to x's
+  dtype as stock's ``addcmul_``) and then ``norm_modulate`` of the updated rows, in one pass: the
+  attention half's residual and the MLP half's norm share one read of x.
+- ``swiglu``: ``silu(gate) * up`` over the two halves of fc1's output, one pass and one rounding
+  (stock: silu is rounded and written, then read back for the product).
+
+Each is a torch.library custom op with a fake implementation, so torch.compile traces the block
+without a graph break; eager calls skip the dispatcher. One Triton program holds one whole row
+(the norm needs its mean square); offsets are int64. Inputs the kernels do not take (no Triton, a
+CPU tensor outside the interpreter, non-contiguous rows) run the same fp32 math in torch."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .sage2_quant import LIB, interpreting, triton, tl
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+MAX_ROW = 16384  # widest row one program holds in registers (H3: 5120)
+SWIGLU_COLS, SWIGLU_ROWS = 1024, 4
+
+if triton is not None:
+    from .h3_block import round_bf16
+
+    @triton.jit
+    def _rounded(y, ptr):
+        """fp32 -> ``ptr``'s dtype, to nearest (bf16 in integer operations: TRITON_INTERPRET's cast
+        truncates, and the GPU's gives the same bits)."""
+        if ptr.dtype.element_ty == tl.bfloat16:
+            y = round_bf16(y)
+        return y.to(ptr.dtype.element_ty)
+
+    @triton.jit
+    def _norm_modulate_kernel(x_ptr, other_ptr, gate_ptr, w_ptr, scale_ptr, shift_ptr, h_ptr, cols,
+                              stride_x, stride_o, stride_h, eps,
+                              RESIDUAL: tl.constexpr, WEIGHT: tl.constexpr, BLOCK_C: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK_C).to(tl.int64)
+        ok = c < cols
+        x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
+        if RESIDUAL:  # stock's addcmul_: x + other * gate, rounded to x's dtype, written back
+            o = tl.load(other_ptr + row * stride_o + c, mask=ok, other=0.0).to(tl.float32)
+            g = tl.load(gate_ptr + c, mask=ok, other=0.0).to(tl.float32)
+            x = _rounded(x.to(tl.float32) + o * g, x_ptr)
+            tl.store(x_ptr + row * stride_x + c, x, mask=ok)
+        xf = x.to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / cols + eps)
+        y = xf * inv_rms
+        if WEIGHT:
+            y = y * tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        s1 = 1.0 + tl.load(scale_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(shift_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        tl.store(h_ptr + row * stride_h + c, _rounded(y * s1 + b, h_ptr), mask=ok)
+
+    @triton.jit
+    def _swiglu_kernel(u_ptr, y_ptr, rows, half, stride_u, stride_y,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
+        ok = (r[:, None] < rows) & (c[None, :] < half)
+        base = u_ptr + r[:, None] * stride_u + c[None, :]
+        g = tl.load(base, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(base + half, mask=ok, other=0.0).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * up
+        tl.store(y_ptr + r[:, None] * stride_y + c[None, :], _rounded(y, y_ptr), mask=ok)
+
+
+def _kernel_takes(*tensors) -> bool:
+    t = tensors[0]
+    on_device = t.is_cuda or (interpreting() and t.device.type == "cpu")
+    return (triton is not None and on_device and t.dtype in FUSED_DTYPES and t.numel() > 0
+            and all(a.dim() == 2 and a.stride(-1) == 1 for a in tensors))
+
+
+def _norm_modulate_torch(x, weight, scale, shift, eps):
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return (y * (1.0 + scale.float()) + shift.float()).to(x.dtype)
+
+
+def _norm_modulate_impl(x, other, gate, weight, scale, shift, eps, h):
+    """Writes ``h``; ``other``/``gate`` None: norm and modulation only, else the gated residual
+    first, in place."""
+    rows, cols = x.shape
+    if not (_kernel_takes(x, h, *(() if other is None else (other,))) and cols <= MAX_ROW):
+        if other is not None:
+            x.addcmul_(other, gate.to(x.dtype))
+        h.copy_(_norm_modulate_torch(x, weight, scale, shift, eps))
+        return
+    block = triton.next_power_of_2(cols)
+    _norm_modulate_kernel[(rows,)](
+        x, other if other is not None else x, gate.contiguous() if gate is not None else scale,
+        weight.contiguous() if weight is not None else scale, scale.contiguous(), shift.contiguous(), h, cols,
+        x.stride(0), other.stride(0) if other is not None else 0, h.stride(0), float(eps),
+        RESIDUAL=other is not None, WEIGHT=weight is not None, BLOCK_C=block, num_warps=min(16, max(4, block // 512)))
+
+
+def _swiglu_impl(u):
+    rows, cols = u.shape
+    half = cols // 2
+    if not _kernel_takes(u):
+        g, up = u.float().chunk(2, dim=-1)
+        return (torch.nn.functional.silu(g) * up).to(u.dtype)
+    y = torch.empty(rows, half, dtype=u.dtype, device=u.device)
+    grid = (triton.cdiv(rows, SWIGLU_ROWS), triton.cdiv(half, SWIGLU_COLS))
+    _swiglu_kernel[grid](u, y, rows, half, u.stride(0), y.stride(0),
+                         BLOCK_R=SWIGLU_ROWS, BLOCK_C=SWIGLU_COLS, num_warps=4)
+    return y
+
+
+@torch.library.custom_op(f"{LIB}::norm_modulate", mutates_args=("h",))
+def _norm_modulate_op(x: torch.Tensor, weight: Optional[torch.Tensor], scale: torch.Tensor,
+                      shift: torch.Tensor, eps: float, h: torch.Tensor) -> None:
+    _norm_modulate_impl(x, None, None, weight, scale, shift, eps, h)
+
+
+@torch.library.custom_op(f"{LIB}::residual_norm_modulate", mutates_args=("x", "h"))
+def _residual_norm_modulate_op(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor,
+                               weight: Optional[torch.Tensor], scale: torch.Tensor, shift: torch.Tensor,
+                               eps: float, h: torch.Tensor) -> None:
+    _norm_modulate_impl(x, other, gate, weight, scale, shift, eps, h)
+
+
+@torch.library.custom_op(f"{LIB}::swiglu", mutates_args=())
+def _swiglu_op(u: torch.Tensor) -> torch.Tensor:
+    return _swiglu_impl(u)
+
+
+@_swiglu_op.register_fake
+def _(u):
+    return u.new_empty(u.shape[0], u.shape[1] // 2)
+
+
+def _check_rows(x, h, *params):
+    if x.dim() != 2 or h.shape != x.shape or h.dtype != x.dtype or any(
+            p.shape != (x.shape[1],) for p in params if p is not None):
+        raise ValueError(f"fused block pass: x and h must be [rows, cols] of one dtype with [cols] parameters, got "
+                         f"{tuple(x.shape)}, {tuple(h.shape)} and {[tuple(p.shape) for p in params if p is not None]}")
+
+
+def norm_modulate(x, weight, scale, shift, eps: float, h: torch.Tensor) -> torch.Tensor:
+    """``h = rms_norm(x, weight, eps) * (1 + scale) + shift``, written into ``h`` (a row block, e.g. one
+    modulation segment of the whole output); ``weight``/``scale``/``shift`` are one row each."""
+    _check_rows(x, h, weight, scale, shift)
+    if torch.compiler.is_compiling():
+        torch.ops.sage_strided_nhd.norm_modulate(x, weight, scale, shift, float(eps), h)
+    else:
+        _norm_modulate_impl(x, None, None, weight, scale, shift, float(eps), h)
+    return h
+
+
+def residual_norm_modulate_(x, other, gate, weight, scale, shift, eps: float, h: torch.Tensor) -> torch.Tensor:
+    """``x += other * gate`` in place, then ``h = norm_modulate(x)``."""
+    _check_rows(x, h, gate, weight, scale, shift)
+    if other.shape != x.shape:
+        raise ValueError(f"fused block pass: residual {tuple(other.shape)} does not match x {tuple(x.shape)}")
+    if torch.compiler.is_compiling():
+        torch.ops.sage_strided_nhd.residual_norm_modulate(x, other, gate, weight, scale, shift, float(eps), h)
+    else:
+        _norm_modulate_impl(x, other, gate, weight, scale, shift, float(eps), h)
+    return h
+
+
+def swiglu(u: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``u = [gate | up]`` along the last dim (stock's ``_swiglu_eager``)."""
+    if u.dim() != 2 or u.shape[1] % 2:
+        raise ValueError(f"swiglu: u must be [rows, 2*n], got {tuple(u.shape)}")
+    if torch.compiler.is_compiling():
+        return torch.ops.sage_strided_nhd.swiglu(u)
+    return _swiglu_impl(u)
