@@ -210,11 +210,13 @@ def write_checkpoint(model, path) -> None:
 
 
 def random_block_inputs(block, seq: int, seed: int, text_rows: int = 100, audio_rows: int = 414,
-                        dtype: torch.dtype | None = None):
+                        dtype: torch.dtype | None = None, masked: bool = False):
     """Inputs of one H3 ``DiTBlock`` call at ``seq`` packed tokens, on the block's device and dtype
     (or ``dtype``: a manual-cast model, such as the int8 one, computes in its inputs' dtype):
     ``(x, t_emb, mod_segments, rope_freqs)`` with the packed layout's segments (text, audio, video;
-    three modulation rows) and a random rope rotation table (rot_dim 96 of head_dim 128, as H3)."""
+    three modulation rows) and a random rope rotation table (rot_dim 96 of head_dim 128, as H3).
+    ``masked``: as current ComfyUI under a partial denoise mask, two timesteps (six modulation rows)
+    and the video segment's row a per-token index tensor choosing between the two."""
     from .rope import make_rope_table
 
     weight = block.norm1.weight
@@ -222,8 +224,11 @@ def random_block_inputs(block, seq: int, seed: int, text_rows: int = 100, audio_
     gen = torch.Generator().manual_seed(seed)
     text_rows, audio_rows = min(text_rows, seq // 3), min(audio_rows, seq // 3)
     x = torch.randn(seq, weight.shape[0], generator=gen).to(device, dtype)
-    t_emb = torch.randn(1, block.adaln_proj.linear.weight.shape[1], generator=gen).to(device, dtype)
-    segments = [(0, text_rows, 1), (text_rows, text_rows + audio_rows, 2), (text_rows + audio_rows, seq, 0)]
+    t_emb = torch.randn(1 + masked, block.adaln_proj.linear.weight.shape[1], generator=gen).to(device, dtype)
+    video = 0
+    if masked:
+        video = (torch.randint(0, 2, (seq - text_rows - audio_rows,), generator=gen) * 3).to(device)
+    segments = [(0, text_rows, 1), (text_rows, text_rows + audio_rows, 2), (text_rows + audio_rows, seq, video)]
     rot = block.attn.head_dim * 3 // 4
     rope = make_rope_table(seq, rot, generator=gen).to(device)
     return x, t_emb, segments, rope

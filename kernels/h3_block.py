@@ -7,7 +7,9 @@ operations, which keeps the compiler from folding it or contracting the multiply
 result is bit-identical. Other dtypes take stock's two passes. Under torch.compile it is stock's
 expression again: inductor fuses it with the RMSNorm before it into one kernel, which an opaque
 custom op would prevent. Offsets are int64.
-``token_chunks`` splits a sequence for the block's MLP."""
+The modulation parameters are one row for the whole segment, or one row per token: current ComfyUI
+gives rows under a partial denoise mask their own timestep (a per-token index tensor as the
+segment's mod row). ``token_chunks`` splits a sequence for the block's MLP."""
 
 from __future__ import annotations
 
@@ -30,17 +32,22 @@ if triton is not None:
 
     @triton.jit
     def _scale_shift_kernel(h_ptr, scale_ptr, shift_ptr, rows, cols, stride_row,
-                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                            PER_ROW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
         col_ok = c < cols
-        s = tl.load(scale_ptr + c, mask=col_ok, other=0.0).to(tl.float32)
-        b = tl.load(shift_ptr + c, mask=col_ok, other=0.0).to(tl.float32)
-        ptr = h_ptr + r[:, None] * stride_row + c[None, :]
         ok = (r[:, None] < rows) & col_ok[None, :]
+        if PER_ROW:  # one parameter row per token, [rows, cols] contiguous
+            at = r[:, None] * cols + c[None, :]
+            s = tl.load(scale_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            b = tl.load(shift_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        else:
+            s = tl.load(scale_ptr + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            b = tl.load(shift_ptr + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        ptr = h_ptr + r[:, None] * stride_row + c[None, :]
         h = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
-        scaled = round_bf16(h * s[None, :])  # stock's mul_: one rounding
-        tl.store(ptr, round_bf16(scaled + b[None, :]).to(tl.bfloat16), mask=ok)  # add_: the second
+        scaled = round_bf16(h * s)  # stock's mul_: one rounding
+        tl.store(ptr, round_bf16(scaled + b).to(tl.bfloat16), mask=ok)  # add_: the second
 
 
 def fusable(h: torch.Tensor) -> bool:
@@ -51,19 +58,32 @@ def fusable(h: torch.Tensor) -> bool:
             and h.stride(-1) == 1 and h.numel() > 0)
 
 
+def per_token_params(h: torch.Tensor, *params: torch.Tensor) -> bool:
+    """Whether the modulation ``params`` of the row block ``h`` are one row per token (``[rows, cols]``)
+    rather than one row (``[cols]``); any other shape is an error, never a silent broadcast."""
+    shapes = {tuple(p.shape) for p in params}
+    if shapes == {tuple(h.shape[-1:])}:
+        return False
+    if shapes == {tuple(h.shape)} and h.dim() == 2:
+        return True
+    raise ValueError(f"modulation parameters must be [cols] or [rows, cols] for a {tuple(h.shape)} row block, "
+                     f"got {sorted(shapes)}")
+
+
 def _scale_shift_impl(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> None:
+    per_row = per_token_params(h, scale1, shift)
     if not fusable(h):
         h.mul_(scale1).add_(shift)
         return
     rows, cols = h.shape
     grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
     _scale_shift_kernel[grid](h, scale1.contiguous(), shift.contiguous(), rows, cols, h.stride(0),
-                              BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
+                              PER_ROW=per_row, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
 
 
 def scale_shift_(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``h.mul_(scale1).add_(shift)`` in one pass, stock's bits; ``scale1`` and ``shift`` are one row
-    (``[cols]``, h's dtype). Returns ``h``."""
+    """``h.mul_(scale1).add_(shift)`` in one pass, stock's bits; ``scale1`` and ``shift`` (h's dtype) are
+    one row (``[cols]``) or one row per token (``[rows, cols]``). Returns ``h``."""
     if torch.compiler.is_compiling():
         return h.mul_(scale1).add_(shift)  # inductor fuses it with the norm
     _scale_shift_impl(h, scale1, shift)
@@ -81,7 +101,12 @@ def token_chunks(rows: int, chunk: int, align: int = 64) -> list[tuple[int, int]
     return [(a, min(a + size, rows)) for a in range(0, rows, size)]
 
 
-def clip_segments(segments, start: int, stop: int) -> list[tuple[int, int, int]]:
-    """The ``(a, b, row)`` modulation segments that meet rows ``[start, stop)``, relative to ``start``."""
-    return [(max(a, start) - start, min(b, stop) - start, row) for a, b, row in segments
-            if min(b, stop) > max(a, start)]
+def clip_segments(segments, start: int, stop: int) -> list[tuple]:
+    """The ``(a, b, row)`` modulation segments that meet rows ``[start, stop)``, relative to ``start``.
+    A per-token ``row`` (an index tensor over ``a:b``) is cut to the rows kept."""
+    clipped = []
+    for a, b, row in segments:
+        lo, hi = max(a, start), min(b, stop)
+        if hi > lo:
+            clipped.append((lo - start, hi - start, row[lo - a:hi - a] if torch.is_tensor(row) and row.dim() else row))
+    return clipped

@@ -11,7 +11,8 @@ benchmarks (``--variant NAME=...:fused_block``) and bounded in tests.
 - ``swiglu``: ``silu(gate) * up`` over the two halves of fc1's output, one pass and one rounding
   (stock: silu is rounded and written, then read back for the product).
 
-Each is a torch.library custom op with a fake implementation, so torch.compile traces the block
+The modulation parameters (scale, shift, gate) are one row, or one row per token (current ComfyUI's
+rows under a partial denoise mask). Each is a torch.library custom op with a fake implementation, so torch.compile traces the block
 without a graph break; eager calls skip the dispatcher. One Triton program holds one whole row
 (the norm needs its mean square); offsets are int64. Inputs the kernels do not take (no Triton, a
 CPU tensor outside the interpreter, non-contiguous rows) run the same fp32 math in torch."""
@@ -22,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .h3_block import per_token_params
 from .sage2_quant import LIB, interpreting, triton, tl
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
@@ -41,15 +43,16 @@ if triton is not None:
 
     @triton.jit
     def _norm_modulate_kernel(x_ptr, other_ptr, gate_ptr, w_ptr, scale_ptr, shift_ptr, h_ptr, cols,
-                              stride_x, stride_o, stride_h, eps,
+                              stride_x, stride_o, stride_h, stride_p, eps,
                               RESIDUAL: tl.constexpr, WEIGHT: tl.constexpr, BLOCK_C: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK_C).to(tl.int64)
         ok = c < cols
+        p = row * stride_p + c  # the modulation row: 0 stride for one row, cols for one per token
         x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
         if RESIDUAL:  # stock's addcmul_: x + other * gate, rounded to x's dtype, written back
             o = tl.load(other_ptr + row * stride_o + c, mask=ok, other=0.0).to(tl.float32)
-            g = tl.load(gate_ptr + c, mask=ok, other=0.0).to(tl.float32)
+            g = tl.load(gate_ptr + p, mask=ok, other=0.0).to(tl.float32)
             x = _rounded(x.to(tl.float32) + o * g, x_ptr)
             tl.store(x_ptr + row * stride_x + c, x, mask=ok)
         xf = x.to(tl.float32)
@@ -57,8 +60,8 @@ if triton is not None:
         y = xf * inv_rms
         if WEIGHT:
             y = y * tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
-        s1 = 1.0 + tl.load(scale_ptr + c, mask=ok, other=0.0).to(tl.float32)
-        b = tl.load(shift_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        s1 = 1.0 + tl.load(scale_ptr + p, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(shift_ptr + p, mask=ok, other=0.0).to(tl.float32)
         tl.store(h_ptr + row * stride_h + c, _rounded(y * s1 + b, h_ptr), mask=ok)
 
     @triton.jit
@@ -99,10 +102,11 @@ def _norm_modulate_impl(x, other, gate, weight, scale, shift, eps, h):
         h.copy_(_norm_modulate_torch(x, weight, scale, shift, eps))
         return
     block = triton.next_power_of_2(cols)
+    per_row = per_token_params(x, scale, shift, *(() if gate is None else (gate,)))
     _norm_modulate_kernel[(rows,)](
         x, other if other is not None else x, gate.contiguous() if gate is not None else scale,
         weight.contiguous() if weight is not None else scale, scale.contiguous(), shift.contiguous(), h, cols,
-        x.stride(0), other.stride(0) if other is not None else 0, h.stride(0), float(eps),
+        x.stride(0), other.stride(0) if other is not None else 0, h.stride(0), cols if per_row else 0, float(eps),
         RESIDUAL=other is not None, WEIGHT=weight is not None, BLOCK_C=block, num_warps=min(16, max(4, block // 512)))
 
 
@@ -142,16 +146,20 @@ def _(u):
     return u.new_empty(u.shape[0], u.shape[1] // 2)
 
 
-def _check_rows(x, h, *params):
-    if x.dim() != 2 or h.shape != x.shape or h.dtype != x.dtype or any(
-            p.shape != (x.shape[1],) for p in params if p is not None):
-        raise ValueError(f"fused block pass: x and h must be [rows, cols] of one dtype with [cols] parameters, got "
-                         f"{tuple(x.shape)}, {tuple(h.shape)} and {[tuple(p.shape) for p in params if p is not None]}")
+def _check_rows(x, h, weight, *modulation):
+    """x and h one [rows, cols] block of one dtype; the norm weight [cols]; the modulation parameters
+    all [cols] or all [rows, cols] (per_token_params raises otherwise)."""
+    if x.dim() != 2 or h.shape != x.shape or h.dtype != x.dtype or (
+            weight is not None and weight.shape != x.shape[1:]):
+        raise ValueError(f"fused block pass: x and h must be [rows, cols] of one dtype with a [cols] weight, got "
+                         f"{tuple(x.shape)}, {tuple(h.shape)} and {None if weight is None else tuple(weight.shape)}")
+    per_token_params(x, *modulation)
 
 
 def norm_modulate(x, weight, scale, shift, eps: float, h: torch.Tensor) -> torch.Tensor:
     """``h = rms_norm(x, weight, eps) * (1 + scale) + shift``, written into ``h`` (a row block, e.g. one
-    modulation segment of the whole output); ``weight``/``scale``/``shift`` are one row each."""
+    modulation segment of the whole output); ``weight`` is one row, ``scale``/``shift`` one row or
+    one per token."""
     _check_rows(x, h, weight, scale, shift)
     if torch.compiler.is_compiling():
         torch.ops.sage_strided_nhd.norm_modulate(x, weight, scale, shift, float(eps), h)
@@ -162,7 +170,7 @@ def norm_modulate(x, weight, scale, shift, eps: float, h: torch.Tensor) -> torch
 
 def residual_norm_modulate_(x, other, gate, weight, scale, shift, eps: float, h: torch.Tensor) -> torch.Tensor:
     """``x += other * gate`` in place, then ``h = norm_modulate(x)``."""
-    _check_rows(x, h, gate, weight, scale, shift)
+    _check_rows(x, h, weight, gate, scale, shift)
     if other.shape != x.shape:
         raise ValueError(f"fused block pass: residual {tuple(other.shape)} does not match x {tuple(x.shape)}")
     if torch.compiler.is_compiling():

@@ -61,6 +61,22 @@ def test_fast_path_gives_stock_bits(pack, model, chunk):
     assert torch.equal(got, want), f"max abs {(got.float() - want.float()).abs().max().item()}"
 
 
+@pytest.mark.parametrize("chunk", [30, 8192])
+def test_per_token_modulation_rows_give_stock_bits(pack, model, chunk):
+    """Current ComfyUI gives rows under a partial denoise mask their own timestep: the video segment's
+    mod row is a per-token index tensor. The fast path modulates each token with its own row (stock's
+    bits), also where an MLP chunk cuts that segment; a kernel reading one row for all would differ."""
+    inputs = dh.random_block_inputs(model.model.diffusion_model.blocks[1], SEQ, seed=21 + chunk,
+                                    dtype=torch.bfloat16, masked=True)
+    assert torch.is_tensor(inputs[2][-1][2]) and inputs[2][-1][2].unique().numel() == 2
+    want = stock_call(model, 1, inputs)
+    got, forward, _ = patched_call(pack, model, 1, inputs, mlp_chunk_tokens=chunk)
+    assert isinstance(forward, pack.nodes.h3_block.H3BlockForward)
+    assert torch.equal(got, want), f"max abs {(got.float() - want.float()).abs().max().item()}"
+    fused, _, _ = patched_call(pack, model, 1, inputs, block_path="fused", mlp_chunk_tokens=chunk)
+    assert 0 < relative_error(fused, want) < 1e-2
+
+
 def test_attention_from_a_block_replace_runs_inside_the_block(pack, model):
     block = model.model.diffusion_model.blocks[0]
     calls = []

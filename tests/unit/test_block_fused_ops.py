@@ -56,6 +56,13 @@ INTERPRETED = textwrap.dedent(r"""
             f.residual_norm_modulate_(xr, other, gate, w, scale, shift, 1e-6, h)
             out[key + "-residual_norm_modulate"] = steps(h, *norm_ref(xr, wd, scale, shift))
             out[key + "-residual_changed_values"] = int((xr != want_x).sum())
+            # one modulation row per token (current ComfyUI under a partial denoise mask)
+            scale, shift, gate = (torch.randn(rows, cols, generator=g).to(dtype) for _ in range(3))
+            want_x = x.clone().addcmul_(other, gate)
+            xr = x.clone()
+            f.residual_norm_modulate_(xr, other, gate, w, scale, shift, 1e-6, h)
+            out[key + "-per-token-residual_norm_modulate"] = steps(h, *norm_ref(xr, wd, scale, shift))
+            out[key + "-per-token-residual_changed_values"] = int((xr != want_x).sum())
         u = (torch.randn(7, 2 * 1500, generator=g) * 3).to(dtype)
         want = torch.nn.functional.silu(u[:, :1500].double()) * u[:, 1500:].double()
         out[f"{dtype}-swiglu"] = steps(f.swiglu(u), want, want.abs())
@@ -75,10 +82,10 @@ def interpreted():
 
 def test_fused_passes_round_once(interpreted):
     rounded = {k: v for k, v in interpreted.items() if not k.endswith("changed_values")}
-    assert len(rounded) == 14
+    assert len(rounded) == 20
     assert all(v <= 1.0 for v in rounded.values()), rounded
 
 
 def test_fused_residual_keeps_stocks_values(interpreted):
     changed = {k: v for k, v in interpreted.items() if k.endswith("changed_values")}
-    assert len(changed) == 6 and all(v == 0 for v in changed.values()), changed
+    assert len(changed) == 12 and all(v == 0 for v in changed.values()), changed

@@ -42,6 +42,13 @@ INTERPRETED = textwrap.dedent(r"""
             assert h3_block.fusable(got[3:3 + rows])
             h3_block.scale_shift_(got[3:3 + rows], scale1, shift)
             out[f"{dtype}-{rows}x{cols}"] = [bool(torch.equal(got, want)), int((got != want).sum())]
+            # one parameter row per token (current ComfyUI under a partial denoise mask)
+            table = (1.0 + torch.randn(3, cols, generator=g)).to(dtype), torch.randn(3, cols, generator=g).to(dtype)
+            index = torch.randint(0, 3, (rows,), generator=g)
+            want, got = full.clone(), full.clone()
+            want[3:3 + rows].mul_(table[0][index]).add_(table[1][index])
+            h3_block.scale_shift_(got[3:3 + rows], table[0][index], table[1][index])
+            out[f"{dtype}-{rows}x{cols}-per-token"] = [bool(torch.equal(got, want)), int((got != want).sum())]
     print("RESULTS " + json.dumps(out))
 """)
 
@@ -57,7 +64,7 @@ def interpreted():
 
 
 def test_scale_shift_kernel_gives_stock_bits(interpreted):
-    assert len(interpreted) == 3
+    assert len(interpreted) == 6
     for case, (equal, differing) in interpreted.items():
         assert equal, f"{case}: {differing} elements differ from h.mul_(scale1).add_(shift)"
 
@@ -83,3 +90,14 @@ def test_token_chunks_and_clipped_segments():
     assert h3_block.clip_segments(segments, 4, 8) == [(0, 4, 2)]
     assert h3_block.clip_segments(segments, 8, 10) == [(0, 1, 2), (1, 2, 0)]
     assert h3_block.clip_segments(segments, 0, 4) == [(0, 3, 1), (3, 4, 2)]
+    per_token = torch.arange(10, 16)  # a segment whose rows each have their own modulation row
+    clipped = h3_block.clip_segments([(0, 3, 1), (3, 9, per_token), (9, 10, 0)], 5, 10)
+    assert [(a, b) for a, b, _ in clipped] == [(0, 4), (4, 5)] and clipped[1][2] == 0
+    assert torch.equal(clipped[0][2], per_token[2:])
+
+
+def test_modulation_rows_of_another_shape_are_refused(gen):
+    h = torch.randn(4, 8, generator=gen).bfloat16()
+    for scale1 in (torch.ones(3, 8), torch.ones(8, 4), torch.ones(1, 8)):
+        with pytest.raises(ValueError, match="rows, cols"):
+            h3_block.scale_shift_(h, scale1.bfloat16(), torch.zeros_like(scale1).bfloat16())
