@@ -6,8 +6,8 @@ computes what stock's computes, in stock's order and with stock's bits:
   projection; an ``attention=`` passed by a block replace (core Model Sparse Attention) runs instead,
 - the MLP half (norm2, modulation, fc1, SwiGLU, fc2, gated residual) in token chunks, so fc1's
   [S, 2*ffn] output never exists whole. Rows are independent there (RMSNorm and the int8
-  activation quantiser are per row), so chunking changes no bit. Not chunked when the MLP weights
-  are not resident on the compute device (each chunk would cast them again) or when another node
+  activation quantiser are per row), so chunking changes no bit. Not chunked when each chunk would
+  transfer the MLP weights again (offloaded to the CPU outside DynamicVRAM) or when another node
   replaced the MLP forward (KJNodes' Chunk FeedForward): that forward runs as it is.
 
 ``block_path="fused"`` merges more than stock's bits allow (kernels.h3_block_fused): each RMSNorm
@@ -79,13 +79,22 @@ def replaced_forward(module) -> bool:
     return fwd is not None and conflicts.plain_function(fwd) is not getattr(type(module), "forward", None)
 
 
+def weight_stays_on_device(layer, device) -> bool:
+    """Calling ``layer`` again within one block costs no second weight transfer: its weight lies on
+    ``device``, or it is a DynamicVRAM layer (current ComfyUI with comfy-aimdo: ``_v`` is its slot in
+    the VRAM buffer, its ``weight`` stays on the CPU, and a repeat call finds the pages the first call
+    faulted in still resident and copies nothing). A weight function (LoRA hook) would run per call."""
+    if getattr(layer, "weight_function", None):
+        return False
+    return getattr(layer.weight, "device", None) == device or hasattr(layer, "_v")
+
+
 def mlp_chunk_rows(mlp, x, chunk: int) -> int | None:
     """Rows per MLP chunk, or None when the MLP must run whole as the model has it. fp32 activations
     are not chunked: fp32 GEMMs split by rows need not give the same bits (measured on the CPU)."""
     if replaced_forward(mlp) or x.dtype not in CHUNKED_DTYPES:  # another node's MLP forward runs as it is
         return None
-    resident = all(getattr(m.weight, "device", None) == x.device and not getattr(m, "weight_function", None)
-                   for m in (mlp.fc1, mlp.fc2))
+    resident = all(weight_stays_on_device(m, x.device) for m in (mlp.fc1, mlp.fc2))
     return chunk if resident and x.shape[0] > chunk else None
 
 

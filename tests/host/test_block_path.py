@@ -110,6 +110,12 @@ def test_mlp_runs_whole_where_chunks_would_cost_or_change_bits(pack):
     assert chunk_rows(offloaded, x, 8) is None                              # each chunk would cast it again
     lora = SimpleNamespace(fc1=SimpleNamespace(weight=torch.empty(1), weight_function=[abs]), fc2=layer)
     assert chunk_rows(lora, x, 8) is None
+    # current ComfyUI's DynamicVRAM: the weight stays on the CPU, its pages live in the VRAM buffer
+    # (`_v`) and a second call in the block copies nothing, so the MLP is chunked there too
+    dynamic = SimpleNamespace(weight=torch.empty(1, device="meta"), _v=(None, 0, 1), weight_function=[])
+    assert chunk_rows(SimpleNamespace(fc1=dynamic, fc2=dynamic), x, 8) == 8
+    dynamic_lora = SimpleNamespace(weight=torch.empty(1, device="meta"), _v=(None, 0, 1), weight_function=[abs])
+    assert chunk_rows(SimpleNamespace(fc1=dynamic_lora, fc2=dynamic), x, 8) is None
     foreign = SimpleNamespace(fc1=layer, fc2=layer, forward=lambda h: h)     # another node's MLP forward
     assert chunk_rows(foreign, x, 8) is None
 
