@@ -35,6 +35,8 @@ Issue 21's methods, as far as Triton 3.x lets them be written:
 * exp2 in f16x2: only through ``tl.inline_asm_elementwise("ex2.approx.f16x2", pack=2)``; present as
   the GPU-only config ``..._f16exp2`` (P in fp16, converted to e4m3 from fp16), not the default, and
   not covered by the CPU tests (the interpreter cannot run inline PTX).
+* the row's Q scale folded into exp2's argument (``fold_q_scale``, configs ``..._fold``): scores kept
+  as s / q_scale, the row max scaled once, one FFMA for the argument: one multiply less a score.
 * producer/consumer warp specialisation: not available. ``tl.range(warp_specialize=True)`` is
   Blackwell-only in Triton 3.8 and Hopper needs Gluon's explicit partitions; Triton's software
   pipelining (``num_stages``: asynchronous copies multi-buffered ahead of the loop body) is what
@@ -50,6 +52,9 @@ config in ``--configs`` against SageAttention's sm90 kernel (called as ``Sage2Ba
 it) interleaved rep by rep with CUDA events, and prints p50 ms, TOPS (4*S^2*H*D / t), the ratio
 (SageAttention's time / the prototype's) and each one's error against fp32 attention of the same
 dequantised operands on the first and last 256 query rows (relative L2, max abs).
+
+``benchmarks/sm90_static.py`` reads every config from its sm90 machine code without a GPU
+(instructions per score element against SageAttention's profiled kernel; docs/BENCHMARKS.md).
 
 Status: a prototype. No back-end imports it; it stays out of the runtime until it is at least
 1.10x SageAttention's kernel on these operands at H3's shapes with no more error.
@@ -87,6 +92,7 @@ class Config:
     num_stages: int = 3
     i2f_magic: bool = True   # int32 -> fp32 by integer add + float subtract (else the plain conversion)
     exp2_f16: bool = False   # exp2 as ex2.approx.f16x2 (GPU only)
+    fold_q_scale: bool = False  # the row's Q scale applied in exp2's argument (one FFMA), not per score
 
 
 CONFIGS = {
@@ -96,6 +102,8 @@ CONFIGS = {
     "m64n128w4s3": Config(block_m=64, num_warps=4),
     "m128n128w8s3_cvt": Config(i2f_magic=False),
     "m128n128w8s3_f16exp2": Config(exp2_f16=True),
+    "m128n128w8s3_fold": Config(fold_q_scale=True),
+    "m128n128w8s3_cvt_fold": Config(i2f_magic=False, fold_q_scale=True),
 }
 DEFAULT_CONFIG = "m128n128w8s3"
 
@@ -133,9 +141,11 @@ if triton is not None:
     @triton.jit
     def _key_block(acc, l_i, m_i, q, qsc, k_head, ks_head, v_head, v_cols, n0, S, perm, j, c,
                    D: tl.constexpr, MASKED: tl.constexpr, I2F_MAGIC: tl.constexpr, EXP2_F16: tl.constexpr,
-                   EMULATE: tl.constexpr):
+                   FOLD_Q: tl.constexpr, EMULATE: tl.constexpr):
         """One key block. Column j of S is the token at V position n0 + j: K rows and K scales are
-        gathered in V's permuted order, so P's columns meet V's positions as they are."""
+        gathered in V's permuted order, so P's columns meet V's positions as they are.
+        FOLD_Q: scores are kept as t = s / q_scale of the row (scales are >= 0, so the row max is
+        max(t) * q_scale) and exp2's argument is one FFMA, t * q_scale - m: one multiply less a score."""
         tok = n0 + perm  # int64 token index of each column
         ks_off = tok // 128 * 4 + (tok % 8) // 2  # the K scale of the token's 32-row group
         if MASKED:
@@ -146,12 +156,22 @@ if triton is not None:
             k = tl.load(k_head + tok[:, None] * D + c[None, :])
             ks = tl.load(ks_head + ks_off)
         qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
-        s = _i32_to_f32(qk, I2F_MAGIC) * qsc[:, None] * ks[None, :]
-        if MASKED:
-            s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) - _FP8_OFFSET)
+        if FOLD_Q:
+            t = _i32_to_f32(qk, I2F_MAGIC) * ks[None, :]
+            if MASKED:
+                t = tl.where(valid[None, :], t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(t, 1) * qsc - _FP8_OFFSET)
+            arg = t * qsc[:, None] - m_new[:, None]
+            if MASKED:  # a zero row scale would turn the masked -inf into NaN
+                arg = tl.where(valid[None, :], arg, float("-inf"))
+        else:
+            s = _i32_to_f32(qk, I2F_MAGIC) * qsc[:, None] * ks[None, :]
+            if MASKED:
+                s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) - _FP8_OFFSET)
+            arg = s - m_new[:, None]
         alpha = tl.exp2(m_i - m_new)
-        p = _exp2(s - m_new[:, None], EXP2_F16)
+        p = _exp2(arg, EXP2_F16)
         l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)  # the row sum of the unrounded P
         vt = tl.load(v_head + v_cols + (n0 + j)[None, :])  # [D, BLOCK_N] e4m3: K-major for the dot
         pv = tl.dot(_p_to_e4m3(p, EXP2_F16, EMULATE), tl.trans(vt))  # a fresh fp32 result per block
@@ -161,7 +181,8 @@ if triton is not None:
     @triton.jit
     def _prototype_kernel(Q, QS, K, KS, V, VS, O, S, H, NQS, NKS, LPAD, qk_scale,
                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          I2F_MAGIC: tl.constexpr, EXP2_F16: tl.constexpr, EMULATE: tl.constexpr):
+                          I2F_MAGIC: tl.constexpr, EXP2_F16: tl.constexpr, FOLD_Q: tl.constexpr,
+                          EMULATE: tl.constexpr):
         pid_m = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -180,10 +201,10 @@ if triton is not None:
         full = S // BLOCK_N * BLOCK_N
         for n0 in tl.range(0, full, BLOCK_N):
             acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qsc, k_head, ks_head, v_head, v_cols, n0, S, perm, j, c,
-                                       D, False, I2F_MAGIC, EXP2_F16, EMULATE)
+                                       D, False, I2F_MAGIC, EXP2_F16, FOLD_Q, EMULATE)
         if full < S:
             acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qsc, k_head, ks_head, v_head, v_cols, full, S, perm, j, c,
-                                       D, True, I2F_MAGIC, EXP2_F16, EMULATE)
+                                       D, True, I2F_MAGIC, EXP2_F16, FOLD_Q, EMULATE)
         vs = tl.load(VS + h * D + c)
         o = acc / l_i[:, None] * vs[None, :]
         if EMULATE:
@@ -225,7 +246,7 @@ def prototype_attention(ops: dict, sm_scale: float, *, config: str | Config = DE
         ops["q_int8"], ops["q_scale"], ops["k_int8"], ops["k_scale"], ops["v_fp8"], ops["v_scale"], out,
         s, h, ops["q_scale"].shape[-1], ops["k_scale"].shape[-1], ops["v_fp8"].shape[-1], float(sm_scale) * LOG2E,
         D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, I2F_MAGIC=cfg.i2f_magic, EXP2_F16=cfg.exp2_f16,
-        EMULATE=sq.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        FOLD_Q=cfg.fold_q_scale, EMULATE=sq.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -59,6 +59,7 @@ INTERPRETED = textwrap.dedent(r"""
     default = proto.CONFIGS[proto.DEFAULT_CONFIG]
     small = dataclasses.replace(default, block_m=64, block_n=64, num_warps=4)
     cvt = dataclasses.replace(default, i2f_magic=False)
+    fold = dataclasses.replace(default, fold_q_scale=True)
     saved = {}
     for seq in (100, 256, 300):
         g = torch.Generator().manual_seed(seq)
@@ -67,7 +68,8 @@ INTERPRETED = textwrap.dedent(r"""
         ops = sq.quantize_operands(q, k, v, mode="exact")
         saved[seq] = {"ops": ops, "out": proto.prototype_attention(ops, sm),
                       "out_m64n64": proto.prototype_attention(ops, sm, config=small),
-                      "out_cvt": proto.prototype_attention(ops, sm, config=cvt)}
+                      "out_cvt": proto.prototype_attention(ops, sm, config=cvt),
+                      "out_fold": proto.prototype_attention(ops, sm, config=fold)}
     ops = saved[300]["ops"]
     altered = {name: {n: t.clone() for n, t in ops.items()} for name in ("q_scale", "k_scale", "v_scale", "v_pos")}
     altered["q_scale"]["q_scale"][0, 1, int(q_group)] *= 1.5
@@ -116,8 +118,9 @@ def unpermuted_reference(ops):
     return (torch.softmax(qd @ kd.transpose(1, 2) * SM_SCALE, dim=-1) @ vd).permute(1, 0, 2)
 
 
-def emulate(ops, block_n=128):
-    """The prototype's algorithm in torch, key block by key block (fp32 softmax, e4m3 P) -> [S, H, D]."""
+def emulate(ops, block_n=128, fold_q_scale=False):
+    """The prototype's algorithm in torch, key block by key block (fp32 softmax, e4m3 P) -> [S, H, D];
+    ``fold_q_scale``: scores kept without the row's Q scale, applied in exp2's argument."""
     qi, ki = ops["q_int8"].double(), ops["k_int8"].double()
     h, s, d = qi.shape
     r = torch.arange(s)
@@ -127,10 +130,16 @@ def emulate(ops, block_n=128):
     m, l, acc = torch.full((h, s), float("-inf")), torch.zeros(h, s), torch.zeros(h, s, d)
     for n0 in range(0, s, block_n):
         cols = slice(n0, min(s, n0 + block_n))
-        sc = (qi @ ki[:, cols].transpose(1, 2)).float() * qsc[..., None] * ksc[:, None, cols]
-        m_new = torch.maximum(m, sc.amax(-1) - proto.FP8_OFFSET)
+        if fold_q_scale:
+            t = (qi @ ki[:, cols].transpose(1, 2)).float() * ksc[:, None, cols]
+            m_new = torch.maximum(m, t.amax(-1) * qsc - proto.FP8_OFFSET)
+            arg = t * qsc[..., None] - m_new[..., None]
+        else:
+            sc = (qi @ ki[:, cols].transpose(1, 2)).float() * qsc[..., None] * ksc[:, None, cols]
+            m_new = torch.maximum(m, sc.amax(-1) - proto.FP8_OFFSET)
+            arg = sc - m_new[..., None]
         alpha = torch.exp2(m - m_new)
-        p = torch.exp2(sc - m_new[..., None])
+        p = torch.exp2(arg)
         l = l * alpha + p.sum(-1)
         acc = acc * alpha[..., None] + p.to(torch.float8_e4m3fn).float() @ v8[:, cols]
         m = m_new
@@ -138,8 +147,8 @@ def emulate(ops, block_n=128):
     return out.to(torch.bfloat16).float().permute(1, 0, 2)
 
 
-def assert_emulated(out, ops, block_n=128):
-    expect = emulate(ops, block_n)
+def assert_emulated(out, ops, block_n=128, fold_q_scale=False):
+    expect = emulate(ops, block_n, fold_q_scale)
     differing = (out.float() != expect).float().mean().item()
     assert rel(out, expect) <= EMU_TOL and differing <= EMU_DIFFERING, (rel(out, expect), differing)
 
@@ -164,6 +173,17 @@ def test_output_is_its_algorithm_emulated_in_torch(interpreted, seq, variant, bl
     case = interpreted[seq]
     assert_emulated(case[variant], case["ops"], block_n)
     assert rel(case[variant], reference(case["ops"])) <= REF_TOL
+
+
+@needs_triton
+@pytest.mark.parametrize("seq", SEQS)
+def test_folded_q_scale_is_its_algorithm_emulated_and_as_accurate(interpreted, seq):
+    """The Q scale applied in exp2's argument: the emulation of that order matches tightly, the
+    unfolded order does not have to, and the error against fp32 stays within the same bound."""
+    case = interpreted[seq]
+    assert_emulated(case["out_fold"], case["ops"], fold_q_scale=True)
+    assert rel(case["out_fold"], reference(case["ops"])) <= REF_TOL
+    assert rel(case["out_fold"], case["out"]) <= REF_TOL
 
 
 @needs_triton

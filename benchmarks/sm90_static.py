@@ -1,0 +1,229 @@
+"""The sm90 attention prototype without a GPU: compiled for sm90 here, read from its machine code.
+
+    python -m benchmarks.sm90_static                       # every prototype config
+    python -m benchmarks.sm90_static --configs m128n128w8s3 --out static.json
+
+Triton compiles for any target without a device, and its wheel carries ``ptxas``, ``cuobjdump`` and
+``nvdisasm``. Per config this compiles ``benchmarks/sage2_prototype._prototype_kernel`` for sm90 with
+the specialisations a real launch gets (every pointer and the operands' padded lengths divisible by
+16), then reads the cubin: registers, stack frame (spills), shared memory, whether the products are
+Hopper's wgmma (``IGMMA`` for int8 Q.K, ``QGMMA`` for fp8 P.V), and the main loop, one key block, as
+the instruction mix one warp issues for it.
+
+What follows from the loop (all warps run it: the kernel has no warp specialisation):
+``thread instructions per score element = loop length x threads per CTA / (BLOCK_M x BLOCK_N)``, the
+number Nsight Compute gave for SageAttention's own sm90 kernel (``sage2_kernel_profile``, 8.97 at
+37,810). Two times follow for H3's attention (56 heads): the issue-bound floor, every scheduler
+issuing one instruction a cycle, and the time at SageAttention's measured issue rate. The clock and
+that rate come from the committed profile (``benchmarks/results/ncu``), not from a datasheet.
+The prologue and the tail block are left out: at thousands of key blocks a row they are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks import sage2_prototype as proto
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = ROOT / "benchmarks" / "results" / "ncu" / "sage2_sm90_kernel_profile.json"
+SCHEDULERS = 132 * 4  # H200: 132 SMs, 4 warp schedulers each
+H3_HEADS, H3_SEQS = 56, (8192, 37810)
+# the prototype kernel's argument types; pointers and padded lengths are 16-divisible in every launch
+SIGNATURE = dict(Q="*i8", QS="*fp32", K="*i8", KS="*fp32", V="*fp8e4nv", VS="*fp32", O="*bf16", S="i32", H="i32",
+                 NQS="i32", NKS="i32", LPAD="i32", qk_scale="fp32")
+DIVISIBLE_BY_16 = ("Q", "QS", "K", "KS", "V", "VS", "O", "NQS", "NKS", "LPAD")
+MMA_OPCODES = ("IGMMA", "QGMMA", "HGMMA", "HMMA", "IMMA")
+
+
+def triton_tool(name: str) -> str:
+    """A CUDA binary tool shipped inside the Triton wheel."""
+    import triton.backends.nvidia as nvidia
+
+    path = Path(nvidia.__file__).parent / "bin" / name
+    if not path.exists():
+        raise SystemExit(f"sm90_static: this Triton has no {name} ({path}); install a CUDA build of Triton")
+    return str(path)
+
+
+def compile_sm90(config: proto.Config) -> tuple[bytes, int]:
+    """The prototype kernel compiled for sm90 with ``config``: (cubin, dynamic shared memory bytes)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    constexprs = dict(D=proto.D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, I2F_MAGIC=config.i2f_magic,
+                      EXP2_F16=config.exp2_f16, FOLD_Q=config.fold_q_scale, EMULATE=False)
+    names = list(proto._prototype_kernel.arg_names)
+    signature = {n: SIGNATURE.get(n, "constexpr") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE_BY_16}
+    source = triton.compiler.ASTSource(proto._prototype_kernel, signature=signature, constexprs=constexprs,
+                                       attrs=attrs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    return kernel.asm["cubin"], int(kernel.metadata.shared)
+
+
+def _run_tool(tool: str, args: list[str], cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([triton_tool(tool), *args, f.name], check=True, capture_output=True, text=True).stdout
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers per thread, stack frame bytes (spills land there) of the cubin's one kernel."""
+    found = re.search(r"REG:(\d+) STACK:(\d+)", _run_tool("cuobjdump", ["--dump-resource-usage"], cubin))
+    if not found:
+        raise ValueError("cuobjdump printed no resource usage")
+    return {"registers": int(found[1]), "stack_bytes": int(found[2])}
+
+
+def instructions(sass: str) -> tuple[list[str], dict[str, int]]:
+    """nvdisasm's listing -> (instructions in order, label -> index of the instruction after it)."""
+    listing, labels = [], {}
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label[1]] = len(listing)
+            continue
+        ins = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if ins:
+            listing.append(ins[1])
+    return listing, labels
+
+
+def opcode(instruction: str) -> str:
+    """``@!P0 FFMA.FTZ R1, ...`` -> ``FFMA``."""
+    return re.sub(r"^@!?U?P[T\d]+\s+", "", instruction).split()[0].split(".")[0]
+
+
+def main_loop(listing: list[str], labels: dict[str, int]) -> list[str]:
+    """The longest loop body: from a label to the backward branch that returns to it."""
+    loops = []
+    for i, ins in enumerate(listing):
+        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ins)
+        if target and labels.get(target[1], i + 1) <= i:
+            loops.append(listing[labels[target[1]]:i + 1])
+    if not loops:
+        raise ValueError("no backward branch: the kernel has no loop")
+    return max(loops, key=len)
+
+
+@dataclass
+class Analysis:
+    config: str
+    registers: int
+    stack_bytes: int
+    shared_bytes: int
+    loop_instructions: int
+    per_score_element: float
+    mma: dict
+    mix: dict
+
+
+def analyse(name: str) -> Analysis:
+    config = proto.CONFIGS[name]
+    cubin, shared = compile_sm90(config)
+    listing, labels = instructions(_run_tool("nvdisasm", ["-c"], cubin))
+    loop = main_loop(listing, labels)
+    mix = collections.Counter(opcode(i) for i in loop)
+    threads = 32 * config.num_warps
+    return Analysis(name, **resources(cubin), shared_bytes=shared, loop_instructions=len(loop),
+                    per_score_element=len(loop) * threads / (config.block_m * config.block_n),
+                    mma={op: mix[op] for op in MMA_OPCODES if mix[op]}, mix=dict(mix.most_common()))
+
+
+def profiled_kernel() -> dict:
+    """SageAttention's sm90 kernel as profiled: {seq: (ms, instructions per element, issue rate, clock Hz)}."""
+    rows = json.loads(PROFILE.read_text())
+    out = {}
+    for r in rows:
+        issue = r["issue_active_pct"] / 100
+        seconds = r["duration_ns"] * 1e-9
+        clock = r["warp_instructions"] / (seconds * SCHEDULERS * issue)
+        out[r["seq"]] = (r["duration_ms"], r["thread_instructions_per_score_element"], issue, clock)
+    return out
+
+
+def estimates(per_element: float, profile: dict) -> dict:
+    """Milliseconds of one H3 attention call: at full issue, and at SageAttention's measured issue rate."""
+    est = {}
+    for seq, (_, _, issue, clock) in sorted(profile.items()):
+        warp_instructions = per_element * seq * seq * H3_HEADS / 32
+        floor = warp_instructions / (SCHEDULERS * clock) * 1e3
+        est[seq] = {"issue_floor_ms": floor, "at_sage_issue_rate_ms": floor / issue}
+    return est
+
+
+def markdown(payload: dict) -> str:
+    """One row per config: resources, loop, instructions per score element, the H3 estimates."""
+    seqs = sorted(payload["profile"], key=int)
+    head = ("| config | registers | stack | shared | loop (warp instr.) | per score element | "
+            + " | ".join(f"S = {int(s):,}: floor / at SageAttention's issue rate" for s in seqs) + " |")
+    lines = [head, "|" + "---|" * (6 + len(seqs))]
+    registers = {str(r["seq"]): int(r["registers_per_thread"]) for r in json.loads(PROFILE.read_text())}
+    for s in seqs:
+        ms, per_el, issue, _ = payload["profile"][s]
+        floor = estimates(per_el, {int(k): v for k, v in payload["profile"].items()})[int(s)]["issue_floor_ms"]
+        lines.append(f"| SageAttention sm90 (profiled, S = {int(s):,}) | {registers[s]} | - | - | - | {per_el:.2f} | "
+                     + " | ".join(f"{floor:.2f} / {ms:.2f} ms (measured, {100 * issue:.0f}% issue)" if t == s
+                                  else "" for t in seqs) + " |")
+    for c in payload["configs"]:
+        cells = " | ".join(f"{e['issue_floor_ms']:.2f} / {e['at_sage_issue_rate_ms']:.2f} ms "
+                           f"({payload['profile'][s][0] / e['at_sage_issue_rate_ms']:.2f}x)"
+                           for s, e in sorted(c["estimates"].items(), key=lambda kv: int(kv[0])))
+        lines.append(f"| `{c['config']}` | {c['registers']} | {c['stack_bytes']} | {c['shared_bytes']:,} | "
+                     f"{c['loop_instructions']} | {c['per_score_element']:.2f} | {cells} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", nargs="+", default=list(proto.CONFIGS))
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--markdown", action="store_true", help="also print the table docs/BENCHMARKS.md holds")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.configs) - set(proto.CONFIGS))
+    if unknown:
+        raise SystemExit(f"sm90_static: unknown configs {unknown}; known: {sorted(proto.CONFIGS)}")
+    if proto.triton is None:
+        raise SystemExit(f"sm90_static: needs Triton ({proto.sq.TRITON_ERROR})")
+    import triton
+
+    profile = profiled_kernel()
+    results = [analyse(n) for n in args.configs]
+    print(f"sm90 machine code, Triton {triton.__version__}; H3 attention: {H3_HEADS} heads x 128")
+    print(f"{'config':<22} {'regs':>4} {'stack':>5} {'smem':>6} {'loop':>5} {'/elem':>6}  "
+          + "  ".join(f"S={s}: floor / at sage's issue" for s in sorted(profile)))
+    for seq, (ms, per_el, issue, clock) in sorted(profile.items()):
+        est = estimates(per_el, profile)[seq]
+        print(f"  SageAttention sm90, S={seq}: {per_el:.2f} /elem, {ms:.2f} ms at {100 * issue:.0f}% issue "
+              f"and {clock / 1e9:.2f} GHz (floor {est['issue_floor_ms']:.2f} ms)")
+    payload = {"triton": triton.__version__, "profile": {str(k): v for k, v in profile.items()}, "configs": []}
+    for a in results:
+        est = estimates(a.per_score_element, profile)
+        cells = "  ".join(f"{e['issue_floor_ms']:7.2f} / {e['at_sage_issue_rate_ms']:7.2f} ms "
+                          f"({profile[s][0] / e['at_sage_issue_rate_ms']:.2f}x)" for s, e in est.items())
+        print(f"{a.config:<22} {a.registers:>4} {a.stack_bytes:>5} {a.shared_bytes:>6} {a.loop_instructions:>5} "
+              f"{a.per_score_element:>6.2f}  {cells}")
+        top = ", ".join(f"{op} {n}" for op, n in list(a.mix.items())[:12])
+        print(f"{'':<22} mma {a.mma}; loop mix: {top}")
+        payload["configs"].append({**asdict(a), "estimates": {str(s): e for s, e in est.items()}})
+    print("(x) = SageAttention's profiled time / the prototype's estimate at the same issue rate")
+    if args.markdown:
+        print(markdown(payload))
+    if args.out:
+        args.out.write_text(json.dumps(payload, indent=1))
+    return payload
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

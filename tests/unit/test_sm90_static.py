@@ -1,0 +1,70 @@
+"""The device-free sm90 reading of the attention prototype (benchmarks/sm90_static.py).
+
+The parser is checked on a hand-written listing; the prototype itself is compiled for sm90 here (no
+GPU: Triton targets sm90 and runs the ptxas/nvdisasm its wheel carries), and its main loop must be
+Hopper's wgmma for both products with no spills. The estimates must give SageAttention's own
+profiled time back from its own instruction count.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import sage2_prototype as proto
+from benchmarks import sm90_static as static
+
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0020*/               @P0 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0030*/                   FFMA.FTZ R3, R4, R5, R6 ;
+        /*0040*/              @!P1 MUFU.EX2 R3, R3 ;
+        /*0050*/                   IGMMA.64x128x32.S8.S8 R24, gdesc[UR4], R24 ;
+        /*0060*/                   BRA `(.L_x_1) ;
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_the_main_loop_is_the_longest_backward_branch():
+    listing, labels = static.instructions(LISTING)
+    assert len(listing) == 8 and labels == {".L_x_0": 1, ".L_x_1": 3}
+    loop = static.main_loop(listing, labels)
+    assert [static.opcode(i) for i in loop] == ["FFMA", "MUFU", "IGMMA", "BRA"]
+    with pytest.raises(ValueError, match="no loop"):
+        static.main_loop(listing[:1], {})
+
+
+def test_estimates_give_sageattentions_profiled_time_back():
+    profile = static.profiled_kernel()
+    assert set(profile) == set(static.H3_SEQS)
+    for seq, (ms, per_element, issue, clock) in profile.items():
+        assert 1.5e9 < clock < 2.1e9 and 0.3 < issue < 1.0
+        est = static.estimates(per_element, profile)[seq]
+        assert est["at_sage_issue_rate_ms"] == pytest.approx(ms, rel=1e-6)
+        assert est["issue_floor_ms"] == pytest.approx(ms * issue, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    if proto.triton is None:
+        pytest.skip(f"needs Triton: {proto.sq.TRITON_ERROR}")
+    static.triton_tool("nvdisasm")  # SystemExit with the reason when this Triton has no CUDA tools
+    return {name: static.analyse(name) for name in ("m128n128w8s3", "m128n128w8s3_fold")}
+
+
+def test_the_prototype_compiles_for_sm90_to_wgmma_without_spills(compiled):
+    for name, a in compiled.items():
+        cfg = proto.CONFIGS[name]
+        assert a.mma == {"IGMMA": 4, "QGMMA": 4}, (name, a.mma)  # m64 x k32 steps of Q.K and P.V
+        assert a.stack_bytes == 0 and a.registers <= 255, (name, a.registers, a.stack_bytes)
+        assert a.per_score_element == a.loop_instructions * 32 * cfg.num_warps / (cfg.block_m * cfg.block_n)
+        assert a.mix["MUFU"] >= cfg.block_m * cfg.block_n // (32 * cfg.num_warps)  # one exp2 a score
+
+
+def test_folding_the_q_scale_removes_one_multiply_a_score(compiled):
+    base, fold = compiled["m128n128w8s3"], compiled["m128n128w8s3_fold"]
+    per_thread = 128 * 128 // 256
+    assert base.mix["FMUL"] - fold.mix["FMUL"] == per_thread
+    assert fold.loop_instructions < base.loop_instructions
