@@ -37,6 +37,12 @@ Issue 21's methods, as far as Triton 3.x lets them be written:
   not covered by the CPU tests (the interpreter cannot run inline PTX).
 * the row's Q scale folded into exp2's argument (``fold_q_scale``, configs ``..._fold``): scores kept
   as s / q_scale, the row max scaled once, one FFMA for the argument: one multiply less a score.
+* P relabelled to V's positions in registers (``relabel_p``): K read in token order, and after the
+  softmax P's columns reshaped/permuted (token 8a + 2t + b of 16 to position 4t + 2a + b), which
+  Triton's layouts resolve without moving data: the accumulator already is fp8 wgmma's A operand.
+* the K scales per group (``group_k_scale``, with ``relabel_p``): a thread's columns of a 128-key
+  block share one K scale, so the row max is scaled per (row, group) and exp2's argument is one
+  FFMA a score with the two scales' product (configs ``..._groupk``).
 * producer/consumer warp specialisation: not available. ``tl.range(warp_specialize=True)`` is
   Blackwell-only in Triton 3.8 and Hopper needs Gluon's explicit partitions; Triton's software
   pipelining (``num_stages``: asynchronous copies multi-buffered ahead of the loop body) is what
@@ -93,6 +99,8 @@ class Config:
     i2f_magic: bool = True   # int32 -> fp32 by integer add + float subtract (else the plain conversion)
     exp2_f16: bool = False   # exp2 as ex2.approx.f16x2 (GPU only)
     fold_q_scale: bool = False  # the row's Q scale applied in exp2's argument (one FFMA), not per score
+    relabel_p: bool = False  # K read in token order, P's columns relabelled to V's positions (no gather)
+    group_k_scale: bool = False  # with relabel_p: both scales applied per (row, K-scale group), not per score
 
 
 CONFIGS = {
@@ -104,6 +112,11 @@ CONFIGS = {
     "m128n128w8s3_f16exp2": Config(exp2_f16=True),
     "m128n128w8s3_fold": Config(fold_q_scale=True),
     "m128n128w8s3_cvt_fold": Config(i2f_magic=False, fold_q_scale=True),
+    "m128n128w8s3_cvt_fold_relabel": Config(i2f_magic=False, fold_q_scale=True, relabel_p=True),
+    "m128n128w8s3_cvt_groupk": Config(i2f_magic=False, fold_q_scale=True, relabel_p=True, group_k_scale=True),
+    "m128n128w8s3_groupk": Config(fold_q_scale=True, relabel_p=True, group_k_scale=True),
+    "m64n128w4s3_cvt_groupk": Config(block_m=64, num_warps=4, i2f_magic=False, fold_q_scale=True, relabel_p=True,
+                                     group_k_scale=True),
 }
 DEFAULT_CONFIG = "m128n128w8s3"
 
@@ -139,9 +152,32 @@ if triton is not None:
         return y
 
     @triton.jit
+    def _arg_by_k_groups(f, qsc, ks4, m_i, valid, MASKED: tl.constexpr):
+        """exp2's argument with both scales applied once per (row, K-scale group) instead of per score.
+        In token order column 8x + 2g + b has the block's K scale g, so the scores reshape to
+        [M, N/8, 4, 2]; the row max is max_g(ks_g * max f) * q_scale (scales are >= 0) and the
+        argument one FFMA a score, f * (q_scale * ks_g) - m."""
+        M: tl.constexpr = f.shape[0]
+        N: tl.constexpr = f.shape[1]
+        f4 = tl.reshape(f, (M, N // 8, 4, 2))
+        if MASKED:
+            v4 = tl.reshape(tl.broadcast_to(valid[None, :], (M, N)), (M, N // 8, 4, 2))
+            f4 = tl.where(v4, f4, float("-inf"))
+        gmax = tl.max(tl.max(f4, 3), 1)  # [M, 4]
+        scaled = gmax * ks4[None, :]
+        if MASKED:  # a group with no valid key: -inf times a zero scale would be NaN
+            scaled = tl.where(gmax == float("-inf"), float("-inf"), scaled)
+        m_new = tl.maximum(m_i, tl.max(scaled, 1) * qsc - _FP8_OFFSET)
+        mult = qsc[:, None] * ks4[None, :]
+        arg4 = f4 * mult[:, None, :, None] - m_new[:, None, None, None]
+        if MASKED:
+            arg4 = tl.where(v4, arg4, float("-inf"))
+        return tl.reshape(arg4, (M, N)), m_new
+
+    @triton.jit
     def _key_block(acc, l_i, m_i, q, qsc, k_head, ks_head, v_head, v_cols, n0, S, perm, j, c,
                    D: tl.constexpr, MASKED: tl.constexpr, I2F_MAGIC: tl.constexpr, EXP2_F16: tl.constexpr,
-                   FOLD_Q: tl.constexpr, EMULATE: tl.constexpr):
+                   FOLD_Q: tl.constexpr, RELABEL: tl.constexpr, GROUP_K: tl.constexpr, EMULATE: tl.constexpr):
         """One key block. Column j of S is the token at V position n0 + j: K rows and K scales are
         gathered in V's permuted order, so P's columns meet V's positions as they are.
         FOLD_Q: scores are kept as t = s / q_scale of the row (scales are >= 0, so the row max is
@@ -156,7 +192,11 @@ if triton is not None:
             k = tl.load(k_head + tok[:, None] * D + c[None, :])
             ks = tl.load(ks_head + ks_off)
         qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
-        if FOLD_Q:
+        if GROUP_K:
+            ks4 = tl.load(ks_head + n0 // 128 * 4 + tl.arange(0, 4))
+            arg, m_new = _arg_by_k_groups(_i32_to_f32(qk, I2F_MAGIC), qsc, ks4, m_i, valid if MASKED else tok,
+                                          MASKED)
+        elif FOLD_Q:
             t = _i32_to_f32(qk, I2F_MAGIC) * ks[None, :]
             if MASKED:
                 t = tl.where(valid[None, :], t, float("-inf"))
@@ -173,6 +213,9 @@ if triton is not None:
         alpha = tl.exp2(m_i - m_new)
         p = _exp2(arg, EXP2_F16)
         l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)  # the row sum of the unrounded P
+        if RELABEL:  # token 8a + 2t + b of each 16 to V's position 4t + 2a + b (SageAttention's layout)
+            p = tl.reshape(tl.permute(tl.reshape(p, (p.shape[0], p.shape[1] // 16, 2, 4, 2)), (0, 1, 3, 2, 4)),
+                           (p.shape[0], p.shape[1]))
         vt = tl.load(v_head + v_cols + (n0 + j)[None, :])  # [D, BLOCK_N] e4m3: K-major for the dot
         pv = tl.dot(_p_to_e4m3(p, EXP2_F16, EMULATE), tl.trans(vt))  # a fresh fp32 result per block
         acc = acc * alpha[:, None] + pv
@@ -182,7 +225,7 @@ if triton is not None:
     def _prototype_kernel(Q, QS, K, KS, V, VS, O, S, H, NQS, NKS, LPAD, qk_scale,
                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           I2F_MAGIC: tl.constexpr, EXP2_F16: tl.constexpr, FOLD_Q: tl.constexpr,
-                          EMULATE: tl.constexpr):
+                          RELABEL: tl.constexpr, GROUP_K: tl.constexpr, EMULATE: tl.constexpr):
         pid_m = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -192,7 +235,10 @@ if triton is not None:
         qsc = tl.load(QS + h * NQS + rows // 16 * 8 + rows % 8, mask=row_ok, other=0.0) * qk_scale
         j = tl.arange(0, BLOCK_N)
         jj = j % 16
-        perm = (j - jj + ((jj // 2) % 2) * 8 + (jj // 4) * 2 + jj % 2).to(tl.int64)  # position -> token
+        if RELABEL:  # column j is token n0 + j; P is relabelled to V's positions after the softmax
+            perm = j.to(tl.int64)
+        else:
+            perm = (j - jj + ((jj // 2) % 2) * 8 + (jj // 4) * 2 + jj % 2).to(tl.int64)  # position -> token
         k_head, ks_head, v_head = K + h * S * D, KS + h * NKS, V + h * D * LPAD
         v_cols = c.to(tl.int64)[:, None] * LPAD
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -201,10 +247,10 @@ if triton is not None:
         full = S // BLOCK_N * BLOCK_N
         for n0 in tl.range(0, full, BLOCK_N):
             acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qsc, k_head, ks_head, v_head, v_cols, n0, S, perm, j, c,
-                                       D, False, I2F_MAGIC, EXP2_F16, FOLD_Q, EMULATE)
+                                       D, False, I2F_MAGIC, EXP2_F16, FOLD_Q, RELABEL, GROUP_K, EMULATE)
         if full < S:
             acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qsc, k_head, ks_head, v_head, v_cols, full, S, perm, j, c,
-                                       D, True, I2F_MAGIC, EXP2_F16, FOLD_Q, EMULATE)
+                                       D, True, I2F_MAGIC, EXP2_F16, FOLD_Q, RELABEL, GROUP_K, EMULATE)
         vs = tl.load(VS + h * D + c)
         o = acc / l_i[:, None] * vs[None, :]
         if EMULATE:
@@ -246,7 +292,7 @@ def prototype_attention(ops: dict, sm_scale: float, *, config: str | Config = DE
         ops["q_int8"], ops["q_scale"], ops["k_int8"], ops["k_scale"], ops["v_fp8"], ops["v_scale"], out,
         s, h, ops["q_scale"].shape[-1], ops["k_scale"].shape[-1], ops["v_fp8"].shape[-1], float(sm_scale) * LOG2E,
         D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, I2F_MAGIC=cfg.i2f_magic, EXP2_F16=cfg.exp2_f16,
-        FOLD_Q=cfg.fold_q_scale, EMULATE=sq.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        FOLD_Q=cfg.fold_q_scale, RELABEL=cfg.relabel_p, GROUP_K=cfg.group_k_scale, EMULATE=sq.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -7,8 +7,9 @@ SageAttention's own error on them (relative L2, first and last 256 query rows):
 
 * S = 8,192, 56 heads: every config in the table (one that does not compile on this Triton fails
   the test, but for the experimental f16x2-exp2 config, which is skipped then);
-* S = 320,000, 56 heads, the default config: element offsets up to 2.9e9, past 2**31 (the last
-  head of q/k/v, the output's last rows), checked on heads 0, 27 and 55. With 2 heads every offset
+* S = 320,000, 56 heads, the default config and the fewest-instruction one (``_cvt_groupk``):
+  element offsets up to 2.9e9, past 2**31 (the last head of q/k/v, the output's last rows), checked
+  on heads 0, 27 and 55. With 2 heads every offset
   would stay below 2**31 (8.2e7) and the 64-bit offsets would go untested; 56 heads take about
   25 GiB.
 
@@ -95,14 +96,15 @@ def test_integer_add_conversion_matches_the_plain_conversion(short):
     assert ((magic.float() - plain.float()).norm() / plain.float().norm()).item() < 1e-3, row
 
 
-def test_long_sequence_with_offsets_past_2_31():
+@pytest.mark.parametrize("name", [proto.DEFAULT_CONFIG, "m128n128w8s3_cvt_groupk"])
+def test_long_sequence_with_offsets_past_2_31(name):
     seq, heads = 320000, [0, 27, 55]
     ops = proto.make_operands(seq, HEADS, seed=4)
     assert (HEADS - 1) * seq * D > 2**31 and seq * HEADS * D > 2**31  # the last head's offsets: what this tests
     rows = error_rows(seq)
-    out = proto.prototype_attention(ops, SM_SCALE)
+    out = proto.prototype_attention(ops, SM_SCALE, config=name)
     sage = proto.sage_call(ops, seq, HEADS, SM_SCALE)()
-    row = {"check": "prototype_long_sequence", "seq": seq, "heads": heads}
+    row = {"check": "prototype_long_sequence", "seq": seq, "heads": heads, "config": name}
     for h in heads:
         ref = proto.reference_rows(proto.head_slice(ops, h, h + 1), rows, SM_SCALE)
         row[f"head_{h}"] = {"prototype": errors(out[rows][:, h:h + 1], ref), "sage2": errors(sage[rows][:, h:h + 1], ref)}

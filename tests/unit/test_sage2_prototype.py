@@ -60,6 +60,9 @@ INTERPRETED = textwrap.dedent(r"""
     small = dataclasses.replace(default, block_m=64, block_n=64, num_warps=4)
     cvt = dataclasses.replace(default, i2f_magic=False)
     fold = dataclasses.replace(default, fold_q_scale=True)
+    relabel = proto.CONFIGS["m128n128w8s3_cvt_fold_relabel"]
+    groupk = proto.CONFIGS["m128n128w8s3_cvt_groupk"]
+    groupk64 = dataclasses.replace(groupk, block_m=64, block_n=64, num_warps=4)
     saved = {}
     for seq in (100, 256, 300):
         g = torch.Generator().manual_seed(seq)
@@ -69,7 +72,15 @@ INTERPRETED = textwrap.dedent(r"""
         saved[seq] = {"ops": ops, "out": proto.prototype_attention(ops, sm),
                       "out_m64n64": proto.prototype_attention(ops, sm, config=small),
                       "out_cvt": proto.prototype_attention(ops, sm, config=cvt),
-                      "out_fold": proto.prototype_attention(ops, sm, config=fold)}
+                      "out_fold": proto.prototype_attention(ops, sm, config=fold),
+                      "out_relabel": proto.prototype_attention(ops, sm, config=relabel),
+                      "out_groupk": proto.prototype_attention(ops, sm, config=groupk),
+                      "out_groupk_m64n64": proto.prototype_attention(ops, sm, config=groupk64)}
+    g = torch.Generator().manual_seed(260)  # a tail of 4 keys: two of the block's K-scale groups have none
+    q, k, v = (torch.randn(260, 3 * 2 * 128, generator=g) * 1.3).to(torch.bfloat16).unflatten(1, (3, 2, 128)).unsqueeze(0).unbind(2)
+    ops = sq.quantize_operands(q, k, v, mode="exact")
+    ops["k_scale"][0, :, 2 * 4 + 2:2 * 4 + 4] = 0.0  # those two groups' scales: only padding under them
+    saved["short_tail"] = {"ops": ops, "out_groupk": proto.prototype_attention(ops, sm, config=groupk)}
     ops = saved[300]["ops"]
     altered = {name: {n: t.clone() for n, t in ops.items()} for name in ("q_scale", "k_scale", "v_scale", "v_pos")}
     altered["q_scale"]["q_scale"][0, 1, int(q_group)] *= 1.5
@@ -118,9 +129,10 @@ def unpermuted_reference(ops):
     return (torch.softmax(qd @ kd.transpose(1, 2) * SM_SCALE, dim=-1) @ vd).permute(1, 0, 2)
 
 
-def emulate(ops, block_n=128, fold_q_scale=False):
+def emulate(ops, block_n=128, fold_q_scale=False, group_k=False):
     """The prototype's algorithm in torch, key block by key block (fp32 softmax, e4m3 P) -> [S, H, D];
-    ``fold_q_scale``: scores kept without the row's Q scale, applied in exp2's argument."""
+    ``fold_q_scale``: scores kept without the row's Q scale, applied in exp2's argument; ``group_k``:
+    both scales multiplied first, then the score once (f * (q_scale * k_scale) - m)."""
     qi, ki = ops["q_int8"].double(), ops["k_int8"].double()
     h, s, d = qi.shape
     r = torch.arange(s)
@@ -130,10 +142,14 @@ def emulate(ops, block_n=128, fold_q_scale=False):
     m, l, acc = torch.full((h, s), float("-inf")), torch.zeros(h, s), torch.zeros(h, s, d)
     for n0 in range(0, s, block_n):
         cols = slice(n0, min(s, n0 + block_n))
-        if fold_q_scale:
-            t = (qi @ ki[:, cols].transpose(1, 2)).float() * ksc[:, None, cols]
+        if fold_q_scale or group_k:
+            f = (qi @ ki[:, cols].transpose(1, 2)).float()
+            t = f * ksc[:, None, cols]
             m_new = torch.maximum(m, t.amax(-1) * qsc - proto.FP8_OFFSET)
-            arg = t * qsc[..., None] - m_new[..., None]
+            if group_k:
+                arg = f * (qsc[..., None] * ksc[:, None, cols]) - m_new[..., None]
+            else:
+                arg = t * qsc[..., None] - m_new[..., None]
         else:
             sc = (qi @ ki[:, cols].transpose(1, 2)).float() * qsc[..., None] * ksc[:, None, cols]
             m_new = torch.maximum(m, sc.amax(-1) - proto.FP8_OFFSET)
@@ -147,8 +163,8 @@ def emulate(ops, block_n=128, fold_q_scale=False):
     return out.to(torch.bfloat16).float().permute(1, 0, 2)
 
 
-def assert_emulated(out, ops, block_n=128, fold_q_scale=False):
-    expect = emulate(ops, block_n, fold_q_scale)
+def assert_emulated(out, ops, block_n=128, fold_q_scale=False, group_k=False):
+    expect = emulate(ops, block_n, fold_q_scale, group_k)
     differing = (out.float() != expect).float().mean().item()
     assert rel(out, expect) <= EMU_TOL and differing <= EMU_DIFFERING, (rel(out, expect), differing)
 
@@ -184,6 +200,28 @@ def test_folded_q_scale_is_its_algorithm_emulated_and_as_accurate(interpreted, s
     assert_emulated(case["out_fold"], case["ops"], fold_q_scale=True)
     assert rel(case["out_fold"], reference(case["ops"])) <= REF_TOL
     assert rel(case["out_fold"], case["out"]) <= REF_TOL
+
+
+@needs_triton
+@pytest.mark.parametrize("seq", SEQS)
+@pytest.mark.parametrize("variant, block_n, group_k", [("out_relabel", 128, False), ("out_groupk", 128, True),
+                                                       ("out_groupk_m64n64", 64, True)])
+def test_p_relabelled_to_v_positions_in_the_kernel_gives_the_same_attention(interpreted, seq, variant, block_n, group_k):
+    """K read in token order and P's columns relabelled to V's stored positions after the softmax
+    (instead of K gathered in V's order): the same function, emulated tightly; with the K scales
+    applied per group (group_k) too, also with 64-key blocks and a 44-key tail."""
+    case = interpreted[seq]
+    assert_emulated(case[variant], case["ops"], block_n, fold_q_scale=True, group_k=group_k)
+    assert rel(case[variant], reference(case["ops"])) <= REF_TOL
+    assert rel(case[variant], unpermuted_reference(case["ops"])) > 10 * REF_TOL
+
+
+@needs_triton
+def test_k_scale_groups_without_a_valid_key_in_the_tail_stay_finite(interpreted):
+    case = interpreted["short_tail"]
+    assert torch.isfinite(case["out_groupk"]).all()
+    assert_emulated(case["out_groupk"], case["ops"], fold_q_scale=True, group_k=True)
+    assert rel(case["out_groupk"], reference(case["ops"])) <= REF_TOL
 
 
 @needs_triton

@@ -51,7 +51,8 @@ def compiled():
     if proto.triton is None:
         pytest.skip(f"needs Triton: {proto.sq.TRITON_ERROR}")
     static.triton_tool("nvdisasm")  # SystemExit with the reason when this Triton has no CUDA tools
-    return {name: static.analyse(name) for name in ("m128n128w8s3", "m128n128w8s3_fold")}
+    return {name: static.analyse(name) for name in ("m128n128w8s3", "m128n128w8s3_fold", "m128n128w8s3_cvt_fold",
+                                                     "m128n128w8s3_cvt_fold_relabel", "m128n128w8s3_cvt_groupk")}
 
 
 def test_the_prototype_compiles_for_sm90_to_wgmma_without_spills(compiled):
@@ -68,3 +69,20 @@ def test_folding_the_q_scale_removes_one_multiply_a_score(compiled):
     per_thread = 128 * 128 // 256
     assert base.mix["FMUL"] - fold.mix["FMUL"] == per_thread
     assert fold.loop_instructions < base.loop_instructions
+
+
+def test_relabelling_p_removes_the_layout_conversion_before_the_fp8_product(compiled):
+    """K in token order and P permuted to V's positions: no shuffles or selects to move P between
+    the accumulator and the A-operand layouts (what remains are the row reductions' butterflies)."""
+    before, after = compiled["m128n128w8s3_cvt_fold"], compiled["m128n128w8s3_cvt_fold_relabel"]
+    assert before.mix.get("SEL", 0) >= 16 and after.mix.get("SEL", 0) < 4, (before.mix, after.mix)
+    assert after.mix.get("SHFL", 0) < before.mix["SHFL"]
+    assert after.loop_instructions < before.loop_instructions
+
+
+def test_k_scales_per_group_leave_no_multiply_or_scale_load_a_score(compiled):
+    a = compiled["m128n128w8s3_cvt_groupk"]
+    scores_a_thread = 128 * 128 // 256
+    assert a.mix.get("FMUL", 0) < 8 and a.mix.get("LDS", 0) < 8, a.mix
+    assert a.mix["FFMA"] <= 2 * scores_a_thread + 8  # exp2's argument and the accumulator, nothing more
+    assert a.per_score_element < 9.0
