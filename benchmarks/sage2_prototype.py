@@ -115,6 +115,10 @@ CONFIGS = {
     "m128n128w8s3_cvt_fold_relabel": Config(i2f_magic=False, fold_q_scale=True, relabel_p=True),
     "m128n128w8s3_cvt_groupk": Config(i2f_magic=False, fold_q_scale=True, relabel_p=True, group_k_scale=True),
     "m128n128w8s3_groupk": Config(fold_q_scale=True, relabel_p=True, group_k_scale=True),
+    "m64n256w4s2_cvt_groupk": Config(block_m=64, block_n=256, num_warps=4, num_stages=2, i2f_magic=False,
+                                     fold_q_scale=True, relabel_p=True, group_k_scale=True),
+    "m128n256w8s2_cvt_groupk": Config(block_n=256, num_stages=2, i2f_magic=False, fold_q_scale=True, relabel_p=True,
+                                      group_k_scale=True),
     "m64n128w4s3_cvt_groupk": Config(block_m=64, num_warps=4, i2f_magic=False, fold_q_scale=True, relabel_p=True,
                                      group_k_scale=True),
 }
@@ -152,27 +156,29 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _arg_by_k_groups(f, qsc, ks4, m_i, valid, MASKED: tl.constexpr):
+    def _arg_by_k_groups(f, qsc, ks, m_i, valid, MASKED: tl.constexpr):
         """exp2's argument with both scales applied once per (row, K-scale group) instead of per score.
-        In token order column 8x + 2g + b has the block's K scale g, so the scores reshape to
-        [M, N/8, 4, 2]; the row max is max_g(ks_g * max f) * q_scale (scales are >= 0) and the
-        argument one FFMA a score, f * (q_scale * ks_g) - m."""
+        In token order column 128u + 8x + 2g + b has K scale g of 128-key block u (``ks`` [U, 4]), so
+        the scores reshape to [M, U, N/8U, 4, 2]; the row max is the unscaled max per (row, u, g)
+        scaled once (scales are >= 0) and the argument one FFMA a score, f * (q_scale * ks) - m."""
         M: tl.constexpr = f.shape[0]
         N: tl.constexpr = f.shape[1]
-        f4 = tl.reshape(f, (M, N // 8, 4, 2))
+        U: tl.constexpr = ks.shape[0]
+        shape: tl.constexpr = (M, U, N // (8 * U), 4, 2)
+        f5 = tl.reshape(f, shape)
         if MASKED:
-            v4 = tl.reshape(tl.broadcast_to(valid[None, :], (M, N)), (M, N // 8, 4, 2))
-            f4 = tl.where(v4, f4, float("-inf"))
-        gmax = tl.max(tl.max(f4, 3), 1)  # [M, 4]
-        scaled = gmax * ks4[None, :]
+            v5 = tl.reshape(tl.broadcast_to(valid[None, :], (M, N)), shape)
+            f5 = tl.where(v5, f5, float("-inf"))
+        gmax = tl.max(tl.max(f5, 4), 2)  # [M, U, 4]
+        scaled = gmax * ks[None, :, :]
         if MASKED:  # a group with no valid key: -inf times a zero scale would be NaN
             scaled = tl.where(gmax == float("-inf"), float("-inf"), scaled)
-        m_new = tl.maximum(m_i, tl.max(scaled, 1) * qsc - _FP8_OFFSET)
-        mult = qsc[:, None] * ks4[None, :]
-        arg4 = f4 * mult[:, None, :, None] - m_new[:, None, None, None]
+        m_new = tl.maximum(m_i, tl.max(tl.max(scaled, 2), 1) * qsc - _FP8_OFFSET)
+        mult = qsc[:, None, None] * ks[None, :, :]
+        arg5 = f5 * mult[:, :, None, :, None] - m_new[:, None, None, None, None]
         if MASKED:
-            arg4 = tl.where(v4, arg4, float("-inf"))
-        return tl.reshape(arg4, (M, N)), m_new
+            arg5 = tl.where(v5, arg5, float("-inf"))
+        return tl.reshape(arg5, (M, N)), m_new
 
     @triton.jit
     def _key_block(acc, l_i, m_i, q, qsc, k_head, ks_head, v_head, v_cols, n0, S, perm, j, c,
@@ -193,8 +199,13 @@ if triton is not None:
             ks = tl.load(ks_head + ks_off)
         qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
         if GROUP_K:
-            ks4 = tl.load(ks_head + n0 // 128 * 4 + tl.arange(0, 4))
-            arg, m_new = _arg_by_k_groups(_i32_to_f32(qk, I2F_MAGIC), qsc, ks4, m_i, valid if MASKED else tok,
+            u = n0 // 128 + tl.arange(0, (j.shape[0] + 127) // 128)  # the 128-key K-scale blocks met
+            ks_at = ks_head + u[:, None] * 4 + tl.arange(0, 4)[None, :]
+            if MASKED:  # a 256-key tail block may reach past the last K-scale block
+                ks = tl.load(ks_at, mask=(u * 128 < S)[:, None], other=0.0)
+            else:
+                ks = tl.load(ks_at)
+            arg, m_new = _arg_by_k_groups(_i32_to_f32(qk, I2F_MAGIC), qsc, ks, m_i, valid if MASKED else tok,
                                           MASKED)
         elif FOLD_Q:
             t = _i32_to_f32(qk, I2F_MAGIC) * ks[None, :]
@@ -216,7 +227,11 @@ if triton is not None:
         if RELABEL:  # token 8a + 2t + b of each 16 to V's position 4t + 2a + b (SageAttention's layout)
             p = tl.reshape(tl.permute(tl.reshape(p, (p.shape[0], p.shape[1] // 16, 2, 4, 2)), (0, 1, 3, 2, 4)),
                            (p.shape[0], p.shape[1]))
-        vt = tl.load(v_head + v_cols + (n0 + j)[None, :])  # [D, BLOCK_N] e4m3: K-major for the dot
+        if MASKED:  # a 256-key tail block may reach past V's padding (a multiple of 128)
+            vt = tl.load(v_head + v_cols + (n0 + j)[None, :], mask=((n0 + j) < (S + 127) // 128 * 128)[None, :],
+                         other=0.0)
+        else:
+            vt = tl.load(v_head + v_cols + (n0 + j)[None, :])  # [D, BLOCK_N] e4m3: K-major for the dot
         pv = tl.dot(_p_to_e4m3(p, EXP2_F16, EMULATE), tl.trans(vt))  # a fresh fp32 result per block
         acc = acc * alpha[:, None] + pv
         return acc, l_i, m_new
@@ -281,8 +296,11 @@ def prototype_attention(ops: dict, sm_scale: float, *, config: str | Config = DE
     if triton is None:
         raise RuntimeError(f"the sage2 prototype needs Triton: {sq.TRITON_ERROR}")
     cfg = CONFIGS[config] if isinstance(config, str) else config
-    if sq.V_PAD % cfg.block_n or cfg.block_n % 16 or cfg.block_m % 16:
-        raise ValueError(f"block_n must divide {sq.V_PAD} and be a multiple of 16, block_m a multiple of 16: {cfg}")
+    if (sq.V_PAD % cfg.block_n and cfg.block_n % sq.V_PAD) or cfg.block_n % 16 or cfg.block_m % 16:
+        raise ValueError(f"block_n must divide {sq.V_PAD} or be a multiple of it, and be a multiple of 16, block_m a "
+                         f"multiple of 16: {cfg}")
+    if cfg.group_k_scale and not cfg.relabel_p:
+        raise ValueError(f"group_k_scale reads the K-scale groups in token order: it needs relabel_p: {cfg}")
     if cfg.exp2_f16 and sq.interpreting():
         raise ValueError("exp2_f16 uses inline PTX, which TRITON_INTERPRET cannot run")
     h, s, d = _check_operands(ops)

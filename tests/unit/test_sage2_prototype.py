@@ -63,6 +63,7 @@ INTERPRETED = textwrap.dedent(r"""
     relabel = proto.CONFIGS["m128n128w8s3_cvt_fold_relabel"]
     groupk = proto.CONFIGS["m128n128w8s3_cvt_groupk"]
     groupk64 = dataclasses.replace(groupk, block_m=64, block_n=64, num_warps=4)
+    groupk256 = proto.CONFIGS["m128n256w8s2_cvt_groupk"]
     saved = {}
     for seq in (100, 256, 300):
         g = torch.Generator().manual_seed(seq)
@@ -75,7 +76,8 @@ INTERPRETED = textwrap.dedent(r"""
                       "out_fold": proto.prototype_attention(ops, sm, config=fold),
                       "out_relabel": proto.prototype_attention(ops, sm, config=relabel),
                       "out_groupk": proto.prototype_attention(ops, sm, config=groupk),
-                      "out_groupk_m64n64": proto.prototype_attention(ops, sm, config=groupk64)}
+                      "out_groupk_m64n64": proto.prototype_attention(ops, sm, config=groupk64),
+                      "out_groupk_n256": proto.prototype_attention(ops, sm, config=groupk256)}
     g = torch.Generator().manual_seed(260)  # a tail of 4 keys: two of the block's K-scale groups have none
     q, k, v = (torch.randn(260, 3 * 2 * 128, generator=g) * 1.3).to(torch.bfloat16).unflatten(1, (3, 2, 128)).unsqueeze(0).unbind(2)
     ops = sq.quantize_operands(q, k, v, mode="exact")
@@ -205,11 +207,12 @@ def test_folded_q_scale_is_its_algorithm_emulated_and_as_accurate(interpreted, s
 @needs_triton
 @pytest.mark.parametrize("seq", SEQS)
 @pytest.mark.parametrize("variant, block_n, group_k", [("out_relabel", 128, False), ("out_groupk", 128, True),
-                                                       ("out_groupk_m64n64", 64, True)])
+                                                       ("out_groupk_m64n64", 64, True), ("out_groupk_n256", 256, True)])
 def test_p_relabelled_to_v_positions_in_the_kernel_gives_the_same_attention(interpreted, seq, variant, block_n, group_k):
     """K read in token order and P's columns relabelled to V's stored positions after the softmax
     (instead of K gathered in V's order): the same function, emulated tightly; with the K scales
-    applied per group (group_k) too, also with 64-key blocks and a 44-key tail."""
+    applied per group (group_k) too, also with 64-key blocks and a 44-key tail, and 256-key blocks
+    (two K-scale blocks each; at S = 100 and 300 the tail block reaches past V's padding)."""
     case = interpreted[seq]
     assert_emulated(case[variant], case["ops"], block_n, fold_q_scale=True, group_k=group_k)
     assert rel(case[variant], reference(case["ops"])) <= REF_TOL
@@ -283,7 +286,8 @@ def test_f16x2_exp2_config_is_refused_under_the_interpreter(interpreted):
 def test_config_table_is_sound():
     assert proto.DEFAULT_CONFIG in proto.CONFIGS
     for name, cfg in proto.CONFIGS.items():
-        assert 128 % cfg.block_n == 0 and cfg.block_n % 16 == 0 and cfg.block_m % 16 == 0, name
+        assert (128 % cfg.block_n == 0 or cfg.block_n % 128 == 0) and cfg.block_n % 16 == 0 and cfg.block_m % 16 == 0, name
+        assert cfg.relabel_p or not cfg.group_k_scale, name  # the K-scale groups are read in token order
         assert cfg.num_warps in (4, 8) and cfg.num_stages >= 2, name
 
 
@@ -309,8 +313,9 @@ def test_operands_that_do_not_fit_are_refused_before_any_launch(name, bad, messa
 
 
 def test_a_block_size_that_misses_the_v_padding_is_refused():
-    with pytest.raises(ValueError, match="block_n must divide 128"):
-        proto.prototype_attention(_cpu_ops(), SM_SCALE, config=proto.Config(block_n=96))
+    for block_n in (96, 192):
+        with pytest.raises(ValueError, match="block_n must divide 128 or be a multiple of it"):
+            proto.prototype_attention(_cpu_ops(), SM_SCALE, config=proto.Config(block_n=block_n))
 
 
 def test_the_benchmark_without_cuda_exits_with_a_clear_message(monkeypatch):
@@ -329,3 +334,8 @@ def test_the_benchmark_module_runs_as_a_script_without_cuda():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.sage2_prototype", "--seq", "256", "--reps", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "sage2_prototype: needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_k_scale_groups_without_token_order_are_refused():
+    with pytest.raises(ValueError, match="needs relabel_p"):
+        proto.prototype_attention(_cpu_ops(), SM_SCALE, config=proto.Config(fold_q_scale=True, group_k_scale=True))

@@ -52,14 +52,17 @@ def compiled():
         pytest.skip(f"needs Triton: {proto.sq.TRITON_ERROR}")
     static.triton_tool("nvdisasm")  # SystemExit with the reason when this Triton has no CUDA tools
     return {name: static.analyse(name) for name in ("m128n128w8s3", "m128n128w8s3_fold", "m128n128w8s3_cvt_fold",
-                                                     "m128n128w8s3_cvt_fold_relabel", "m128n128w8s3_cvt_groupk")}
+                                                     "m128n128w8s3_cvt_fold_relabel", "m128n128w8s3_cvt_groupk",
+                                                     "m128n256w8s2_cvt_groupk")}
 
 
 def test_the_prototype_compiles_for_sm90_to_wgmma_without_spills(compiled):
     for name, a in compiled.items():
         cfg = proto.CONFIGS[name]
-        assert a.mma == {"IGMMA": 4, "QGMMA": 4}, (name, a.mma)  # m64 x k32 steps of Q.K and P.V
-        assert a.stack_bytes == 0 and a.registers <= 255, (name, a.registers, a.stack_bytes)
+        steps = 4 * cfg.block_n // 128  # m64 x k32 wgmma steps: Q.K over D = 128, P.V over the key block
+        assert a.mma == {"IGMMA": steps if cfg.block_n > 128 else 4, "QGMMA": steps}, (name, a.mma)
+        assert a.registers <= 255 and not (a.mix.get("LDL") or a.mix.get("STL")), (name, a.mix)  # no spill in the loop
+        assert a.stack_bytes == 0 or cfg.block_n == 256, (name, a.stack_bytes)  # 256-key blocks spill outside it
         assert a.per_score_element == a.loop_instructions * 32 * cfg.num_warps / (cfg.block_m * cfg.block_n)
         assert a.mix["MUFU"] >= cfg.block_m * cfg.block_n // (32 * cfg.num_warps)  # one exp2 a score
 
@@ -86,3 +89,14 @@ def test_k_scales_per_group_leave_no_multiply_or_scale_load_a_score(compiled):
     assert a.mix.get("FMUL", 0) < 8 and a.mix.get("LDS", 0) < 8, a.mix
     assert a.mix["FFMA"] <= 2 * scores_a_thread + 8  # exp2's argument and the accumulator, nothing more
     assert a.per_score_element < 9.0
+
+
+def test_256_key_blocks_halve_the_rescale_a_score(compiled):
+    """The accumulator's rescale-and-add runs once a key block over [M, D]: with 256 keys it costs
+    half an FFMA a score instead of one."""
+    n128, n256 = compiled["m128n128w8s3_cvt_groupk"], compiled["m128n256w8s2_cvt_groupk"]
+    acc_per_thread = 128 * 128 // 256
+    for a, keys in ((n128, 128), (n256, 256)):
+        scores_per_thread = 128 * keys // 256
+        assert 0 <= a.mix["FFMA"] - scores_per_thread - acc_per_thread <= 8, (keys, a.mix["FFMA"])
+    assert n256.per_score_element < n128.per_score_element - 1.0
