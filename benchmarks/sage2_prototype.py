@@ -43,6 +43,9 @@ Issue 21's methods, as far as Triton 3.x lets them be written:
 * the K scales per group (``group_k_scale``, with ``relabel_p``): a thread's columns of a 128-key
   block share one K scale, so the row max is scaled per (row, group) and exp2's argument is one
   FFMA a score with the two scales' product (configs ``..._groupk``).
+* the row sum on the tensor cores (``rowsum_mma``, configs ``..._mmasum``): the e4m3 P times a
+  [BLOCK_N, 16] block of ones, one small fp8 wgmma (n16) beside P.V instead of an FADD a score; the
+  normaliser is then the sum of the rounded P that multiplies V (SageAttention sums the unrounded P).
 * producer/consumer warp specialisation: not available. ``tl.range(warp_specialize=True)`` is
   Blackwell-only in Triton 3.8 and Hopper needs Gluon's explicit partitions; Triton's software
   pipelining (``num_stages``: asynchronous copies multi-buffered ahead of the loop body) is what
@@ -101,6 +104,7 @@ class Config:
     fold_q_scale: bool = False  # the row's Q scale applied in exp2's argument (one FFMA), not per score
     relabel_p: bool = False  # K read in token order, P's columns relabelled to V's positions (no gather)
     group_k_scale: bool = False  # with relabel_p: both scales applied per (row, K-scale group), not per score
+    rowsum_mma: bool = False  # the row sum of the e4m3 P by a product with ones on the tensor cores
 
 
 CONFIGS = {
@@ -119,6 +123,10 @@ CONFIGS = {
                                      fold_q_scale=True, relabel_p=True, group_k_scale=True),
     "m128n256w8s2_cvt_groupk": Config(block_n=256, num_stages=2, i2f_magic=False, fold_q_scale=True, relabel_p=True,
                                       group_k_scale=True),
+    "m128n128w8s3_cvt_groupk_mmasum": Config(i2f_magic=False, fold_q_scale=True, relabel_p=True, group_k_scale=True,
+                                             rowsum_mma=True),
+    "m128n256w8s2_cvt_groupk_mmasum": Config(block_n=256, num_stages=2, i2f_magic=False, fold_q_scale=True,
+                                             relabel_p=True, group_k_scale=True, rowsum_mma=True),
     "m64n128w4s3_cvt_groupk": Config(block_m=64, num_warps=4, i2f_magic=False, fold_q_scale=True, relabel_p=True,
                                      group_k_scale=True),
 }
@@ -156,6 +164,16 @@ if triton is not None:
         return y
 
     @triton.jit
+    def _ones_e4m3(N: tl.constexpr, EMULATE: tl.constexpr):
+        """[N, 16] e4m3 ones. A constant splat, which the compiler keeps out of the loop's stores; the
+        interpreter fills an fp8 full() with the raw value's bits, so there: 1.0 is the byte 0x38."""
+        if EMULATE:
+            ones = tl.full((N, 16), 0x38, tl.int8).to(tl.float8e4nv, bitcast=True)
+        else:
+            ones = tl.full((N, 16), 1.0, tl.float8e4nv)
+        return ones
+
+    @triton.jit
     def _arg_by_k_groups(f, qsc, ks, m_i, valid, MASKED: tl.constexpr):
         """exp2's argument with both scales applied once per (row, K-scale group) instead of per score.
         In token order column 128u + 8x + 2g + b has K scale g of 128-key block u (``ks`` [U, 4]), so
@@ -183,7 +201,8 @@ if triton is not None:
     @triton.jit
     def _key_block(acc, l_i, m_i, q, qsc, k_head, ks_head, v_head, v_cols, n0, S, perm, j, c,
                    D: tl.constexpr, MASKED: tl.constexpr, I2F_MAGIC: tl.constexpr, EXP2_F16: tl.constexpr,
-                   FOLD_Q: tl.constexpr, RELABEL: tl.constexpr, GROUP_K: tl.constexpr, EMULATE: tl.constexpr):
+                   FOLD_Q: tl.constexpr, RELABEL: tl.constexpr, GROUP_K: tl.constexpr, MMA_SUM: tl.constexpr,
+                   EMULATE: tl.constexpr):
         """One key block. Column j of S is the token at V position n0 + j: K rows and K scales are
         gathered in V's permuted order, so P's columns meet V's positions as they are.
         FOLD_Q: scores are kept as t = s / q_scale of the row (scales are >= 0, so the row max is
@@ -223,7 +242,8 @@ if triton is not None:
             arg = s - m_new[:, None]
         alpha = tl.exp2(m_i - m_new)
         p = _exp2(arg, EXP2_F16)
-        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)  # the row sum of the unrounded P
+        if not MMA_SUM:
+            l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)  # the row sum of the unrounded P
         if RELABEL:  # token 8a + 2t + b of each 16 to V's position 4t + 2a + b (SageAttention's layout)
             p = tl.reshape(tl.permute(tl.reshape(p, (p.shape[0], p.shape[1] // 16, 2, 4, 2)), (0, 1, 3, 2, 4)),
                            (p.shape[0], p.shape[1]))
@@ -232,7 +252,10 @@ if triton is not None:
                          other=0.0)
         else:
             vt = tl.load(v_head + v_cols + (n0 + j)[None, :])  # [D, BLOCK_N] e4m3: K-major for the dot
-        pv = tl.dot(_p_to_e4m3(p, EXP2_F16, EMULATE), tl.trans(vt))  # a fresh fp32 result per block
+        p8 = _p_to_e4m3(p, EXP2_F16, EMULATE)
+        pv = tl.dot(p8, tl.trans(vt))  # a fresh fp32 result per block
+        if MMA_SUM:  # the row sum of the e4m3 P that meets V, as 16 equal columns of P . ones
+            l_i = l_i * alpha + tl.max(tl.dot(p8, _ones_e4m3(p8.shape[1], EMULATE)), 1)
         acc = acc * alpha[:, None] + pv
         return acc, l_i, m_new
 
@@ -240,7 +263,8 @@ if triton is not None:
     def _prototype_kernel(Q, QS, K, KS, V, VS, O, S, H, NQS, NKS, LPAD, qk_scale,
                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           I2F_MAGIC: tl.constexpr, EXP2_F16: tl.constexpr, FOLD_Q: tl.constexpr,
-                          RELABEL: tl.constexpr, GROUP_K: tl.constexpr, EMULATE: tl.constexpr):
+                          RELABEL: tl.constexpr, GROUP_K: tl.constexpr, MMA_SUM: tl.constexpr,
+                          EMULATE: tl.constexpr):
         pid_m = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -262,10 +286,12 @@ if triton is not None:
         full = S // BLOCK_N * BLOCK_N
         for n0 in tl.range(0, full, BLOCK_N):
             acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qsc, k_head, ks_head, v_head, v_cols, n0, S, perm, j, c,
-                                       D, False, I2F_MAGIC, EXP2_F16, FOLD_Q, RELABEL, GROUP_K, EMULATE)
+                                       D, False, I2F_MAGIC, EXP2_F16, FOLD_Q, RELABEL, GROUP_K, MMA_SUM,
+                                       EMULATE)
         if full < S:
             acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qsc, k_head, ks_head, v_head, v_cols, full, S, perm, j, c,
-                                       D, True, I2F_MAGIC, EXP2_F16, FOLD_Q, RELABEL, GROUP_K, EMULATE)
+                                       D, True, I2F_MAGIC, EXP2_F16, FOLD_Q, RELABEL, GROUP_K, MMA_SUM,
+                                       EMULATE)
         vs = tl.load(VS + h * D + c)
         o = acc / l_i[:, None] * vs[None, :]
         if EMULATE:
@@ -310,7 +336,8 @@ def prototype_attention(ops: dict, sm_scale: float, *, config: str | Config = DE
         ops["q_int8"], ops["q_scale"], ops["k_int8"], ops["k_scale"], ops["v_fp8"], ops["v_scale"], out,
         s, h, ops["q_scale"].shape[-1], ops["k_scale"].shape[-1], ops["v_fp8"].shape[-1], float(sm_scale) * LOG2E,
         D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, I2F_MAGIC=cfg.i2f_magic, EXP2_F16=cfg.exp2_f16,
-        FOLD_Q=cfg.fold_q_scale, RELABEL=cfg.relabel_p, GROUP_K=cfg.group_k_scale, EMULATE=sq.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        FOLD_Q=cfg.fold_q_scale, RELABEL=cfg.relabel_p, GROUP_K=cfg.group_k_scale, MMA_SUM=cfg.rowsum_mma,
+        EMULATE=sq.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

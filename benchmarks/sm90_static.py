@@ -61,7 +61,8 @@ def compile_sm90(config: proto.Config) -> tuple[bytes, int]:
 
     constexprs = dict(D=proto.D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, I2F_MAGIC=config.i2f_magic,
                       EXP2_F16=config.exp2_f16, FOLD_Q=config.fold_q_scale,
-                      RELABEL=config.relabel_p, GROUP_K=config.group_k_scale, EMULATE=False)
+                      RELABEL=config.relabel_p, GROUP_K=config.group_k_scale, MMA_SUM=config.rowsum_mma,
+                      EMULATE=False)
     names = list(proto._prototype_kernel.arg_names)
     signature = {n: SIGNATURE.get(n, "constexpr") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE_BY_16}

@@ -96,7 +96,7 @@ def test_integer_add_conversion_matches_the_plain_conversion(short):
     assert ((magic.float() - plain.float()).norm() / plain.float().norm()).item() < 1e-3, row
 
 
-@pytest.mark.parametrize("name", [proto.DEFAULT_CONFIG, "m128n128w8s3_cvt_groupk", "m128n256w8s2_cvt_groupk"])
+@pytest.mark.parametrize("name", [proto.DEFAULT_CONFIG, "m128n128w8s3_cvt_groupk", "m128n256w8s2_cvt_groupk_mmasum"])
 def test_long_sequence_with_offsets_past_2_31(name):
     seq, heads = 320000, [0, 27, 55]
     ops = proto.make_operands(seq, HEADS, seed=4)

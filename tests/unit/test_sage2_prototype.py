@@ -64,6 +64,7 @@ INTERPRETED = textwrap.dedent(r"""
     groupk = proto.CONFIGS["m128n128w8s3_cvt_groupk"]
     groupk64 = dataclasses.replace(groupk, block_m=64, block_n=64, num_warps=4)
     groupk256 = proto.CONFIGS["m128n256w8s2_cvt_groupk"]
+    mmasum256 = proto.CONFIGS["m128n256w8s2_cvt_groupk_mmasum"]
     saved = {}
     for seq in (100, 256, 300):
         g = torch.Generator().manual_seed(seq)
@@ -77,7 +78,8 @@ INTERPRETED = textwrap.dedent(r"""
                       "out_relabel": proto.prototype_attention(ops, sm, config=relabel),
                       "out_groupk": proto.prototype_attention(ops, sm, config=groupk),
                       "out_groupk_m64n64": proto.prototype_attention(ops, sm, config=groupk64),
-                      "out_groupk_n256": proto.prototype_attention(ops, sm, config=groupk256)}
+                      "out_groupk_n256": proto.prototype_attention(ops, sm, config=groupk256),
+                      "out_mmasum_n256": proto.prototype_attention(ops, sm, config=mmasum256)}
     g = torch.Generator().manual_seed(260)  # a tail of 4 keys: two of the block's K-scale groups have none
     q, k, v = (torch.randn(260, 3 * 2 * 128, generator=g) * 1.3).to(torch.bfloat16).unflatten(1, (3, 2, 128)).unsqueeze(0).unbind(2)
     ops = sq.quantize_operands(q, k, v, mode="exact")
@@ -131,10 +133,11 @@ def unpermuted_reference(ops):
     return (torch.softmax(qd @ kd.transpose(1, 2) * SM_SCALE, dim=-1) @ vd).permute(1, 0, 2)
 
 
-def emulate(ops, block_n=128, fold_q_scale=False, group_k=False):
+def emulate(ops, block_n=128, fold_q_scale=False, group_k=False, rowsum_e4m3=False):
     """The prototype's algorithm in torch, key block by key block (fp32 softmax, e4m3 P) -> [S, H, D];
     ``fold_q_scale``: scores kept without the row's Q scale, applied in exp2's argument; ``group_k``:
-    both scales multiplied first, then the score once (f * (q_scale * k_scale) - m)."""
+    both scales multiplied first, then the score once (f * (q_scale * k_scale) - m); ``rowsum_e4m3``:
+    the normaliser sums P rounded to e4m3 (as it meets V) instead of the fp32 P."""
     qi, ki = ops["q_int8"].double(), ops["k_int8"].double()
     h, s, d = qi.shape
     r = torch.arange(s)
@@ -158,15 +161,15 @@ def emulate(ops, block_n=128, fold_q_scale=False, group_k=False):
             arg = sc - m_new[..., None]
         alpha = torch.exp2(m - m_new)
         p = torch.exp2(arg)
-        l = l * alpha + p.sum(-1)
+        l = l * alpha + (p.to(torch.float8_e4m3fn).float() if rowsum_e4m3 else p).sum(-1)
         acc = acc * alpha[..., None] + p.to(torch.float8_e4m3fn).float() @ v8[:, cols]
         m = m_new
     out = acc / l[..., None] * ops["v_scale"][0][:, None, :]
     return out.to(torch.bfloat16).float().permute(1, 0, 2)
 
 
-def assert_emulated(out, ops, block_n=128, fold_q_scale=False, group_k=False):
-    expect = emulate(ops, block_n, fold_q_scale, group_k)
+def assert_emulated(out, ops, block_n=128, fold_q_scale=False, group_k=False, rowsum_e4m3=False):
+    expect = emulate(ops, block_n, fold_q_scale, group_k, rowsum_e4m3)
     differing = (out.float() != expect).float().mean().item()
     assert rel(out, expect) <= EMU_TOL and differing <= EMU_DIFFERING, (rel(out, expect), differing)
 
@@ -217,6 +220,19 @@ def test_p_relabelled_to_v_positions_in_the_kernel_gives_the_same_attention(inte
     assert_emulated(case[variant], case["ops"], block_n, fold_q_scale=True, group_k=group_k)
     assert rel(case[variant], reference(case["ops"])) <= REF_TOL
     assert rel(case[variant], unpermuted_reference(case["ops"])) > 10 * REF_TOL
+
+
+@needs_triton
+@pytest.mark.parametrize("seq", SEQS)
+def test_row_sum_on_the_tensor_cores_normalises_by_the_rounded_p(interpreted, seq):
+    """P . ones gives the row sum of the e4m3 P that multiplies V: the emulation with that normaliser
+    matches tightly, the fp32-sum one does not have to, and the error against fp32 attention stays
+    within the bound (and within a tenth of a percent point of the fp32-sum kernel's)."""
+    case = interpreted[seq]
+    out = case["out_mmasum_n256"]
+    assert_emulated(out, case["ops"], 256, fold_q_scale=True, group_k=True, rowsum_e4m3=True)
+    ref_err, base_err = rel(out, reference(case["ops"])), rel(case["out_groupk_n256"], reference(case["ops"]))
+    assert ref_err <= REF_TOL and ref_err <= base_err + 1e-3, (ref_err, base_err)
 
 
 @needs_triton

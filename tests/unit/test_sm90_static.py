@@ -53,14 +53,15 @@ def compiled():
     static.triton_tool("nvdisasm")  # SystemExit with the reason when this Triton has no CUDA tools
     return {name: static.analyse(name) for name in ("m128n128w8s3", "m128n128w8s3_fold", "m128n128w8s3_cvt_fold",
                                                      "m128n128w8s3_cvt_fold_relabel", "m128n128w8s3_cvt_groupk",
-                                                     "m128n256w8s2_cvt_groupk")}
+                                                     "m128n256w8s2_cvt_groupk", "m128n256w8s2_cvt_groupk_mmasum")}
 
 
 def test_the_prototype_compiles_for_sm90_to_wgmma_without_spills(compiled):
     for name, a in compiled.items():
         cfg = proto.CONFIGS[name]
         steps = 4 * cfg.block_n // 128  # m64 x k32 wgmma steps: Q.K over D = 128, P.V over the key block
-        assert a.mma == {"IGMMA": steps if cfg.block_n > 128 else 4, "QGMMA": steps}, (name, a.mma)
+        pv_steps = steps * (2 if cfg.rowsum_mma else 1)  # and P . ones for the row sums
+        assert a.mma == {"IGMMA": steps if cfg.block_n > 128 else 4, "QGMMA": pv_steps}, (name, a.mma)
         assert a.registers <= 255 and not (a.mix.get("LDL") or a.mix.get("STL")), (name, a.mix)  # no spill in the loop
         assert a.stack_bytes == 0 or cfg.block_n == 256, (name, a.stack_bytes)  # 256-key blocks spill outside it
         assert a.per_score_element == a.loop_instructions * 32 * cfg.num_warps / (cfg.block_m * cfg.block_n)
@@ -100,3 +101,11 @@ def test_256_key_blocks_halve_the_rescale_a_score(compiled):
         scores_per_thread = 128 * keys // 256
         assert 0 <= a.mix["FFMA"] - scores_per_thread - acc_per_thread <= 8, (keys, a.mix["FFMA"])
     assert n256.per_score_element < n128.per_score_element - 1.0
+
+
+def test_row_sums_on_the_tensor_cores_leave_no_add_a_score(compiled):
+    """P . ones replaces the FADD a score of the row sum; the ones are a constant (no shared-memory
+    stores in the loop)."""
+    before, after = compiled["m128n256w8s2_cvt_groupk"], compiled["m128n256w8s2_cvt_groupk_mmasum"]
+    assert before.mix["FADD"] >= 128 and after.mix.get("FADD", 0) <= 4, (before.mix["FADD"], after.mix.get("FADD"))
+    assert after.mix.get("STS", 0) == 0 and after.per_score_element < 7.0
