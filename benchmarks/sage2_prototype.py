@@ -127,6 +127,10 @@ CONFIGS = {
                                              rowsum_mma=True),
     "m128n256w8s2_cvt_groupk_mmasum": Config(block_n=256, num_stages=2, i2f_magic=False, fold_q_scale=True,
                                              relabel_p=True, group_k_scale=True, rowsum_mma=True),
+    "m128n256w8s3_cvt_groupk_mmasum": Config(block_n=256, num_stages=3, i2f_magic=False, fold_q_scale=True,
+                                             relabel_p=True, group_k_scale=True, rowsum_mma=True),
+    "m64n256w4s2_cvt_groupk_mmasum": Config(block_m=64, block_n=256, num_warps=4, num_stages=2, i2f_magic=False,
+                                            fold_q_scale=True, relabel_p=True, group_k_scale=True, rowsum_mma=True),
     "m64n128w4s3_cvt_groupk": Config(block_m=64, num_warps=4, i2f_magic=False, fold_q_scale=True, relabel_p=True,
                                      group_k_scale=True),
 }
