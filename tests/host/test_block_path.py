@@ -157,11 +157,13 @@ def test_unknown_block_structure_keeps_the_attention_only_patch(pack, monkeypatc
     assert off and "forward(" in off[0] and "scale" in off[0], plan.notes
 
 
-def test_fast_path_adds_no_graph_break_under_torch_compile(pack, model):
+@pytest.mark.parametrize("masked", [False, True])
+def test_fast_path_adds_no_graph_break_under_torch_compile(pack, model, masked):
     """torch._dynamo.explain of one block: the fast path breaks the graph exactly where the
-    attention-only patch does (the attention, kept out of the graph on purpose), nowhere else."""
+    attention-only patch does (the attention, kept out of the graph on purpose), nowhere else; also
+    with per-token modulation rows."""
     block = model.model.diffusion_model.blocks[0]
-    inputs = dh.random_block_inputs(block, SEQ, seed=9, dtype=torch.bfloat16)
+    inputs = dh.random_block_inputs(block, SEQ, seed=9, dtype=torch.bfloat16, masked=masked)
     breaks = {}
     for path in ("exact", "fused", "attention_only"):
         clone, _ = pack.nodes.h3_patch.patch_model(
@@ -234,6 +236,9 @@ def test_fused_passes_are_custom_ops_with_fakes(pack):
     torch.library.opcheck(ops.norm_modulate, (x, w, scale, shift, 1e-6, torch.empty_like(x)))
     torch.library.opcheck(ops.norm_modulate, (x, None, scale, shift, 1e-6, torch.empty_like(x)))
     torch.library.opcheck(ops.residual_norm_modulate, (x.clone(), other, gate, w, scale, shift, 1e-6, torch.empty_like(x)))
+    rows = [torch.randn(6, 32, generator=g).bfloat16() for _ in range(3)]  # one modulation row per token
+    torch.library.opcheck(ops.residual_norm_modulate, (x.clone(), other, rows[0], w, rows[1], rows[2], 1e-6,
+                                                       torch.empty_like(x)))
     torch.library.opcheck(ops.swiglu, (torch.randn(6, 64, generator=g).bfloat16(),))
 
 
