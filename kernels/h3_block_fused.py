@@ -11,11 +11,12 @@ benchmarks (``--variant NAME=...:fused_block``) and bounded in tests.
 - ``swiglu``: ``silu(gate) * up`` over the two halves of fc1's output, one pass and one rounding
   (stock: silu is rounded and written, then read back for the product).
 
-The modulation parameters (scale, shift, gate) are one row, or one row per token (current ComfyUI's
-rows under a partial denoise mask). Each is a torch.library custom op with a fake implementation, so torch.compile traces the block
-without a graph break; eager calls skip the dispatcher. One Triton program holds one whole row
-(the norm needs its mean square); offsets are int64. Inputs the kernels do not take (no Triton, a
-CPU tensor outside the interpreter, non-contiguous rows) run the same fp32 math in torch."""
+The modulation parameters (scale, shift, gate) are one row, or one row per token (current
+ComfyUI's rows under a partial denoise mask). Each is a torch.library custom op with a fake
+implementation, so torch.compile traces the block without a graph break; eager calls skip the
+dispatcher. One Triton program holds one whole row (the norm needs its mean square); offsets are
+int64. Inputs the kernels do not take (no Triton, a CPU tensor outside the interpreter,
+non-contiguous rows) run the same fp32 math in torch."""
 
 from __future__ import annotations
 
