@@ -76,7 +76,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -107,6 +107,9 @@ class Config:
     rowsum_mma: bool = False  # the row sum of the e4m3 P by a product with ones on the tensor cores
 
 
+# the plain conversion, both scales per (row, K-scale group), P relabelled in registers: the base of
+# the fewest-instruction configs below
+_GROUPK = Config(i2f_magic=False, fold_q_scale=True, relabel_p=True, group_k_scale=True)
 CONFIGS = {
     "m128n128w8s3": Config(),
     "m128n128w8s2": Config(num_stages=2),
@@ -117,22 +120,16 @@ CONFIGS = {
     "m128n128w8s3_fold": Config(fold_q_scale=True),
     "m128n128w8s3_cvt_fold": Config(i2f_magic=False, fold_q_scale=True),
     "m128n128w8s3_cvt_fold_relabel": Config(i2f_magic=False, fold_q_scale=True, relabel_p=True),
-    "m128n128w8s3_cvt_groupk": Config(i2f_magic=False, fold_q_scale=True, relabel_p=True, group_k_scale=True),
-    "m128n128w8s3_groupk": Config(fold_q_scale=True, relabel_p=True, group_k_scale=True),
-    "m64n256w4s2_cvt_groupk": Config(block_m=64, block_n=256, num_warps=4, num_stages=2, i2f_magic=False,
-                                     fold_q_scale=True, relabel_p=True, group_k_scale=True),
-    "m128n256w8s2_cvt_groupk": Config(block_n=256, num_stages=2, i2f_magic=False, fold_q_scale=True, relabel_p=True,
-                                      group_k_scale=True),
-    "m128n128w8s3_cvt_groupk_mmasum": Config(i2f_magic=False, fold_q_scale=True, relabel_p=True, group_k_scale=True,
+    "m128n128w8s3_cvt_groupk": _GROUPK,
+    "m128n128w8s3_groupk": replace(_GROUPK, i2f_magic=True),
+    "m64n256w4s2_cvt_groupk": replace(_GROUPK, block_m=64, block_n=256, num_warps=4, num_stages=2),
+    "m128n256w8s2_cvt_groupk": replace(_GROUPK, block_n=256, num_stages=2),
+    "m128n128w8s3_cvt_groupk_mmasum": replace(_GROUPK, rowsum_mma=True),
+    "m128n256w8s2_cvt_groupk_mmasum": replace(_GROUPK, block_n=256, num_stages=2, rowsum_mma=True),
+    "m128n256w8s3_cvt_groupk_mmasum": replace(_GROUPK, block_n=256, rowsum_mma=True),
+    "m64n256w4s2_cvt_groupk_mmasum": replace(_GROUPK, block_m=64, block_n=256, num_warps=4, num_stages=2,
                                              rowsum_mma=True),
-    "m128n256w8s2_cvt_groupk_mmasum": Config(block_n=256, num_stages=2, i2f_magic=False, fold_q_scale=True,
-                                             relabel_p=True, group_k_scale=True, rowsum_mma=True),
-    "m128n256w8s3_cvt_groupk_mmasum": Config(block_n=256, num_stages=3, i2f_magic=False, fold_q_scale=True,
-                                             relabel_p=True, group_k_scale=True, rowsum_mma=True),
-    "m64n256w4s2_cvt_groupk_mmasum": Config(block_m=64, block_n=256, num_warps=4, num_stages=2, i2f_magic=False,
-                                            fold_q_scale=True, relabel_p=True, group_k_scale=True, rowsum_mma=True),
-    "m64n128w4s3_cvt_groupk": Config(block_m=64, num_warps=4, i2f_magic=False, fold_q_scale=True, relabel_p=True,
-                                     group_k_scale=True),
+    "m64n128w4s3_cvt_groupk": replace(_GROUPK, block_m=64, num_warps=4),
 }
 DEFAULT_CONFIG = "m128n128w8s3"
 

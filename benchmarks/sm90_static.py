@@ -144,44 +144,43 @@ def analyse(name: str) -> Analysis:
 
 
 def profiled_kernel() -> dict:
-    """SageAttention's sm90 kernel as profiled: {seq: (ms, instructions per element, issue rate, clock Hz)}."""
-    rows = json.loads(PROFILE.read_text())
+    """SageAttention's sm90 kernel as profiled, by sequence length: its time, registers, instructions
+    per score element, issue rate and the clock that follows from them."""
     out = {}
-    for r in rows:
+    for r in json.loads(PROFILE.read_text()):
         issue = r["issue_active_pct"] / 100
-        seconds = r["duration_ns"] * 1e-9
-        clock = r["warp_instructions"] / (seconds * SCHEDULERS * issue)
-        out[r["seq"]] = (r["duration_ms"], r["thread_instructions_per_score_element"], issue, clock)
+        clock = r["warp_instructions"] / (r["duration_ns"] * 1e-9 * SCHEDULERS * issue)
+        out[r["seq"]] = {"ms": r["duration_ms"], "registers": int(r["registers_per_thread"]),
+                         "per_element": r["thread_instructions_per_score_element"], "issue": issue, "clock_hz": clock}
     return out
 
 
 def estimates(per_element: float, profile: dict) -> dict:
     """Milliseconds of one H3 attention call: at full issue, and at SageAttention's measured issue rate."""
     est = {}
-    for seq, (_, _, issue, clock) in sorted(profile.items()):
+    for seq, kernel in sorted(profile.items()):
         warp_instructions = per_element * seq * seq * H3_HEADS / 32
-        floor = warp_instructions / (SCHEDULERS * clock) * 1e3
-        est[seq] = {"issue_floor_ms": floor, "at_sage_issue_rate_ms": floor / issue}
+        floor = warp_instructions / (SCHEDULERS * kernel["clock_hz"]) * 1e3
+        est[seq] = {"issue_floor_ms": floor, "at_sage_issue_rate_ms": floor / kernel["issue"]}
     return est
 
 
-def markdown(payload: dict) -> str:
+def markdown(profile: dict, configs: list[dict]) -> str:
     """One row per config: resources, loop, instructions per score element, the H3 estimates."""
-    seqs = sorted(payload["profile"], key=int)
+    seqs = sorted(profile)
     head = ("| config | registers | stack | shared | loop (warp instr.) | per score element | "
-            + " | ".join(f"S = {int(s):,}: floor / at SageAttention's issue rate" for s in seqs) + " |")
+            + " | ".join(f"S = {s:,}: floor / at SageAttention's issue rate" for s in seqs) + " |")
     lines = [head, "|" + "---|" * (6 + len(seqs))]
-    registers = {str(r["seq"]): int(r["registers_per_thread"]) for r in json.loads(PROFILE.read_text())}
     for s in seqs:
-        ms, per_el, issue, _ = payload["profile"][s]
-        floor = estimates(per_el, {int(k): v for k, v in payload["profile"].items()})[int(s)]["issue_floor_ms"]
-        lines.append(f"| SageAttention sm90 (profiled, S = {int(s):,}) | {registers[s]} | - | - | - | {per_el:.2f} | "
-                     + " | ".join(f"{floor:.2f} / {ms:.2f} ms (measured, {100 * issue:.0f}% issue)" if t == s
-                                  else "" for t in seqs) + " |")
-    for c in payload["configs"]:
+        k = profile[s]
+        floor = estimates(k["per_element"], profile)[s]["issue_floor_ms"]
+        lines.append(f"| SageAttention sm90 (profiled, S = {s:,}) | {k['registers']} | - | - | - | "
+                     f"{k['per_element']:.2f} | "
+                     + " | ".join(f"{floor:.2f} / {k['ms']:.2f} ms (measured, {100 * k['issue']:.0f}% issue)"
+                                  if t == s else "" for t in seqs) + " |")
+    for c in configs:
         cells = " | ".join(f"{e['issue_floor_ms']:.2f} / {e['at_sage_issue_rate_ms']:.2f} ms "
-                           f"({payload['profile'][s][0] / e['at_sage_issue_rate_ms']:.2f}x)"
-                           for s, e in sorted(c["estimates"].items(), key=lambda kv: int(kv[0])))
+                           f"({profile[s]['ms'] / e['at_sage_issue_rate_ms']:.2f}x)" for s, e in c["estimates"].items())
         lines.append(f"| `{c['config']}` | {c['registers']} | {c['stack_bytes']} | {c['shared_bytes']:,} | "
                      f"{c['loop_instructions']} | {c['per_score_element']:.2f} | {cells} |")
     return "\n".join(lines)
@@ -205,23 +204,24 @@ def main(argv=None) -> dict:
     print(f"sm90 machine code, Triton {triton.__version__}; H3 attention: {H3_HEADS} heads x 128")
     print(f"{'config':<22} {'regs':>4} {'stack':>5} {'smem':>6} {'loop':>5} {'/elem':>6}  "
           + "  ".join(f"S={s}: floor / at sage's issue" for s in sorted(profile)))
-    for seq, (ms, per_el, issue, clock) in sorted(profile.items()):
-        est = estimates(per_el, profile)[seq]
-        print(f"  SageAttention sm90, S={seq}: {per_el:.2f} /elem, {ms:.2f} ms at {100 * issue:.0f}% issue "
-              f"and {clock / 1e9:.2f} GHz (floor {est['issue_floor_ms']:.2f} ms)")
-    payload = {"triton": triton.__version__, "profile": {str(k): v for k, v in profile.items()}, "configs": []}
+    for seq, k in sorted(profile.items()):
+        print(f"  SageAttention sm90, S={seq}: {k['per_element']:.2f} /elem, {k['ms']:.2f} ms at "
+              f"{100 * k['issue']:.0f}% issue and {k['clock_hz'] / 1e9:.2f} GHz "
+              f"(floor {estimates(k['per_element'], profile)[seq]['issue_floor_ms']:.2f} ms)")
+    configs = []
     for a in results:
         est = estimates(a.per_score_element, profile)
         cells = "  ".join(f"{e['issue_floor_ms']:7.2f} / {e['at_sage_issue_rate_ms']:7.2f} ms "
-                          f"({profile[s][0] / e['at_sage_issue_rate_ms']:.2f}x)" for s, e in est.items())
+                          f"({profile[s]['ms'] / e['at_sage_issue_rate_ms']:.2f}x)" for s, e in est.items())
         print(f"{a.config:<22} {a.registers:>4} {a.stack_bytes:>5} {a.shared_bytes:>6} {a.loop_instructions:>5} "
               f"{a.per_score_element:>6.2f}  {cells}")
         top = ", ".join(f"{op} {n}" for op, n in list(a.mix.items())[:12])
         print(f"{'':<22} mma {a.mma}; loop mix: {top}")
-        payload["configs"].append({**asdict(a), "estimates": {str(s): e for s, e in est.items()}})
+        configs.append({**asdict(a), "estimates": est})
     print("(x) = SageAttention's profiled time / the prototype's estimate at the same issue rate")
     if args.markdown:
-        print(markdown(payload))
+        print(markdown(profile, configs))
+    payload = {"triton": triton.__version__, "profile": profile, "configs": configs}
     if args.out:
         args.out.write_text(json.dumps(payload, indent=1))
     return payload
