@@ -107,6 +107,19 @@ def all_finite(*tensors: torch.Tensor) -> bool:
 # Names the profiler gives to device activity that is not a kernel launch.
 _NOT_KERNELS = ("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")
 
+# Kernel families of an H3 block, by name: the matrix products and the attention kernel are what an
+# exact path must run as stock runs them; everything else is what a fast path can fuse or drop.
+_FAMILIES = (("attention", ("attn_kernel", "attention", "flash", "fmha", "_attn_fwd", "sdpa")),
+             ("gemm", ("nvjet", "gemm", "Gemm", "cutlass", "sm90_xmma", "cublas")))
+
+
+def kernel_family(name: str) -> str:
+    """The family of a CUDA kernel, by its name: "attention", "gemm" or "other"."""
+    for family, needles in _FAMILIES:
+        if any(n in name for n in needles):
+            return family
+    return "other"
+
 
 def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel: int) -> dict:
     """Device kernels launched by one ``fn()`` call, counted by torch.profiler.
@@ -125,6 +138,7 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
         fn()
         synchronize(device)
     kernels: Counter = Counter()
+    family_us: Counter = Counter()
     transfers = 0
     large_copies = 0
     for event in prof.events():
@@ -133,6 +147,7 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
                 transfers += 1
             else:
                 kernels[event.name] += 1
+                family_us[kernel_family(event.name)] += event.time_range.elapsed_us()
         elif event.name == "aten::copy_":
             shapes = [s for s in (event.input_shapes or []) if isinstance(s, (list, tuple)) and s]
             if any(_numel(s) >= large_numel for s in shapes):
@@ -140,6 +155,8 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
     return {"kernel_launches": sum(kernels.values()) if device.type == "cuda" else None,
             "memcpy_memset": transfers if device.type == "cuda" else None,
             "large_copy_ops": large_copies,
+            "kernel_ms": ({f: round(family_us[f] / 1e3, 3) for f in ("attention", "gemm", "other")}
+                          if device.type == "cuda" else None),
             "kernels": dict(sorted(kernels.items()))}
 
 

@@ -318,8 +318,12 @@ def _check_operands(ops: dict) -> tuple[int, int, int]:
     return h, s, d
 
 
-def prototype_attention(ops: dict, sm_scale: float, *, config: str | Config = DEFAULT_CONFIG) -> torch.Tensor:
-    """Attention from prepared operands (the dict ``quantize_operands`` returns) -> bf16 [S, H, D]."""
+def prototype_attention(ops: dict, sm_scale: float, *, config: str | Config = DEFAULT_CONFIG,
+                        aot=None) -> torch.Tensor:
+    """Attention from prepared operands (the dict ``quantize_operands`` returns) -> bf16 [S, H, D].
+
+    ``aot``: a ``benchmarks.triton_aot.Cubins`` to launch the config's ahead-of-time cubin from (``config``
+    then names one it holds) instead of compiling the kernel with this process's Triton."""
     if triton is None:
         raise RuntimeError(f"the sage2 prototype needs Triton: {sq.TRITON_ERROR}")
     cfg = CONFIGS[config] if isinstance(config, str) else config
@@ -333,9 +337,16 @@ def prototype_attention(ops: dict, sm_scale: float, *, config: str | Config = DE
     h, s, d = _check_operands(ops)
     out = torch.empty(s, h, d, dtype=torch.bfloat16, device=ops["q_int8"].device)
     grid = (triton.cdiv(s, cfg.block_m), h)
+    values = (ops["q_int8"], ops["q_scale"], ops["k_int8"], ops["k_scale"], ops["v_fp8"], ops["v_scale"], out,
+              s, h, ops["q_scale"].shape[-1], ops["k_scale"].shape[-1], ops["v_fp8"].shape[-1],
+              float(sm_scale) * LOG2E)
+    if aot is not None:
+        if not isinstance(config, str):
+            raise ValueError("an ahead-of-time launch names its config (the cubin is built per name)")
+        aot.launch(config, grid, values, torch.cuda.current_stream(out.device).cuda_stream)
+        return out
     _prototype_kernel[grid](
-        ops["q_int8"], ops["q_scale"], ops["k_int8"], ops["k_scale"], ops["v_fp8"], ops["v_scale"], out,
-        s, h, ops["q_scale"].shape[-1], ops["k_scale"].shape[-1], ops["v_fp8"].shape[-1], float(sm_scale) * LOG2E,
+        *values,
         D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, I2F_MAGIC=cfg.i2f_magic, EXP2_F16=cfg.exp2_f16,
         FOLD_Q=cfg.fold_q_scale, RELABEL=cfg.relabel_p, GROUP_K=cfg.group_k_scale, MMA_SUM=cfg.rowsum_mma,
         EMULATE=sq.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -400,11 +411,11 @@ def sage_call(ops: dict, seq: int, heads: int, sm_scale: float):
     return lambda: backend.attend(prepared)[0]
 
 
-def compiled_variants(ops: dict, sm_scale: float, names: list[str]) -> tuple[dict, dict]:
-    """{name: call} for the configs that compile and run here, {name: error} for the others."""
+def compiled_variants(ops: dict, sm_scale: float, names: list[str], aot=None) -> tuple[dict, dict]:
+    """{name: call} for the configs that compile (or load, with ``aot``) and run here, {name: error} for the others."""
     calls, failed = {}, {}
     for name in names:
-        call = (lambda n: lambda: prototype_attention(ops, sm_scale, config=n))(name)
+        call = (lambda n: lambda: prototype_attention(ops, sm_scale, config=n, aot=aot))(name)
         try:
             call()
             torch.cuda.synchronize()
@@ -415,12 +426,12 @@ def compiled_variants(ops: dict, sm_scale: float, names: list[str]) -> tuple[dic
     return calls, failed
 
 
-def bench_length(seq: int, heads: int, names: list[str], reps: int, warmup: int) -> dict:
+def bench_length(seq: int, heads: int, names: list[str], reps: int, warmup: int, aot=None) -> dict:
     from benchmarks.measure import event_timed, interleaved_times, summary
 
     sm_scale = D ** -0.5
     ops = make_operands(seq, heads, seed=7)
-    calls, failed = compiled_variants(ops, sm_scale, names)
+    calls, failed = compiled_variants(ops, sm_scale, names, aot)
     calls = {"sage2_sm90": sage_call(ops, seq, heads, sm_scale), **calls}
     times = interleaved_times({n: event_timed(f) for n, f in calls.items()}, reps=reps, warmup=warmup)
     rows = torch.cat([torch.arange(REF_ROWS), torch.arange(seq - REF_ROWS, seq)]).cuda()
@@ -473,6 +484,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--configs", nargs="+", default=["all"], help=f"names from {list(CONFIGS)}, or all")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--aot", default=None, metavar="DIR",
+                   help="launch the configs from the cubins `python -m benchmarks.triton_aot --out DIR` built "
+                        "(a newer Triton's code on a machine whose Triton is older; needs CuPy) instead of this Triton")
     args = p.parse_args(argv)
     names = list(CONFIGS) if args.configs == ["all"] else args.configs
     unknown = [n for n in names if n not in CONFIGS]
@@ -482,13 +496,19 @@ def main(argv=None) -> int:
     if problem:
         sys.exit(f"sage2_prototype: {problem}")
     import sageattention
+    aot = None
+    if args.aot:
+        from benchmarks.triton_aot import Cubins
+        aot = Cubins(args.aot)
     cap = torch.cuda.get_device_capability()
     report = {"device": torch.cuda.get_device_name(), "compute_capability": f"SM{cap[0]}{cap[1]}",
               "torch": torch.__version__, "triton": triton.__version__,
+              "kernels_from": (f"cubins built ahead of time by Triton {aot.manifest['triton']}" if aot
+                               else f"this machine's Triton {triton.__version__}"),
               "sageattention": getattr(sageattention, "__version__", None),
               "configs": {n: asdict(CONFIGS[n]) for n in names}, "lengths": []}
     for seq in args.seq:
-        report["lengths"].append(bench_length(seq, args.heads, names, args.reps, args.warmup))
+        report["lengths"].append(bench_length(seq, args.heads, names, args.reps, args.warmup, aot))
         print_length(report["lengths"][-1])
         if args.out:
             with open(args.out, "w") as f:

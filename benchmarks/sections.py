@@ -316,8 +316,11 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
             counts[name] = measure.profile_kernels(
                 lambda: block(inputs.pop(), t_emb, segments, rope, transformer_options=transformer_options),
                 bench.device, large)
+        ms = counts[name]["kernel_ms"]
         bench.log(f"  {name}: {counts[name]['kernel_launches']} kernels, "
-                  f"{counts[name]['large_copy_ops']} large copies")
+                  f"{counts[name]['large_copy_ops']} large copies"
+                  + (f", kernel ms attention {ms['attention']:.2f} gemm {ms['gemm']:.2f} other {ms['other']:.2f}"
+                     if ms else ""))
     result = {"tool": f"torch.profiler (torch {torch_version})", "block": index,
               "large_copy_threshold_elements": large}
     for name, c in counts.items():
@@ -335,6 +338,7 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
             st, lt = counts["stock"]["kernel_launches"], counts[layout]["kernel_launches"]
             result[f"stock_minus_{layout}_kernel_launches"] = None if st is None else st - lt
     result["kernels"] = {n: c["kernels"] for n, c in counts.items()}
+    result["kernel_ms_by_family"] = {n: c["kernel_ms"] for n, c in counts.items()}
     return result
 
 

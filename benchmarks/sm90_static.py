@@ -32,15 +32,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import sage2_prototype as proto
+from benchmarks.triton_aot import compile_sm90
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "benchmarks" / "results" / "ncu" / "sage2_sm90_kernel_profile.json"
 SCHEDULERS = 132 * 4  # H200: 132 SMs, 4 warp schedulers each
 H3_HEADS, H3_SEQS = 56, (8192, 37810)
-# the prototype kernel's argument types; pointers and padded lengths are 16-divisible in every launch
-SIGNATURE = dict(Q="*i8", QS="*fp32", K="*i8", KS="*fp32", V="*fp8e4nv", VS="*fp32", O="*bf16", S="i32", H="i32",
-                 NQS="i32", NKS="i32", LPAD="i32", qk_scale="fp32")
-DIVISIBLE_BY_16 = ("Q", "QS", "K", "KS", "V", "VS", "O", "NQS", "NKS", "LPAD")
 MMA_OPCODES = ("IGMMA", "QGMMA", "HGMMA", "HMMA", "IMMA")
 
 
@@ -52,25 +49,6 @@ def triton_tool(name: str) -> str:
     if not path.exists():
         raise SystemExit(f"sm90_static: this Triton has no {name} ({path}); install a CUDA build of Triton")
     return str(path)
-
-
-def compile_sm90(config: proto.Config) -> tuple[bytes, int]:
-    """The prototype kernel compiled for sm90 with ``config``: (cubin, dynamic shared memory bytes)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    constexprs = dict(D=proto.D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, I2F_MAGIC=config.i2f_magic,
-                      EXP2_F16=config.exp2_f16, FOLD_Q=config.fold_q_scale,
-                      RELABEL=config.relabel_p, GROUP_K=config.group_k_scale, MMA_SUM=config.rowsum_mma,
-                      EMULATE=False)
-    names = list(proto._prototype_kernel.arg_names)
-    signature = {n: SIGNATURE.get(n, "constexpr") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE_BY_16}
-    source = triton.compiler.ASTSource(proto._prototype_kernel, signature=signature, constexprs=constexprs,
-                                       attrs=attrs)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
-    return kernel.asm["cubin"], int(kernel.metadata.shared)
 
 
 def _run_tool(tool: str, args: list[str], cubin: bytes) -> str:
@@ -133,7 +111,8 @@ class Analysis:
 
 def analyse(name: str) -> Analysis:
     config = proto.CONFIGS[name]
-    cubin, shared = compile_sm90(config)
+    kernel = compile_sm90(config)
+    cubin, shared = kernel.asm["cubin"], int(kernel.metadata.shared)
     listing, labels = instructions(_run_tool("nvdisasm", ["-c"], cubin))
     loop = main_loop(listing, labels)
     mix = collections.Counter(opcode(i) for i in loop)

@@ -14,11 +14,13 @@ SageAttention's own error on them (relative L2, first and last 256 query rows):
   25 GiB.
 
 Measured numbers are appended to $OUT/sage2_prototype_checks.jsonl (or ./sage2_prototype_checks.jsonl).
+With ``SAGE2_PROTOTYPE_AOT=DIR`` the kernels are launched from the cubins ``benchmarks/triton_aot``
+built into DIR (a newer Triton's code, on a machine whose own Triton is older) instead of being
+compiled here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -39,6 +41,16 @@ HEADS, D = 56, 128
 SM_SCALE = D ** -0.5
 ROWS = 256
 WITHIN = 1.10  # the prototype's error at most 10 % above SageAttention's own
+AOT_DIR = os.environ.get("SAGE2_PROTOTYPE_AOT")
+
+
+@pytest.fixture(scope="module")
+def aot():
+    """The ahead-of-time cubins when SAGE2_PROTOTYPE_AOT names them, else None (this Triton compiles)."""
+    if not AOT_DIR:
+        return None
+    from benchmarks.triton_aot import Cubins
+    return Cubins(AOT_DIR)
 
 
 def log_result(row):
@@ -68,9 +80,9 @@ def short():
 
 
 @pytest.mark.parametrize("name", list(proto.CONFIGS))
-def test_error_within_10_percent_of_sageattention_at_8192(short, name):
+def test_error_within_10_percent_of_sageattention_at_8192(short, aot, name):
     try:
-        out = proto.prototype_attention(short["ops"], SM_SCALE, config=name)
+        out = proto.prototype_attention(short["ops"], SM_SCALE, config=name, aot=aot)
         torch.cuda.synchronize()
     except Exception as exc:
         if proto.CONFIGS[name].exp2_f16:
@@ -86,10 +98,9 @@ def test_error_within_10_percent_of_sageattention_at_8192(short, name):
         assert err[part]["rel_l2"] <= WITHIN * short["sage"][part]["rel_l2"], row
 
 
-def test_integer_add_conversion_matches_the_plain_conversion(short):
-    magic = proto.prototype_attention(short["ops"], SM_SCALE)
-    cfg = dataclasses.replace(proto.CONFIGS[proto.DEFAULT_CONFIG], i2f_magic=False)
-    plain = proto.prototype_attention(short["ops"], SM_SCALE, config=cfg)
+def test_integer_add_conversion_matches_the_plain_conversion(short, aot):
+    magic = proto.prototype_attention(short["ops"], SM_SCALE, config="m128n128w8s3", aot=aot)
+    plain = proto.prototype_attention(short["ops"], SM_SCALE, config="m128n128w8s3_cvt", aot=aot)  # the same, cvt
     row = {"check": "i2f_magic_vs_cvt", "seq": short["seq"], "bit_identical": bool(torch.equal(magic, plain)),
            "max_abs": (magic.float() - plain.float()).abs().max().item()}
     log_result(row)
@@ -97,12 +108,12 @@ def test_integer_add_conversion_matches_the_plain_conversion(short):
 
 
 @pytest.mark.parametrize("name", [proto.DEFAULT_CONFIG, "m128n128w8s3_cvt_groupk", "m128n256w8s2_cvt_groupk_mmasum"])
-def test_long_sequence_with_offsets_past_2_31(name):
+def test_long_sequence_with_offsets_past_2_31(aot, name):
     seq, heads = 320000, [0, 27, 55]
     ops = proto.make_operands(seq, HEADS, seed=4)
     assert (HEADS - 1) * seq * D > 2**31 and seq * HEADS * D > 2**31  # the last head's offsets: what this tests
     rows = error_rows(seq)
-    out = proto.prototype_attention(ops, SM_SCALE, config=name)
+    out = proto.prototype_attention(ops, SM_SCALE, config=name, aot=aot)
     sage = proto.sage_call(ops, seq, HEADS, SM_SCALE)()
     row = {"check": "prototype_long_sequence", "seq": seq, "heads": heads, "config": name}
     for h in heads:

@@ -355,3 +355,16 @@ def test_validation_items_of_any_variant_get_their_labels():
         "- blocks 0, 1, stock vs kj_lowvram: bit-exact",
         "- 12-step sampling, stock vs attention_only: identical video and audio checksums",
         "- the peer (KJNodes) and the pack: same kernel"]
+
+
+@pytest.mark.parametrize("name, family", [
+    ("void qk_int8_sv_f8_attn_kernel<64u, 128u, 128u, 128u>", "attention"),  # SageAttention 2 sm90
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention"),
+    ("nvjet_sm90_tst_192x208_64x4_1x2_h_bz_coopB_TNT", "gemm"),  # cuBLAS bf16
+    ("void cutlass::Kernel2<cutlass::gemm::kernel::DefaultGemmWithVisitor<signed char>>", "gemm"),  # int8_linear
+    ("void comfy::(anonymous namespace)::quantize_int8_rowwise_convrot64_kernel<__nv_bfloat16>", "other"),
+    ("_scale_shift_kernel", "other"),
+    ("void at::native::vectorized_layer_norm_kernel<c10::BFloat16, float, true>", "other"),
+])
+def test_kernel_family_splits_a_block_into_attention_gemms_and_the_rest(name, family):
+    assert measure.kernel_family(name) == family

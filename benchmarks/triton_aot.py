@@ -1,0 +1,157 @@
+"""The attention prototype compiled ahead of time: built for sm90 here, launched from its cubin there.
+
+    python -m benchmarks.triton_aot --out DIR                   # every prototype config -> DIR
+    python -m benchmarks.sage2_prototype --aot DIR ...           # on the GPU: time those cubins
+
+Why: the prototype is written for the Triton a user installs with a current torch (3.8 here). A GPU
+machine whose Python holds an older Triton (3.6 compiles the 256-key and relabelled configs not at
+all, and the default one at about three times the instructions a score) can still run the kernels
+the user would get: Triton compiles them for sm90 on this machine without a GPU, and the GPU machine
+loads the cubin through CuPy's module loader. The kernel's parameters are the Triton kernel's
+non-constexpr arguments in order, then two scratch pointers Triton appends (global and profile
+scratch, null when the kernel asks for none); the manifest records what a launch needs (the kernel's
+name, warps, dynamic shared memory, the parameter count read from its PTX, the Triton that built it).
+
+The compile is the one ``benchmarks/sm90_static`` reads: every pointer and the operands' padded
+lengths divisible by 16 (as every launch has them), the sequence length left unspecialised, so one
+cubin serves every length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from benchmarks import sage2_prototype as proto
+
+# the prototype kernel's argument types; pointers and padded lengths are 16-divisible in every launch
+SIGNATURE = dict(Q="*i8", QS="*fp32", K="*i8", KS="*fp32", V="*fp8e4nv", VS="*fp32", O="*bf16", S="i32", H="i32",
+                 NQS="i32", NKS="i32", LPAD="i32", qk_scale="fp32")
+DIVISIBLE_BY_16 = ("Q", "QS", "K", "KS", "V", "VS", "O", "NQS", "NKS", "LPAD")
+SCRATCH_POINTERS = 2  # global and profile scratch, appended by Triton 3.x to every kernel's parameters
+MANIFEST = "manifest.json"
+
+
+def compile_sm90(config: proto.Config):
+    """The prototype kernel compiled for sm90 with ``config`` (Triton's CompiledKernel)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    constexprs = dict(D=proto.D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, I2F_MAGIC=config.i2f_magic,
+                      EXP2_F16=config.exp2_f16, FOLD_Q=config.fold_q_scale,
+                      RELABEL=config.relabel_p, GROUP_K=config.group_k_scale, MMA_SUM=config.rowsum_mma,
+                      EMULATE=False)
+    names = list(proto._prototype_kernel.arg_names)
+    signature = {n: SIGNATURE.get(n, "constexpr") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE_BY_16}
+    source = triton.compiler.ASTSource(proto._prototype_kernel, signature=signature, constexprs=constexprs,
+                                       attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+def ptx_parameter_count(ptx: str, kernel: str) -> int:
+    """How many parameters the PTX entry ``kernel`` takes."""
+    entry = re.search(r"\.entry\s+" + re.escape(kernel) + r"\s*\((.*?)\)", ptx, re.S)
+    if not entry:
+        raise ValueError(f"no .entry {kernel} in the PTX")
+    return len(re.findall(r"\.param\s", entry[1]))
+
+
+def build(out: Path, names: list[str]) -> dict:
+    """Compile ``names`` into ``out`` (one cubin each) and write the manifest; returns it."""
+    import triton
+
+    out.mkdir(parents=True, exist_ok=True)
+    arguments = [n for n in proto._prototype_kernel.arg_names if n in SIGNATURE]
+    manifest = {"triton": triton.__version__, "target": "sm_90a", "arguments": arguments, "configs": {}}
+    for name in names:
+        kernel = compile_sm90(proto.CONFIGS[name])
+        md = kernel.metadata
+        params = ptx_parameter_count(kernel.asm["ptx"], md.name)
+        if params != len(arguments) + SCRATCH_POINTERS:
+            raise RuntimeError(f"{name}: the kernel takes {params} parameters, expected {len(arguments)} arguments + "
+                               f"{SCRATCH_POINTERS} scratch pointers; this Triton's launch ABI is not the one assumed here")
+        if md.global_scratch_size or md.profile_scratch_size:
+            raise RuntimeError(f"{name}: the kernel asks for scratch memory, which this launcher does not allocate")
+        (out / f"{name}.cubin").write_bytes(kernel.asm["cubin"])
+        manifest["configs"][name] = {"kernel": md.name, "num_warps": md.num_warps, "shared": int(md.shared),
+                                     "parameters": params, "cubin": f"{name}.cubin"}
+        print(f"{name}: {md.num_warps} warps, {int(md.shared):,} B shared, {params} parameters", flush=True)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def kernel_arguments(values: tuple, arguments: list[str]) -> tuple:
+    """The launch's parameter values, each as the fixed-width scalar the kernel reads: pointers (tensors)
+    as 64-bit addresses, the ``i32`` arguments as int32, ``fp32`` as float32; then the null scratch pointers."""
+    import numpy as np
+
+    if len(values) != len(arguments):
+        raise ValueError(f"{len(values)} values for the {len(arguments)} arguments {arguments}")
+    packed = []
+    for name, value in zip(arguments, values):
+        kind = SIGNATURE[name]
+        if kind.startswith("*"):
+            packed.append(np.uint64(value.data_ptr()))
+        elif kind == "i32":
+            if not -2**31 <= int(value) < 2**31:
+                raise ValueError(f"{name} = {value} does not fit the kernel's int32 argument")
+            packed.append(np.int32(value))
+        else:
+            packed.append(np.float32(value))
+    return tuple(packed) + (np.uint64(0),) * SCRATCH_POINTERS
+
+
+class Cubins:
+    """The cubins of a ``build`` folder, loaded on this process's current CUDA device through CuPy."""
+
+    def __init__(self, folder):
+        import cupy
+
+        self.folder = Path(folder)
+        self.manifest = json.loads((self.folder / MANIFEST).read_text())
+        self._cupy = cupy
+        self._kernels = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.manifest["configs"]
+
+    def _kernel(self, name: str):
+        if name not in self._kernels:
+            entry = self.manifest["configs"][name]
+            module = self._cupy.RawModule(path=str(self.folder / entry["cubin"]))
+            kernel = module.get_function(entry["kernel"])
+            kernel.max_dynamic_shared_size_bytes = entry["shared"]
+            self._kernels[name] = (module, kernel)
+        return self._kernels[name][1]
+
+    def launch(self, name: str, grid: tuple, values: tuple, stream_handle: int) -> None:
+        """One launch of config ``name`` on the CUDA stream ``stream_handle`` (torch's current stream)."""
+        if name not in self:
+            raise KeyError(f"no cubin for config {name!r} in {self.folder} (built: {sorted(self.manifest['configs'])})")
+        entry = self.manifest["configs"][name]
+        kernel = self._kernel(name)
+        args = kernel_arguments(values, self.manifest["arguments"])
+        with self._cupy.cuda.ExternalStream(stream_handle):
+            kernel(tuple(grid) + (1,) * (3 - len(grid)), (32 * entry["num_warps"], 1, 1), args,
+                   shared_mem=entry["shared"])
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="folder for the cubins and manifest.json")
+    p.add_argument("--configs", nargs="+", default=list(proto.CONFIGS))
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.configs) - set(proto.CONFIGS))
+    if unknown:
+        raise SystemExit(f"triton_aot: unknown configs {unknown}; known: {sorted(proto.CONFIGS)}")
+    if proto.triton is None:
+        raise SystemExit(f"triton_aot: needs Triton ({proto.sq.TRITON_ERROR})")
+    return build(args.out, args.configs)
+
+
+if __name__ == "__main__":
+    main()
