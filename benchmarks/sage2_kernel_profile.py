@@ -2,6 +2,12 @@
 
     python -m benchmarks.sage2_kernel_profile --seq 8192 37810 --out DIR     # driver: runs ncu per S
     python -m benchmarks.sage2_kernel_profile --target --seq 8192            # what ncu launches
+    python -m benchmarks.sage2_kernel_profile --seq 8192 --out DIR --aot CUBINS \
+        --prototype m64n128w4s3_cvt_groupk                                 # also the prototype's configs
+
+``--prototype NAME`` (repeatable) profiles the attention prototype's config NAME, launched from the
+ahead-of-time cubins in ``--aot`` (``benchmarks/triton_aot``), on the same operands, beside
+SageAttention's kernel, with the same sections and summary.
 
 The target prepares H3-shaped operands (56x128 heads, bf16 inputs, ``sage2_prep = exact``) with the
 pack's own passes, runs the kernel once to warm up, then once inside a profiler range; the driver
@@ -23,6 +29,7 @@ from pathlib import Path
 
 HEADS, D = 56, 128
 KERNEL = "regex:qk_int8_sv_f8"
+PROTOTYPE_KERNEL = "_prototype_kernel"
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "InstructionStats", "WarpStateStats", "SchedulerStats",
             "Occupancy", "LaunchStats")
 # summary keys -> the ncu metric names read for them (the first one present is used)
@@ -47,7 +54,7 @@ METRICS = {
 STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
 
 
-def target(seq: int) -> None:
+def target(seq: int, prototype: str | None = None, aot: str | None = None) -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -63,21 +70,38 @@ def target(seq: int) -> None:
     q, k_, v = k.split_fused_qkv(qkv, HEADS, D)
     prepared = backend.prepare(q, k_, v, mode="exact", norm=k.QKNorm(rope_table=table, q_weight=qw, k_weight=kw,
                                                                      eps=1e-5))
-    backend.attend(prepared)
+    if prototype is None:
+        def launch():
+            backend.attend(prepared)
+    else:
+        from benchmarks import sage2_prototype as proto
+        from benchmarks.triton_aot import Cubins
+        cubins = Cubins(aot)
+
+        def launch():
+            proto.prototype_attention(prepared.operands, prepared.sm_scale, config=prototype, aot=cubins)
+    launch()
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    backend.attend(prepared)
+    launch()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 
 
-def run_ncu(seq: int, out: Path) -> Path:
-    raw = out / f"sage2_sm90_kernel_S{seq}.csv"
-    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--kernel-name", KERNEL,
+def raw_name(seq: int, prototype: str | None) -> str:
+    return f"sage2_sm90_kernel_S{seq}.csv" if prototype is None else f"prototype_{prototype}_S{seq}.csv"
+
+
+def run_ncu(seq: int, out: Path, prototype: str | None = None, aot: str | None = None) -> Path:
+    raw = out / raw_name(seq, prototype)
+    kernel = KERNEL if prototype is None else PROTOTYPE_KERNEL
+    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--kernel-name", kernel,
            "--launch-count", "1", "--csv", "--page", "raw", "--metrics", "smsp__inst_executed.sum"]
     for section in SECTIONS:
         cmd += ["--section", section]
     cmd += [sys.executable, "-m", "benchmarks.sage2_kernel_profile", "--target", "--seq", str(seq)]
+    if prototype is not None:
+        cmd += ["--prototype", prototype, "--aot", str(aot)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     raw.write_text(proc.stdout)
     if proc.returncode != 0:
@@ -125,17 +149,23 @@ def main(argv=None) -> int:
     p.add_argument("--target", action="store_true", help="the profiled program (ncu launches it)")
     p.add_argument("--out", default=".")
     p.add_argument("--parse-only", action="store_true", help="summarise the CSVs already in --out")
+    p.add_argument("--prototype", action="append", default=[], metavar="CONFIG",
+                   help="also profile this prototype config (repeatable; needs --aot)")
+    p.add_argument("--aot", help="the prototype's ahead-of-time cubins (python -m benchmarks.triton_aot --out DIR)")
     args = p.parse_args(argv)
+    if args.prototype and not args.aot:
+        p.error("--prototype needs --aot DIR (the cubins benchmarks/triton_aot built)")
     if args.target:
         for seq in args.seq:
-            target(seq)
+            target(seq, args.prototype[0] if args.prototype else None, args.aot)
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    raws = [out / f"sage2_sm90_kernel_S{seq}.csv" for seq in args.seq] if args.parse_only else \
-        [run_ncu(seq, out) for seq in args.seq]
-    summaries = [parse(raw, seq) for raw, seq in zip(raws, args.seq)]
-    (out / "sage2_sm90_kernel_profile.json").write_text(json.dumps(summaries, indent=1))
+    runs = [(seq, None) for seq in args.seq] + [(seq, name) for name in args.prototype for seq in args.seq]
+    raws = [out / raw_name(seq, name) if args.parse_only else run_ncu(seq, out, name, args.aot) for seq, name in runs]
+    summaries = [dict(parse(raw, seq), kernel=name or "sage2_sm90") for raw, (seq, name) in zip(raws, runs)]
+    profile = "sage2_sm90_kernel_profile.json" if not args.prototype else "sm90_kernels_profile.json"
+    (out / profile).write_text(json.dumps(summaries, indent=1))
     for s in summaries:
         print(json.dumps({k: v for k, v in s.items() if not k.endswith("_metric")}, indent=1))
     return 0
