@@ -105,6 +105,7 @@ class Config:
     relabel_p: bool = False  # K read in token order, P's columns relabelled to V's positions (no gather)
     group_k_scale: bool = False  # with relabel_p: both scales applied per (row, K-scale group), not per score
     rowsum_mma: bool = False  # the row sum of the e4m3 P by a product with ones on the tensor cores
+    tma_loads: bool = False  # with relabel_p: K and V tiles by the Tensor Memory Accelerator (in-kernel descriptors)
 
 
 # the plain conversion, both scales per (row, K-scale group), P relabelled in registers: the base of
@@ -130,6 +131,15 @@ CONFIGS = {
     "m64n256w4s2_cvt_groupk_mmasum": replace(_GROUPK, block_m=64, block_n=256, num_warps=4, num_stages=2,
                                              rowsum_mma=True),
     "m64n128w4s3_cvt_groupk": replace(_GROUPK, block_m=64, num_warps=4),
+    # K and V tiles by TMA; one warpgroup and 64 rows as SageAttention's kernel runs, the fastest without
+    "m64n128w4s3_cvt_groupk_tma": replace(_GROUPK, block_m=64, num_warps=4, tma_loads=True),
+    "m64n128w4s4_cvt_groupk_tma": replace(_GROUPK, block_m=64, num_warps=4, num_stages=4, tma_loads=True),
+    "m64n128w4s3_cvt_groupk_mmasum_tma": replace(_GROUPK, block_m=64, num_warps=4, rowsum_mma=True, tma_loads=True),
+    "m128n128w8s3_cvt_groupk_tma": replace(_GROUPK, tma_loads=True),
+    "m128n256w8s2_cvt_groupk_mmasum_tma": replace(_GROUPK, block_n=256, num_stages=2, rowsum_mma=True, tma_loads=True),
+    "m64n128w4s4_cvt_groupk": replace(_GROUPK, block_m=64, num_warps=4, num_stages=4),
+    "m64n128w4s2_cvt_groupk": replace(_GROUPK, block_m=64, num_warps=4, num_stages=2),
+    "m64n128w4s3_cvt_groupk_mmasum": replace(_GROUPK, block_m=64, num_warps=4, rowsum_mma=True),
 }
 DEFAULT_CONFIG = "m128n128w8s3"
 
@@ -200,10 +210,10 @@ if triton is not None:
         return tl.reshape(arg5, (M, N)), m_new
 
     @triton.jit
-    def _key_block(acc, l_i, m_i, q, qsc, k_head, ks_head, v_head, v_cols, n0, S, perm, j, c,
+    def _key_block(acc, l_i, m_i, q, qsc, k_head, ks_head, v_head, v_cols, n0, S, perm, j, c, k_desc, v_desc,
                    D: tl.constexpr, MASKED: tl.constexpr, I2F_MAGIC: tl.constexpr, EXP2_F16: tl.constexpr,
                    FOLD_Q: tl.constexpr, RELABEL: tl.constexpr, GROUP_K: tl.constexpr, MMA_SUM: tl.constexpr,
-                   EMULATE: tl.constexpr):
+                   TMA: tl.constexpr, EMULATE: tl.constexpr):
         """One key block. Column j of S is the token at V position n0 + j: K rows and K scales are
         gathered in V's permuted order, so P's columns meet V's positions as they are.
         FOLD_Q: scores are kept as t = s / q_scale of the row (scales are >= 0, so the row max is
@@ -212,11 +222,17 @@ if triton is not None:
         ks_off = tok // 128 * 4 + (tok % 8) // 2  # the K scale of the token's 32-row group
         if MASKED:
             valid = tok < S
+        if TMA:  # token order (relabel_p): one [BLOCK_N, D] tile, zero past S
+            k = k_desc.load([n0, 0])
+        elif MASKED:
             k = tl.load(k_head + tok[:, None] * D + c[None, :], mask=valid[:, None], other=0)
-            ks = tl.load(ks_head + ks_off, mask=valid, other=0.0)
         else:
             k = tl.load(k_head + tok[:, None] * D + c[None, :])
-            ks = tl.load(ks_head + ks_off)
+        if not GROUP_K:
+            if MASKED:
+                ks = tl.load(ks_head + ks_off, mask=valid, other=0.0)
+            else:
+                ks = tl.load(ks_head + ks_off)
         qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
         if GROUP_K:
             u = n0 // 128 + tl.arange(0, (j.shape[0] + 127) // 128)  # the 128-key K-scale blocks met
@@ -248,7 +264,9 @@ if triton is not None:
         if RELABEL:  # token 8a + 2t + b of each 16 to V's position 4t + 2a + b (SageAttention's layout)
             p = tl.reshape(tl.permute(tl.reshape(p, (p.shape[0], p.shape[1] // 16, 2, 4, 2)), (0, 1, 3, 2, 4)),
                            (p.shape[0], p.shape[1]))
-        if MASKED:  # a 256-key tail block may reach past V's padding (a multiple of 128)
+        if TMA:  # [D, BLOCK_N] of V's padded rows, zero past them
+            vt = v_desc.load([0, n0])
+        elif MASKED:  # a 256-key tail block may reach past V's padding (a multiple of 128)
             vt = tl.load(v_head + v_cols + (n0 + j)[None, :], mask=((n0 + j) < (S + 127) // 128 * 128)[None, :],
                          other=0.0)
         else:
@@ -265,7 +283,7 @@ if triton is not None:
                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           I2F_MAGIC: tl.constexpr, EXP2_F16: tl.constexpr, FOLD_Q: tl.constexpr,
                           RELABEL: tl.constexpr, GROUP_K: tl.constexpr, MMA_SUM: tl.constexpr,
-                          EMULATE: tl.constexpr):
+                          TMA: tl.constexpr, EMULATE: tl.constexpr):
         pid_m = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -281,18 +299,24 @@ if triton is not None:
             perm = (j - jj + ((jj // 2) % 2) * 8 + (jj // 4) * 2 + jj % 2).to(tl.int64)  # position -> token
         k_head, ks_head, v_head = K + h * S * D, KS + h * NKS, V + h * D * LPAD
         v_cols = c.to(tl.int64)[:, None] * LPAD
+        if TMA:  # descriptors made in the kernel (global scratch): K [S, D] and V [D, LPAD] of this head
+            k_desc = tl.make_tensor_descriptor(k_head, shape=[S, D], strides=[D, 1], block_shape=[BLOCK_N, D])
+            v_desc = tl.make_tensor_descriptor(v_head, shape=[D, LPAD], strides=[LPAD, 1], block_shape=[D, BLOCK_N])
+        else:
+            k_desc = k_head
+            v_desc = v_head
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         full = S // BLOCK_N * BLOCK_N
         for n0 in tl.range(0, full, BLOCK_N):
             acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qsc, k_head, ks_head, v_head, v_cols, n0, S, perm, j, c,
-                                       D, False, I2F_MAGIC, EXP2_F16, FOLD_Q, RELABEL, GROUP_K, MMA_SUM,
-                                       EMULATE)
+                                       k_desc, v_desc, D, False, I2F_MAGIC, EXP2_F16, FOLD_Q, RELABEL, GROUP_K,
+                                       MMA_SUM, TMA, EMULATE)
         if full < S:
             acc, l_i, m_i = _key_block(acc, l_i, m_i, q, qsc, k_head, ks_head, v_head, v_cols, full, S, perm, j, c,
-                                       D, True, I2F_MAGIC, EXP2_F16, FOLD_Q, RELABEL, GROUP_K, MMA_SUM,
-                                       EMULATE)
+                                       k_desc, v_desc, D, True, I2F_MAGIC, EXP2_F16, FOLD_Q, RELABEL, GROUP_K,
+                                       MMA_SUM, TMA, EMULATE)
         vs = tl.load(VS + h * D + c)
         o = acc / l_i[:, None] * vs[None, :]
         if EMULATE:
@@ -332,6 +356,8 @@ def prototype_attention(ops: dict, sm_scale: float, *, config: str | Config = DE
                          f"multiple of 16: {cfg}")
     if cfg.group_k_scale and not cfg.relabel_p:
         raise ValueError(f"group_k_scale reads the K-scale groups in token order: it needs relabel_p: {cfg}")
+    if cfg.tma_loads and not cfg.relabel_p:
+        raise ValueError(f"tma_loads reads K tiles in token order: it needs relabel_p: {cfg}")
     if cfg.exp2_f16 and sq.interpreting():
         raise ValueError("exp2_f16 uses inline PTX, which TRITON_INTERPRET cannot run")
     h, s, d = _check_operands(ops)
@@ -349,7 +375,7 @@ def prototype_attention(ops: dict, sm_scale: float, *, config: str | Config = DE
         *values,
         D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, I2F_MAGIC=cfg.i2f_magic, EXP2_F16=cfg.exp2_f16,
         FOLD_Q=cfg.fold_q_scale, RELABEL=cfg.relabel_p, GROUP_K=cfg.group_k_scale, MMA_SUM=cfg.rowsum_mma,
-        EMULATE=sq.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        TMA=cfg.tma_loads, EMULATE=sq.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

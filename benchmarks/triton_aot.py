@@ -8,9 +8,11 @@ machine whose Python holds an older Triton (3.6 compiles the 256-key and relabel
 all, and the default one at about three times the instructions a score) can still run the kernels
 the user would get: Triton compiles them for sm90 on this machine without a GPU, and the GPU machine
 loads the cubin through CuPy's module loader. The kernel's parameters are the Triton kernel's
-non-constexpr arguments in order, then two scratch pointers Triton appends (global and profile
-scratch, null when the kernel asks for none); the manifest records what a launch needs (the kernel's
-name, warps, dynamic shared memory, the parameter count read from its PTX, the Triton that built it).
+non-constexpr arguments in order, then two scratch pointers Triton appends: global scratch (a
+kernel that makes its own TMA descriptors keeps them there, ``global_scratch_size`` bytes per
+program, allocated per launch as Triton's launcher does) and profile scratch (null). The manifest
+records what a launch needs (the kernel's name, warps, dynamic shared memory, scratch, the parameter
+count read from its PTX, the Triton that built it).
 
 The compile is the one ``benchmarks/sm90_static`` reads: every pointer and the operands' padded
 lengths divisible by 16 (as every launch has them), the sequence length left unspecialised, so one
@@ -42,7 +44,7 @@ def compile_sm90(config: proto.Config):
     constexprs = dict(D=proto.D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, I2F_MAGIC=config.i2f_magic,
                       EXP2_F16=config.exp2_f16, FOLD_Q=config.fold_q_scale,
                       RELABEL=config.relabel_p, GROUP_K=config.group_k_scale, MMA_SUM=config.rowsum_mma,
-                      EMULATE=False)
+                      TMA=config.tma_loads, EMULATE=False)
     names = list(proto._prototype_kernel.arg_names)
     signature = {n: SIGNATURE.get(n, "constexpr") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE_BY_16}
@@ -74,19 +76,22 @@ def build(out: Path, names: list[str]) -> dict:
         if params != len(arguments) + SCRATCH_POINTERS:
             raise RuntimeError(f"{name}: the kernel takes {params} parameters, expected {len(arguments)} arguments + "
                                f"{SCRATCH_POINTERS} scratch pointers; this Triton's launch ABI is not the one assumed here")
-        if md.global_scratch_size or md.profile_scratch_size:
-            raise RuntimeError(f"{name}: the kernel asks for scratch memory, which this launcher does not allocate")
+        if md.profile_scratch_size:
+            raise RuntimeError(f"{name}: the kernel asks for profile scratch, which this launcher does not allocate")
         (out / f"{name}.cubin").write_bytes(kernel.asm["cubin"])
         manifest["configs"][name] = {"kernel": md.name, "num_warps": md.num_warps, "shared": int(md.shared),
+                                     "global_scratch_size": int(md.global_scratch_size),
+                                     "global_scratch_align": int(md.global_scratch_align),
                                      "parameters": params, "cubin": f"{name}.cubin"}
         print(f"{name}: {md.num_warps} warps, {int(md.shared):,} B shared, {params} parameters", flush=True)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
-def kernel_arguments(values: tuple, arguments: list[str]) -> tuple:
+def kernel_arguments(values: tuple, arguments: list[str], global_scratch: int = 0) -> tuple:
     """The launch's parameter values, each as the fixed-width scalar the kernel reads: pointers (tensors)
-    as 64-bit addresses, the ``i32`` arguments as int32, ``fp32`` as float32; then the null scratch pointers."""
+    as 64-bit addresses, the ``i32`` arguments as int32, ``fp32`` as float32; then the global scratch
+    address (0: none) and the null profile scratch."""
     import numpy as np
 
     if len(values) != len(arguments):
@@ -102,7 +107,7 @@ def kernel_arguments(values: tuple, arguments: list[str]) -> tuple:
             packed.append(np.int32(value))
         else:
             packed.append(np.float32(value))
-    return tuple(packed) + (np.uint64(0),) * SCRATCH_POINTERS
+    return tuple(packed) + (np.uint64(global_scratch), np.uint64(0))
 
 
 class Cubins:
@@ -115,6 +120,7 @@ class Cubins:
         self.manifest = json.loads((self.folder / MANIFEST).read_text())
         self._cupy = cupy
         self._kernels = {}
+        self._scratch = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.manifest["configs"]
@@ -134,10 +140,25 @@ class Cubins:
             raise KeyError(f"no cubin for config {name!r} in {self.folder} (built: {sorted(self.manifest['configs'])})")
         entry = self.manifest["configs"][name]
         kernel = self._kernel(name)
-        args = kernel_arguments(values, self.manifest["arguments"])
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        scratch = self._global_scratch(entry, grid[0] * grid[1] * grid[2], values[0].device)
+        args = kernel_arguments(values, self.manifest["arguments"], scratch)
         with self._cupy.cuda.ExternalStream(stream_handle):
-            kernel(tuple(grid) + (1,) * (3 - len(grid)), (32 * entry["num_warps"], 1, 1), args,
-                   shared_mem=entry["shared"])
+            kernel(grid, (32 * entry["num_warps"], 1, 1), args, shared_mem=entry["shared"])
+
+    def _global_scratch(self, entry: dict, programs: int, device) -> int:
+        """The address of ``global_scratch_size`` bytes per program, aligned as the kernel asks (0: none).
+        The buffer is kept for the next launch of the same size (the stream orders its reuse)."""
+        import torch
+
+        size, align = entry.get("global_scratch_size", 0), entry.get("global_scratch_align", 1)
+        if not size:
+            return 0
+        key = (str(device), programs * size, align)
+        if key not in self._scratch:
+            self._scratch[key] = torch.empty(programs * size + align, dtype=torch.uint8, device=device)
+        base = self._scratch[key].data_ptr()
+        return -(-base // align) * align
 
 
 def main(argv=None) -> dict:

@@ -7,7 +7,7 @@ SageAttention's own error on them (relative L2, first and last 256 query rows):
 
 * S = 8,192, 56 heads: every config in the table (one that does not compile on this Triton fails
   the test, but for the experimental f16x2-exp2 config, which is skipped then);
-* S = 320,000, 56 heads, the default config and the fewest-instruction ones (``_cvt_groupk``):
+* S = 320,000, 56 heads, the default config, the fewest-instruction ones (``_cvt_groupk``) and a TMA one:
   element offsets up to 2.9e9, past 2**31 (the last head of q/k/v, the output's last rows), checked
   on heads 0, 27 and 55. With 2 heads every offset
   would stay below 2**31 (8.2e7) and the 64-bit offsets would go untested; 56 heads take about
@@ -107,7 +107,8 @@ def test_integer_add_conversion_matches_the_plain_conversion(short, aot):
     assert ((magic.float() - plain.float()).norm() / plain.float().norm()).item() < 1e-3, row
 
 
-@pytest.mark.parametrize("name", [proto.DEFAULT_CONFIG, "m128n128w8s3_cvt_groupk", "m128n256w8s2_cvt_groupk_mmasum"])
+@pytest.mark.parametrize("name", [proto.DEFAULT_CONFIG, "m128n128w8s3_cvt_groupk", "m128n256w8s2_cvt_groupk_mmasum",
+                                  "m64n128w4s3_cvt_groupk_tma"])
 def test_long_sequence_with_offsets_past_2_31(aot, name):
     seq, heads = 320000, [0, 27, 55]
     ops = proto.make_operands(seq, HEADS, seed=4)

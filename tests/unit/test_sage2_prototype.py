@@ -79,7 +79,11 @@ INTERPRETED = textwrap.dedent(r"""
                       "out_groupk": proto.prototype_attention(ops, sm, config=groupk),
                       "out_groupk_m64n64": proto.prototype_attention(ops, sm, config=groupk64),
                       "out_groupk_n256": proto.prototype_attention(ops, sm, config=groupk256),
-                      "out_mmasum_n256": proto.prototype_attention(ops, sm, config=mmasum256)}
+                      "out_mmasum_n256": proto.prototype_attention(ops, sm, config=mmasum256),
+                      "out_groupk_m64": proto.prototype_attention(ops, sm, config="m64n128w4s3_cvt_groupk"),
+                      "out_groupk_m64_tma": proto.prototype_attention(ops, sm, config="m64n128w4s3_cvt_groupk_tma"),
+                      "out_mmasum_n256_tma": proto.prototype_attention(ops, sm,
+                                                                      config="m128n256w8s2_cvt_groupk_mmasum_tma")}
     g = torch.Generator().manual_seed(260)  # a tail of 4 keys: two of the block's K-scale groups have none
     q, k, v = (torch.randn(260, 3 * 2 * 128, generator=g) * 1.3).to(torch.bfloat16).unflatten(1, (3, 2, 128)).unsqueeze(0).unbind(2)
     ops = sq.quantize_operands(q, k, v, mode="exact")
@@ -236,6 +240,16 @@ def test_row_sum_on_the_tensor_cores_normalises_by_the_rounded_p(interpreted, se
 
 
 @needs_triton
+@pytest.mark.parametrize("seq", SEQS)
+@pytest.mark.parametrize("tma, pointers", [("out_groupk_m64_tma", "out_groupk_m64"),
+                                           ("out_mmasum_n256_tma", "out_mmasum_n256")])
+def test_tma_tiles_give_the_pointer_loads_bits(interpreted, seq, tma, pointers):
+    """K and V through in-kernel tensor descriptors (zero past S and past V's padding) compute what the
+    masked pointer loads compute, bit for bit, tails included."""
+    assert torch.equal(interpreted[seq][tma], interpreted[seq][pointers])
+
+
+@needs_triton
 def test_k_scale_groups_without_a_valid_key_in_the_tail_stay_finite(interpreted):
     case = interpreted["short_tail"]
     assert torch.isfinite(case["out_groupk"]).all()
@@ -304,6 +318,7 @@ def test_config_table_is_sound():
     for name, cfg in proto.CONFIGS.items():
         assert (128 % cfg.block_n == 0 or cfg.block_n % 128 == 0) and cfg.block_n % 16 == 0 and cfg.block_m % 16 == 0, name
         assert cfg.relabel_p or not cfg.group_k_scale, name  # the K-scale groups are read in token order
+        assert cfg.relabel_p or not cfg.tma_loads, name  # K tiles are read in token order
         assert cfg.num_warps in (4, 8) and cfg.num_stages >= 2, name
 
 
@@ -355,3 +370,8 @@ def test_the_benchmark_module_runs_as_a_script_without_cuda():
 def test_k_scale_groups_without_token_order_are_refused():
     with pytest.raises(ValueError, match="needs relabel_p"):
         proto.prototype_attention(_cpu_ops(), SM_SCALE, config=proto.Config(fold_q_scale=True, group_k_scale=True))
+
+
+def test_tma_tiles_without_token_order_are_refused():
+    with pytest.raises(ValueError, match="tma_loads reads K tiles in token order: it needs relabel_p"):
+        proto.prototype_attention(_cpu_ops(), SM_SCALE, config=proto.Config(tma_loads=True))

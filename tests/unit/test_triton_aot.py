@@ -29,6 +29,12 @@ def test_build_writes_a_cubin_and_a_manifest_with_the_launch_abi(tmp_path):
     assert entry["parameters"] == len(manifest["arguments"]) + aot.SCRATCH_POINTERS
     assert entry["num_warps"] == proto.CONFIGS[name].num_warps and entry["shared"] > 48 * 1024
     assert manifest["triton"] == triton.__version__
+    assert entry["global_scratch_size"] == 0  # pointer loads: no descriptors to keep
+
+
+def test_tma_configs_record_the_scratch_their_descriptors_need(tmp_path):
+    entry = aot.build(tmp_path, ["m64n128w4s3_cvt_groupk_tma"])["configs"]["m64n128w4s3_cvt_groupk_tma"]
+    assert entry["global_scratch_size"] >= 2 * 128 and entry["global_scratch_align"] >= 64  # K and V descriptors
 
 
 def test_ptx_parameter_count_reads_the_named_entry():
@@ -46,7 +52,8 @@ def test_kernel_arguments_pack_pointers_ints_and_floats_at_the_kernels_widths():
     packed = aot.kernel_arguments((t, 37810, 0.125), names)
     assert [type(v) for v in packed] == [np.uint64, np.int32, np.float32, np.uint64, np.uint64]
     assert int(packed[0]) == t.data_ptr() and int(packed[1]) == 37810 and float(packed[2]) == 0.125
-    assert int(packed[3]) == int(packed[4]) == 0  # the null scratch pointers
+    assert int(packed[3]) == int(packed[4]) == 0  # no global scratch, the null profile scratch
+    assert int(aot.kernel_arguments((t, 1, 1.0), names, global_scratch=4096)[3]) == 4096
     with pytest.raises(ValueError, match="does not fit"):
         aot.kernel_arguments((t, 2**31, 1.0), names)
     with pytest.raises(ValueError, match="2 values for the 3 arguments"):
