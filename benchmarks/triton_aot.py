@@ -50,8 +50,10 @@ def compile_sm90(config: proto.Config):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE_BY_16}
     source = triton.compiler.ASTSource(proto._prototype_kernel, signature=signature, constexprs=constexprs,
                                        attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.max_registers:
+        options["maxnreg"] = config.max_registers
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def ptx_parameter_count(ptx: str, kernel: str) -> int:
