@@ -149,6 +149,14 @@ CONFIGS = {
                                                       tma_loads=True, rowsum_mma=True, max_registers=168),
     "m64n128w4s3_cvt_groupk_tma_r168": replace(_GROUPK, block_m=64, num_warps=4, tma_loads=True, max_registers=168),
     "m64n128w4s2_cvt_groupk_tma": replace(_GROUPK, block_m=64, num_warps=4, num_stages=2, tma_loads=True),
+    "m64n128w4s2_groupk_tma_r168": replace(_GROUPK, i2f_magic=True, block_m=64, num_warps=4, num_stages=2,
+                                           tma_loads=True, max_registers=168),
+    "m64n64w4s2_cvt_groupk_tma_r168": replace(_GROUPK, block_m=64, block_n=64, num_warps=4, num_stages=2,
+                                              tma_loads=True, max_registers=168),
+    # 128 registers: four CTAs of 4 warps (or two of 8) an SM, at the price of a small spill (144-192 B)
+    "m64n64w4s2_cvt_groupk_tma_r128": replace(_GROUPK, block_m=64, block_n=64, num_warps=4, num_stages=2,
+                                              tma_loads=True, max_registers=128),
+    "m128n128w8s2_cvt_groupk_tma_r128": replace(_GROUPK, num_stages=2, tma_loads=True, max_registers=128),
 }
 DEFAULT_CONFIG = "m128n128w8s3"
 
