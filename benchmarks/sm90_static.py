@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import sage2_prototype as proto
-from benchmarks.triton_aot import compile_sm90
+from benchmarks.triton_aot import check_compilable, compile_sm90
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "benchmarks" / "results" / "ncu" / "sage2_sm90_kernel_profile.json"
@@ -171,11 +171,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--markdown", action="store_true", help="also print the table docs/BENCHMARKS.md holds")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.configs) - set(proto.CONFIGS))
-    if unknown:
-        raise SystemExit(f"sm90_static: unknown configs {unknown}; known: {sorted(proto.CONFIGS)}")
-    if proto.triton is None:
-        raise SystemExit(f"sm90_static: needs Triton ({proto.sq.TRITON_ERROR})")
+    check_compilable("sm90_static", args.configs)
     import triton
 
     profile = profiled_kernel()

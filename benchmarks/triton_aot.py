@@ -163,16 +163,21 @@ class Cubins:
         return -(-base // align) * align
 
 
+def check_compilable(tool: str, names: list[str]) -> None:
+    """SystemExit naming the problem when ``names`` holds an unknown config or Triton is missing."""
+    unknown = sorted(set(names) - set(proto.CONFIGS))
+    if unknown:
+        raise SystemExit(f"{tool}: unknown configs {unknown}; known: {sorted(proto.CONFIGS)}")
+    if proto.triton is None:
+        raise SystemExit(f"{tool}: needs Triton ({proto.sq.TRITON_ERROR})")
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for the cubins and manifest.json")
     p.add_argument("--configs", nargs="+", default=list(proto.CONFIGS))
     args = p.parse_args(argv)
-    unknown = sorted(set(args.configs) - set(proto.CONFIGS))
-    if unknown:
-        raise SystemExit(f"triton_aot: unknown configs {unknown}; known: {sorted(proto.CONFIGS)}")
-    if proto.triton is None:
-        raise SystemExit(f"triton_aot: needs Triton ({proto.sq.TRITON_ERROR})")
+    check_compilable("triton_aot", args.configs)
     return build(args.out, args.configs)
 
 
