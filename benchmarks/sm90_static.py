@@ -86,9 +86,13 @@ def opcode(instruction: str) -> str:
 
 
 def main_loop(listing: list[str], labels: dict[str, int]) -> list[str]:
-    """The longest loop body: from a label to the backward branch that returns to it."""
+    """The longest loop body: from a label to the backward branch that returns to it. Branches past
+    the last ``EXIT`` are left out: that is out-of-line code (the retry of an mbarrier wait, in
+    kernels that load by TMA) jumping back into the body, not a loop."""
+    exits = [i for i, ins in enumerate(listing) if opcode(ins) == "EXIT"]
+    end = exits[-1] if exits else len(listing)
     loops = []
-    for i, ins in enumerate(listing):
+    for i, ins in enumerate(listing[:end]):
         target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ins)
         if target and labels.get(target[1], i + 1) <= i:
             loops.append(listing[labels[target[1]]:i + 1])

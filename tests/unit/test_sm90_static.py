@@ -36,6 +36,19 @@ def test_the_main_loop_is_the_longest_backward_branch():
         static.main_loop(listing[:1], {})
 
 
+def test_out_of_line_retries_after_the_exit_are_not_loops():
+    """A TMA kernel waits on an mbarrier with a retry block placed after EXIT that branches back into
+    the body: the span from that label to the retry is not a loop, however long."""
+    listing, labels = static.instructions(LISTING + """
+.L_x_2:
+        /*0080*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR25+0x1a020], R104 ;
+        /*0090*/              @!P1 BRA `(.L_x_2) ;
+        /*00a0*/                   BRA `(.L_x_0) ;
+""")
+    loop = static.main_loop(listing, labels)
+    assert [static.opcode(i) for i in loop] == ["FFMA", "MUFU", "IGMMA", "BRA"]
+
+
 def test_estimates_give_sageattentions_profiled_time_back():
     profile = static.profiled_kernel()
     assert set(profile) == set(static.H3_SEQS)
