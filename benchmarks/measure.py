@@ -113,6 +113,23 @@ _FAMILIES = (("attention", ("attn_kernel", "attention", "flash", "fmha", "_attn_
              ("gemm", ("nvjet", "gemm", "Gemm", "cutlass", "sm90_xmma", "cublas")))
 
 
+def idle_between(spans: list[tuple[float, float]]) -> float | None:
+    """Milliseconds with no kernel running between the first kernel's start and the last one's end
+    (launch gaps, host waits): the span minus the union of the kernels' intervals (microseconds in)."""
+    if not spans:
+        return None
+    busy, reach = 0.0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    first = min(s for s, _ in spans)
+    return round((reach - first - busy) / 1e3, 3)
+
+
 def kernel_family(name: str) -> str:
     """The family of a CUDA kernel, by its name: "attention", "gemm" or "other"."""
     for family, needles in _FAMILIES:
@@ -139,6 +156,7 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
         synchronize(device)
     kernels: Counter = Counter()
     family_us: Counter = Counter()
+    spans = []  # (start, end) of every device kernel, microseconds
     transfers = 0
     large_copies = 0
     for event in prof.events():
@@ -148,6 +166,7 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
             else:
                 kernels[event.name] += 1
                 family_us[kernel_family(event.name)] += event.time_range.elapsed_us()
+                spans.append((event.time_range.start, event.time_range.end))
         elif event.name == "aten::copy_":
             shapes = [s for s in (event.input_shapes or []) if isinstance(s, (list, tuple)) and s]
             if any(_numel(s) >= large_numel for s in shapes):
@@ -157,6 +176,7 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
             "large_copy_ops": large_copies,
             "kernel_ms": ({f: round(family_us[f] / 1e3, 3) for f in ("attention", "gemm", "other")}
                           if device.type == "cuda" else None),
+            "gpu_idle_ms": idle_between(spans) if device.type == "cuda" else None,
             "kernels": dict(sorted(kernels.items()))}
 
 

@@ -320,7 +320,7 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
         bench.log(f"  {name}: {counts[name]['kernel_launches']} kernels, "
                   f"{counts[name]['large_copy_ops']} large copies"
                   + (f", kernel ms attention {ms['attention']:.2f} gemm {ms['gemm']:.2f} other {ms['other']:.2f}"
-                     if ms else ""))
+                     f", GPU idle between kernels {counts[name]['gpu_idle_ms']:.2f} ms" if ms else ""))
     result = {"tool": f"torch.profiler (torch {torch_version})", "block": index,
               "large_copy_threshold_elements": large}
     for name, c in counts.items():
@@ -339,6 +339,7 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
             result[f"stock_minus_{layout}_kernel_launches"] = None if st is None else st - lt
     result["kernels"] = {n: c["kernels"] for n, c in counts.items()}
     result["kernel_ms_by_family"] = {n: c["kernel_ms"] for n, c in counts.items()}
+    result["gpu_idle_ms"] = {n: c["gpu_idle_ms"] for n, c in counts.items()}
     return result
 
 

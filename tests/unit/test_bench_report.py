@@ -368,3 +368,10 @@ def test_validation_items_of_any_variant_get_their_labels():
 ])
 def test_kernel_family_splits_a_block_into_attention_gemms_and_the_rest(name, family):
     assert measure.kernel_family(name) == family
+
+
+def test_idle_between_kernels_is_the_span_minus_the_busy_union():
+    # kernels 0-10, 5-12 (overlaps), 20-30: busy 22 of a 30 us span -> 8 us idle
+    assert measure.idle_between([(20.0, 30.0), (0.0, 10.0), (5.0, 12.0)]) == pytest.approx(0.008)
+    assert measure.idle_between([(0.0, 4.0), (1.0, 2.0)]) == 0.0  # one inside another
+    assert measure.idle_between([]) is None
