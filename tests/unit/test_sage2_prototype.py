@@ -82,6 +82,8 @@ INTERPRETED = textwrap.dedent(r"""
                       "out_mmasum_n256": proto.prototype_attention(ops, sm, config=mmasum256),
                       "out_groupk_m64": proto.prototype_attention(ops, sm, config="m64n128w4s3_cvt_groupk"),
                       "out_groupk_m64_tma": proto.prototype_attention(ops, sm, config="m64n128w4s3_cvt_groupk_tma"),
+                      "out_groupk_m64_tma_r168": proto.prototype_attention(ops, sm,
+                                                                          config="m64n128w4s2_cvt_groupk_tma_r168"),
                       "out_mmasum_n256_tma": proto.prototype_attention(ops, sm,
                                                                       config="m128n256w8s2_cvt_groupk_mmasum_tma")}
     g = torch.Generator().manual_seed(260)  # a tail of 4 keys: two of the block's K-scale groups have none
@@ -242,6 +244,7 @@ def test_row_sum_on_the_tensor_cores_normalises_by_the_rounded_p(interpreted, se
 @needs_triton
 @pytest.mark.parametrize("seq", SEQS)
 @pytest.mark.parametrize("tma, pointers", [("out_groupk_m64_tma", "out_groupk_m64"),
+                                           ("out_groupk_m64_tma_r168", "out_groupk_m64"),  # two stages, capped
                                            ("out_mmasum_n256_tma", "out_mmasum_n256")])
 def test_tma_tiles_give_the_pointer_loads_bits(interpreted, seq, tma, pointers):
     """K and V through in-kernel tensor descriptors (zero past S and past V's padding) compute what the
