@@ -4,9 +4,9 @@
     python -m benchmarks.sage2_prototype --aot DIR ...           # on the GPU: time those cubins
 
 Why: the prototype is written for the Triton a user installs with a current torch (3.8 here). A GPU
-machine whose Python holds an older Triton (3.6 compiles the 256-key and relabelled configs not at
-all, and the default one at about three times the instructions a score) can still run the kernels
-the user would get: Triton compiles them for sm90 on this machine without a GPU, and the GPU machine
+machine whose Python holds an older Triton (3.6 does not compile the ``_mmasum`` configs and
+compiles the first cut at 22 instructions a score against 13) can still run the kernels the user
+would get: Triton compiles them for sm90 on this machine without a GPU, and the GPU machine
 loads the cubin through CuPy's module loader. The kernel's parameters are the Triton kernel's
 non-constexpr arguments in order, then two scratch pointers Triton appends: global scratch (a
 kernel that makes its own TMA descriptors keeps them there, ``global_scratch_size`` bytes per
