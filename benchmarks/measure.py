@@ -118,16 +118,12 @@ def idle_between(spans: list[tuple[float, float]]) -> float | None:
     (launch gaps, host waits): the span minus the union of the kernels' intervals (microseconds in)."""
     if not spans:
         return None
-    busy, reach = 0.0, None
-    for start, end in sorted(spans):
-        if reach is None or start > reach:
-            busy += end - start
-            reach = end
-        elif end > reach:
-            busy += end - reach
-            reach = end
-    first = min(s for s, _ in spans)
-    return round((reach - first - busy) / 1e3, 3)
+    spans = sorted(spans)
+    busy, reach = 0.0, spans[0][0]
+    for start, end in spans:
+        busy += max(0.0, end - max(start, reach))  # the part past everything counted so far
+        reach = max(reach, end)
+    return round((reach - spans[0][0] - busy) / 1e3, 3)
 
 
 def kernel_family(name: str) -> str:

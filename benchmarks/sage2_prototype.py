@@ -341,6 +341,19 @@ if triton is not None:
         tl.store(O + rows[:, None] * (H * D) + h * D + c[None, :], o.to(tl.bfloat16), mask=row_ok[:, None])
 
 
+def kernel_constexprs(cfg: Config, emulate: bool) -> dict:
+    """The kernel's constexpr arguments for ``cfg`` (a launch here and the ahead-of-time build alike)."""
+    return dict(D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, I2F_MAGIC=cfg.i2f_magic, EXP2_F16=cfg.exp2_f16,
+                FOLD_Q=cfg.fold_q_scale, RELABEL=cfg.relabel_p, GROUP_K=cfg.group_k_scale, MMA_SUM=cfg.rowsum_mma,
+                TMA=cfg.tma_loads, EMULATE=emulate)
+
+
+def compile_options(cfg: Config) -> dict:
+    """Triton's compile options for ``cfg``: warps, pipeline stages and, where set, the register cap."""
+    return dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}))
+
+
 def _check_operands(ops: dict) -> tuple[int, int, int]:
     """(H, S, D) of a prepared-operand dict, or ValueError naming what does not fit."""
     qi, ki, vo = ops["q_int8"], ops["k_int8"], ops["v_fp8"]
@@ -388,12 +401,7 @@ def prototype_attention(ops: dict, sm_scale: float, *, config: str | Config = DE
             raise ValueError("an ahead-of-time launch names its config (the cubin is built per name)")
         aot.launch(config, grid, values, torch.cuda.current_stream(out.device).cuda_stream)
         return out
-    _prototype_kernel[grid](
-        *values,
-        D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, I2F_MAGIC=cfg.i2f_magic, EXP2_F16=cfg.exp2_f16,
-        FOLD_Q=cfg.fold_q_scale, RELABEL=cfg.relabel_p, GROUP_K=cfg.group_k_scale, MMA_SUM=cfg.rowsum_mma,
-        TMA=cfg.tma_loads, EMULATE=sq.interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}))
+    _prototype_kernel[grid](*values, **kernel_constexprs(cfg, emulate=sq.interpreting()), **compile_options(cfg))
     return out
 
 

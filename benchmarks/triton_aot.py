@@ -41,19 +41,12 @@ def compile_sm90(config: proto.Config):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    constexprs = dict(D=proto.D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, I2F_MAGIC=config.i2f_magic,
-                      EXP2_F16=config.exp2_f16, FOLD_Q=config.fold_q_scale,
-                      RELABEL=config.relabel_p, GROUP_K=config.group_k_scale, MMA_SUM=config.rowsum_mma,
-                      TMA=config.tma_loads, EMULATE=False)
     names = list(proto._prototype_kernel.arg_names)
     signature = {n: SIGNATURE.get(n, "constexpr") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE_BY_16}
-    source = triton.compiler.ASTSource(proto._prototype_kernel, signature=signature, constexprs=constexprs,
-                                       attrs=attrs)
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    if config.max_registers:
-        options["maxnreg"] = config.max_registers
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    source = triton.compiler.ASTSource(proto._prototype_kernel, signature=signature,
+                                       constexprs=proto.kernel_constexprs(config, emulate=False), attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=proto.compile_options(config))
 
 
 def ptx_parameter_count(ptx: str, kernel: str) -> int:
