@@ -189,14 +189,15 @@ if triton is not None:
         tl.store(VRECP + h * D + c, smax / vm)
 
     @triton.jit
-    def _quant_q_subtile(Q, QW, RC, QO, QS, b, qs, h, c, i, S, NQB, sqs, sqh, eps, sylvester,
+    def _quant_q_subtile(Q, QW, RC, QO, QS, b, qs, h, c, i, S, SQ, ROW0, NQB, sqs, sqh, eps, sylvester,
                          D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr, ROTATE: tl.constexpr):
         """Q sub-tile ``qs`` (of 4) of 128-token block ``b``: 64-row blocks, 2-row groups. Sub-tile row
         i holds sequence row 16w + 8u + t with w = 2*half + i//16, t = (i//2) % 8, u = i % 2: rows 2g
-        and 2g+1 share scale 8w + t."""
+        and 2g+1 share scale 8w + t. ``Q`` holds the SQ rows that start at sequence row ROW0 (a
+        multiple of 128); RC starts at ROW0 too, its second plane S rows further."""
         qblk = 2 * b + qs // 2
         rows = qblk * 64 + 16 * (2 * (qs % 2) + i // 16) + 8 * (i % 2) + (i // 2) % 8
-        m = rows < S
+        m = rows < SQ
         if FUSED:
             x = _norm_rope_rows(Q, QW, RC, rows, m, h, c, sqs, sqh, S, eps, D, HALF)
         else:
@@ -209,8 +210,9 @@ if triton is not None:
         y = x3 / scale[:, None, None]
         y += 0.5 * tl.where(y >= 0, 1, -1)
         y = tl.reshape(y.to(tl.int8), [32, D])
-        tl.store(QO + h * S * D + rows[:, None] * D + c[None, :], y, mask=m[:, None])
+        tl.store(QO + h * S * D + (ROW0 + rows[:, None]) * D + c[None, :], y, mask=m[:, None])
         g = tl.arange(0, 16)
+        qblk += ROW0 // 64
         tl.store(QS + h * NQB * 32 + qblk * 32 + (qs % 2) * 16 + g, scale, mask=(g < 16) & (qblk < NQB))
 
     @triton.jit
@@ -251,27 +253,30 @@ if triton is not None:
 
     @triton.jit
     def _quant_kernel(Q, K, V, KM, VR, QW, KW, RC, QO, QS, KO, KS, VO,
-                      S, H, NQB, NKB, LPAD, sqs, sqh, sks, skh, svs, svh, eps,
+                      S, SQ, ROW0, H, NQB, NKB, LPAD, sqs, sqh, sks, skh, svs, svh, eps,
                       D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr, ROTATE: tl.constexpr,
-                      EMULATE_FP8: tl.constexpr, UNROLL: tl.constexpr):
+                      EMULATE_FP8: tl.constexpr, UNROLL: tl.constexpr, DO_Q: tl.constexpr, DO_KV: tl.constexpr):
         # One program: one head, one 128-token block, in 32-row sub-tiles (register pressure).
         # EMULATE_FP8: under TRITON_INTERPRET, round to bf16/fp8 in integer arithmetic first.
+        # DO_Q / DO_KV: which operands this launch writes (Q rows may come a token chunk at a time).
         pid = tl.program_id(0).to(tl.int64)
         h = pid % H
         b = pid // H
         c = tl.arange(0, D)
         i = tl.arange(0, 32)
         sylvester = _sylvester128()  # used by the rotated modes only (dead code otherwise)
-        for qs in tl.range(0, 4, loop_unroll_factor=UNROLL):
-            _quant_q_subtile(Q, QW, RC, QO, QS, b, qs, h, c, i, S, NQB, sqs, sqh, eps, sylvester,
-                             D, HALF, FUSED, ROTATE)
-        km = tl.load(KM + h * D + c)
-        for t in tl.range(0, 4, loop_unroll_factor=UNROLL):
-            _quant_k_subtile(K, KW, RC, KO, KS, km, b, t, h, c, i, S, NKB, sks, skh, eps, sylvester,
-                             D, HALF, FUSED, ROTATE, EMULATE_FP8)
-        recp = tl.load(VR + h * D + c)
-        for part in tl.range(0, 4, loop_unroll_factor=UNROLL):
-            _quant_v_subtile(V, VO, recp, b, part, h, c, i, S, LPAD, svs, svh, D, EMULATE_FP8)
+        if DO_Q:
+            for qs in tl.range(0, 4, loop_unroll_factor=UNROLL):
+                _quant_q_subtile(Q, QW, RC, QO, QS, b, qs, h, c, i, S, SQ, ROW0, NQB, sqs, sqh, eps, sylvester,
+                                 D, HALF, FUSED, ROTATE)
+        if DO_KV:
+            km = tl.load(KM + h * D + c)
+            for t in tl.range(0, 4, loop_unroll_factor=UNROLL):
+                _quant_k_subtile(K, KW, RC, KO, KS, km, b, t, h, c, i, S, NKB, sks, skh, eps, sylvester,
+                                 D, HALF, FUSED, ROTATE, EMULATE_FP8)
+            recp = tl.load(VR + h * D + c)
+            for part in tl.range(0, 4, loop_unroll_factor=UNROLL):
+                _quant_v_subtile(V, VO, recp, b, part, h, c, i, S, LPAD, svs, svh, D, EMULATE_FP8)
 
 
 def _require_triton():
@@ -365,25 +370,44 @@ def _(k, v, k_weight, rope_coef, eps, fused):
 # pass 2: quantisation
 
 
-def _quantize_impl(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate):
+def _empty_operands(s, h, d, dev):
+    nqb, nkb, lpad = -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
+    return (torch.empty(h, s, d, dtype=torch.int8, device=dev), torch.empty(1, h, nqb * 32, dtype=torch.float32, device=dev),
+            torch.empty(h, s, d, dtype=torch.int8, device=dev), torch.empty(1, h, nkb * 4, dtype=torch.float32, device=dev),
+            torch.empty(h, d, lpad, dtype=torch.float8_e4m3fn, device=dev))
+
+
+def _quant_launch(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate, out, *,
+                  row0=0, do_q=True, do_kv=True):
+    """One launch of the quantisation pass writing ``out`` = (qo, qs, ko, ks, vo): Q (``q``: the rows
+    that start at sequence row ``row0``, a multiple of 128), K and V (all rows), or both."""
     _require_triton()
-    s, h, d, nqb, nkb, lpad = _geometry(q)
-    dev = q.device
-    qo = torch.empty(h, s, d, dtype=torch.int8, device=dev)
-    ko = torch.empty(h, s, d, dtype=torch.int8, device=dev)
-    qs = torch.empty(1, h, nqb * 32, dtype=torch.float32, device=dev)
-    ks = torch.empty(1, h, nkb * 4, dtype=torch.float32, device=dev)
-    vo = torch.empty(h, d, lpad, dtype=torch.float8_e4m3fn, device=dev)
+    qo, qs, ko, ks, vo = out
+    h, s, d = qo.shape
+    nqb, nkb, lpad = -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
+    sq = q.shape[1] if do_q else 0
+    if do_q and (row0 % K_BLOCK or row0 + sq > s):
+        raise ValueError(f"Q rows {row0}:{row0 + sq} must start at a multiple of {K_BLOCK} within {s} rows")
+    blocks = nkb if do_kv else -(-sq // K_BLOCK)
     half = rope_coef.shape[-1] // 2 if rope_coef is not None else 0
-    qw = q_weight.contiguous() if q_weight is not None else k_mean
-    kw = k_weight.contiguous() if k_weight is not None else k_mean
-    rc = rope_coef if rope_coef is not None else k_mean
-    _quant_kernel[(nkb * h,)](
-        q, k, v, k_mean, v_recp, qw, kw, rc, qo, qs, ko, ks, vo, s, h, nqb, nkb, lpad,
+    # operands a launch does not touch are dead code in the kernel; any tensor stands in for them
+    q, k, v = (t if t is not None else qo for t in (q, k, v))
+    km, vr = (t if t is not None else qs for t in (k_mean, v_recp))
+    qw = q_weight.contiguous() if q_weight is not None else qs
+    kw = k_weight.contiguous() if k_weight is not None else qs
+    rc = rope_coef[:, row0:] if rope_coef is not None else qs  # Q's rows; the kernel's RC planes stay S apart
+    _quant_kernel[(blocks * h,)](
+        q, k, v, km, vr, qw, kw, rc, qo, qs, ko, ks, vo, s, sq, row0, h, nqb, nkb, lpad,
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), float(eps),
         D=d, HALF=half, FUSED=fused, ROTATE=rotate, EMULATE_FP8=interpreting(),
-        UNROLL=QUANT_CONFIG[fused, rotate][0], num_warps=QUANT_CONFIG[fused, rotate][1])
-    return qo, qs, ko, ks, vo
+        UNROLL=QUANT_CONFIG[fused, rotate][0], num_warps=QUANT_CONFIG[fused, rotate][1], DO_Q=do_q, DO_KV=do_kv)
+
+
+def _quantize_impl(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate):
+    s, h, d, _, _, _ = _geometry(q)
+    out = _empty_operands(s, h, d, q.device)
+    _quant_launch(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate, out)
+    return out
 
 
 @torch.library.custom_op(f"{LIB}::sage2_quantize", mutates_args=())
@@ -424,3 +448,50 @@ def quantize_operands(q, k, v, *, mode="exact", rope_table=None, q_weight=None, 
     kmean, vscale, vrecp = reduce(k, v, kw, coef, eps, fused)
     qo, qs, ko, ks, vo = quantize(q, k, v, kmean, vrecp, qw, kw, coef, eps, fused, rotate)
     return {"q_int8": qo, "q_scale": qs, "k_int8": ko, "k_scale": ks, "v_fp8": vo, "v_scale": vscale}
+
+
+# ---------------------------------------------------------------------------------------------
+# the same operands, Q a token chunk at a time (the projection need not exist whole)
+
+
+class RowOperands:
+    """The operands of one call built in two steps: Q rows as each token chunk arrives
+    (``add_q_rows``), then K and V once every token is in (``finish``: both passes on all rows).
+    The bits are :func:`quantize_operands`' bits for the same mode and inputs."""
+
+    def __init__(self, seq, heads, device, *, mode="exact", rope_table=None, q_weight=None, k_weight=None,
+                 eps=None):
+        self.fused, self.rotate = mode_flags(mode)
+        if self.fused:
+            if q_weight is None or k_weight is None or eps is None:
+                raise ValueError("fused modes need q_weight, k_weight and eps (the RMSNorm parameters)")
+            if rope_table is not None:
+                check_rope_table(rope_table, seq, HEAD_DIM)
+        self.coef = rope_coefficients(rope_table) if self.fused and rope_table is not None else None
+        self.q_weight, self.k_weight = (q_weight, k_weight) if self.fused else (None, None)
+        self.eps = 0.0 if eps is None else float(eps)
+        self.out = _empty_operands(seq, heads, HEAD_DIM, device)
+        self.rows_done = 0
+
+    def add_q_rows(self, q):
+        """Quantise Q's next rows: ``q`` [1, n, H, 128] (n a multiple of 128 but for the last chunk)."""
+        problem = operand_problem(q, q, q)
+        if problem:
+            raise ValueError(f"sage2 preparation: {problem[1]}")
+        _quant_launch(q, None, None, None, None, self.q_weight, None, self.coef, self.eps, self.fused,
+                      self.rotate, self.out, row0=self.rows_done, do_kv=False)
+        self.rows_done += q.shape[1]
+
+    def finish(self, k, v) -> dict:
+        """K and V (all rows) -> the operand dict of :func:`quantize_operands`."""
+        seq = self.out[0].shape[1]
+        if self.rows_done != seq:
+            raise ValueError(f"Q has {self.rows_done} of {seq} rows quantised")
+        problem = operand_problem(k, k, v)
+        if problem or k.shape[1] != seq:
+            raise ValueError(f"sage2 preparation: {problem[1] if problem else f'K/V have {k.shape[1]} rows, Q {seq}'}")
+        kmean, vscale, vrecp = _reduce_impl(k, v, self.k_weight, self.coef, self.eps, self.fused)
+        _quant_launch(None, k, v, kmean, vrecp, None, self.k_weight, self.coef, self.eps, self.fused, self.rotate,
+                      self.out, do_q=False)
+        qo, qs, ko, ks, vo = self.out
+        return {"q_int8": qo, "q_scale": qs, "k_int8": ko, "k_scale": ks, "v_fp8": vo, "v_scale": vscale}

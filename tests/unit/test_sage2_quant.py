@@ -44,7 +44,7 @@ INTERPRETED_CHECKS = textwrap.dedent(r"""
 
     differing = ref.operand_mismatches
 
-    results = {"operands": {}, "prepare": {}, "fp8": None, "bf16": None, "compile": None}
+    results = {"operands": {}, "rows": {}, "row_errors": [], "prepare": {}, "fp8": None, "bf16": None, "compile": None}
     for seq, heads, seed in ((200, 2, 0), (129, 1, 1), (144, 1, 3)):
         g = torch.Generator().manual_seed(seed)
         qkv = torch.randn(seq, 3 * heads * 128, generator=g) * 1.5
@@ -67,6 +67,11 @@ INTERPRETED_CHECKS = textwrap.dedent(r"""
             got = sq.quantize_operands(q, k, v, mode=mode, **extra)
             exp = ref.prepare_reference(q, k, v, mode=mode, **extra)
             results["operands"][f"{mode}/S={seq}/H={heads}"] = differing(got, exp)
+            # the same operands with Q handed over 128 rows at a time (K and V whole, after it)
+            by_rows = sq.RowOperands(seq, heads, q.device, mode=mode, **extra)
+            for a in range(0, seq, 128):
+                by_rows.add_q_rows(q[:, a:a + 128])
+            results["rows"][f"{mode}/S={seq}/H={heads}"] = differing(by_rows.finish(k, v), got)
         if seed == 0:
             # Sage2Backend.prepare: a fused mode folds an in-place QKNorm with a rope table (the views
             # stay as they are); a module norm cannot be folded: it is applied and the unfused twin runs.
@@ -95,6 +100,20 @@ INTERPRETED_CHECKS = textwrap.dedent(r"""
                     "mode": p.mode, "norm_folded": p.norm_folded, "applied": norm.applied,
                     "norm_calls": [len(q_calls) - 1, len(k_calls) - 1], "sm_scale": p.sm_scale,
                     "diffs": differing(p.operands, exp)}
+
+    # Q rows out of order, or K/V before every Q row: clear errors, nothing written past the buffers
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(300, 3 * 128, generator=g).to(torch.bfloat16)
+    q, k, v = qkv.unflatten(1, (3, 1, 128)).unsqueeze(0).unbind(2)
+    for steps in ((q[:, :100], q[:, 100:]), (q[:, :256],), (q[:, :256], q[:, 256:], q[:, :128])):
+        by_rows = sq.RowOperands(300, 1, q.device)
+        try:
+            for part in steps:
+                by_rows.add_q_rows(part)
+            by_rows.finish(k, v)
+            results["row_errors"].append("no error")
+        except ValueError as exc:
+            results["row_errors"].append(str(exc))
 
     @triton.jit
     def convert(X, Y8, Y16, N: tl.constexpr):
@@ -151,6 +170,23 @@ def test_triton_kernels_match_the_reference_bit_for_bit(interpreted, mode):
     assert rows, interpreted["operands"]
     bad = {name: {k: n for k, n in d.items() if n != 0} for name, d in rows.items()}
     assert not any(bad.values()), f"elements differing from the reference: {bad}"
+
+
+@pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
+@pytest.mark.parametrize("mode", sage2_quant.MODES)
+def test_q_by_token_chunks_gives_the_whole_pass_bits(interpreted, mode):
+    rows = {name: d for name, d in interpreted["rows"].items() if name.startswith(mode + "/")}
+    assert rows, interpreted["rows"]
+    bad = {name: {k: n for k, n in d.items() if n != 0} for name, d in rows.items()}
+    assert not any(bad.values()), f"elements differing from the whole pass: {bad}"
+
+
+@pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
+def test_q_rows_out_of_place_are_refused(interpreted):
+    misaligned, short, past_end = interpreted["row_errors"]
+    assert "must start at a multiple of 128" in misaligned
+    assert "256 of 300 rows" in short
+    assert "must start at a multiple of 128 within 300 rows" in past_end, past_end
 
 
 @pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
