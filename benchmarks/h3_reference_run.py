@@ -25,7 +25,7 @@ What it measures (written to the JSON after every section, so a failure keeps th
 - ``validation``: bit-exact or the measured difference per item; outputs finite; patches reverted.
 
 Variants beside stock and the layouts (``hnd`` and ``strided_nhd`` run the node's default block path,
-``exact``): ``--variant NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only]``, and the peer,
+``exact``): ``--variant NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:attention_only]``, and the peer,
 KJNodes' MiniMax H3 nodes from a checkout given with ``--kjnodes DIR`` (``benchmarks/peer.py``;
 its code never enters this repository). ``--peer-table`` sets up stock, strided NHD, strided NHD on
 the attention-only block path and the peer's variants in one interleaved run. The peer calls
@@ -77,9 +77,10 @@ from .report import LAYOUTS, Report, correctness_table, equality_verdict, text_t
 
 SECTIONS = ("isolated", "blocks", "profiler", "sampling_2_step", "sampling_12_step")
 MEMORY_SECTION = "memory"  # only with --memory-at; runs last (past the int32 line stock's attention may fault)
-VARIANT_USAGE = "NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only|:fused_block]"
+VARIANT_USAGE = "NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:attention_only|:fused_block]"
+# whole_qkv: the qkv projection always made whole (no token chunks), to measure what the chunks cost
 VARIANT_FLAGS = {"noprepared": ("prepared", False), "attention_only": ("block_path", "attention_only"),
-                 "fused_block": ("block_path", "fused")}
+                 "fused_block": ("block_path", "fused"), "whole_qkv": ("qkv_chunk_tokens", 2**62)}
 ATTENTION_ONLY = "attention_only"  # --peer-table's strided NHD variant on the attention-only block path
 LAYOUT_ENV = "H3_SAGE_QKV_LAYOUT"
 REFERENCE_COPY = Path(__file__).resolve().parent / "reference" / "gb10-strided-nhd-results.json"
@@ -201,8 +202,9 @@ def add_variant_options(p) -> None:
                    help="an extra patched variant timed beside stock and the layouts in blocks, profiler and "
                         "memory, e.g. nhd_fused=strided_nhd:sage2:fused, sdpa=strided_nhd:sdpa:exact, "
                         "today=strided_nhd:sage2:exact:noprepared, attn=strided_nhd:sage2:exact:attention_only (flags after PREP, any order: noprepared = the "
-                        "back-end's prepared path switched off; attention_only or fused_block = block_path "
-                        "attention_only or fused instead of the node's default exact). Repeatable.")
+                        "back-end's prepared path switched off; whole_qkv = the qkv projection made whole, never "
+                        "in token chunks; attention_only or fused_block = block_path attention_only or fused "
+                        "instead of the node's default exact). Repeatable.")
     p.add_argument("--kjnodes", type=Path, metavar="DIR",
                    help="a ComfyUI-KJNodes checkout: adds the peer's variants " + ", ".join(peer.VARIANTS)
                         + " (its nodes/minimax_nodes.py, nodes at their defaults) wherever variants take part")
@@ -255,7 +257,7 @@ def parse_variant(parser, spec: str) -> dict:
                               != len(flags) else f"one block path at most, got {block_paths}")
                      + f"; flags: {', '.join(VARIANT_FLAGS)}")
     variant = {"name": name, "layout": parts[0], "backend": parts[1], "prep": parts[2], "prepared": True,
-               "block_path": "exact"}
+               "block_path": "exact", "qkv_chunk_tokens": None}
     variant.update(VARIANT_FLAGS[f] for f in flags)
     return variant
 
@@ -321,11 +323,13 @@ def default_out(facts: dict, backend: str) -> Path:
 
 
 def patch_model(model_patcher, layout: str, backend: str, prep_mode: str = "exact", prepared: bool = True,
-                block_path: str = "exact"):
+                block_path: str = "exact", qkv_chunk_tokens: int | None = None):
     """A clone of ``model_patcher`` patched exactly as the node patches it: (clone, installed patch).
-    ``prepared=False`` switches the chain's prepared paths off (a benchmark variant, not a node input)."""
+    ``prepared=False`` switches the chain's prepared paths off, ``qkv_chunk_tokens`` sets the rows per
+    qkv-projection chunk (benchmark variants, not node inputs; None: the node's default)."""
+    extra = {} if qkv_chunk_tokens is None else {"qkv_chunk_tokens": qkv_chunk_tokens}
     settings = submodule("nodes.patch").Settings(layout=layout, backend=backend, prep_mode=prep_mode,
-                                                 block_path=block_path)
+                                                 block_path=block_path, **extra)
     clone, patch = submodule("nodes.h3_patch").patch_model(model_patcher, settings)
     patch.plan.default.prepared = prepared  # the plan of every run starts from this chain
     return clone, patch
@@ -447,9 +451,12 @@ def build_variants(args, base, layouts) -> tuple[dict, dict, dict, dict]:
     clones, extras, patches, settings = {}, {}, {}, {}
     for v in specs:
         clone, patches[v["name"]] = patch_model(base, v["layout"], v["backend"], prep_mode=v["prep"],
-                                                prepared=v["prepared"], block_path=v["block_path"])
+                                                prepared=v["prepared"], block_path=v["block_path"],
+                                                qkv_chunk_tokens=v.get("qkv_chunk_tokens"))
         (clones if v["name"] in layouts else extras)[v["name"]] = clone
         settings[v["name"]] = {k: v[k] for k in ("layout", "backend", "prep", "prepared", "block_path")}
+        if v.get("qkv_chunk_tokens") is not None:
+            settings[v["name"]]["qkv_chunk_tokens"] = v["qkv_chunk_tokens"]
     return clones, extras, patches, settings
 
 

@@ -47,6 +47,7 @@ class CallRecord:
     copies: int = 0                     # tensor copies the pack's dataflow made for this call
     prepared: str = ""                  # the prepared path's mode, when it ran
     prepared_skipped: Skip | None = None  # why the back-end that ran did not take its prepared path
+    projected_chunks: int = 0           # the qkv projection came in this many token chunks (0: whole)
     compiled: tuple[dict, ...] = ()     # JIT compiles this call triggered: {"backend", "key", "seconds"}
 
 
@@ -123,6 +124,45 @@ class BackendChain:
             return out, self._record(backend, skipped, seen, head_chunks=chunks, compacted=compacted,
                                      copies=4 * chunks if compacted else 0, prepared_skipped=no_prepared)
         raise NoBackendError(skipped)
+
+    def run_projected(self, projection, seq: int, heads: int, head_dim: int, *, dtype, device, norm,
+                      prepared_mode: str, chunk: int, scale: float | None = None):
+        """The prepared path on a fused qkv projection taken by token chunks (``projection``: see
+        ``AttentionBackend.prepare_projected``), when the back-end that would take the call offers it;
+        returns (NHD output, CallRecord), or (None, None): then the caller projects whole and calls
+        ``run_handed``. The scan is ``run_handed``'s, on K and V views of the buffer K and V go to."""
+        if not self.prepared or norm is None or not (norm.by_rows or norm.foldable):
+            return None, None
+        kv = torch.empty(seq, 2 * heads * head_dim, dtype=dtype, device=device)
+        k, v = kv.unflatten(1, (2, heads, head_dim)).unsqueeze(0).unbind(2)  # q is k's shape, dtype and place
+        skipped: list[Skip] = []
+        for backend in self.backends:
+            verdict, kind = backend.available(), "unavailable"
+            if verdict:
+                verdict, kind = backend.supports(k, k, v, layout="NHD"), "unsupported"
+            if not verdict:
+                skipped.append(Skip(backend.name, verdict.code, verdict.reason, kind))
+                continue
+            if not (backend.prepares_projected and prepared_mode in backend.prepared_modes
+                    and backend.prepared_verdict(k, k, v)):
+                return None, None  # the call runs as run_handed runs it
+            seen = len(backend.compile_events)
+            try:
+                prepared = backend.prepare_projected(projection, kv, heads=heads, mode=prepared_mode, scale=scale,
+                                                     norm=norm, chunk=chunk)
+            except Exception as exc:
+                raise_if_context_lost(exc)
+                if projection.released:
+                    raise  # its input is gone: the projection cannot be taken whole for a fallback
+                _log_skips(self.requested, backend.name, [Skip(
+                    backend.name, "raised", f"prepared path on a projection by token chunks raised "
+                    f"{type(exc).__name__}: {exc}", "raised")])
+                return None, None
+            del kv, k, v  # K and V are in the operands now
+            return backend.attend(prepared), self._record(
+                backend, skipped, seen, prepared=prepared.mode, head_chunks=len(prepared.head_chunks),
+                projected_chunks=prepared.projected_chunks)
+        return None, None
 
     def _run_prepared(self, backend, views: list, mode: str, scale, norm):
         """(output, Prepared), or (None, Skip: why the prepared path did not run). On success ``views``

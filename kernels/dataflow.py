@@ -61,6 +61,50 @@ def attention_from_fused_qkv(handed, heads: int, head_dim: int, *, chain: Backen
     return flat, record
 
 
+class RowProjection:
+    """The fused qkv projection of one attention call, taken on demand a token range at a time:
+    ``rows(a, b)`` = ``project(x[a:b])``, [b - a, 3*H*D]. ``release()`` drops ``x`` (the call's input)
+    once every row is taken, so it is freed before the attention kernel runs."""
+
+    def __init__(self, project, x: torch.Tensor):
+        self._project, self._x = project, [x]
+        self.seq, self.dtype, self.device = x.shape[0], x.dtype, x.device
+
+    @property
+    def released(self) -> bool:
+        return not self._x
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        if self.released:
+            raise RuntimeError("the projection's input was released")
+        return self._project(self._x[0][start:stop])
+
+    def release(self) -> None:
+        self._x.clear()
+
+
+def attention_from_projection(projection: RowProjection, heads: int, head_dim: int, *, chain: BackendChain,
+                              norm: QKNorm, chunk: int, layout: str = "strided_nhd", scale: float | None = None,
+                              prepared_mode: str = "exact") -> tuple[torch.Tensor, CallRecord]:
+    """``attention_from_fused_qkv`` on a projection that need not be made whole: a prepared path that
+    takes it by token chunks of ``chunk`` rows runs when the chain's back-end for the call offers one
+    (the [S, 3*H*D] buffer then never exists); otherwise it is projected whole and handed over."""
+    _check_layout(layout)
+    if layout == "strided_nhd" and norm.inplace and projection.seq > chunk:
+        out, record = chain.run_projected(projection, projection.seq, heads, head_dim, dtype=projection.dtype,
+                                          device=projection.device, norm=norm, prepared_mode=prepared_mode,
+                                          chunk=chunk, scale=scale)
+        if out is not None:
+            record.layout = layout
+            flat, copies = token_major(out)
+            record.copies += copies
+            return flat, record
+    handed = [projection.rows(0, projection.seq)]
+    projection.release()
+    return attention_from_fused_qkv(handed, heads, head_dim, chain=chain, norm=norm, layout=layout,
+                                    scale=scale, prepared_mode=prepared_mode)
+
+
 def attention_nhd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chain: BackendChain,
                   layout: str = "strided_nhd", mask=None, scale: float | None = None):
     """Attention on NHD [B, S, H, D] views of any strides; returns (NHD output, CallRecord). ``hnd``

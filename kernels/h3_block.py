@@ -92,12 +92,12 @@ def scale_shift_(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> 
 
 def token_chunks(rows: int, chunk: int, align: int = 64) -> list[tuple[int, int]]:
     """``[(start, stop)]`` covering ``range(rows)`` in as few chunks of at most ``chunk`` rows as
-    possible, of equal size (rounded up to ``align`` rows where that stays within ``chunk``): no
-    small last GEMM."""
+    possible, of equal size rounded up to ``align`` rows where that stays within ``chunk``: no small
+    last GEMM. With ``chunk`` a multiple of ``align`` every chunk starts on a multiple of ``align``."""
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
     size = -(-rows // -(-rows // chunk)) if rows else chunk
-    size = min(-(-size // align) * align, chunk) if size >= align else size
+    size = min(-(-size // align) * align, chunk)
     return [(a, min(a + size, rows)) for a in range(0, rows, size)]
 
 

@@ -370,11 +370,14 @@ def _(k, v, k_weight, rope_coef, eps, fused):
 # pass 2: quantisation
 
 
-def _empty_operands(s, h, d, dev):
+def _empty_operands(s, h, d, dev, parts="qkv"):
+    """(q_int8, q_scale, k_int8, k_scale, v_fp8) for ``parts`` "qkv", "q" or "kv"; the others None."""
     nqb, nkb, lpad = -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
-    return (torch.empty(h, s, d, dtype=torch.int8, device=dev), torch.empty(1, h, nqb * 32, dtype=torch.float32, device=dev),
-            torch.empty(h, s, d, dtype=torch.int8, device=dev), torch.empty(1, h, nkb * 4, dtype=torch.float32, device=dev),
-            torch.empty(h, d, lpad, dtype=torch.float8_e4m3fn, device=dev))
+    q = (torch.empty(h, s, d, dtype=torch.int8, device=dev),
+         torch.empty(1, h, nqb * 32, dtype=torch.float32, device=dev)) if "q" in parts else (None, None)
+    kv = (torch.empty(h, s, d, dtype=torch.int8, device=dev), torch.empty(1, h, nkb * 4, dtype=torch.float32, device=dev),
+          torch.empty(h, d, lpad, dtype=torch.float8_e4m3fn, device=dev)) if "kv" in parts else (None, None, None)
+    return q + kv
 
 
 def _quant_launch(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate, out, *,
@@ -391,8 +394,8 @@ def _quant_launch(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, f
     blocks = nkb if do_kv else -(-sq // K_BLOCK)
     half = rope_coef.shape[-1] // 2 if rope_coef is not None else 0
     # operands a launch does not touch are dead code in the kernel; any tensor stands in for them
-    q, k, v = (t if t is not None else qo for t in (q, k, v))
-    km, vr = (t if t is not None else qs for t in (k_mean, v_recp))
+    q, k, v, ko, vo = (t if t is not None else qo for t in (q, k, v, ko, vo))
+    km, vr, ks = (t if t is not None else qs for t in (k_mean, v_recp, ks))
     qw = q_weight.contiguous() if q_weight is not None else qs
     kw = k_weight.contiguous() if k_weight is not None else qs
     rc = rope_coef[:, row0:] if rope_coef is not None else qs  # Q's rows; the kernel's RC planes stay S apart
@@ -470,7 +473,9 @@ class RowOperands:
         self.coef = rope_coefficients(rope_table) if self.fused and rope_table is not None else None
         self.q_weight, self.k_weight = (q_weight, k_weight) if self.fused else (None, None)
         self.eps = 0.0 if eps is None else float(eps)
-        self.out = _empty_operands(seq, heads, HEAD_DIM, device)
+        self.seq, self.heads, self.device = seq, heads, device
+        # Q's outputs now, K's and V's only in finish: they would sit unused beside every chunk
+        self.q_out = _empty_operands(seq, heads, HEAD_DIM, device, parts="q")
         self.rows_done = 0
 
     def add_q_rows(self, q):
@@ -479,19 +484,20 @@ class RowOperands:
         if problem:
             raise ValueError(f"sage2 preparation: {problem[1]}")
         _quant_launch(q, None, None, None, None, self.q_weight, None, self.coef, self.eps, self.fused,
-                      self.rotate, self.out, row0=self.rows_done, do_kv=False)
+                      self.rotate, self.q_out, row0=self.rows_done, do_kv=False)
         self.rows_done += q.shape[1]
 
     def finish(self, k, v) -> dict:
         """K and V (all rows) -> the operand dict of :func:`quantize_operands`."""
-        seq = self.out[0].shape[1]
-        if self.rows_done != seq:
-            raise ValueError(f"Q has {self.rows_done} of {seq} rows quantised")
+        if self.rows_done != self.seq:
+            raise ValueError(f"Q has {self.rows_done} of {self.seq} rows quantised")
         problem = operand_problem(k, k, v)
-        if problem or k.shape[1] != seq:
-            raise ValueError(f"sage2 preparation: {problem[1] if problem else f'K/V have {k.shape[1]} rows, Q {seq}'}")
+        if problem or k.shape[1] != self.seq:
+            raise ValueError(f"sage2 preparation: {problem[1] if problem else f'K/V have {k.shape[1]} rows, Q {self.seq}'}")
         kmean, vscale, vrecp = _reduce_impl(k, v, self.k_weight, self.coef, self.eps, self.fused)
+        qo, qs, _, _, _ = self.q_out
+        out = (qo, qs, *_empty_operands(self.seq, self.heads, HEAD_DIM, self.device, parts="kv")[2:])
         _quant_launch(None, k, v, kmean, vrecp, None, self.k_weight, self.coef, self.eps, self.fused, self.rotate,
-                      self.out, do_q=False)
-        qo, qs, ko, ks, vo = self.out
+                      out, do_q=False)
+        _, _, ko, ks, vo = out
         return {"q_int8": qo, "q_scale": qs, "k_int8": ko, "k_scale": ks, "v_fp8": vo, "v_scale": vscale}

@@ -89,13 +89,47 @@ def weight_stays_on_device(layer, device) -> bool:
     return getattr(layer.weight, "device", None) == device or hasattr(layer, "_v")
 
 
+# weight layouts whose activation quantiser works row by row (comfy-kitchen's int8 tensor-wise one)
+ROWWISE_LAYOUTS = ("TensorWiseINT8Layout",)
+
+
+def rows_independent(layer) -> bool:
+    """Each output row of ``layer`` depends on its own input row only: float weights, int8 tensor-wise
+    weights (a per-row activation quantiser), weight-only quantisation, or a fixed activation scale
+    (``input_scale``). A per-tensor scale taken from the whole input (fp8 or nvfp4 without
+    ``input_scale``) depends on every row, so token chunks would change its bits."""
+    weight = getattr(layer, "weight", None)
+    quantized = getattr(comfy.ops, "QuantizedTensor", None)
+    if quantized is None or not isinstance(weight, quantized):
+        return True
+    quantizes_input = getattr(comfy.ops, "QUANT_ALGOS", {}).get(getattr(layer, "quant_format", None), {}).get(
+        "quantize_input", True)
+    return (getattr(weight, "_layout_cls", None) in ROWWISE_LAYOUTS or not quantizes_input
+            or getattr(layer, "input_scale", None) is not None)
+
+
+def chunkable(x, *layers) -> bool:
+    """Calling ``layers`` on token chunks of ``x`` gives the whole call's bits at no extra cost: fp16/bf16
+    activations (fp32 GEMMs split by rows need not give the same bits: measured on the CPU), every
+    output row from its own input row, weights that stay on the device (no transfer per chunk)."""
+    return x.dtype in CHUNKED_DTYPES and all(
+        not replaced_forward(m) and rows_independent(m) and weight_stays_on_device(m, x.device) for m in layers)
+
+
 def mlp_chunk_rows(mlp, x, chunk: int) -> int | None:
-    """Rows per MLP chunk, or None when the MLP must run whole as the model has it. fp32 activations
-    are not chunked: fp32 GEMMs split by rows need not give the same bits (measured on the CPU)."""
-    if replaced_forward(mlp) or x.dtype not in CHUNKED_DTYPES:  # another node's MLP forward runs as it is
+    """Rows per MLP chunk, or None when the MLP must run whole as the model has it (another node's MLP
+    forward runs as it is)."""
+    if replaced_forward(mlp) or not chunkable(x, mlp.fc1, mlp.fc2):
         return None
-    resident = all(weight_stays_on_device(m, x.device) for m in (mlp.fc1, mlp.fc2))
-    return chunk if resident and x.shape[0] > chunk else None
+    return chunk if x.shape[0] > chunk else None
+
+
+def projection_chunk_rows(linear, x, chunk: int) -> int | None:
+    """Rows per chunk of the attention's qkv projection, or None: project whole (under torch.compile,
+    which traces the projection; when chunks could change its bits; within one chunk)."""
+    if torch.compiler.is_compiling() or not chunkable(x, linear):
+        return None
+    return chunk if x.shape[0] > chunk else None
 
 
 def fused_norm_takes(norm, x) -> bool:

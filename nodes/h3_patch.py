@@ -76,14 +76,21 @@ class H3AttentionForward:
     def __call__(self, x, rope_freqs=None, transformer_options={}):
         if isinstance(x, list):  # a block forward handed its input over (KJNodes' Low VRAM Attention)
             x = x.pop()
-        device, handed = x.device, [self.attn.qkv_proj(x)]
-        del x  # the fused buffer, handed over in a list, is the only thing alive while the kernel runs
-        return self.attn.out_proj(_attend(self, handed, device, rope_freqs))
+        device = x.device
+        chunk = h3_block.projection_chunk_rows(self.attn.qkv_proj, x, self.patch.settings.qkv_chunk_tokens)
+        if chunk is not None and rope_freqs is not None:
+            # a prepared path may take the projection by token chunks: the fused buffer never exists whole
+            source = kernels.RowProjection(self.attn.qkv_proj, x)
+        else:
+            source, chunk = [self.attn.qkv_proj(x)], None
+        del x  # the fused buffer (or the projection), handed over, is the only thing alive while the kernel runs
+        return self.attn.out_proj(_attend(self, source, device, rope_freqs, chunk))
 
 
 @torch.compiler.disable
-def _attend(fwd: H3AttentionForward, handed: list, device, rope_freqs):
-    """The attention of one H3 forward and its record; never traced by dynamo."""
+def _attend(fwd: H3AttentionForward, source, device, rope_freqs, chunk=None):
+    """The attention of one H3 forward and its record; never traced by dynamo. ``source``: the fused
+    projection handed over in a list, or a ``kernels.RowProjection`` taken by ``chunk`` rows."""
     attn, patch = fwd.attn, fwd.patch
     if rope_freqs is not None:
         # ComfyUI may keep weights offloaded or in another dtype: cast like upstream does
@@ -93,9 +100,12 @@ def _attend(fwd: H3AttentionForward, handed: list, device, rope_freqs):
                               inplace=not comfy.model_management.in_training)  # training keeps the graph
     else:
         norm = kernels.QKNorm(q_norm=attn.q_norm, k_norm=attn.k_norm)
-    out, rec = kernels.attention_from_fused_qkv(
-        handed, attn.heads, attn.head_dim, chain=patch.plan.chain_for(fwd.key), norm=norm,
-        layout=patch.settings.layout, prepared_mode=patch.settings.prep_mode)
+    how = dict(chain=patch.plan.chain_for(fwd.key), norm=norm, layout=patch.settings.layout,
+               prepared_mode=patch.settings.prep_mode)
+    if chunk is None:
+        out, rec = kernels.attention_from_fused_qkv(source, attn.heads, attn.head_dim, **how)
+    else:
+        out, rec = kernels.attention_from_projection(source, attn.heads, attn.head_dim, chunk=chunk, **how)
     patch.report.record(rec)
     return out
 

@@ -28,6 +28,7 @@ class Settings:
     patch_refiner: bool = True
     block_path: str = "exact"
     mlp_chunk_tokens: int = 8192  # block fast path: rows per MLP chunk (not a node input)
+    qkv_chunk_tokens: int = 8192  # H3 attention: rows per qkv-projection chunk on a prepared path (not a node input)
 
     def __post_init__(self):
         for what, value, valid in (("layout", self.layout, kernels.LAYOUTS), ("block path", self.block_path, BLOCK_PATHS),
@@ -35,8 +36,10 @@ class Settings:
                                    ("sage2_prep mode", self.prep_mode, tuple(kernels.PREPARED_MODES))):
             if value not in valid:
                 raise ValueError(f"{NODE}: unknown {what} {value!r}; choose one of {', '.join(valid)}")
-        if not isinstance(self.mlp_chunk_tokens, int) or self.mlp_chunk_tokens < 1:
-            raise ValueError(f"{NODE}: mlp_chunk_tokens must be a positive int, got {self.mlp_chunk_tokens!r}")
+        for name in ("mlp_chunk_tokens", "qkv_chunk_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{NODE}: {name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)

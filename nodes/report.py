@@ -34,6 +34,7 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "prepared_skipped": [{"backend": "sage2", "code": "gpu_arch", "reason": "...", "count": 100}],
                                            # calls whose back-end's prepared path did not run, and why
       "head_chunks_max": 1,                # >1: a call was split over heads to stay within int32 offsets
+      "projected_by_chunks": 100,          # calls whose qkv projection a prepared path took by token chunks
       "copies_per_call": 0.0,              # tensor copies the pack's dataflow made, mean per call
       "compile_events": [{"backend": "fa4", "key": "...", "seconds": 1.5}],   # JIT compiles the run triggered
       "notes": [{"code": "sparse_composed", "text": "..."}],   # decisions taken when sampling started
@@ -69,7 +70,7 @@ class RunReport:
         self.begin_run()
 
     def begin_run(self) -> None:
-        self.calls = self.stock_calls = self.head_chunks_max = self.copies = 0
+        self.calls = self.stock_calls = self.head_chunks_max = self.copies = self.projected = 0
         self.backends = Counter()
         self.fallbacks = Counter()           # (backend, code, reason) -> calls
         self.unavailable = Counter()         # (backend, code, reason) -> calls, auto only
@@ -91,6 +92,7 @@ class RunReport:
             (self.unavailable if normal else self.fallbacks)[(s.backend, s.code, s.reason)] += 1
         self.head_chunks_max = max(self.head_chunks_max, rec.head_chunks)
         self.copies += rec.copies
+        self.projected += rec.projected_chunks > 0
         if rec.prepared:
             self.prepared[(rec.backend, rec.prepared)] += 1
         if rec.prepared_skipped is not None:
@@ -126,6 +128,7 @@ class RunReport:
              "skipped_unavailable": [dict(zip(reason, k)) for k in self.unavailable],
              "prepared": _rows(self.prepared, ("backend", "mode"), "calls"),
              "prepared_skipped": _rows(self.prepared_skipped, reason), "head_chunks_max": self.head_chunks_max,
+             "projected_by_chunks": self.projected,
              "copies_per_call": round(self.copies / self.calls, 3) if self.calls else 0.0,
              "compile_events": list(self.compile_events), "notes": list(self.notes)}
         p["messages"] = _messages(p)
@@ -174,6 +177,9 @@ def _messages(p: dict) -> list[str]:
         lines.append(f"long sequence: calls split into up to {p['head_chunks_max']} head chunks (int32 offsets)")
     lines += [f"prepared path: {r['backend']} {r['mode']} x{r['calls']}" for r in p["prepared"]]
     lines += [f"no {s['backend']} prepared path ({s['count']} calls): {s['reason']}" for s in p["prepared_skipped"]]
+    if p["projected_by_chunks"]:
+        lines.append(f"qkv projection taken by token chunks in {p['projected_by_chunks']} calls "
+                     "(its fused output never existed whole)")
     lines += [f"compiled {e.get('backend')} kernel {e.get('key')} in {e.get('seconds')} s" for e in p["compile_events"]]
     if p["attention_calls"]:
         lines.append(f"copies made by the pack's dataflow: {p['copies_per_call']} per call")

@@ -171,6 +171,7 @@ export function formatReport(report) {
   }
 
   if (Number(r.head_chunks_max) > 1) lines.push(`split over heads: up to ${Number(r.head_chunks_max)} chunks (int32 offsets)`);
+  if (Number(r.projected_by_chunks) > 0) lines.push(`qkv projected by token chunks: ${Number(r.projected_by_chunks)} calls`);
 
   // one attention call per block on the H3 path, per call of the model on the override path
   const per = r.path === "attention_override" ? "call" : "block";

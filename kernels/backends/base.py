@@ -65,6 +65,7 @@ class Prepared:
     head_dim: int
     head_chunks: tuple = ((0, 0),)    # (first head, end head) per kernel launch
     norm_folded: bool = False         # the pending Q/K normalisation ran inside the preparation
+    projected_chunks: int = 0         # token chunks of a projection taken by rows (0: handed whole)
 
 
 class PreparedPath(Protocol):
@@ -82,6 +83,13 @@ class PreparedPath(Protocol):
     def attend(self, prepared: Prepared) -> torch.Tensor:
         """The kernel on prepared operands -> contiguous NHD [1, S, H, D]."""
 
+    # Optional (declared by ``prepares_projected = True``): operands straight from a fused qkv
+    # projection taken a token chunk at a time, so its [S, 3*H*D] output never exists whole.
+    def prepare_projected(self, projection, kv, *, heads: int, mode: str, scale: float | None, norm,
+                          chunk: int) -> Prepared:
+        """``projection.rows(a, b)`` -> qkv rows [b - a, 3*H*D], ``projection.release()`` once every
+        row is taken; ``kv`` [S, 2*H*D] is the caller's buffer for K and V (filled here, free after)."""
+
 
 class AttentionBackend:
     """Base class: subclasses declare the class attributes and implement the hooks.
@@ -98,6 +106,7 @@ class AttentionBackend:
     needs_cuda: bool = True
     takes_mask: bool = False
     prepared_modes: tuple[str, ...] = ()
+    prepares_projected: bool = False
     compile_events: tuple | list = ()
 
     @functools.cached_property

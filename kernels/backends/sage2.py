@@ -9,6 +9,7 @@ import importlib
 import torch
 
 from .. import sage2_quant
+from ..h3_block import token_chunks
 from .base import INT32_MAX_OFFSET, YES, AttentionBackend, Prepared, Verdict, cuda_capability, no
 
 # Arches sageattn() has a kernel for (it raises on others).
@@ -42,6 +43,7 @@ class Sage2Backend(AttentionBackend):
     dtypes = (torch.float16, torch.bfloat16)
     max_head_dim = 128
     prepared_modes = tuple(sage2_quant.MODES)
+    prepares_projected = True
 
     def _check_available(self):
         module, major = installed_sageattention()
@@ -97,6 +99,42 @@ class Sage2Backend(AttentionBackend):
         _, s, h, d = q.shape
         return Prepared(self.name, mode, ops, float(d ** -0.5 if scale is None else scale), q.dtype, s, h, d,
                         head_chunks(s, h, d), norm_folded=fold)
+
+    def prepare_projected(self, projection, kv, *, heads, mode="exact", scale=None, norm=None, chunk=8192) -> Prepared:
+        """The operands of ``prepare`` from a fused qkv projection taken a token chunk at a time: each
+        chunk's Q is normalised and quantised at once, its K and V rows copied into ``kv`` [S, 2*H*D];
+        K and V are quantised once every token is in. The bits are ``prepare``'s on the whole
+        projection. A fused mode folds a foldable norm as ``prepare`` does; otherwise the norm is
+        applied row range by row range (it must allow that: ``norm.by_rows``)."""
+        fused, rotate = sage2_quant.mode_flags(mode)
+        fold = fused and norm is not None and norm.foldable
+        if not fold:
+            mode = "rotated" if rotate else "exact"
+            if norm is not None and not norm.by_rows:
+                raise ValueError("the pending Q/K normalisation cannot be applied by token chunks")
+        seq, d = kv.shape[0], sage2_quant.HEAD_DIM
+        inner = heads * d
+        if kv.shape[1] != 2 * inner:
+            raise ValueError(f"kv buffer has {kv.shape[1]} columns, expected 2*{heads}*{d}")
+        params = dict(rope_table=norm.rope_table, q_weight=norm.q_weight, k_weight=norm.k_weight,
+                      eps=norm.eps) if fold else {}
+        ops = sage2_quant.RowOperands(seq, heads, kv.device, mode=mode, **params)
+        step = sage2_quant.K_BLOCK  # Q is quantised in 128-token blocks: chunks start on one
+        chunks = token_chunks(seq, max(step, chunk // step * step), align=step)
+        for a, b in chunks:
+            rows = projection.rows(a, b)
+            q, k = rows.unflatten(1, (3, heads, d)).unsqueeze(0).unbind(2)[:2]  # no view left to hold the chunk
+            if norm is not None and not fold:
+                norm.apply_rows(q, k, a)
+            ops.add_q_rows(q)
+            kv[a:b].copy_(rows[:, inner:])
+            del rows, q, k
+        projection.release()
+        if norm is not None:
+            norm.mark_folded()
+        k, v = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)
+        return Prepared(self.name, mode, ops.finish(k, v), float(d ** -0.5 if scale is None else scale), kv.dtype,
+                        seq, heads, d, head_chunks(seq, heads, d), norm_folded=fold, projected_chunks=len(chunks))
 
     def attend(self, prepared: Prepared) -> torch.Tensor:
         """SageAttention 2's sm90 kernel on prepared operands -> contiguous NHD [1, S, H, 128]."""

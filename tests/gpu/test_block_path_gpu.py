@@ -64,14 +64,14 @@ def test_full_width_block_gives_stock_bits(pack, model, seq, chunk, one_pass_mod
     with torch.inference_mode():
         want = block(x.clone(), t_emb, segments, rope, transformer_options={})
         clone, patch = pack.nodes.h3_patch.patch_model(
-            model, pack.nodes.patch.Settings(backend="sage2", mlp_chunk_tokens=chunk))
+            model, pack.nodes.patch.Settings(backend="sage2", mlp_chunk_tokens=chunk, qkv_chunk_tokens=chunk))
         clone.patch_model(load_weights=False)
         try:
             assert isinstance(vars(block).get("forward"), pack.nodes.h3_block.H3BlockForward)
             got = block(x.clone(), t_emb, segments, rope, transformer_options={})
         finally:
             clone.unpatch_model(unpatch_weights=False)
-    assert patch.report.calls == 1
+    assert patch.report.calls == 1 and patch.report.projected == 1  # the qkv projection came by token chunks
     differ = int((got != want).sum())
     assert differ == 0, f"{differ} of {got.numel()} elements differ, max abs {(got.float() - want.float()).abs().max()}"
 
@@ -100,8 +100,9 @@ def test_modulation_pass_gives_stocks_bits_on_cuda(pack):
 
 
 @pytest.mark.parametrize("weights", ["bf16", "int8_convrot"])
-def test_mlp_pieces_give_the_same_bits_split_by_rows(pack, weights):
-    """RMSNorm, fc1 and the SwiGLU-quantising fc2 of the real model, whole vs in 7,616-row chunks."""
+def test_block_pieces_give_the_same_bits_split_by_rows(pack, weights):
+    """RMSNorm, fc1, the SwiGLU-quantising fc2 and the attention's qkv projection of the real model,
+    whole vs in 7,616-row chunks."""
     import comfy.ops
     from devkit import h3 as dh
 
@@ -110,9 +111,9 @@ def test_mlp_pieces_give_the_same_bits_split_by_rows(pack, weights):
     block = model.model.diffusion_model.blocks[0]
     x = torch.randn(37810, 5376, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).bfloat16()
     with torch.inference_mode():
-        pieces = {"norm2": block.norm2, "fc1": block.mlp.fc1,
+        pieces = {"norm2": block.norm2, "fc1": block.mlp.fc1, "qkv_proj": block.attn.qkv_proj,
                   "fc2_swiglu": lambda t: comfy.ops.linear_input_act(block.mlp.fc2, t, "swiglu")}
-        inputs = {"norm2": x, "fc1": x, "fc2_swiglu": block.mlp.fc1(x)}
+        inputs = {"norm2": x, "fc1": x, "qkv_proj": x, "fc2_swiglu": block.mlp.fc1(x)}
         differing = {name: _differ(fn(inputs[name]), _rows_split(fn, inputs[name], 7616)) for name, fn in pieces.items()}
     print(f"rows split, {weights}: elements that differ {differing}")
     assert all(n == 0 for n in differing.values()), differing

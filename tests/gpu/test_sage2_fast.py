@@ -199,6 +199,26 @@ def test_long_sequences_head_and_tail_rows(seq):
     assert row["rel_err_head"] < 6e-2 and row["rel_err_tail"] < 6e-2
 
 
+@pytest.mark.parametrize("seq,mode", [(37810, "exact"), (37810, "fused"), (320000, "exact")])
+def test_prepare_projected_gives_the_whole_preparation_bits(seq, mode):
+    """The projection handed over by 8,192-token chunks (K/V gathered in a buffer): the operands of
+    ``prepare`` on the whole buffer, bit for bit; at 320,000 tokens every buffer passes 2**31 elements."""
+    qkv, table, qw, kw = fused_buffer(seq, 5)
+
+    def norm():
+        return kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=EPS)
+    projection = kernels.RowProjection(lambda rows: rows.clone(), qkv.clone())
+    kv = torch.empty(seq, 2 * HEADS * D, dtype=qkv.dtype, device=qkv.device)
+    got = B.prepare_projected(projection, kv, heads=HEADS, mode=mode, norm=norm(), chunk=8192)
+    del kv
+    want = B.prepare(*views(qkv), mode=mode, norm=norm())
+    results = mismatches(got.operands, want.operands)
+    log_result({"check": "prepare_projected_vs_prepare", "seq": seq, "mode": mode, "chunks": got.projected_chunks,
+                "mismatches": results})
+    assert got.projected_chunks == -(-seq // 8192) and projection.released and got.mode == want.mode
+    assert all(n == 0 for n in results.values()), results
+
+
 def test_torch_compile_fullgraph_traces_the_ops():
     seq, heads = 300, 4
     qkv, table, qw, kw = fused_buffer(seq, 5, heads)

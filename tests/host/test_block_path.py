@@ -120,6 +120,28 @@ def test_mlp_runs_whole_where_chunks_would_cost_or_change_bits(pack):
     assert chunk_rows(foreign, x, 8) is None
 
 
+def test_token_chunks_only_where_each_output_row_depends_on_its_own_input_row(pack):
+    """An fp8 weight whose activation scale ComfyUI takes from the whole input (no ``input_scale``)
+    would change its bits in token chunks: its MLP and qkv projection run whole."""
+    from comfy.quant_ops import QuantizedTensor
+
+    h3 = pack.nodes.h3_block
+    w = torch.randn(8, 8).bfloat16()
+    fp8 = QuantizedTensor.from_float(w, "TensorCoreFP8Layout")
+    int8 = QuantizedTensor.from_float(w, "TensorWiseINT8Layout")
+
+    def layer(weight, **extra):
+        return SimpleNamespace(weight=weight, weight_function=[], **extra)
+    assert h3.rows_independent(layer(w)) and h3.rows_independent(layer(int8))  # int8: a per-row quantiser
+    assert not h3.rows_independent(layer(fp8))
+    assert h3.rows_independent(layer(fp8, input_scale=torch.tensor(0.5)))    # a fixed activation scale
+    x = torch.empty(20, 8, dtype=torch.bfloat16)
+    assert h3.projection_chunk_rows(layer(w), x, 8) == 8 and h3.projection_chunk_rows(layer(w), x, 32) is None
+    assert h3.projection_chunk_rows(layer(fp8), x, 8) is None
+    assert h3.projection_chunk_rows(layer(w), x.float(), 8) is None
+    assert h3.mlp_chunk_rows(SimpleNamespace(fc1=layer(fp8), fc2=layer(w)), x, 8) is None
+
+
 def test_a_restored_mlp_forward_is_not_another_nodes(pack, model):
     """ComfyUI unpatches an object patch by setting the original bound method on the module: the
     fast path must still chunk that MLP (a benchmark found it did not)."""

@@ -84,6 +84,8 @@ def test_token_chunks_and_clipped_segments():
     assert h3_block.token_chunks(4, 8) == [(0, 4)]
     assert h3_block.token_chunks(37810, 8192) == [(a, min(a + 7616, 37810)) for a in range(0, 37810, 7616)]
     assert h3_block.token_chunks(16384, 8192) == [(0, 8192), (8192, 16384)]
+    assert h3_block.token_chunks(200, 128, align=128) == [(0, 128), (128, 200)]  # chunk starts stay aligned
+    assert h3_block.token_chunks(37810, 8192, align=128) == [(a, min(a + 7680, 37810)) for a in range(0, 37810, 7680)]
     with pytest.raises(ValueError, match="positive"):
         h3_block.token_chunks(4, 0)
     segments = [(0, 3, 1), (3, 9, 2), (9, 10, 0)]

@@ -216,3 +216,100 @@ def test_a_handed_buffer_is_freed_before_the_prepared_kernel_runs(gen):
     assert handed == [] and rec.prepared == "exact"
     assert alive_at_attend == [False], "the handed qkv buffer must be freed before the prepared kernel runs"
     assert torch.equal(out, expect)
+
+
+# --- a projection taken by token chunks ------------------------------------------------------------------
+
+
+class FakeProjected(FakePrepared):
+    """``FakePrepared`` that also takes a projection by token chunks: each chunk normalised by rows,
+    Q rows stashed, K/V rows gathered in the caller's buffer; ``raises`` fails before any row."""
+
+    prepares_projected = True
+
+    def __init__(self, on_attend=None, raises=False):
+        super().__init__(on_attend)
+        self.raises, self.projection, self.released_at_attend = raises, None, None
+
+    def prepare_projected(self, projection, kv, *, heads, mode, scale, norm, chunk):
+        if self.raises:
+            raise RuntimeError("projected preparation failed in this test")
+        self.modes.append(f"projected {mode}")
+        d = kv.shape[1] // (2 * heads)
+        qs, chunks = [], [(a, min(a + chunk, projection.seq)) for a in range(0, projection.seq, chunk)]
+        for a, b in chunks:
+            rows = projection.rows(a, b)
+            q, k, _ = rows.unflatten(1, (3, heads, d)).unsqueeze(0).unbind(2)
+            norm.apply_rows(q, k, a)
+            qs.append(q.clone())
+            kv[a:b].copy_(rows[:, heads * d:])
+        projection.release()
+        norm.mark_folded()
+        self.projection = projection
+        k, v = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)
+        return Prepared(self.name, "exact", {"q": torch.cat(qs, 1), "k": k.clone(), "v": v.clone()}, 0.25,
+                        kv.dtype, projection.seq, heads, d, projected_chunks=len(chunks))
+
+    def attend(self, prepared):
+        self.released_at_attend = self.projection is not None and self.projection.released
+        return super().attend(prepared)
+
+
+def projection_inputs(seq, heads, head_dim, gen):
+    """(x, project): a row-wise stand-in for qkv_proj (row chunks give its bits exactly) and its input."""
+    x = torch.randn(seq, heads * head_dim, generator=gen).to(torch.bfloat16)
+    calls = []
+
+    def project(rows):
+        calls.append(rows.shape[0])
+        return torch.cat([rows * 0.5, rows * 2.0, rows - 1.0], dim=1)
+    project.calls = calls
+    return x, project
+
+
+@pytest.mark.parametrize("backend,expect_chunks", [("projected", 3), ("plain_prepared", 0), ("sdpa", 0)])
+def test_a_projection_by_chunks_gives_the_whole_projection_bits(backend, expect_chunks, gen):
+    heads, head_dim, seq = 2, 32, 50
+    x, project = projection_inputs(seq, heads, head_dim, gen)
+    _, table, qw, kw = fused_inputs(seq, heads, head_dim, 16, gen)
+    expect, _ = run(project(x), heads, head_dim, "strided_nhd", table, qw, kw, scale=0.25)
+    project.calls.clear()
+    fake = {"projected": FakeProjected(), "plain_prepared": FakePrepared(), "sdpa": SdpaBackend()}[backend]
+    norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
+    projection = kernels.RowProjection(project, x)
+    out, rec = kernels.attention_from_projection(projection, heads, head_dim, chunk=20, norm=norm, scale=0.25,
+                                                 chain=kernels.BackendChain("x", [fake]), prepared_mode="exact")
+    assert torch.equal(out, expect) and norm.applied and projection.released
+    assert rec.projected_chunks == expect_chunks
+    assert project.calls == ([20, 20, 10] if expect_chunks else [seq])  # each row projected once
+    if backend == "projected":
+        assert fake.modes == ["projected exact"] and fake.released_at_attend  # x freed before the kernel
+
+
+def test_a_projection_within_one_chunk_or_a_failing_preparation_is_taken_whole(gen, caplog):
+    heads, head_dim, seq = 2, 32, 40
+    x, project = projection_inputs(seq, heads, head_dim, gen)
+    _, table, qw, kw = fused_inputs(seq, heads, head_dim, 16, gen)
+    expect, _ = run(project(x), heads, head_dim, "strided_nhd", table, qw, kw, scale=0.25)
+    for chunk, fake in ((64, FakeProjected()), (16, FakeProjected(raises=True))):
+        project.calls.clear()
+        norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
+        out, rec = kernels.attention_from_projection(kernels.RowProjection(project, x), heads, head_dim, chunk=chunk,
+                                                     norm=norm, scale=0.25, chain=kernels.BackendChain("x", [fake]),
+                                                     prepared_mode="exact")
+        assert torch.equal(out, expect) and rec.projected_chunks == 0 and rec.prepared == "exact"
+        assert project.calls == [seq] and fake.modes == ["exact"]  # whole, then the plain prepared path
+    assert any("projected preparation failed in this test" in r.getMessage() for r in caplog.records)
+
+
+def test_a_norm_that_cannot_go_by_rows_is_refused_and_the_projection_is_taken_whole(gen):
+    heads, head_dim, seq = 2, 32, 40
+    x, project = projection_inputs(seq, heads, head_dim, gen)
+    norm = kernels.QKNorm(q_norm=lambda t: t * 2, k_norm=lambda t: t * 0.5)
+    assert not norm.by_rows
+    with pytest.raises(RuntimeError, match="cannot be applied by rows"):
+        norm.apply_rows(x.view(1, seq, heads, head_dim), x.view(1, seq, heads, head_dim), 0)
+    out, rec = kernels.attention_from_projection(kernels.RowProjection(project, x), heads, head_dim, chunk=16,
+                                                 norm=norm, scale=0.25, prepared_mode="exact",
+                                                 chain=kernels.BackendChain("x", [FakeProjected()]))
+    assert project.calls == [seq] and rec.projected_chunks == 0 and rec.prepared == "exact"

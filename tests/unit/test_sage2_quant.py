@@ -85,6 +85,27 @@ INTERPRETED_CHECKS = textwrap.dedent(r"""
                     "views_untouched": bool(torch.equal(qkv, before)), "sm_scale": p.sm_scale,
                     "geometry": [p.seq, p.heads, p.head_dim, [list(c) for c in p.head_chunks]],
                     "out_dtype": str(p.out_dtype), "diffs": differing(p.operands, exp)}
+                # the same from the projection taken 128 token rows at a time (K/V rows gathered in a buffer)
+                raw = qkv.clone()
+                norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
+                projection = kernels.RowProjection(lambda rows: rows.clone(), raw)
+                kv = torch.empty(seq, 2 * heads * 128, dtype=qkv.dtype)
+                p = Sage2Backend().prepare_projected(projection, kv, heads=heads, mode=mode, scale=0.1, norm=norm,
+                                                     chunk=128)
+                results["prepare"][f"{mode}/projected"] = {
+                    "mode": p.mode, "chunks": p.projected_chunks, "released": projection.released,
+                    "applied": norm.applied, "diffs": differing(p.operands, exp)}
+                unfused = "rotated" if mode == "fused_rotated" else "exact"
+                norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
+                p = Sage2Backend().prepare_projected(kernels.RowProjection(lambda rows: rows.clone(), qkv.clone()),
+                                                     torch.empty_like(kv), heads=heads, mode=unfused, norm=norm,
+                                                     chunk=150)  # rounded down to 128 rows
+                whole = qkv.clone()
+                wq, wk, wv = whole.unflatten(1, (3, heads, 128)).unsqueeze(0).unbind(2)
+                wq, wk = kernels.norm_rope(wq, wk, table, qw, kw, 1e-5)
+                results["prepare"][f"{unfused}/projected"] = {
+                    "mode": p.mode, "chunks": p.projected_chunks, "applied": norm.applied,
+                    "diffs": differing(p.operands, sq.quantize_operands(wq, wk, wv, mode=unfused))}
                 q_calls, k_calls = [], []
                 def q_norm(x, calls=q_calls):
                     calls.append(1)
@@ -213,6 +234,15 @@ def test_backend_prepare_folds_the_norm_or_applies_it_bit_for_bit(interpreted, m
     assert {k: n for k, n in applied["diffs"].items() if n != 0} == {}, applied["diffs"]
     assert (applied["mode"], applied["norm_folded"], applied["applied"]) == (twin, False, True)
     assert applied["norm_calls"] == [1, 1] and applied["sm_scale"] == 128**-0.5
+
+
+@pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
+@pytest.mark.parametrize("mode", sage2_quant.MODES)
+def test_backend_prepare_projected_gives_prepare_bits_on_the_whole_projection(interpreted, mode):
+    got = interpreted["prepare"][f"{mode}/projected"]
+    assert {k: n for k, n in got["diffs"].items() if n != 0} == {}, got["diffs"]
+    assert (got["mode"], got["chunks"], got["applied"]) == (mode, 2, True)
+    assert got.get("released", True)
 
 
 def sylvester(n):
