@@ -64,20 +64,40 @@ def attention_from_fused_qkv(handed, heads: int, head_dim: int, *, chain: Backen
 class RowProjection:
     """The fused qkv projection of one attention call, taken on demand a token range at a time:
     ``rows(a, b)`` = ``project(x[a:b])``, [b - a, 3*H*D]. ``release()`` drops ``x`` (the call's input)
-    once every row is taken, so it is freed before the attention kernel runs."""
+    once every row is taken, so it is freed before the attention kernel runs.
 
-    def __init__(self, project, x: torch.Tensor):
-        self._project, self._x = project, [x]
+    ``columns``: ``(project_q, project_kv_into)`` when the projection is a plain matrix product whose
+    column blocks give its bits (``project_q(x rows)`` -> Q rows [n, H*D]; ``project_kv_into(x, out)``
+    writes K and V of every row into ``out`` [S, 2*H*D]): K/V then take one product straight into
+    the caller's buffer and Q goes by rows, with no copy."""
+
+    def __init__(self, project, x: torch.Tensor, columns=None):
+        self._project, self._columns, self._x = project, columns, [x]
         self.seq, self.dtype, self.device = x.shape[0], x.dtype, x.device
 
     @property
     def released(self) -> bool:
         return not self._x
 
-    def rows(self, start: int, stop: int) -> torch.Tensor:
+    def _input(self) -> torch.Tensor:
         if self.released:
             raise RuntimeError("the projection's input was released")
-        return self._project(self._x[0][start:stop])
+        return self._x[0]
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self._project(self._input()[start:stop])
+
+    def fill_kv(self, kv: torch.Tensor) -> bool:
+        """K and V of every row into ``kv`` in one product, when the projection splits by columns
+        (True); False: take ``rows`` and copy their K/V columns."""
+        if self._columns is None:
+            return False
+        self._columns[1](self._input(), kv)
+        return True
+
+    def q_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Q rows [n, H*D] alone (after ``fill_kv`` returned True)."""
+        return self._columns[0](self._input()[start:stop])
 
     def release(self) -> None:
         self._x.clear()

@@ -17,6 +17,9 @@ import torch
 
 from .sage2_quant import interpreting, triton, tl
 
+if triton is not None:
+    from triton.language.extra import libdevice
+
 FUSED_DTYPES = (torch.bfloat16,)
 BLOCK_COLS, BLOCK_ROWS = 1024, 4
 
@@ -48,6 +51,26 @@ if triton is not None:
         h = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
         scaled = round_bf16(h * s)  # stock's mul_: one rounding
         tl.store(ptr, round_bf16(scaled + b).to(tl.bfloat16), mask=ok)  # add_: the second
+
+
+    @triton.jit
+    def _swiglu_exact_kernel(u_ptr, y_ptr, rows, half, stride_u, stride_y, EMULATE: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """``silu(gate).mul_(up)`` with torch's CUDA bits: silu as ``x / (1 + expf(-x))`` (libdevice's
+        expf, an IEEE division) rounded to bf16, then the product rounded again. EMULATE (the
+        interpreter, which has no libdevice): numpy's exp; the steps are the same."""
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
+        ok = (r[:, None] < rows) & (c[None, :] < half)
+        base = u_ptr + r[:, None] * stride_u + c[None, :]
+        g = tl.load(base, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(base + half, mask=ok, other=0.0).to(tl.float32)
+        if EMULATE:
+            e = tl.exp(-g)
+        else:
+            e = libdevice.exp(-g)
+        s = round_bf16(tl.math.div_rn(g, 1.0 + e))
+        tl.store(y_ptr + r[:, None] * stride_y + c[None, :], round_bf16(s * up).to(tl.bfloat16), mask=ok)
 
 
 def fusable(h: torch.Tensor) -> bool:
@@ -88,6 +111,21 @@ def scale_shift_(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> 
         return h.mul_(scale1).add_(shift)  # inductor fuses it with the norm
     _scale_shift_impl(h, scale1, shift)
     return h
+
+
+def swiglu(u: torch.Tensor) -> torch.Tensor:
+    """Stock's SwiGLU, ``silu(gate).mul_(up)`` over the two halves of ``u`` (comfy.ops' eager one), in
+    one pass with its bits: the silu output is rounded as stock rounds it, but never written out.
+    Inputs the pass cannot take (and torch.compile, which fuses stock's expression itself) run stock's."""
+    if torch.compiler.is_compiling() or not fusable(u) or u.shape[1] % 2:  # odd: stock's own error
+        gate, up = u.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate).mul_(up)
+    rows, half = u.shape[0], u.shape[1] // 2
+    y = torch.empty(rows, half, dtype=u.dtype, device=u.device)
+    grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(half, BLOCK_COLS))
+    _swiglu_exact_kernel[grid](u, y, rows, half, u.stride(0), y.stride(0), EMULATE=interpreting(),
+                               BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
+    return y
 
 
 def token_chunks(rows: int, chunk: int, align: int = 64) -> list[tuple[int, int]]:

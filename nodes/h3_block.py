@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import sys
 
+import comfy.model_management
 import comfy.ops
 import torch
 
@@ -124,6 +125,21 @@ def mlp_chunk_rows(mlp, x, chunk: int) -> int | None:
     return chunk if x.shape[0] > chunk else None
 
 
+def column_products(linear, x, inner: int):
+    """``(project_q, project_kv_into)`` for ``kernels.RowProjection`` when ``linear``'s output is the
+    plain product ``x @ weight.T`` (a float weight of x's dtype on x's device, no bias, nothing cast or
+    patched per call): Q is its first ``inner`` output columns, K and V the rest. Column blocks of
+    that product give its bits (benchmarks/projection_split.py checks it on the GPU). Else None."""
+    w = getattr(linear, "weight", None)
+    if (type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dtype != x.dtype or w.device != x.device
+            or w.dim() != 2 or w.shape[0] != 3 * inner or getattr(linear, "bias", None) is not None
+            or getattr(linear, "weight_function", None) or getattr(linear, "bias_function", None)
+            or getattr(linear, "comfy_cast_weights", False) or replaced_forward(linear)):
+        return None
+    return (lambda rows: torch.nn.functional.linear(rows, w[:inner]),
+            lambda rows, out: torch.mm(rows, w[inner:].t(), out=out))
+
+
 def projection_chunk_rows(linear, x, chunk: int) -> int | None:
     """Rows per chunk of the attention's qkv projection, or None: project whole (under torch.compile,
     which traces the projection; when chunks could change its bits; within one chunk)."""
@@ -160,12 +176,21 @@ def fused_norm_modulate(norm, x, shift, scale, segments, other=None, gate=None):
     return h
 
 
+def folds_swiglu(linear) -> bool:
+    """``comfy.ops.linear_input_act`` folds the activation into this linear's int8 activation quantiser
+    (its own conditions); otherwise it applies the eager SwiGLU and then the linear."""
+    weight = linear.weight
+    return (not comfy.model_management.in_training and isinstance(weight, getattr(comfy.ops, "QuantizedTensor", ()))
+            and getattr(weight, "_layout_cls", None) == "TensorWiseINT8Layout"
+            and not getattr(getattr(weight, "_params", None), "transposed", False))
+
+
 def mlp_down(mlp, u, fused: bool):
-    """fc2(SwiGLU(u)) as stock's MLP.forward: ``linear_input_act`` (an int8 fc2 folds SwiGLU into its
-    activation quantiser); in fused mode a plain fc2 gets the one-pass SwiGLU."""
-    if fused and not isinstance(mlp.fc2.weight, getattr(comfy.ops, "QuantizedTensor", ())):
-        return mlp.fc2(fused_ops.swiglu(u))
-    return comfy.ops.linear_input_act(mlp.fc2, u, "swiglu")
+    """fc2(SwiGLU(u)) as stock's MLP.forward: ``linear_input_act`` where it folds SwiGLU into fc2's int8
+    activation quantiser; else SwiGLU in one pass (stock's bits, or one rounding in fused mode), then fc2."""
+    if folds_swiglu(mlp.fc2):
+        return comfy.ops.linear_input_act(mlp.fc2, u, "swiglu")
+    return mlp.fc2(fused_ops.swiglu(u) if fused else ops.swiglu(u))
 
 
 class H3BlockForward:

@@ -80,7 +80,9 @@ class H3AttentionForward:
         chunk = h3_block.projection_chunk_rows(self.attn.qkv_proj, x, self.patch.settings.qkv_chunk_tokens)
         if chunk is not None and rope_freqs is not None:
             # a prepared path may take the projection by token chunks: the fused buffer never exists whole
-            source = kernels.RowProjection(self.attn.qkv_proj, x)
+            inner = self.attn.heads * self.attn.head_dim
+            source = kernels.RowProjection(self.attn.qkv_proj, x,
+                                           columns=h3_block.column_products(self.attn.qkv_proj, x, inner))
         else:
             source, chunk = [self.attn.qkv_proj(x)], None
         del x  # the fused buffer (or the projection), handed over, is the only thing alive while the kernel runs

@@ -102,7 +102,8 @@ class Sage2Backend(AttentionBackend):
 
     def prepare_projected(self, projection, kv, *, heads, mode="exact", scale=None, norm=None, chunk=8192) -> Prepared:
         """The operands of ``prepare`` from a fused qkv projection taken a token chunk at a time: each
-        chunk's Q is normalised and quantised at once, its K and V rows copied into ``kv`` [S, 2*H*D];
+        chunk's Q is normalised and quantised at once, its K and V rows copied into ``kv`` [S, 2*H*D]
+        (or, for a projection that splits by columns, K and V of every row projected into ``kv`` first);
         K and V are quantised once every token is in. The bits are ``prepare``'s on the whole
         projection. A fused mode folds a foldable norm as ``prepare`` does; otherwise the norm is
         applied row range by row range (it must allow that: ``norm.by_rows``)."""
@@ -119,21 +120,27 @@ class Sage2Backend(AttentionBackend):
         params = dict(rope_table=norm.rope_table, q_weight=norm.q_weight, k_weight=norm.k_weight,
                       eps=norm.eps) if fold else {}
         ops = sage2_quant.RowOperands(seq, heads, kv.device, mode=mode, **params)
+        k_all, v = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)
+        by_columns = projection.fill_kv(kv)  # K/V in one product, Q by rows; else whole rows, K/V copied
         step = sage2_quant.K_BLOCK  # Q is quantised in 128-token blocks: chunks start on one
         chunks = token_chunks(seq, max(step, chunk // step * step), align=step)
         for a, b in chunks:
-            rows = projection.rows(a, b)
-            q, k = rows.unflatten(1, (3, heads, d)).unsqueeze(0).unbind(2)[:2]  # no view left to hold the chunk
+            if by_columns:
+                rows = projection.q_rows(a, b)
+                q, k = rows.view(1, b - a, heads, d), k_all[:, a:b]
+            else:
+                rows = projection.rows(a, b)
+                q, k = rows.unflatten(1, (3, heads, d)).unsqueeze(0).unbind(2)[:2]  # no view left to hold the chunk
             if norm is not None and not fold:
                 norm.apply_rows(q, k, a)
             ops.add_q_rows(q)
-            kv[a:b].copy_(rows[:, inner:])
+            if not by_columns:
+                kv[a:b].copy_(rows[:, inner:])
             del rows, q, k
         projection.release()
         if norm is not None:
             norm.mark_folded()
-        k, v = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)
-        return Prepared(self.name, mode, ops.finish(k, v), float(d ** -0.5 if scale is None else scale), kv.dtype,
+        return Prepared(self.name, mode, ops.finish(k_all, v), float(d ** -0.5 if scale is None else scale), kv.dtype,
                         seq, heads, d, head_chunks(seq, heads, d), norm_folded=fold, projected_chunks=len(chunks))
 
     def attend(self, prepared: Prepared) -> torch.Tensor:

@@ -99,6 +99,18 @@ def test_modulation_pass_gives_stocks_bits_on_cuda(pack):
     assert _differ(got, want) == 0
 
 
+def test_swiglu_pass_gives_stocks_bits_on_cuda(pack):
+    """torch's CUDA silu (expf, an IEEE division) then mul_, against the one pass, on fc1's full width."""
+    from comfyui_sage_strided_nhd.kernels import h3_block
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    u = (torch.randn(37810, 2 * 14336, device="cuda", generator=g) * 3).bfloat16()
+    u[:5] = torch.tensor([0.0, -0.0, 88.0, -88.0, 1e-30], device="cuda").bfloat16()[:, None]  # edges of exp
+    gate, up = u.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate).mul_(up)
+    assert _differ(h3_block.swiglu(u), want) == 0
+
+
 @pytest.mark.parametrize("weights", ["bf16", "int8_convrot"])
 def test_block_pieces_give_the_same_bits_split_by_rows(pack, weights):
     """RMSNorm, fc1, the SwiGLU-quantising fc2 and the attention's qkv projection of the real model,

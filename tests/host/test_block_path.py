@@ -142,6 +142,30 @@ def test_token_chunks_only_where_each_output_row_depends_on_its_own_input_row(pa
     assert h3.mlp_chunk_rows(SimpleNamespace(fc1=layer(fp8), fc2=layer(w)), x, 8) is None
 
 
+def test_column_products_only_for_a_plain_product(pack, model):
+    """K/V in one product and Q by rows only where the projection is ``x @ weight.T`` as it stands."""
+    h3 = pack.nodes.h3_block
+    inner = CONFIG["num_attention_heads"] * CONFIG["attention_head_dim"]
+    qkv = model.model.diffusion_model.blocks[0].attn.qkv_proj
+    x = torch.randn(40, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(3)).bfloat16()
+    columns = h3.column_products(qkv, x, inner)
+    if not isinstance(qkv.weight, torch.nn.Parameter) or qkv.weight.dtype != torch.bfloat16:
+        assert columns is None  # int8 weights: the module's own quantised product, by rows
+        return
+    project_q, project_kv_into = columns
+    kv = torch.empty(40, 2 * inner, dtype=x.dtype)
+    project_kv_into(x, kv)
+    whole = qkv(x)
+    torch.testing.assert_close(torch.cat([project_q(x), kv], 1), whole)  # the GPU checks the bits
+    w = qkv.weight
+    for layer in (SimpleNamespace(weight=w, bias=torch.zeros(3 * inner)),              # a bias
+                  SimpleNamespace(weight=w.float()),                                   # cast per call
+                  SimpleNamespace(weight=w, weight_function=[abs]),                    # a LoRA hook
+                  SimpleNamespace(weight=w, comfy_cast_weights=True),                  # offloaded or cast
+                  SimpleNamespace(weight=w[:inner])):                                  # not a fused qkv
+        assert h3.column_products(layer, x, inner) is None
+
+
 def test_a_restored_mlp_forward_is_not_another_nodes(pack, model):
     """ComfyUI unpatches an object patch by setting the original bound method on the module: the
     fast path must still chunk that MLP (a benchmark found it did not)."""

@@ -49,6 +49,19 @@ INTERPRETED = textwrap.dedent(r"""
             want[3:3 + rows].mul_(table[0][index]).add_(table[1][index])
             h3_block.scale_shift_(got[3:3 + rows], table[0][index], table[1][index])
             out[f"{dtype}-{rows}x{cols}-per-token"] = [bool(torch.equal(got, want)), int((got != want).sum())]
+    # SwiGLU in one pass: stock's two roundings (silu, then the product), on a strided fc1 output view.
+    # The interpreter has no libdevice: its exp is numpy's, so the reference takes numpy's exp too
+    # (the GPU test checks torch's CUDA bits).
+    import numpy as np
+    for rows, cols in ((7, 2 * 1030), (1, 2 * 64)):
+        u = (torch.randn(rows, cols + 6, generator=g) * 4).bfloat16()[:, 3:3 + cols]
+        gate, up = u.float().chunk(2, dim=-1)
+        silu = torch.from_numpy(gate.numpy() / (np.float32(1) + np.exp(-gate.numpy()))).bfloat16()
+        want = (silu.float() * up).bfloat16()
+        got = h3_block.swiglu(u)
+        stock = torch.nn.functional.silu(u.chunk(2, dim=-1)[0]).mul_(u.chunk(2, dim=-1)[1])
+        out[f"swiglu-{rows}x{cols}"] = [bool(torch.equal(got, want)), int((got != want).sum()),
+                                        int((got != stock).sum())]
     print("RESULTS " + json.dumps(out))
 """)
 
@@ -64,9 +77,27 @@ def interpreted():
 
 
 def test_scale_shift_kernel_gives_stock_bits(interpreted):
-    assert len(interpreted) == 6
-    for case, (equal, differing) in interpreted.items():
+    cases = {k: v for k, v in interpreted.items() if not k.startswith("swiglu")}
+    assert len(cases) == 6
+    for case, (equal, differing) in cases.items():
         assert equal, f"{case}: {differing} elements differ from h.mul_(scale1).add_(shift)"
+
+
+def test_swiglu_kernel_takes_stocks_steps(interpreted):
+    cases = {k: v for k, v in interpreted.items() if k.startswith("swiglu")}
+    assert len(cases) == 2
+    for case, (equal, differing, from_torch_cpu) in cases.items():
+        assert equal, f"{case}: {differing} elements differ from silu rounded to bf16, times up, rounded"
+        print(f"{case}: {from_torch_cpu} elements differ from torch's CPU silu (its own exp)")
+
+
+def test_swiglu_inputs_the_kernel_does_not_take_get_stocks_expression(gen):
+    for u in (torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen).half(),
+              torch.randn(8, 4, generator=gen).bfloat16().t()):  # fp32, fp16, rows not contiguous
+        gate, up = u.chunk(2, dim=-1)
+        assert torch.equal(h3_block.swiglu(u), torch.nn.functional.silu(gate).mul_(up))
+    with pytest.raises(RuntimeError):  # an odd width has no halves: stock's expression raises, so does this
+        h3_block.swiglu(torch.randn(4, 7, generator=gen).bfloat16())
 
 
 def test_inputs_the_kernel_does_not_take_get_stocks_passes(gen):

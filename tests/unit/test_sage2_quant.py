@@ -95,17 +95,30 @@ INTERPRETED_CHECKS = textwrap.dedent(r"""
                 results["prepare"][f"{mode}/projected"] = {
                     "mode": p.mode, "chunks": p.projected_chunks, "released": projection.released,
                     "applied": norm.applied, "diffs": differing(p.operands, exp)}
+                # a projection that splits by columns: K/V of every row first, then Q by rows
+                inner = heads * 128
+                columns = (lambda rows: rows[:, :inner].clone(), lambda x, out: out.copy_(x[:, inner:]))
+                norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
+                projection = kernels.RowProjection(None, qkv.clone(), columns=columns)
+                p = Sage2Backend().prepare_projected(projection, torch.empty_like(kv), heads=heads, mode=mode,
+                                                     scale=0.1, norm=norm, chunk=128)
+                results["prepare"][f"{mode}/columns"] = {
+                    "mode": p.mode, "chunks": p.projected_chunks, "released": projection.released,
+                    "applied": norm.applied, "diffs": differing(p.operands, exp)}
                 unfused = "rotated" if mode == "fused_rotated" else "exact"
                 norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
-                p = Sage2Backend().prepare_projected(kernels.RowProjection(lambda rows: rows.clone(), qkv.clone()),
-                                                     torch.empty_like(kv), heads=heads, mode=unfused, norm=norm,
-                                                     chunk=150)  # rounded down to 128 rows
                 whole = qkv.clone()
                 wq, wk, wv = whole.unflatten(1, (3, heads, 128)).unsqueeze(0).unbind(2)
                 wq, wk = kernels.norm_rope(wq, wk, table, qw, kw, 1e-5)
-                results["prepare"][f"{unfused}/projected"] = {
-                    "mode": p.mode, "chunks": p.projected_chunks, "applied": norm.applied,
-                    "diffs": differing(p.operands, sq.quantize_operands(wq, wk, wv, mode=unfused))}
+                want = sq.quantize_operands(wq, wk, wv, mode=unfused)
+                for how, projection in (("projected", kernels.RowProjection(lambda rows: rows.clone(), qkv.clone())),
+                                        ("columns", kernels.RowProjection(None, qkv.clone(), columns=columns))):
+                    norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
+                    p = Sage2Backend().prepare_projected(projection, torch.empty_like(kv), heads=heads, mode=unfused,
+                                                         norm=norm, chunk=150)  # rounded down to 128 rows
+                    results["prepare"][f"{unfused}/{how}"] = {
+                        "mode": p.mode, "chunks": p.projected_chunks, "applied": norm.applied,
+                        "diffs": differing(p.operands, want)}
                 q_calls, k_calls = [], []
                 def q_norm(x, calls=q_calls):
                     calls.append(1)
@@ -238,8 +251,10 @@ def test_backend_prepare_folds_the_norm_or_applies_it_bit_for_bit(interpreted, m
 
 @pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
 @pytest.mark.parametrize("mode", sage2_quant.MODES)
-def test_backend_prepare_projected_gives_prepare_bits_on_the_whole_projection(interpreted, mode):
-    got = interpreted["prepare"][f"{mode}/projected"]
+@pytest.mark.parametrize("how", ["projected", "columns"])
+def test_backend_prepare_projected_gives_prepare_bits_on_the_whole_projection(interpreted, mode, how):
+    """By rows (K/V copied from each chunk) or by columns (K/V of every row first, Q by rows)."""
+    got = interpreted["prepare"][f"{mode}/{how}"]
     assert {k: n for k, n in got["diffs"].items() if n != 0} == {}, got["diffs"]
     assert (got["mode"], got["chunks"], got["applied"]) == (mode, 2, True)
     assert got.get("released", True)
