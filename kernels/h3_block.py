@@ -54,17 +54,23 @@ if triton is not None:
 
 
     @triton.jit
-    def _swiglu_exact_kernel(u_ptr, y_ptr, rows, half, stride_u, stride_y, EMULATE: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """``silu(gate).mul_(up)`` with torch's CUDA bits: silu as ``x / (1 + expf(-x))`` (libdevice's
-        expf, an IEEE division) rounded to bf16, then the product rounded again. EMULATE (the
-        interpreter, which has no libdevice): numpy's exp; the steps are the same."""
+    def swiglu_halves(u_ptr, rows, half, stride_u, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """This program's tile of a SwiGLU input's two halves, fp32: (rows, columns, mask, gate, up)."""
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
         ok = (r[:, None] < rows) & (c[None, :] < half)
         base = u_ptr + r[:, None] * stride_u + c[None, :]
         g = tl.load(base, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(base + half, mask=ok, other=0.0).to(tl.float32)
+        return r, c, ok, g, up
+
+    @triton.jit
+    def _swiglu_exact_kernel(u_ptr, y_ptr, rows, half, stride_u, stride_y, EMULATE: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """``silu(gate).mul_(up)`` with torch's CUDA bits: silu as ``x / (1 + expf(-x))`` (libdevice's
+        expf, an IEEE division) rounded to bf16, then the product rounded again. EMULATE (the
+        interpreter, which has no libdevice): numpy's exp; the steps are the same."""
+        r, c, ok, g, up = swiglu_halves(u_ptr, rows, half, stride_u, BLOCK_R, BLOCK_C)
         if EMULATE:
             e = tl.exp(-g)
         else:

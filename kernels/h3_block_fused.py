@@ -32,7 +32,7 @@ MAX_ROW = 16384  # widest row one program holds in registers (H3: 5120)
 SWIGLU_COLS, SWIGLU_ROWS = 1024, 4
 
 if triton is not None:
-    from .h3_block import round_bf16
+    from .h3_block import round_bf16, swiglu_halves
 
     @triton.jit
     def _rounded(y, ptr):
@@ -68,12 +68,7 @@ if triton is not None:
     @triton.jit
     def _swiglu_kernel(u_ptr, y_ptr, rows, half, stride_u, stride_y,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-        c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
-        ok = (r[:, None] < rows) & (c[None, :] < half)
-        base = u_ptr + r[:, None] * stride_u + c[None, :]
-        g = tl.load(base, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(base + half, mask=ok, other=0.0).to(tl.float32)
+        r, c, ok, g, up = swiglu_halves(u_ptr, rows, half, stride_u, BLOCK_R, BLOCK_C)
         y = g / (1.0 + tl.exp(-g)) * up
         tl.store(y_ptr + r[:, None] * stride_y + c[None, :], _rounded(y, y_ptr), mask=ok)
 

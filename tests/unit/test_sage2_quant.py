@@ -197,22 +197,23 @@ def interpreted():
     return json.loads(lines[-1][len("RESULTS "):])
 
 
+def _no_differences(results: dict, mode: str, against: str) -> None:
+    rows = {name: d for name, d in results.items() if name.startswith(mode + "/")}
+    assert rows, results
+    bad = {name: {k: n for k, n in d.items() if n != 0} for name, d in rows.items()}
+    assert not any(bad.values()), f"elements differing from {against}: {bad}"
+
+
 @pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
 @pytest.mark.parametrize("mode", sage2_quant.MODES)
 def test_triton_kernels_match_the_reference_bit_for_bit(interpreted, mode):
-    rows = {name: d for name, d in interpreted["operands"].items() if name.startswith(mode + "/")}
-    assert rows, interpreted["operands"]
-    bad = {name: {k: n for k, n in d.items() if n != 0} for name, d in rows.items()}
-    assert not any(bad.values()), f"elements differing from the reference: {bad}"
+    _no_differences(interpreted["operands"], mode, "the reference")
 
 
 @pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
 @pytest.mark.parametrize("mode", sage2_quant.MODES)
 def test_q_by_token_chunks_gives_the_whole_pass_bits(interpreted, mode):
-    rows = {name: d for name, d in interpreted["rows"].items() if name.startswith(mode + "/")}
-    assert rows, interpreted["rows"]
-    bad = {name: {k: n for k, n in d.items() if n != 0} for name, d in rows.items()}
-    assert not any(bad.values()), f"elements differing from the whole pass: {bad}"
+    _no_differences(interpreted["rows"], mode, "the whole pass")
 
 
 @pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
