@@ -372,13 +372,15 @@ def test_variant_flags_come_after_prep_in_any_order():
     assert (y["prepared"], y["block_path"], y["layout"]) == (False, "attention_only", "hnd")
     assert (z["prepared"], z["block_path"]) == (True, "exact")
     assert parse_args(["--variant", "f=strided_nhd:sage2:fused:fused_block"]).variants[0]["block_path"] == "fused"
+    whole = parse_args(["--variant", "w=strided_nhd:sage2:exact:whole_qkv"]).variants[0]
+    assert whole["qkv_chunk_tokens"] > 2**40 and z.get("qkv_chunk_tokens") is None  # never chunked / the default
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--variant", "x=strided_nhd:sage2:exact:fast"], "unknown flag(s) ['fast']"),
     (["--variant", "x=strided_nhd:sage2:exact:noprepared:noprepared"], "a flag given twice"),
     (["--variant", "x=nhd:sage2:exact"], "LAYOUT one of hnd, strided_nhd"),
-    (["--variant", "x=strided_nhd:sage2"], "expected NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only|:fused_block]"),
+    (["--variant", "x=strided_nhd:sage2"], "expected NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:attention_only|:fused_block]"),
     (["--variant", "x=strided_nhd:sage2:exact:fused_block:attention_only"], "one block path at most"),
     (["--variant", "x-1=strided_nhd:sage2:exact"], "NAME letters, digits and _"),
     (["--variant", "x=strided_nhd:sage9:exact"], "unknown back-end 'sage9'"),
