@@ -232,6 +232,8 @@ class FakeProjected(FakePrepared):
         self.raises, self.projection, self.released_at_attend = raises, None, None
 
     def prepare_projected(self, projection, kv, *, heads, mode, scale, norm, chunk):
+        if self.raises == "after_release":
+            projection.release()
         if self.raises:
             raise RuntimeError("projected preparation failed in this test")
         self.modes.append(f"projected {mode}")
@@ -313,3 +315,15 @@ def test_a_norm_that_cannot_go_by_rows_is_refused_and_the_projection_is_taken_wh
                                                  norm=norm, scale=0.25, prepared_mode="exact",
                                                  chain=kernels.BackendChain("x", [FakeProjected()]))
     assert project.calls == [seq] and rec.projected_chunks == 0 and rec.prepared == "exact"
+
+
+def test_a_preparation_failing_after_the_input_was_released_is_raised_not_hidden(gen):
+    """With the projection's input gone nothing can be made whole again: the error surfaces."""
+    heads, head_dim, seq = 2, 32, 40
+    x, project = projection_inputs(seq, heads, head_dim, gen)
+    _, table, qw, kw = fused_inputs(seq, heads, head_dim, 16, gen)
+    norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
+    with pytest.raises(RuntimeError, match="projected preparation failed in this test"):
+        kernels.attention_from_projection(kernels.RowProjection(project, x), heads, head_dim, chunk=16, norm=norm,
+                                          scale=0.25, prepared_mode="exact",
+                                          chain=kernels.BackendChain("x", [FakeProjected(raises="after_release")]))

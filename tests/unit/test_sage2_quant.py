@@ -88,13 +88,14 @@ INTERPRETED_CHECKS = textwrap.dedent(r"""
                 # the same from the projection taken 128 token rows at a time (K/V rows gathered in a buffer)
                 raw = qkv.clone()
                 norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
-                projection = kernels.RowProjection(lambda rows: rows.clone(), raw)
+                taken = []  # rows per projection call: the whole [S, 3*H*D] must never be asked for
+                projection = kernels.RowProjection(lambda rows: (taken.append(rows.shape[0]), rows.clone())[1], raw)
                 kv = torch.empty(seq, 2 * heads * 128, dtype=qkv.dtype)
                 p = Sage2Backend().prepare_projected(projection, kv, heads=heads, mode=mode, scale=0.1, norm=norm,
                                                      chunk=128)
                 results["prepare"][f"{mode}/projected"] = {
                     "mode": p.mode, "chunks": p.projected_chunks, "released": projection.released,
-                    "applied": norm.applied, "diffs": differing(p.operands, exp)}
+                    "applied": norm.applied, "diffs": differing(p.operands, exp), "rows_taken": taken}
                 # a projection that splits by columns: K/V of every row first, then Q by rows
                 inner = heads * 128
                 columns = (lambda rows: rows[:, :inner].clone(), lambda x, out: out.copy_(x[:, inner:]))
@@ -259,6 +260,8 @@ def test_backend_prepare_projected_gives_prepare_bits_on_the_whole_projection(in
     assert {k: n for k, n in got["diffs"].items() if n != 0} == {}, got["diffs"]
     assert (got["mode"], got["chunks"], got["applied"]) == (mode, 2, True)
     assert got.get("released", True)
+    if "rows_taken" in got:  # 200 tokens in chunks of 128: never the whole projection at once
+        assert got["rows_taken"] == [128, 72], got["rows_taken"]
 
 
 def sylvester(n):
