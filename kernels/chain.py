@@ -93,13 +93,7 @@ class BackendChain:
             raise ValueError(f"tensor layout must be one of {TENSOR_LAYOUTS}, got {layout!r}")
         _check_shapes(*views)
         skipped: list[Skip] = []
-        for backend in self.backends:
-            verdict, kind = backend.available(), "unavailable"
-            if verdict:
-                verdict, kind = backend.supports(*views, layout=layout, mask=mask), "unsupported"
-            if not verdict:
-                skipped.append(Skip(backend.name, verdict.code, verdict.reason, kind))
-                continue
+        for backend in self._candidates(views, layout, mask, skipped):
             seen = len(backend.compile_events)
             no_prepared = None
             if backend.prepared_modes and prepared_mode is not None and layout == "NHD" and mask is None:
@@ -125,24 +119,18 @@ class BackendChain:
                                      copies=4 * chunks if compacted else 0, prepared_skipped=no_prepared)
         raise NoBackendError(skipped)
 
-    def run_projected(self, projection, seq: int, heads: int, head_dim: int, *, dtype, device, norm,
-                      prepared_mode: str, chunk: int, scale: float | None = None):
+    def run_projected(self, projection, heads: int, head_dim: int, *, norm, prepared_mode: str, chunk: int,
+                      scale: float | None = None):
         """The prepared path on a fused qkv projection taken by token chunks (``projection``: see
         ``AttentionBackend.prepare_projected``), when the back-end that would take the call offers it;
         returns (NHD output, CallRecord), or (None, None): then the caller projects whole and calls
         ``run_handed``. The scan is ``run_handed``'s, on K and V views of the buffer K and V go to."""
-        if not self.prepared or norm is None or not (norm.by_rows or norm.foldable):
+        if not self.prepared or norm is None or not norm.foldable:
             return None, None
-        kv = torch.empty(seq, 2 * heads * head_dim, dtype=dtype, device=device)
+        kv = torch.empty(projection.seq, 2 * heads * head_dim, dtype=projection.dtype, device=projection.device)
         k, v = kv.unflatten(1, (2, heads, head_dim)).unsqueeze(0).unbind(2)  # q is k's shape, dtype and place
         skipped: list[Skip] = []
-        for backend in self.backends:
-            verdict, kind = backend.available(), "unavailable"
-            if verdict:
-                verdict, kind = backend.supports(k, k, v, layout="NHD"), "unsupported"
-            if not verdict:
-                skipped.append(Skip(backend.name, verdict.code, verdict.reason, kind))
-                continue
+        for backend in self._candidates([k, k, v], "NHD", None, skipped):
             if not (backend.prepares_projected and prepared_mode in backend.prepared_modes
                     and backend.prepared_verdict(k, k, v)):
                 return None, None  # the call runs as run_handed runs it
@@ -163,6 +151,18 @@ class BackendChain:
                 backend, skipped, seen, prepared=prepared.mode, head_chunks=len(prepared.head_chunks),
                 projected_chunks=prepared.projected_chunks)
         return None, None
+
+    def _candidates(self, views: list, layout: str, mask, skipped: list):
+        """The back-ends, in order, that are available and support the call on ``views`` (read anew for
+        each: a norm may replace Q and K); each one passed over is appended to ``skipped``."""
+        for backend in self.backends:
+            verdict, kind = backend.available(), "unavailable"
+            if verdict:
+                verdict, kind = backend.supports(*views, layout=layout, mask=mask), "unsupported"
+            if verdict:
+                yield backend
+            else:
+                skipped.append(Skip(backend.name, verdict.code, verdict.reason, kind))
 
     def _run_prepared(self, backend, views: list, mode: str, scale, norm):
         """(output, Prepared), or (None, Skip: why the prepared path did not run). On success ``views``

@@ -56,6 +56,11 @@ def attention_from_fused_qkv(handed, heads: int, head_dim: int, *, chain: Backen
         out, record = chain.run_handed(views, layout="NHD", scale=scale, norm=norm,
                                        prepared_mode=prepared_mode if norm.inplace else None)
         record.layout = layout
+    return _token_major_result(out, record)
+
+
+def _token_major_result(out: torch.Tensor, record: CallRecord) -> tuple[torch.Tensor, CallRecord]:
+    """The H3 call's result: the NHD output as [S, H*D] (``token_major``), a copy counted if one was made."""
     flat, copies = token_major(out)
     record.copies += copies
     return flat, record
@@ -110,15 +115,13 @@ def attention_from_projection(projection: RowProjection, heads: int, head_dim: i
     takes it by token chunks of ``chunk`` rows runs when the chain's back-end for the call offers one
     (the [S, 3*H*D] buffer then never exists); otherwise it is projected whole and handed over."""
     _check_layout(layout)
+    norm.check(projection.seq, head_dim)
     if layout == "strided_nhd" and norm.inplace and projection.seq > chunk:
-        out, record = chain.run_projected(projection, projection.seq, heads, head_dim, dtype=projection.dtype,
-                                          device=projection.device, norm=norm, prepared_mode=prepared_mode,
+        out, record = chain.run_projected(projection, heads, head_dim, norm=norm, prepared_mode=prepared_mode,
                                           chunk=chunk, scale=scale)
         if out is not None:
             record.layout = layout
-            flat, copies = token_major(out)
-            record.copies += copies
-            return flat, record
+            return _token_major_result(out, record)
     handed = [projection.rows(0, projection.seq)]
     projection.release()
     return attention_from_fused_qkv(handed, heads, head_dim, chain=chain, norm=norm, layout=layout,

@@ -65,23 +65,19 @@ class QKNorm:
 
     @property
     def foldable(self) -> bool:
-        """Could a prepared path apply it inside its own passes (in place, with a rope table, not yet applied)?"""
+        """Could a prepared path apply it inside its own passes, or a token range at a time (``apply_rows``)?
+        In place, with a rope table, not yet applied."""
         return self.rope_table is not None and self.inplace and not self.applied
 
     def mark_folded(self) -> None:
         """The whole call's Q and K are normalised: inside a preparation, or row range by row range."""
         self.applied = True
 
-    @property
-    def by_rows(self) -> bool:
-        """Could it be applied a token range at a time (``apply_rows``: in place, with a rope table)?"""
-        return self.rope_table is not None and self.inplace and not self.applied
-
     def apply_rows(self, q: torch.Tensor, k: torch.Tensor, start: int) -> None:
         """Normalise, in place, the rows of Q and K that start at token ``start`` (``q``, ``k``: those
         rows, [1, n, H, D]); rows are independent, so the bits are those of one call on every row.
         The caller marks the call done (``mark_folded``) once every row is."""
-        if not self.by_rows:
+        if not self.foldable:
             raise RuntimeError("this normalisation cannot be applied by rows (no rope table, not in place, or done)")
         table = self.rope_table[:, start:start + q.shape[1]]
         norm_rope(q, k, table, self.q_weight, self.k_weight, self.eps, inplace=True)

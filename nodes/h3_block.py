@@ -90,8 +90,10 @@ def weight_stays_on_device(layer, device) -> bool:
     return getattr(layer.weight, "device", None) == device or hasattr(layer, "_v")
 
 
-# weight layouts whose activation quantiser works row by row (comfy-kitchen's int8 tensor-wise one)
-ROWWISE_LAYOUTS = ("TensorWiseINT8Layout",)
+# comfy-kitchen's int8 tensor-wise weights (the bundled checkpoint's): their activation quantiser works
+# row by row, and ``linear_input_act`` folds SwiGLU into it
+INT8_TENSORWISE = "TensorWiseINT8Layout"
+ROWWISE_LAYOUTS = (INT8_TENSORWISE,)
 
 
 def rows_independent(layer) -> bool:
@@ -181,7 +183,7 @@ def folds_swiglu(linear) -> bool:
     (its own conditions); otherwise it applies the eager SwiGLU and then the linear."""
     weight = linear.weight
     return (not comfy.model_management.in_training and isinstance(weight, getattr(comfy.ops, "QuantizedTensor", ()))
-            and getattr(weight, "_layout_cls", None) == "TensorWiseINT8Layout"
+            and getattr(weight, "_layout_cls", None) == INT8_TENSORWISE
             and not getattr(getattr(weight, "_params", None), "transposed", False))
 
 

@@ -106,12 +106,12 @@ class Sage2Backend(AttentionBackend):
         (or, for a projection that splits by columns, K and V of every row projected into ``kv`` first);
         K and V are quantised once every token is in. The bits are ``prepare``'s on the whole
         projection. A fused mode folds a foldable norm as ``prepare`` does; otherwise the norm is
-        applied row range by row range (it must allow that: ``norm.by_rows``)."""
+        applied row range by row range (it must allow that: ``norm.foldable``)."""
         fused, rotate = sage2_quant.mode_flags(mode)
         fold = fused and norm is not None and norm.foldable
         if not fold:
             mode = "rotated" if rotate else "exact"
-            if norm is not None and not norm.by_rows:
+            if norm is not None and not norm.foldable:
                 raise ValueError("the pending Q/K normalisation cannot be applied by token chunks")
         seq, d = kv.shape[0], sage2_quant.HEAD_DIM
         inner = heads * d

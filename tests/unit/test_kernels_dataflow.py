@@ -308,7 +308,7 @@ def test_a_norm_that_cannot_go_by_rows_is_refused_and_the_projection_is_taken_wh
     heads, head_dim, seq = 2, 32, 40
     x, project = projection_inputs(seq, heads, head_dim, gen)
     norm = kernels.QKNorm(q_norm=lambda t: t * 2, k_norm=lambda t: t * 0.5)
-    assert not norm.by_rows
+    assert not norm.foldable
     with pytest.raises(RuntimeError, match="cannot be applied by rows"):
         norm.apply_rows(x.view(1, seq, heads, head_dim), x.view(1, seq, heads, head_dim), 0)
     out, rec = kernels.attention_from_projection(kernels.RowProjection(project, x), heads, head_dim, chunk=16,
