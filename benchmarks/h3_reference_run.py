@@ -521,6 +521,9 @@ def run_sections(args, bench: sec.Bench, kernels, backend: str, report: Report) 
     if "profiler" in args.sections:
         sec.ensure_stock_loaded(bench)
         _section(report, "profiler_block_recapture", lambda: sec.kernel_launches(bench, with_stock, torch.__version__))
+        if args.compile_blocks:
+            _section(report, "profiler_compiled_block", lambda: sec.kernel_launches(
+                bench, True, torch.__version__, compiled_variants=compiled_variant_names(args)))
     for steps, key, item in ((2, "sampling_2_step", names["full_50_block_two_step_trajectory"]),
                              (12, "sampling_12_step", "canonical_12_step_trajectory")):
         if key in args.sections:

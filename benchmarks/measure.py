@@ -104,6 +104,8 @@ def all_finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+CALL_RANGE = "profiled_call"  # the profiler range around each profiled call
+
 # Names the profiler gives to device activity that is not a kernel launch.
 _NOT_KERNELS = ("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")
 
@@ -113,17 +115,44 @@ _FAMILIES = (("attention", ("attn_kernel", "attention", "flash", "fmha", "_attn_
              ("gemm", ("nvjet", "gemm", "Gemm", "cutlass", "sm90_xmma", "cublas")))
 
 
-def idle_between(spans: list[tuple[float, float]]) -> float | None:
-    """Milliseconds with no kernel running between the first kernel's start and the last one's end
-    (launch gaps, host waits): the span minus the union of the kernels' intervals (microseconds in)."""
+def idle_gaps(spans: list[tuple[float, float]]) -> list[float]:
+    """The gaps with no kernel running between the first kernel's start and the last one's end
+    (launch gaps, host waits), in microseconds as the spans are."""
+    gaps, reach = [], None
+    for start, end in sorted(spans):
+        if reach is not None:
+            gaps.append(max(0.0, start - reach))  # the part past everything seen so far
+        reach = end if reach is None else max(reach, end)
+    return gaps
+
+
+def idle_between(spans: list[tuple[float, float]], calls: int = 1) -> float | None:
+    """Milliseconds per call with no kernel running (microseconds in), for the spans of ``calls``
+    consecutive calls with a host sync after each: the ``calls - 1`` largest gaps are those syncs."""
     if not spans:
         return None
-    spans = sorted(spans)
-    busy, reach = 0.0, spans[0][0]
-    for start, end in spans:
-        busy += max(0.0, end - max(start, reach))  # the part past everything counted so far
-        reach = max(reach, end)
-    return round((reach - spans[0][0] - busy) / 1e3, 3)
+    gaps = sorted(idle_gaps(spans))
+    return round(sum(gaps[: len(gaps) - (calls - 1)]) / 1e3 / calls, 3)
+
+
+def launch_waits(named_spans: list[tuple[float, float, str]], call_starts: list[float], top: int = 4) -> dict:
+    """Where the device waited for the host in the first profiled call: from the call's start to its first
+    kernel (``first_kernel_after_ms``, the host's time before its first launch plus the launch latency),
+    and the ``top`` largest gaps between its kernels with the kernels on either side."""
+    if not named_spans or not call_starts:
+        return {}
+    starts = sorted(call_starts)
+    first_call = [s for s in sorted(named_spans) if s[0] >= starts[0] and (len(starts) == 1 or s[0] < starts[1])]
+    if not first_call:
+        return {}
+    gaps, reach, before = [], first_call[0][1], first_call[0][2]
+    for start, end, name in first_call[1:]:
+        if start > reach:
+            gaps.append((round((start - reach) / 1e3, 3), before, name))
+        if end >= reach:
+            reach, before = end, name
+    return {"first_kernel_after_ms": round((first_call[0][0] - starts[0]) / 1e3, 3),
+            "largest_gaps": sorted(gaps, reverse=True)[:top]}
 
 
 def kernel_family(name: str) -> str:
@@ -134,13 +163,14 @@ def kernel_family(name: str) -> str:
     return "other"
 
 
-def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel: int) -> dict:
-    """Device kernels launched by one ``fn()`` call, counted by torch.profiler.
+def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel: int, calls: int = 1) -> dict:
+    """Device kernels launched by one ``fn()`` call, counted by torch.profiler over ``calls`` calls
+    (counts per call; times the mean per call, also per kernel name, so one slow call weighs less).
 
     Also counts tensor copies (``aten::copy_``) whose operands have at least ``large_numel``
     elements: the layout copies (transpose/contiguous/clone of Q, K, V or the output).
     """
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -148,32 +178,46 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
     fn()  # warm: lazy inits and allocator growth stay out of the count
     synchronize(device)
     with profile(activities=activities, record_shapes=True) as prof:
-        fn()
-        synchronize(device)
+        for _ in range(calls):
+            with record_function(CALL_RANGE):
+                fn()
+            synchronize(device)  # the idle time then counts the gaps within calls, not between them
     kernels: Counter = Counter()
     family_us: Counter = Counter()
+    name_us: Counter = Counter()
     spans = []  # (start, end) of every device kernel, microseconds
+    named_spans = []  # (start, end, name) likewise
+    call_starts = []  # host time each call began, microseconds
     transfers = 0
     large_copies = 0
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
+            if getattr(event, "is_user_annotation", False) or event.name == CALL_RANGE or event.name.startswith("## "):
+                continue  # a range on the device timeline (this function's, inductor's graph calls), not a kernel
             if event.name.startswith(_NOT_KERNELS):
                 transfers += 1
             else:
                 kernels[event.name] += 1
                 family_us[kernel_family(event.name)] += event.time_range.elapsed_us()
+                name_us[event.name] += event.time_range.elapsed_us()
                 spans.append((event.time_range.start, event.time_range.end))
+                named_spans.append((event.time_range.start, event.time_range.end, event.name))
+        elif event.name == CALL_RANGE:
+            call_starts.append(event.time_range.start)
         elif event.name == "aten::copy_":
             shapes = [s for s in (event.input_shapes or []) if isinstance(s, (list, tuple)) and s]
             if any(_numel(s) >= large_numel for s in shapes):
                 large_copies += 1
-    return {"kernel_launches": sum(kernels.values()) if device.type == "cuda" else None,
-            "memcpy_memset": transfers if device.type == "cuda" else None,
-            "large_copy_ops": large_copies,
-            "kernel_ms": ({f: round(family_us[f] / 1e3, 3) for f in ("attention", "gemm", "other")}
-                          if device.type == "cuda" else None),
-            "gpu_idle_ms": idle_between(spans) if device.type == "cuda" else None,
-            "kernels": dict(sorted(kernels.items()))}
+    cuda = device.type == "cuda"
+    return {"kernel_launches": sum(kernels.values()) // calls if cuda else None,
+            "memcpy_memset": transfers // calls if cuda else None,
+            "large_copy_ops": large_copies // calls,
+            "kernel_ms": ({f: round(family_us[f] / 1e3 / calls, 3) for f in ("attention", "gemm", "other")}
+                          if cuda else None),
+            "gpu_idle_ms": idle_between(spans, calls) if cuda else None,
+            "kernel_ms_by_name": ({n: round(us / 1e3 / calls, 3) for n, us in name_us.most_common()} if cuda else None),
+            **(launch_waits(named_spans, call_starts) if cuda else {}),
+            "kernels": {n: c // calls for n, c in sorted(kernels.items())}}
 
 
 def _numel(shape) -> int:

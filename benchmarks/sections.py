@@ -49,6 +49,7 @@ class Bench:
     outputs_finite: dict[str, bool] = field(default_factory=dict)
     extras: dict[str, object] = field(default_factory=dict)   # name -> patched clone of another setting
     peer: list[str] = field(default_factory=list)             # the extras that are the peer's (KJNodes)
+    compiled_blocks: dict[str, object] = field(default_factory=dict)  # variant -> its torch.compile'd block
 
     @property
     def layouts(self) -> list[str]:
@@ -190,9 +191,7 @@ def _block_call(bench: Bench, patcher, index: int, inputs: tuple | None = None, 
         with object_patches_applied(patcher) as dm:
             block = dm.blocks[index]
             if compiled is not None:
-                if name not in compiled:
-                    compiled[name] = torch.compile(block)
-                block = compiled[name]
+                block = compiled.setdefault(name, torch.compile(block))  # a wrapper; it compiles when called
             x = x0.clone()  # blocks update their input in place
             return meter(lambda: block(x, t_emb, segments, rope, transformer_options=transformer_options),
                          bench.device)
@@ -254,16 +253,22 @@ def isolated_attention(bench: Bench, kernels, backend: str, reps: int, warmup: i
 
 # --- real blocks -------------------------------------------------------------------------------------
 
+def _variants_to_run(bench: Bench, with_stock: bool, compiled_variants) -> tuple[dict, dict | None]:
+    """``(variants, compiled)``: every variant eager (compiled None), or only ``compiled_variants``
+    with the cache of their compiled blocks (shared by the sections, so each compiles once)."""
+    variants = bench.variants(with_stock)
+    if compiled_variants is None:
+        return variants, None
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return {n: p for n, p in variants.items() if n in compiled_variants}, bench.compiled_blocks
+
+
 def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool, compiled_variants=None) -> list[dict]:
     """p50 of each variant on blocks 0 / middle / last, interleaved rep by rep; outputs compared. With
     ``compiled_variants`` (names): only those, block 0 only, each under torch.compile (inductor, what
     ComfyUI's TorchCompileModel uses); the compiles happen in the warm-up reps."""
-    variants = bench.variants(with_stock)
-    indices, compiled = bench.block_indices, None
-    if compiled_variants is not None:
-        variants = {n: p for n, p in variants.items() if n in compiled_variants}
-        indices, compiled = bench.block_indices[:1], {}
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    variants, compiled = _variants_to_run(bench, with_stock, compiled_variants)
+    indices = bench.block_indices if compiled is None else bench.block_indices[:1]
     results = []
     for index in indices:
         bench.log(f"  block {index}: {', '.join(variants)}{' (torch.compile)' if compiled is not None else ''}")
@@ -301,26 +306,40 @@ def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool, compiled
 
 # --- kernel launches -----------------------------------------------------------------------------------
 
-def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
-    """CUDA kernels launched by one forward of block 0 per variant (torch.profiler)."""
+PROFILED_CALLS = 3  # profiled block calls per variant: kernel times are their mean
+TOP_KERNELS = 12  # kernels logged per variant, longest total time first
+
+
+def kernel_launches(bench: Bench, with_stock: bool, torch_version: str, compiled_variants=None) -> dict:
+    """CUDA kernels launched by one forward of block 0 per variant (torch.profiler); with
+    ``compiled_variants``, those variants' blocks under torch.compile."""
     index = bench.block_indices[0]
     x0, t_emb, segments, rope = bench.block_inputs[index]
     attn = bench.diffusion_model.blocks[index].attn
     large = x0.shape[0] * attn.heads * attn.head_dim
     counts = {}
-    for name, patcher in bench.variants(with_stock).items():
+    variants, compiled = _variants_to_run(bench, with_stock, compiled_variants)
+    for name, patcher in variants.items():
         transformer_options = patcher.model_options.get("transformer_options", {})
         with object_patches_applied(patcher) as dm:
             block = dm.blocks[index]
-            inputs = [x0.clone(), x0.clone()]  # one for the warm call, one for the profiled call
+            if compiled is not None:
+                block = compiled.setdefault(name, torch.compile(block))
+            inputs = [x0.clone() for _ in range(PROFILED_CALLS + 1)]  # the warm call's and the profiled calls'
             counts[name] = measure.profile_kernels(
                 lambda: block(inputs.pop(), t_emb, segments, rope, transformer_options=transformer_options),
-                bench.device, large)
+                bench.device, large, calls=PROFILED_CALLS)
         ms = counts[name]["kernel_ms"]
         bench.log(f"  {name}: {counts[name]['kernel_launches']} kernels, "
                   f"{counts[name]['large_copy_ops']} large copies"
                   + (f", kernel ms attention {ms['attention']:.2f} gemm {ms['gemm']:.2f} other {ms['other']:.2f}"
                      f", GPU idle between kernels {counts[name]['gpu_idle_ms']:.2f} ms" if ms else ""))
+        if ms:
+            top = list(counts[name]["kernel_ms_by_name"].items())[:TOP_KERNELS]
+            bench.log("    " + "; ".join(f"{n[:60]} x{counts[name]['kernels'][n]} {t:.2f}" for n, t in top))
+            gaps = counts[name].get("largest_gaps", [])
+            bench.log(f"    first kernel after {counts[name].get('first_kernel_after_ms')} ms; largest gaps: "
+                      + "; ".join(f"{ms:.3f} ms {a[:40]} -> {b[:40]}" for ms, a, b in gaps))
     result = {"tool": f"torch.profiler (torch {torch_version})", "block": index,
               "large_copy_threshold_elements": large}
     for name, c in counts.items():
@@ -339,6 +358,9 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
             result[f"stock_minus_{layout}_kernel_launches"] = None if st is None else st - lt
     result["kernels"] = {n: c["kernels"] for n, c in counts.items()}
     result["kernel_ms_by_family"] = {n: c["kernel_ms"] for n, c in counts.items()}
+    result["kernel_ms_by_name"] = {n: c["kernel_ms_by_name"] for n, c in counts.items()}
+    result["profiled_calls"] = PROFILED_CALLS
+    result["launch_waits"] = {n: {k: c.get(k) for k in ("first_kernel_after_ms", "largest_gaps")} for n, c in counts.items()}
     result["gpu_idle_ms"] = {n: c["gpu_idle_ms"] for n, c in counts.items()}
     return result
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .sage2_quant import interpreting, triton, tl
+from .triton_support import interpreting, round_bf16, tl, triton
 
 if triton is not None:
     from triton.language.extra import libdevice
@@ -24,15 +24,6 @@ FUSED_DTYPES = (torch.bfloat16,)
 BLOCK_COLS, BLOCK_ROWS = 1024, 4
 
 if triton is not None:
-    @triton.jit
-    def round_bf16(x):
-        """fp32 -> the nearest bf16 (ties to even), kept as fp32, in integer operations. A plain cast
-        was measured to change 27% of the results on an H200 against stock's two passes (the compiler
-        may fold the round trip or contract the multiply and add); integers cannot be folded."""
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-
     @triton.jit
     def _scale_shift_kernel(h_ptr, scale_ptr, shift_ptr, rows, cols, stride_row,
                             PER_ROW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):

@@ -25,14 +25,15 @@ from typing import Optional
 import torch
 
 from .h3_block import per_token_params
-from .sage2_quant import LIB, interpreting, triton, tl
+from .sage2_quant import LIB
+from .triton_support import interpreting, round_bf16, tl, triton
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_ROW = 16384  # widest row one program holds in registers (H3: 5120)
 SWIGLU_COLS, SWIGLU_ROWS = 1024, 4
 
 if triton is not None:
-    from .h3_block import round_bf16, swiglu_halves
+    from .h3_block import swiglu_halves
 
     @triton.jit
     def _rounded(y, ptr):

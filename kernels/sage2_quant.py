@@ -10,20 +10,12 @@ truncating casts are rounded in integer arithmetic)."""
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
 from .qk_transform import check_rope_table
-
-try:  # Triton ships with PyTorch's CUDA (and recent CPU) wheels; the pack must import without it.
-    import triton
-    import triton.language as tl
-    TRITON_ERROR = None
-except Exception as exc:  # pragma: no cover - depends on the install
-    triton = tl = None
-    TRITON_ERROR = f"triton not importable ({type(exc).__name__}: {exc})"
+from .triton_support import TRITON_ERROR, interpreting, tl, triton
 
 LIB = "sage_strided_nhd"
 HEAD_DIM = 128
@@ -52,10 +44,6 @@ def mode_flags(mode: str) -> tuple[bool, bool]:
 
 def padded_len(seq: int) -> int:
     return -(-seq // V_PAD) * V_PAD
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 if triton is not None:

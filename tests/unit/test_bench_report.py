@@ -375,3 +375,18 @@ def test_idle_between_kernels_is_the_span_minus_the_busy_union():
     assert measure.idle_between([(20.0, 30.0), (0.0, 10.0), (5.0, 12.0)]) == pytest.approx(0.008)
     assert measure.idle_between([(0.0, 4.0), (1.0, 2.0)]) == 0.0  # one inside another
     assert measure.idle_between([]) is None
+
+
+def test_idle_between_several_calls_leaves_out_the_syncs_between_them():
+    # two calls, each with a 2 us gap inside; the 100 us between them is the host sync
+    spans = [(0.0, 10.0), (12.0, 20.0), (120.0, 130.0), (132.0, 140.0)]
+    assert measure.idle_between(spans, calls=2) == pytest.approx(0.002)
+    assert measure.idle_between(spans) == pytest.approx(0.104)
+
+
+def test_launch_waits_name_the_kernels_around_the_first_calls_gaps():
+    spans = [(5.0, 10.0, "a"), (30.0, 40.0, "b"), (41.0, 50.0, "c"), (200.0, 210.0, "a")]
+    waits = measure.launch_waits(spans, call_starts=[2.0, 190.0], top=2)
+    assert waits["first_kernel_after_ms"] == pytest.approx(0.003)
+    assert waits["largest_gaps"] == [(0.02, "a", "b"), (0.001, "b", "c")]
+    assert measure.launch_waits([], [1.0]) == {}

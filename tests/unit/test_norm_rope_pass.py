@@ -1,0 +1,89 @@
+"""The pack's RMSNorm + split-half RoPE pass (kernels/qk_transform.py) on the CPU.
+
+Its Triton kernel runs under ``TRITON_INTERPRET=1`` in a subprocess (the flag must be set before the
+kernel is decorated) and must equal, bit for bit, comfy-kitchen's CUDA steps written in torch
+(``devkit.rope.kitchen_cuda_norm_rope``, with the interpreter's 1/sqrt for rsqrt): on Q/K views of a
+fused qkv buffer, in place, with partial and full rotation, bf16 and fp32 tables, token and head
+counts that are no multiple of the program's tile, and a table cut to a token range as the chunked
+projection passes it. The GPU test compares the compiled kernel with comfy-kitchen's CUDA kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfyui_sage_strided_nhd import kernels
+from devkit.rope import make_rope_table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+INTERPRETED = textwrap.dedent(r"""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from devkit.pack import import_pack
+    import_pack()
+    import torch
+    from comfyui_sage_strided_nhd.kernels import qk_transform
+    from devkit.rope import kitchen_cuda_norm_rope, make_rope_table
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for seq, heads, d, rot, tdtype, start in ((37, 3, 128, 96, torch.bfloat16, 0), (21, 9, 64, 64, torch.float32, 0),
+                                             (18, 2, 32, 16, torch.bfloat16, 5)):
+        qkv = (3 * torch.randn(seq, 3 * heads * d, generator=g)).bfloat16()
+        table = make_rope_table(seq + start, rot, dtype=tdtype, generator=g)[:, start:]
+        qw = (1 + 0.3 * torch.randn(d, generator=g)).bfloat16()
+        kw = (1 + 0.3 * torch.randn(d, generator=g)).float()
+        q, k, v = (t.view(1, seq, heads, d) for t in qkv.split(heads * d, dim=-1))
+        want_q, want_k = kitchen_cuda_norm_rope(q, table, qw, 1e-5), kitchen_cuda_norm_rope(k, table, kw, 1e-5)
+        v_before = v.clone()
+        assert qk_transform.own_pass_takes(q, k, table, qw, kw)
+        qk_transform.norm_rope_pass(q, k, table, qw, kw, 1e-5)
+        out[f"{seq}x{heads}x{d} rot {rot} {tdtype} from {start}"] = [
+            int((q != want_q).sum()), int((k != want_k).sum()), bool(torch.equal(v, v_before))]
+    print("RESULTS " + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED, str(ROOT)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+def test_pass_takes_comfy_kitchens_cuda_steps(interpreted):
+    assert len(interpreted) == 3
+    for case, (q_differ, k_differ, v_kept) in interpreted.items():
+        assert (q_differ, k_differ) == (0, 0), f"{case}: {q_differ} Q and {k_differ} K elements differ"
+        assert v_kept, f"{case}: the pass wrote into V"
+
+
+def test_pass_declines_what_it_was_not_written_for(gen):
+    qkv = torch.randn(8, 3 * 2 * 64, generator=gen).bfloat16()
+    q, k, _ = (t.view(1, 8, 2, 64) for t in qkv.split(128, dim=-1))
+    table, w = make_rope_table(8, 32, dtype=torch.bfloat16), torch.ones(64)
+    takes = kernels.qk_transform.own_pass_takes
+    assert not takes(q.half(), k.half(), table, w, w)                   # fp16: comfy-kitchen runs
+    assert not takes(q, k, table.half(), w, w)                          # an fp16 table
+    assert not takes(q[..., :48], k[..., :48], table, w[:48], w[:48])   # head_dim not a multiple of 32
+    assert not takes(q, k, table, w, w)                                 # on the CPU without the interpreter
+
+
+def test_on_the_cpu_comfy_kitchen_runs_and_says_which_implementation(gen):
+    """Off CUDA, comfy-kitchen would not run its CUDA kernel, so the pack's pass must not stand in."""
+    qkv = torch.randn(8, 3 * 2 * 64, generator=gen).bfloat16()
+    q, k, _ = (t.view(1, 8, 2, 64) for t in qkv.split(128, dim=-1))
+    table, w = make_rope_table(8, 32, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
+    backend = kernels.qk_transform.kitchen_backend(q, k, table, w, w, 1e-5, 32)
+    assert backend is not None and backend != kernels.qk_transform.KITCHEN_BACKEND
