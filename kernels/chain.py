@@ -128,11 +128,13 @@ class BackendChain:
         if not self.prepared or norm is None or not norm.foldable:
             return None, None
         kv = torch.empty(projection.seq, 2 * heads * head_dim, dtype=projection.dtype, device=projection.device)
-        k, v = kv.unflatten(1, (2, heads, head_dim)).unsqueeze(0).unbind(2)  # q is k's shape, dtype and place
+        views = [*kv.unflatten(1, (2, heads, head_dim)).unsqueeze(0).unbind(2)]
+        views.insert(0, views[0])  # q is k's shape, dtype and place
         skipped: list[Skip] = []
-        for backend in self._candidates([k, k, v], "NHD", None, skipped):
+        # the scan holds ``views`` while it is suspended: emptied below, so K/V are freed before the kernel
+        for backend in self._candidates(views, "NHD", None, skipped):
             if not (backend.prepares_projected and prepared_mode in backend.prepared_modes
-                    and backend.prepared_verdict(k, k, v)):
+                    and backend.prepared_verdict(*views)):
                 return None, None  # the call runs as run_handed runs it
             seen = len(backend.compile_events)
             try:
@@ -146,7 +148,8 @@ class BackendChain:
                     backend.name, "raised", f"prepared path on a projection by token chunks raised "
                     f"{type(exc).__name__}: {exc}", "raised")])
                 return None, None
-            del kv, k, v  # K and V are in the operands now
+            del kv
+            views.clear()  # K and V are in the operands now
             return backend.attend(prepared), self._record(
                 backend, skipped, seen, prepared=prepared.mode, head_chunks=len(prepared.head_chunks),
                 projected_chunks=prepared.projected_chunks)

@@ -7,6 +7,7 @@ comfy-kitchen with its CUDA implementation."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import pytest
@@ -23,7 +24,9 @@ def pack():
         pytest.skip("needs comfy-kitchen")
     from devkit.pack import import_pack
 
-    return import_pack()
+    pack = import_pack()
+    importlib.import_module(pack.__name__ + ".kernels")
+    return pack
 
 
 def h3_inputs(seq, table_dtype=torch.bfloat16, seed=0):

@@ -230,6 +230,7 @@ class FakeProjected(FakePrepared):
     def __init__(self, on_attend=None, raises=False):
         super().__init__(on_attend)
         self.raises, self.projection, self.released_at_attend = raises, None, None
+        self.kv, self.kv_alive_at_attend = None, None
 
     def prepare_projected(self, projection, kv, *, heads, mode, scale, norm, chunk):
         if self.raises == "after_release":
@@ -247,13 +248,16 @@ class FakeProjected(FakePrepared):
             kv[a:b].copy_(rows[:, heads * d:])
         projection.release()
         norm.mark_folded()
-        self.projection = projection
+        self.projection, self.kv = projection, weakref.ref(kv)
         k, v = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)
         return Prepared(self.name, "exact", {"q": torch.cat(qs, 1), "k": k.clone(), "v": v.clone()}, 0.25,
                         kv.dtype, projection.seq, heads, d, projected_chunks=len(chunks))
 
     def attend(self, prepared):
         self.released_at_attend = self.projection is not None and self.projection.released
+        if self.kv is not None:
+            gc.collect()
+            self.kv_alive_at_attend = self.kv() is not None
         return super().attend(prepared)
 
 
@@ -286,6 +290,7 @@ def test_a_projection_by_chunks_gives_the_whole_projection_bits(backend, expect_
     assert project.calls == ([20, 20, 10] if expect_chunks else [seq])  # each row projected once
     if backend == "projected":
         assert fake.modes == ["projected exact"] and fake.released_at_attend  # x freed before the kernel
+        assert fake.kv_alive_at_attend is False  # and the K/V buffer, now in the operands
 
 
 def test_a_projection_within_one_chunk_or_a_failing_preparation_is_taken_whole(gen, caplog):
