@@ -127,7 +127,9 @@ class BackendChain:
         ``run_handed``. The scan is ``run_handed``'s, on K and V views of the buffer K and V go to."""
         if not self.prepared or norm is None or not norm.foldable:
             return None, None
-        kv = torch.empty(projection.seq, 2 * heads * head_dim, dtype=projection.dtype, device=projection.device)
+        kv = projection.kv  # K/V projected ahead (a projection that splits by columns), or a buffer for them
+        if kv is None:
+            kv = torch.empty(projection.seq, 2 * heads * head_dim, dtype=projection.dtype, device=projection.device)
         views = [*kv.unflatten(1, (2, heads, head_dim)).unsqueeze(0).unbind(2)]
         views.insert(0, views[0])  # q is k's shape, dtype and place
         skipped: list[Skip] = []

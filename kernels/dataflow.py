@@ -71,13 +71,16 @@ class RowProjection:
     ``rows(a, b)`` = ``project(x[a:b])``, [b - a, 3*H*D]. ``release()`` drops ``x`` (the call's input)
     once every row is taken, so it is freed before the attention kernel runs.
 
-    ``columns``: ``(project_q, project_kv_into)`` when the projection is a plain matrix product whose
-    column blocks give its bits (``project_q(x rows)`` -> Q rows [n, H*D]; ``project_kv_into(x, out)``
-    writes K and V of every row into ``out`` [S, 2*H*D]): K/V then take one product straight into
-    the caller's buffer and Q goes by rows, with no copy."""
+    ``columns``: ``(project_q, project_kv)`` when the projection is a plain matrix product whose column
+    blocks give its bits (``project_q(x rows)`` -> Q rows [n, H*D]; ``project_kv(x)`` -> K and V of
+    every row, [S, 2*H*D]). K/V are then projected at once, here: the GPU computes them while the
+    call is planned (the host's work before the first product measured 0.5 ms a block), and Q goes
+    by rows (``q_rows``), with no copy. ``kv`` holds them until ``release``."""
 
     def __init__(self, project, x: torch.Tensor, columns=None):
-        self._project, self._columns, self._x = project, columns, [x]
+        self._project, self._x = project, [x]
+        self._project_q = columns[0] if columns is not None else None
+        self.kv = columns[1](x) if columns is not None else None
         self.seq, self.dtype, self.device = x.shape[0], x.dtype, x.device
 
     @property
@@ -92,20 +95,20 @@ class RowProjection:
     def rows(self, start: int, stop: int) -> torch.Tensor:
         return self._project(self._input()[start:stop])
 
-    def fill_kv(self, kv: torch.Tensor) -> bool:
-        """K and V of every row into ``kv`` in one product, when the projection splits by columns
-        (True); False: take ``rows`` and copy their K/V columns."""
-        if self._columns is None:
-            return False
-        self._columns[1](self._input(), kv)
-        return True
-
     def q_rows(self, start: int, stop: int) -> torch.Tensor:
-        """Q rows [n, H*D] alone (after ``fill_kv`` returned True)."""
-        return self._columns[0](self._input()[start:stop])
+        """Q rows [n, H*D] alone (a projection that splits by columns: ``kv`` holds K and V)."""
+        return self._project_q(self._input()[start:stop])
+
+    def whole(self) -> torch.Tensor:
+        """The whole projection [S, 3*H*D] (K/V taken ahead are dropped first), and ``release``."""
+        self.kv = None
+        whole = self.rows(0, self.seq)
+        self.release()
+        return whole
 
     def release(self) -> None:
         self._x.clear()
+        self.kv = None
 
 
 def attention_from_projection(projection: RowProjection, heads: int, head_dim: int, *, chain: BackendChain,
@@ -122,8 +125,7 @@ def attention_from_projection(projection: RowProjection, heads: int, head_dim: i
         if out is not None:
             record.layout = layout
             return _token_major_result(out, record)
-    handed = [projection.rows(0, projection.seq)]
-    projection.release()
+    handed = [projection.whole()]
     return attention_from_fused_qkv(handed, heads, head_dim, chain=chain, norm=norm, layout=layout,
                                     scale=scale, prepared_mode=prepared_mode)
 

@@ -128,7 +128,7 @@ def mlp_chunk_rows(mlp, x, chunk: int) -> int | None:
 
 
 def column_products(linear, x, inner: int):
-    """``(project_q, project_kv_into)`` for ``kernels.RowProjection`` when ``linear``'s output is the
+    """``(project_q, project_kv)`` for ``kernels.RowProjection`` when ``linear``'s output is the
     plain product ``x @ weight.T`` (a float weight of x's dtype on x's device, no bias, nothing cast or
     patched per call): Q is its first ``inner`` output columns, K and V the rest. Column blocks of
     that product give its bits (benchmarks/projection_split.py checks it on the GPU). Else None."""
@@ -139,7 +139,7 @@ def column_products(linear, x, inner: int):
             or getattr(linear, "comfy_cast_weights", False) or replaced_forward(linear)):
         return None
     return (lambda rows: torch.nn.functional.linear(rows, w[:inner]),
-            lambda rows, out: torch.mm(rows, w[inner:].t(), out=out))
+            lambda rows: torch.mm(rows, w[inner:].t()))
 
 
 def projection_chunk_rows(linear, x, chunk: int) -> int | None:

@@ -103,10 +103,11 @@ class Sage2Backend(AttentionBackend):
     def prepare_projected(self, projection, kv, *, heads, mode="exact", scale=None, norm=None, chunk=8192) -> Prepared:
         """The operands of ``prepare`` from a fused qkv projection taken a token chunk at a time: each
         chunk's Q is normalised and quantised at once, its K and V rows copied into ``kv`` [S, 2*H*D]
-        (or, for a projection that splits by columns, K and V of every row projected into ``kv`` first);
-        K and V are quantised once every token is in. The bits are ``prepare``'s on the whole
-        projection. A fused mode folds a foldable norm as ``prepare`` does; otherwise the norm is
-        applied row range by row range (it must allow that: ``norm.foldable``)."""
+        (or, for a projection that splits by columns, ``kv`` is its ``projection.kv``, K and V of every
+        row, and Q goes by chunks of 3x the rows: the same bytes as a chunk of whole rows); K and V are
+        quantised once every token is in. The bits are ``prepare``'s on the whole projection. A fused
+        mode folds a foldable norm as ``prepare`` does; otherwise the norm is applied row range by row
+        range (it must allow that: ``norm.foldable``)."""
         fused, rotate = sage2_quant.mode_flags(mode)
         fold = fused and norm is not None and norm.foldable
         if not fold:
@@ -121,9 +122,10 @@ class Sage2Backend(AttentionBackend):
                       eps=norm.eps) if fold else {}
         ops = sage2_quant.RowOperands(seq, heads, kv.device, mode=mode, **params)
         k_all, v = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)
-        by_columns = projection.fill_kv(kv)  # K/V in one product, Q by rows; else whole rows, K/V copied
+        by_columns = kv is projection.kv  # K/V in one product, Q by rows; else whole rows, K/V copied
+        rows_per_chunk = chunk * 3 if by_columns else chunk  # Q rows are a third of a whole row
         step = sage2_quant.K_BLOCK  # Q is quantised in 128-token blocks: chunks start on one
-        chunks = token_chunks(seq, max(step, chunk // step * step), align=step)
+        chunks = token_chunks(seq, max(step, rows_per_chunk // step * step), align=step)
         for a, b in chunks:
             if by_columns:
                 rows = projection.q_rows(a, b)

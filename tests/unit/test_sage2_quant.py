@@ -98,11 +98,12 @@ INTERPRETED_CHECKS = textwrap.dedent(r"""
                     "applied": norm.applied, "diffs": differing(p.operands, exp), "rows_taken": taken}
                 # a projection that splits by columns: K/V of every row first, then Q by rows
                 inner = heads * 128
-                columns = (lambda rows: rows[:, :inner].clone(), lambda x, out: out.copy_(x[:, inner:]))
+                columns = (lambda rows: rows[:, :inner].clone(), lambda x: x[:, inner:].clone())
                 norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
                 projection = kernels.RowProjection(None, qkv.clone(), columns=columns)
-                p = Sage2Backend().prepare_projected(projection, torch.empty_like(kv), heads=heads, mode=mode,
-                                                     scale=0.1, norm=norm, chunk=128)
+                # Q chunks of 3x the rows: 43 -> 129, cut to 128 token rows, as the row form's 128
+                p = Sage2Backend().prepare_projected(projection, projection.kv, heads=heads, mode=mode,
+                                                     scale=0.1, norm=norm, chunk=43)
                 results["prepare"][f"{mode}/columns"] = {
                     "mode": p.mode, "chunks": p.projected_chunks, "released": projection.released,
                     "applied": norm.applied, "diffs": differing(p.operands, exp)}
@@ -115,8 +116,10 @@ INTERPRETED_CHECKS = textwrap.dedent(r"""
                 for how, projection in (("projected", kernels.RowProjection(lambda rows: rows.clone(), qkv.clone())),
                                         ("columns", kernels.RowProjection(None, qkv.clone(), columns=columns))):
                     norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
-                    p = Sage2Backend().prepare_projected(projection, torch.empty_like(kv), heads=heads, mode=unfused,
-                                                         norm=norm, chunk=150)  # rounded down to 128 rows
+                    # rows: 150 rounded down to 128; columns: 3 * 50 = 150, the same
+                    p = Sage2Backend().prepare_projected(
+                        projection, projection.kv if how == "columns" else torch.empty_like(kv), heads=heads,
+                        mode=unfused, norm=norm, chunk=150 if how == "projected" else 50)
                     results["prepare"][f"{unfused}/{how}"] = {
                         "mode": p.mode, "chunks": p.projected_chunks, "applied": norm.applied,
                         "diffs": differing(p.operands, want)}
