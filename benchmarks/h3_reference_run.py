@@ -25,7 +25,7 @@ What it measures (written to the JSON after every section, so a failure keeps th
 - ``validation``: bit-exact or the measured difference per item; outputs finite; patches reverted.
 
 Variants beside stock and the layouts (``hnd`` and ``strided_nhd`` run the node's default block path,
-``exact``): ``--variant NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:attention_only]``, and the peer,
+``exact``): ``--variant NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:qkvN][:mlpN][:attention_only]``, and the peer,
 KJNodes' MiniMax H3 nodes from a checkout given with ``--kjnodes DIR`` (``benchmarks/peer.py``;
 its code never enters this repository). ``--peer-table`` sets up stock, strided NHD, strided NHD on
 the attention-only block path and the peer's variants in one interleaved run. The peer calls
@@ -77,8 +77,10 @@ from .report import LAYOUTS, Report, correctness_table, equality_verdict, text_t
 
 SECTIONS = ("isolated", "blocks", "profiler", "sampling_2_step", "sampling_12_step")
 MEMORY_SECTION = "memory"  # only with --memory-at; runs last (past the int32 line stock's attention may fault)
-VARIANT_USAGE = "NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:attention_only|:fused_block]"
-# whole_qkv: the qkv projection always made whole (no token chunks), to measure what the chunks cost
+VARIANT_USAGE = "NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:qkvN][:mlpN][:attention_only|:fused_block]"
+# whole_qkv: the qkv projection always made whole (no token chunks), to measure what the chunks cost;
+# qkvN / mlpN: N rows per qkv-projection / MLP chunk (the settings' qkv_chunk_tokens, mlp_chunk_tokens)
+CHUNK_FLAG = re.compile(r"(qkv|mlp)([1-9][0-9]*)")
 VARIANT_FLAGS = {"noprepared": ("prepared", False), "attention_only": ("block_path", "attention_only"),
                  "fused_block": ("block_path", "fused"), "whole_qkv": ("qkv_chunk_tokens", 2**62)}
 ATTENTION_ONLY = "attention_only"  # --peer-table's strided NHD variant on the attention-only block path
@@ -250,15 +252,16 @@ def parse_variant(parser, spec: str) -> dict:
         parser.error(where + f"unknown prepared-path mode {parts[2]!r}; "
                      f"choose one of {', '.join(kernels.PREPARED_MODES)}")
     flags = parts[3:]
-    unknown = [f for f in flags if f not in VARIANT_FLAGS]
+    unknown = [f for f in flags if f not in VARIANT_FLAGS and not CHUNK_FLAG.fullmatch(f)]
     block_paths = [f for f in flags if VARIANT_FLAGS.get(f, ("",))[0] == "block_path"]
     if unknown or len(set(flags)) != len(flags) or len(block_paths) > 1:
         parser.error(where + (f"unknown flag(s) {unknown}" if unknown else "a flag given twice" if len(set(flags))
                               != len(flags) else f"one block path at most, got {block_paths}")
                      + f"; flags: {', '.join(VARIANT_FLAGS)}")
     variant = {"name": name, "layout": parts[0], "backend": parts[1], "prep": parts[2], "prepared": True,
-               "block_path": "exact", "qkv_chunk_tokens": None}
-    variant.update(VARIANT_FLAGS[f] for f in flags)
+               "block_path": "exact", "qkv_chunk_tokens": None, "mlp_chunk_tokens": None}
+    variant.update(VARIANT_FLAGS[f] if f in VARIANT_FLAGS else
+                   (f"{CHUNK_FLAG.fullmatch(f)[1]}_chunk_tokens", int(CHUNK_FLAG.fullmatch(f)[2])) for f in flags)
     return variant
 
 
@@ -323,11 +326,12 @@ def default_out(facts: dict, backend: str) -> Path:
 
 
 def patch_model(model_patcher, layout: str, backend: str, prep_mode: str = "exact", prepared: bool = True,
-                block_path: str = "exact", qkv_chunk_tokens: int | None = None):
+                block_path: str = "exact", qkv_chunk_tokens: int | None = None, mlp_chunk_tokens: int | None = None):
     """A clone of ``model_patcher`` patched exactly as the node patches it: (clone, installed patch).
-    ``prepared=False`` switches the chain's prepared paths off, ``qkv_chunk_tokens`` sets the rows per
-    qkv-projection chunk (benchmark variants, not node inputs; None: the node's default)."""
-    extra = {} if qkv_chunk_tokens is None else {"qkv_chunk_tokens": qkv_chunk_tokens}
+    ``prepared=False`` switches the chain's prepared paths off, ``qkv_chunk_tokens`` / ``mlp_chunk_tokens``
+    set the rows per qkv-projection / MLP chunk (benchmark variants, not node inputs; None: the default)."""
+    extra = {k: v for k, v in (("qkv_chunk_tokens", qkv_chunk_tokens), ("mlp_chunk_tokens", mlp_chunk_tokens))
+             if v is not None}
     settings = submodule("nodes.patch").Settings(layout=layout, backend=backend, prep_mode=prep_mode,
                                                  block_path=block_path, **extra)
     clone, patch = submodule("nodes.h3_patch").patch_model(model_patcher, settings)
@@ -452,11 +456,11 @@ def build_variants(args, base, layouts) -> tuple[dict, dict, dict, dict]:
     for v in specs:
         clone, patches[v["name"]] = patch_model(base, v["layout"], v["backend"], prep_mode=v["prep"],
                                                 prepared=v["prepared"], block_path=v["block_path"],
-                                                qkv_chunk_tokens=v.get("qkv_chunk_tokens"))
+                                                qkv_chunk_tokens=v.get("qkv_chunk_tokens"),
+                                                mlp_chunk_tokens=v.get("mlp_chunk_tokens"))
         (clones if v["name"] in layouts else extras)[v["name"]] = clone
         settings[v["name"]] = {k: v[k] for k in ("layout", "backend", "prep", "prepared", "block_path")}
-        if v.get("qkv_chunk_tokens") is not None:
-            settings[v["name"]]["qkv_chunk_tokens"] = v["qkv_chunk_tokens"]
+        settings[v["name"]].update({k: v[k] for k in ("qkv_chunk_tokens", "mlp_chunk_tokens") if v.get(k) is not None})
     return clones, extras, patches, settings
 
 

@@ -374,13 +374,16 @@ def test_variant_flags_come_after_prep_in_any_order():
     assert parse_args(["--variant", "f=strided_nhd:sage2:fused:fused_block"]).variants[0]["block_path"] == "fused"
     whole = parse_args(["--variant", "w=strided_nhd:sage2:exact:whole_qkv"]).variants[0]
     assert whole["qkv_chunk_tokens"] > 2**40 and z.get("qkv_chunk_tokens") is None  # never chunked / the default
+    sized = parse_args(["--variant", "m=strided_nhd:sage2:exact:mlp16384:qkv4096"]).variants[0]
+    assert (sized["mlp_chunk_tokens"], sized["qkv_chunk_tokens"]) == (16384, 4096)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--variant", "x=strided_nhd:sage2:exact:fast"], "unknown flag(s) ['fast']"),
+    (["--variant", "x=strided_nhd:sage2:exact:mlp0"], "unknown flag(s) ['mlp0']"),
     (["--variant", "x=strided_nhd:sage2:exact:noprepared:noprepared"], "a flag given twice"),
     (["--variant", "x=nhd:sage2:exact"], "LAYOUT one of hnd, strided_nhd"),
-    (["--variant", "x=strided_nhd:sage2"], "expected NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:attention_only|:fused_block]"),
+    (["--variant", "x=strided_nhd:sage2"], "expected NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:qkvN][:mlpN][:attention_only|:fused_block]"),
     (["--variant", "x=strided_nhd:sage2:exact:fused_block:attention_only"], "one block path at most"),
     (["--variant", "x-1=strided_nhd:sage2:exact"], "NAME letters, digits and _"),
     (["--variant", "x=strided_nhd:sage9:exact"], "unknown back-end 'sage9'"),
