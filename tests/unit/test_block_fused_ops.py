@@ -6,23 +6,11 @@ without the norm weight; the residual stream written in place keeps stock's ``ad
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from devkit.interpreted import run_interpreted
 
-INTERPRETED = textwrap.dedent(r"""
-    import json, sys
-    sys.path.insert(0, sys.argv[1])
-    from devkit.pack import import_pack
-    import_pack()
-    import torch
+INTERPRETED = r"""
     from comfyui_sage_strided_nhd.kernels import h3_block_fused as f
     g = torch.Generator().manual_seed(0)
 
@@ -66,18 +54,13 @@ INTERPRETED = textwrap.dedent(r"""
         u = (torch.randn(7, 2 * 1500, generator=g) * 3).to(dtype)
         want = torch.nn.functional.silu(u[:, :1500].double()) * u[:, 1500:].double()
         out[f"{dtype}-swiglu"] = steps(f.swiglu(u), want, want.abs())
-    print("RESULTS " + json.dumps(out))
-""")
+    report(out)
+"""
 
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED, str(ROOT)], env=env, capture_output=True, text=True,
-                          timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_interpreted(INTERPRETED)
 
 
 def test_fused_passes_round_once(interpreted):

@@ -8,26 +8,13 @@ ragged edges, in bf16. Other dtypes and non-row-major inputs take stock's passes
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 
 from comfyui_sage_strided_nhd.kernels import h3_block
+from devkit.interpreted import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[2]
-
-INTERPRETED = textwrap.dedent(r"""
-    import json, sys
-    sys.path.insert(0, sys.argv[1])
-    from devkit.pack import import_pack
-    import_pack()
-    import torch
+INTERPRETED = r"""
     from comfyui_sage_strided_nhd.kernels import h3_block
     g = torch.Generator().manual_seed(0)
     out = {}
@@ -62,18 +49,13 @@ INTERPRETED = textwrap.dedent(r"""
         stock = torch.nn.functional.silu(u.chunk(2, dim=-1)[0]).mul_(u.chunk(2, dim=-1)[1])
         out[f"swiglu-{rows}x{cols}"] = [bool(torch.equal(got, want)), int((got != want).sum()),
                                         int((got != stock).sum())]
-    print("RESULTS " + json.dumps(out))
-""")
+    report(out)
+"""
 
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED, str(ROOT)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_interpreted(INTERPRETED)
 
 
 def test_scale_shift_kernel_gives_stock_bits(interpreted):

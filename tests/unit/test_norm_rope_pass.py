@@ -10,27 +10,15 @@ projection passes it. The GPU test compares the compiled kernel with comfy-kitch
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 import torch
 
 from comfyui_sage_strided_nhd import kernels
+from devkit.interpreted import run_interpreted
 from devkit.rope import make_rope_table
 
-ROOT = Path(__file__).resolve().parents[2]
 
-INTERPRETED = textwrap.dedent(r"""
-    import json, sys
-    sys.path.insert(0, sys.argv[1])
-    from devkit.pack import import_pack
-    import_pack()
-    import torch
+INTERPRETED = r"""
     from comfyui_sage_strided_nhd.kernels import qk_transform
     from devkit.rope import kitchen_cuda_norm_rope, make_rope_table
     g = torch.Generator().manual_seed(0)
@@ -48,18 +36,13 @@ INTERPRETED = textwrap.dedent(r"""
         qk_transform.norm_rope_pass(q, k, table, qw, kw, 1e-5)
         out[f"{seq}x{heads}x{d} rot {rot} {tdtype} from {start}"] = [
             int((q != want_q).sum()), int((k != want_k).sum()), bool(torch.equal(v, v_before))]
-    print("RESULTS " + json.dumps(out))
-""")
+    report(out)
+"""
 
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED, str(ROOT)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_interpreted(INTERPRETED)
 
 
 def test_pass_takes_comfy_kitchens_cuda_steps(interpreted):

@@ -10,13 +10,7 @@ why the prepared path is off and which mode its preparation runs.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,15 +20,10 @@ from comfyui_sage_strided_nhd.kernels import sage2_quant
 from comfyui_sage_strided_nhd.kernels.backends import BACKENDS, sage2
 from comfyui_sage_strided_nhd.kernels.backends.base import REASON_CODES
 from devkit import sage2_oracle as ref
+from devkit.interpreted import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[2]
-
-INTERPRETED_CHECKS = textwrap.dedent(r"""
-    import json, os, sys
-    sys.path.insert(0, sys.argv[1])
-    from devkit.pack import import_pack
-    import_pack()
-    import torch
+INTERPRETED_CHECKS = r"""
+    import os
     import triton
     import triton.language as tl
     from comfyui_sage_strided_nhd import kernels
@@ -187,18 +176,13 @@ INTERPRETED_CHECKS = textwrap.dedent(r"""
         results["compile"] = all(bool(torch.equal(a, b)) for a, b in zip(eager, traced))
     except Exception as exc:
         results["compile"] = f"{type(exc).__name__}: {exc}"
-    print("RESULTS " + json.dumps(results))
-""")
+    report(results)
+"""
 
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED_CHECKS, str(ROOT)], env=env, capture_output=True,
-                          text=True, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_interpreted(INTERPRETED_CHECKS)
 
 
 def _no_differences(results: dict, mode: str, against: str) -> None:
