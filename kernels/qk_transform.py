@@ -6,10 +6,10 @@ kernel's bits (tests/gpu/test_norm_rope_gpu.py compares them on an H200): the sa
 same order (per head, a warp's lane-strided fused-multiply-add squares summed by a butterfly of
 shuffles; ``rsqrtf``; the normed value rounded to bf16 before the rotation; the rotation's two
 products in one fused multiply-add). The pass handles a tile of tokens over a group of heads, so the
-rotation table is read once per token tile instead of once per head, and it stays within about twice
-the memory traffic floor where comfy-kitchen's kernel measured about five times it (2.9 ms a block
-at 37,810 tokens). Elsewhere (other dtypes or layouts, no CUDA implementation) comfy-kitchen runs.
-Offsets are int64."""
+rotation table is read once per token tile instead of once per head: on an H200 at 37,810 tokens
+0.96 ms against comfy-kitchen's 2.77 ms, where reading and writing Q and K once at 4.8 TB/s takes
+0.45 ms. Elsewhere (other dtypes or layouts, no CUDA implementation) comfy-kitchen runs. Offsets are
+int64."""
 
 from __future__ import annotations
 
