@@ -45,14 +45,22 @@ def attention_from_fused_qkv(handed, heads: int, head_dim: int, *, chain: Backen
     ``handed``: the projection, or a one-element list holding it (handed over: a prepared path then
     frees it before its kernel). ``norm`` overwrites the buffer's Q and K in place by design."""
     _check_layout(layout)
-    q, k, v = split_fused_qkv(handed.pop() if isinstance(handed, list) else handed, heads, head_dim)
-    norm.check(q.shape[1], head_dim)
+    views = list(split_fused_qkv(handed.pop() if isinstance(handed, list) else handed, heads, head_dim))
+    return _attention_from_views(views, head_dim, chain=chain, norm=norm, layout=layout, scale=scale,
+                                 prepared_mode=prepared_mode)
+
+
+def _attention_from_views(views: list, head_dim: int, *, chain: BackendChain, norm: QKNorm, layout: str,
+                          scale: float | None, prepared_mode: str) -> tuple[torch.Tensor, CallRecord]:
+    """``attention_from_fused_qkv`` on ``views = [q, k, v]`` ([1, S, H, D] each), which it empties: the
+    chain then holds the only references to them (and so to the buffers under them)."""
+    norm.check(views[0].shape[1], head_dim)
     if layout == "hnd":
+        q, k, v = views
+        views.clear()
         q, k = norm.apply(q, k)
         out, record = attention_nhd(q, k, v, chain=chain, layout=layout, scale=scale)
     else:
-        views = [q, k, v]
-        del q, k, v  # the chain holds the only references to the views (and so to the buffer)
         out, record = chain.run_handed(views, layout="NHD", scale=scale, norm=norm,
                                        prepared_mode=prepared_mode if norm.inplace else None)
         record.layout = layout
@@ -75,7 +83,8 @@ class RowProjection:
     blocks give its bits (``project_q(x rows)`` -> Q rows [n, H*D]; ``project_kv(x)`` -> K and V of
     every row, [S, 2*H*D]). K/V are then projected at once, here: the GPU computes them while the
     call is planned (the host's work before the first product measured 0.5 ms a block), and Q goes
-    by rows (``q_rows``), with no copy. ``kv`` holds them until ``release``."""
+    by rows (``q_rows``), with no copy; where no back-end takes the projection by chunks, Q is projected
+    whole beside them (``whole``). ``kv`` holds them until ``release``."""
 
     def __init__(self, project, x: torch.Tensor, columns=None):
         self._project, self._x = project, [x]
@@ -99,12 +108,17 @@ class RowProjection:
         """Q rows [n, H*D] alone (a projection that splits by columns: ``kv`` holds K and V)."""
         return self._project_q(self._input()[start:stop])
 
-    def whole(self) -> torch.Tensor:
-        """The whole projection [S, 3*H*D] (K/V taken ahead are dropped first), and ``release``."""
-        self.kv = None
-        whole = self.rows(0, self.seq)
+    def whole(self, heads: int, head_dim: int) -> list[torch.Tensor]:
+        """Every row, as ``[q, k, v]`` [1, S, H, D] views, and ``release``: with K/V taken ahead, Q
+        projected whole beside them (their column blocks give the fused product's bits; nothing is
+        projected twice); else views of the whole projection."""
+        if self.kv is None:
+            views = list(split_fused_qkv(self.rows(0, self.seq), heads, head_dim))
+        else:
+            q = self.q_rows(0, self.seq).view(1, self.seq, heads, head_dim)
+            views = [q, *self.kv.unflatten(1, (2, heads, head_dim)).unsqueeze(0).unbind(2)]
         self.release()
-        return whole
+        return views
 
     def release(self) -> None:
         self._x.clear()
@@ -125,9 +139,8 @@ def attention_from_projection(projection: RowProjection, heads: int, head_dim: i
         if out is not None:
             record.layout = layout
             return _token_major_result(out, record)
-    handed = [projection.whole()]
-    return attention_from_fused_qkv(handed, heads, head_dim, chain=chain, norm=norm, layout=layout,
-                                    scale=scale, prepared_mode=prepared_mode)
+    return _attention_from_views(projection.whole(heads, head_dim), head_dim, chain=chain, norm=norm,
+                                 layout=layout, scale=scale, prepared_mode=prepared_mode)
 
 
 def attention_nhd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chain: BackendChain,

@@ -293,6 +293,34 @@ def test_a_projection_by_chunks_gives_the_whole_projection_bits(backend, expect_
         assert fake.kv_alive_at_attend is False  # and the K/V buffer, now in the operands
 
 
+@pytest.mark.parametrize("layout", ["strided_nhd", "hnd"])
+@pytest.mark.parametrize("backend", ["plain_prepared", "sdpa"])
+def test_a_projection_by_columns_projects_every_column_once(backend, layout, gen):
+    """K/V are projected as the projection is made; where no back-end takes it by chunks, Q is projected
+    whole beside them: no column is projected twice and the fused product is never formed. Small
+    integers keep every product exact, so the bits must equal the fused projection's. (The sage2
+    projected path on a column form: tests/unit/test_sage2_quant.py.)"""
+    heads, head_dim, seq = 2, 32, 50
+    inner = heads * head_dim
+    x = torch.randint(-3, 4, (seq, inner), generator=gen).float()
+    w = torch.randint(-2, 3, (3 * inner, inner), generator=gen).float()
+    _, table, qw, kw = fused_inputs(seq, heads, head_dim, 16, gen, torch.float32)
+    expect, _ = run(x @ w.T, heads, head_dim, layout, table, qw, kw, scale=0.25)
+    calls = []
+    columns = (lambda rows: (calls.append(("q", rows.shape[0])), rows @ w[:inner].T)[1],
+               lambda rows: (calls.append(("kv", rows.shape[0])), rows @ w[inner:].T)[1])
+    projection = kernels.RowProjection(lambda rows: calls.append(("whole", rows.shape[0])), x, columns=columns)
+    assert calls == [("kv", seq)]  # at once, before the call is planned
+    fake = {"plain_prepared": FakePrepared(), "sdpa": SdpaBackend()}[backend]
+    norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
+    out, rec = kernels.attention_from_projection(projection, heads, head_dim, chunk=20, norm=norm, scale=0.25,
+                                                 chain=kernels.BackendChain("x", [fake]), layout=layout,
+                                                 prepared_mode="exact")
+    assert torch.equal(out, expect) and projection.released and projection.kv is None
+    assert ("whole", seq) not in calls and calls.count(("kv", seq)) == 1
+    assert sum(n for what, n in calls if what == "q") == seq  # every Q row once
+
+
 def test_a_projection_within_one_chunk_or_a_failing_preparation_is_taken_whole(gen, caplog):
     heads, head_dim, seq = 2, 32, 40
     x, project = projection_inputs(seq, heads, head_dim, gen)
