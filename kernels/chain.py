@@ -146,6 +146,7 @@ class BackendChain:
                 raise_if_context_lost(exc)
                 if projection.released:
                     raise  # its input is gone: the projection cannot be taken whole for a fallback
+                projection.kv = None  # K/V taken ahead may be normalised in part: the fallback projects anew
                 _log_skips(self.requested, backend.name, [Skip(
                     backend.name, "raised", f"prepared path on a projection by token chunks raised "
                     f"{type(exc).__name__}: {exc}", "raised")])

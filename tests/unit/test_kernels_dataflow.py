@@ -321,6 +321,36 @@ def test_a_projection_by_columns_projects_every_column_once(backend, layout, gen
     assert sum(n for what, n in calls if what == "q") == seq  # every Q row once
 
 
+class FailsAfterNormingK(FakeProjected):
+    """A projected preparation that normalises the first chunk's K rows in ``kv`` in place, then fails."""
+
+    def prepare_projected(self, projection, kv, *, heads, mode, scale, norm, chunk):
+        d = kv.shape[1] // (2 * heads)
+        k = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)[0]
+        q = projection.q_rows(0, chunk).view(1, chunk, heads, d)
+        norm.apply_rows(q, k[:, :chunk], 0)
+        raise RuntimeError("projected preparation failed after touching K in this test")
+
+
+def test_a_failing_preparation_leaves_no_half_normalised_k_behind(gen, caplog):
+    """K/V taken ahead and normalised in part by a preparation that then failed are dropped: the
+    fallback projects anew and normalises once (the bits of the fused projection's call)."""
+    heads, head_dim, seq = 2, 32, 50
+    inner = heads * head_dim
+    x = torch.randint(-3, 4, (seq, inner), generator=gen).float()
+    w = torch.randint(-2, 3, (3 * inner, inner), generator=gen).float()
+    _, table, qw, kw = fused_inputs(seq, heads, head_dim, 16, gen, torch.float32)
+    expect, _ = run(x @ w.T, heads, head_dim, "strided_nhd", table, qw, kw, scale=0.25)
+    projection = kernels.RowProjection(lambda rows: rows @ w.T, x,
+                                       columns=(lambda rows: rows @ w[:inner].T, lambda rows: rows @ w[inner:].T))
+    norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
+    out, rec = kernels.attention_from_projection(projection, heads, head_dim, chunk=20, norm=norm, scale=0.25,
+                                                 chain=kernels.BackendChain("x", [FailsAfterNormingK()]),
+                                                 prepared_mode="exact")
+    assert torch.equal(out, expect) and rec.projected_chunks == 0
+    assert any("failed after touching K" in r.getMessage() for r in caplog.records)
+
+
 def test_a_projection_within_one_chunk_or_a_failing_preparation_is_taken_whole(gen, caplog):
     heads, head_dim, seq = 2, 32, 40
     x, project = projection_inputs(seq, heads, head_dim, gen)
