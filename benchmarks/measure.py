@@ -115,23 +115,27 @@ _FAMILIES = (("attention", ("attn_kernel", "attention", "flash", "fmha", "_attn_
              ("gemm", ("nvjet", "gemm", "Gemm", "cutlass", "sm90_xmma", "cublas")))
 
 
-def idle_gaps(spans: list[tuple[float, float]]) -> list[float]:
+def idle_gaps(spans: list[tuple]) -> list[tuple[float, object, object]]:
     """The gaps with no kernel running between the first kernel's start and the last one's end
-    (launch gaps, host waits), in microseconds as the spans are."""
-    gaps, reach = [], None
-    for start, end in sorted(spans):
+    (launch gaps, host waits), in microseconds as the spans are: ``(gap, before, after)`` per span after
+    the first, where a span is ``(start, end)`` or ``(start, end, name)`` and ``before`` / ``after``
+    name the kernel reaching furthest so far and the next one (None without names)."""
+    gaps, reach, before = [], None, None
+    for start, end, *name in sorted(spans):
+        name = name[0] if name else None
         if reach is not None:
-            gaps.append(max(0.0, start - reach))  # the part past everything seen so far
-        reach = end if reach is None else max(reach, end)
+            gaps.append((max(0.0, start - reach), before, name))  # the part past everything seen so far
+        if reach is None or end >= reach:
+            reach, before = end, name
     return gaps
 
 
-def idle_between(spans: list[tuple[float, float]], calls: int = 1) -> float | None:
+def idle_between(spans: list[tuple], calls: int = 1) -> float | None:
     """Milliseconds per call with no kernel running (microseconds in), for the spans of ``calls``
     consecutive calls with a host sync after each: the ``calls - 1`` largest gaps are those syncs."""
     if not spans:
         return None
-    gaps = sorted(idle_gaps(spans))
+    gaps = sorted(gap for gap, _, _ in idle_gaps(spans))
     return round(sum(gaps[: len(gaps) - (calls - 1)]) / 1e3 / calls, 3)
 
 
@@ -145,12 +149,7 @@ def launch_waits(named_spans: list[tuple[float, float, str]], call_starts: list[
     first_call = [s for s in sorted(named_spans) if s[0] >= starts[0] and (len(starts) == 1 or s[0] < starts[1])]
     if not first_call:
         return {}
-    gaps, reach, before = [], first_call[0][1], first_call[0][2]
-    for start, end, name in first_call[1:]:
-        if start > reach:
-            gaps.append((round((start - reach) / 1e3, 3), before, name))
-        if end >= reach:
-            reach, before = end, name
+    gaps = [(round(gap / 1e3, 3), before, after) for gap, before, after in idle_gaps(first_call) if gap > 0]
     return {"first_kernel_after_ms": round((first_call[0][0] - starts[0]) / 1e3, 3),
             "largest_gaps": sorted(gaps, reverse=True)[:top]}
 
@@ -185,8 +184,7 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
     kernels: Counter = Counter()
     family_us: Counter = Counter()
     name_us: Counter = Counter()
-    spans = []  # (start, end) of every device kernel, microseconds
-    named_spans = []  # (start, end, name) likewise
+    spans = []  # (start, end, name) of every device kernel, microseconds
     call_starts = []  # host time each call began, microseconds
     transfers = 0
     large_copies = 0
@@ -200,8 +198,7 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
                 kernels[event.name] += 1
                 family_us[kernel_family(event.name)] += event.time_range.elapsed_us()
                 name_us[event.name] += event.time_range.elapsed_us()
-                spans.append((event.time_range.start, event.time_range.end))
-                named_spans.append((event.time_range.start, event.time_range.end, event.name))
+                spans.append((event.time_range.start, event.time_range.end, event.name))
         elif event.name == CALL_RANGE:
             call_starts.append(event.time_range.start)
         elif event.name == "aten::copy_":
@@ -216,7 +213,7 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
                           if cuda else None),
             "gpu_idle_ms": idle_between(spans, calls) if cuda else None,
             "kernel_ms_by_name": ({n: round(us / 1e3 / calls, 3) for n, us in name_us.most_common()} if cuda else None),
-            **(launch_waits(named_spans, call_starts) if cuda else {}),
+            **(launch_waits(spans, call_starts) if cuda else {}),
             "kernels": {n: c // calls for n, c in sorted(kernels.items())}}
 
 

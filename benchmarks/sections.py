@@ -191,7 +191,7 @@ def _block_call(bench: Bench, patcher, index: int, inputs: tuple | None = None, 
         with object_patches_applied(patcher) as dm:
             block = dm.blocks[index]
             if compiled is not None:
-                block = compiled.setdefault(name, torch.compile(block))  # a wrapper; it compiles when called
+                block = _compiled_block(compiled, name, block)
             x = x0.clone()  # blocks update their input in place
             return meter(lambda: block(x, t_emb, segments, rope, transformer_options=transformer_options),
                          bench.device)
@@ -252,6 +252,14 @@ def isolated_attention(bench: Bench, kernels, backend: str, reps: int, warmup: i
 
 
 # --- real blocks -------------------------------------------------------------------------------------
+
+def _compiled_block(compiled: dict, name: str, block):
+    """Variant ``name``'s block under torch.compile, wrapped once and kept in ``compiled`` (it compiles
+    at its first call)."""
+    if name not in compiled:
+        compiled[name] = torch.compile(block)
+    return compiled[name]
+
 
 def _variants_to_run(bench: Bench, with_stock: bool, compiled_variants) -> tuple[dict, dict | None]:
     """``(variants, compiled)``: every variant eager (compiled None), or only ``compiled_variants``
@@ -324,7 +332,7 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str, compiled
         with object_patches_applied(patcher) as dm:
             block = dm.blocks[index]
             if compiled is not None:
-                block = compiled.setdefault(name, torch.compile(block))
+                block = _compiled_block(compiled, name, block)
             inputs = [x0.clone() for _ in range(PROFILED_CALLS + 1)]  # the warm call's and the profiled calls'
             counts[name] = measure.profile_kernels(
                 lambda: block(inputs.pop(), t_emb, segments, rope, transformer_options=transformer_options),

@@ -136,10 +136,6 @@ if triton is not None:
                             R, D, P, PP, TAIL, TP, EMULATE)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def own_pass_takes(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,
                    k_weight: torch.Tensor) -> bool:
     """The pack's pass can take this in-place call: bf16 Q/K of one shape with contiguous heads whose
@@ -174,8 +170,8 @@ def norm_rope_pass(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q
     grid = (triton.cdiv(s, TOKENS_PER_PROGRAM), triton.cdiv(h, HEADS_PER_PROGRAM))
     st = rope_table.stride()
     _norm_rope_kernel[grid](q, k, rope_table, q_weight, k_weight, s, h, q.stride(1), q.stride(2), k.stride(1),
-                            k.stride(2), st[1], st[3], st[4], st[5], float(eps), D=d, P=p, PP=_pow2(max(p, 1)),
-                            TAIL=tail, TP=_pow2(max(tail, 1)), R=TOKENS_PER_PROGRAM, HG=HEADS_PER_PROGRAM,
+                            k.stride(2), st[1], st[3], st[4], st[5], float(eps), D=d, P=p, PP=triton.next_power_of_2(max(p, 1)),
+                            TAIL=tail, TP=triton.next_power_of_2(max(tail, 1)), R=TOKENS_PER_PROGRAM, HG=HEADS_PER_PROGRAM,
                             EMULATE=interpreting(), num_warps=4)
 
 
