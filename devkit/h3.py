@@ -129,7 +129,9 @@ def build_model(config: dict, device: torch.device, dtype: torch.dtype, seed: in
         del patcher
         # quantised where drawn, then handed over on the CPU as a checkpoint file's tensors are
         state = {k: v.cpu() for k, v in int8_convrot_state_dict(state, groupsize).items()}
-        quantised = comfy.sd.load_diffusion_model_state_dict(state)
+        # in ``dtype`` (the GPU's bf16; ComfyUI would pick fp32 on the CPU): the int8 layers' cast and
+        # their int8 kernels depend on it
+        quantised = comfy.sd.load_diffusion_model_state_dict(state, model_options={"dtype": dtype})
         del state
         quantised.load_device = device
         # loaded here, outside inference mode: moving QuantizedTensor parameters re-registers them

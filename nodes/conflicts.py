@@ -38,6 +38,13 @@ def plain_function(obj):
     return getattr(obj, "__func__", obj)
 
 
+def replaced_forward(module) -> bool:
+    """Another node's forward is on ``module`` (ComfyUI restores an object patch by setting the
+    original bound method back, so a ``forward`` attribute alone proves nothing)."""
+    fwd = vars(module).get("forward")
+    return fwd is not None and plain_function(fwd) is not getattr(type(module), "forward", None)
+
+
 def describe(obj) -> str:
     fn = plain_function(obj)
     module = getattr(fn, "__module__", None) or type(obj).__module__

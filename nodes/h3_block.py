@@ -9,6 +9,8 @@ computes what stock's computes, in stock's order and with stock's bits:
   activation quantiser are per row), so chunking changes no bit. Not chunked when each chunk would
   transfer the MLP weights again (offloaded to the CPU outside DynamicVRAM) or when another node
   replaced the MLP forward (KJNodes' Chunk FeedForward): that forward runs as it is.
+- int8 ConvRot linears (the bundled checkpoint's qkv, out, fc1 and fc2): their input quantised by
+  the pack's pass with comfy-kitchen's bits, then comfy-kitchen's GEMM (nodes/int8_layers.py).
 
 ``block_path="fused"`` merges more than stock's bits allow (kernels.h3_block_fused): each RMSNorm
 with its modulation in one pass, the attention half's gated residual with the MLP half's norm, and
@@ -27,7 +29,8 @@ import torch
 
 from ..kernels import h3_block as ops
 from ..kernels import h3_block_fused as fused_ops
-from . import conflicts
+from . import conflicts, int8_layers
+from .conflicts import replaced_forward
 
 BLOCK_PARAMS = ("self", "x", "t_emb", "mod_segments", "rope_freqs", "transformer_options")
 # the module-level helpers stock's block forward uses, whose semantics the fast path reproduces
@@ -36,6 +39,10 @@ STOCK_HELPERS = ("_mod_scale_shift", "_mod_gate")
 # quantiser, integer GEMM; bf16: tests/gpu/test_block_path_gpu.py checks it on the GPU; fp16 is
 # taken to behave as bf16 there, not measured)
 CHUNKED_DTYPES = (torch.bfloat16, torch.float16)
+# devices whose GEMMs give each output row from its own input row whatever the number of rows: CUDA's
+# (the GPU test above). oneDNN's CPU GEMMs do not (bf16 on an AMX Xeon: rows change with the row
+# count), so on the CPU the MLP and the qkv projection run whole, as stock runs them.
+CHUNKED_DEVICES = ("cuda",)
 
 
 def structure_problems(block) -> list[str]:
@@ -73,13 +80,6 @@ def gated_residual(x, gate, other, segments):
     return x
 
 
-def replaced_forward(module) -> bool:
-    """Another node's forward is on ``module`` (ComfyUI restores an object patch by setting the
-    original bound method back, so a ``forward`` attribute alone proves nothing)."""
-    fwd = vars(module).get("forward")
-    return fwd is not None and conflicts.plain_function(fwd) is not getattr(type(module), "forward", None)
-
-
 def weight_stays_on_device(layer, device) -> bool:
     """Calling ``layer`` again within one block costs no second weight transfer: its weight lies on
     ``device``, or it is a DynamicVRAM layer (current ComfyUI with comfy-aimdo: ``_v`` is its slot in
@@ -113,9 +113,10 @@ def rows_independent(layer) -> bool:
 
 def chunkable(x, *layers) -> bool:
     """Calling ``layers`` on token chunks of ``x`` gives the whole call's bits at no extra cost: fp16/bf16
-    activations (fp32 GEMMs split by rows need not give the same bits: measured on the CPU), every
-    output row from its own input row, weights that stay on the device (no transfer per chunk)."""
-    return x.dtype in CHUNKED_DTYPES and all(
+    activations (fp32 GEMMs split by rows need not give the same bits: measured on the CPU) on a device
+    of ``CHUNKED_DEVICES``, every output row from its own input row, weights that stay on the device
+    (no transfer per chunk)."""
+    return x.dtype in CHUNKED_DTYPES and x.device.type in CHUNKED_DEVICES and all(
         not replaced_forward(m) and rows_independent(m) and weight_stays_on_device(m, x.device) for m in layers)
 
 
@@ -187,12 +188,18 @@ def folds_swiglu(linear) -> bool:
             and not getattr(getattr(weight, "_params", None), "transposed", False))
 
 
-def mlp_down(mlp, u, fused: bool):
+def mlp_down(mlp, u, fused: bool, record=None):
     """fc2(SwiGLU(u)) as stock's MLP.forward: ``linear_input_act`` where it folds SwiGLU into fc2's int8
-    activation quantiser; else SwiGLU in one pass (stock's bits, or one rounding in fused mode), then fc2."""
+    activation quantiser (the pack's quantiser where it keeps the bits); else SwiGLU in one pass
+    (stock's bits, or one rounding in fused mode), then fc2."""
     if folds_swiglu(mlp.fc2):
-        return comfy.ops.linear_input_act(mlp.fc2, u, "swiglu")
+        return int8_layers.call(mlp.fc2, u, "swiglu", record=record)
     return mlp.fc2(fused_ops.swiglu(u) if fused else ops.swiglu(u))
+
+
+def mlp_forward(mlp, h, fused: bool, record=None):
+    """Stock's ``MLP.forward(h)``: fc1, SwiGLU, fc2, its int8 ConvRot linears through the pack's quantiser."""
+    return mlp_down(mlp, int8_layers.call(mlp.fc1, h, record=record), fused, record)
 
 
 class H3BlockForward:
@@ -230,14 +237,15 @@ class H3BlockForward:
         """``x += mlp(mlp_input(a, b, segments of a:b)) * gate``, by token chunks where they give the same bits."""
         blk = self.block
         chunk = mlp_chunk_rows(blk.mlp, x, self.patch.settings.mlp_chunk_tokens)
+        record = self.patch.report.record_int8
         if chunk is None:
             h = mlp_input(0, x.shape[0], segments)
-            y = blk.mlp(h) if replaced_forward(blk.mlp) or not fused else mlp_down(blk.mlp, blk.mlp.fc1(h), True)
+            y = blk.mlp(h) if replaced_forward(blk.mlp) else mlp_forward(blk.mlp, h, fused, record)
             return gated_residual(x, gate, y, segments)
         for a, b in ops.token_chunks(x.shape[0], chunk):
             segs = ops.clip_segments(segments, a, b)
             h = mlp_input(a, b, segs)
-            y = mlp_down(blk.mlp, blk.mlp.fc1(h), fused)  # stock's MLP.forward
+            y = mlp_forward(blk.mlp, h, fused, record)
             del h
             gated_residual(x[a:b], gate, y, segs)
         return x

@@ -4,13 +4,14 @@ torch.compile traces only the projections; ``_attend`` (the attention, its bookk
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import comfy.model_management
 import torch
 
 from .. import kernels
-from . import conflicts, h3_block
+from . import conflicts, h3_block, int8_layers
 from .patch import NODE, InstalledPatch, Plan, Settings
 from .report import RunReport
 
@@ -77,16 +78,22 @@ class H3AttentionForward:
         if isinstance(x, list):  # a block forward handed its input over (KJNodes' Low VRAM Attention)
             x = x.pop()
         device = x.device
+        qkv_proj = self._linear(self.attn.qkv_proj)
         chunk = h3_block.projection_chunk_rows(self.attn.qkv_proj, x, self.patch.settings.qkv_chunk_tokens)
         if chunk is not None and rope_freqs is not None:
             # a prepared path may take the projection by token chunks: the fused buffer never exists whole
             inner = self.attn.heads * self.attn.head_dim
-            source = kernels.RowProjection(self.attn.qkv_proj, x,
-                                           columns=h3_block.column_products(self.attn.qkv_proj, x, inner))
+            source = kernels.RowProjection(qkv_proj, x, columns=h3_block.column_products(self.attn.qkv_proj, x, inner))
         else:
-            source, chunk = [self.attn.qkv_proj(x)], None
+            source, chunk = [qkv_proj(x)], None
         del x  # the fused buffer (or the projection), handed over, is the only thing alive while the kernel runs
-        return self.attn.out_proj(_attend(self, source, device, rope_freqs, chunk))
+        return self._linear(self.attn.out_proj)(_attend(self, source, device, rope_freqs, chunk))
+
+    def _linear(self, layer):
+        """``layer``'s call: with the block fast path on, its int8 ConvRot GEMMs take the pack's quantiser."""
+        if self.patch.settings.block_path == "attention_only":
+            return layer
+        return functools.partial(int8_layers.call, layer, record=self.patch.report.record_int8)
 
 
 @torch.compiler.disable

@@ -37,6 +37,8 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "projected_by_chunks": 100,          # calls whose qkv projection a prepared path took by token chunks
       "copies_per_call": 0.0,              # tensor copies the pack's dataflow made, mean per call
       "compile_events": [{"backend": "fa4", "key": "...", "seconds": 1.5}],   # JIT compiles the run triggered
+      "int8_own_quantizer_calls": 800,     # int8 ConvRot linear calls whose input the pack's pass quantised
+      "int8_stock_quantizer": [{"reason": "...", "count": 8}],   # int8 ConvRot linear calls left to stock's, and why
       "notes": [{"code": "sparse_composed", "text": "..."}],   # decisions taken when sampling started
       "messages": ["..."]                  # human-readable lines (also logged)
     }
@@ -77,6 +79,8 @@ class RunReport:
         self.prepared = Counter()            # (backend, mode) -> calls
         self.prepared_skipped = Counter()    # (backend, code, reason) -> calls
         self.compile_events: list[dict] = []
+        self.int8_own = 0
+        self.int8_stock = Counter()          # reason -> int8 ConvRot linear calls on stock's quantiser
         self.run = {k: self.static[k] for k in ("blocks_patched", "refiner_blocks_patched")} | {"block_path_blocks": 0}
         self.notes: list[dict] = []
         self.status: str | None = None
@@ -99,6 +103,13 @@ class RunReport:
             s = rec.prepared_skipped
             self.prepared_skipped[(s.backend, s.code, s.reason)] += 1
         self.compile_events.extend(dict(e) for e in rec.compiled)
+
+    def record_int8(self, problem: str | None) -> None:
+        """One int8 ConvRot linear call: quantised by the pack's pass (None), or by stock's, and why."""
+        if problem is None:
+            self.int8_own += 1
+        else:
+            self.int8_stock[problem] += 1
 
     def record_stock(self, code: str, reason: str) -> None:
         """One call handed back to ComfyUI's own attention function (override path)."""
@@ -130,7 +141,8 @@ class RunReport:
              "prepared_skipped": _rows(self.prepared_skipped, reason), "head_chunks_max": self.head_chunks_max,
              "projected_by_chunks": self.projected,
              "copies_per_call": round(self.copies / self.calls, 3) if self.calls else 0.0,
-             "compile_events": list(self.compile_events), "notes": list(self.notes)}
+             "compile_events": list(self.compile_events), "int8_own_quantizer_calls": self.int8_own,
+             "int8_stock_quantizer": _rows(self.int8_stock, ("reason",)), "notes": list(self.notes)}
         p["messages"] = _messages(p)
         return p
 
@@ -180,6 +192,11 @@ def _messages(p: dict) -> list[str]:
     if p["projected_by_chunks"]:
         lines.append(f"qkv projection taken by token chunks in {p['projected_by_chunks']} calls "
                      "(its fused output never existed whole)")
+    if p["int8_own_quantizer_calls"]:
+        lines.append(f"int8 ConvRot linears: {p['int8_own_quantizer_calls']} calls quantised by the pack's pass "
+                     "(stock's bits)")
+    lines += [f"int8 ConvRot linears on stock's quantiser ({r['count']} calls): {r['reason']}"
+              for r in p["int8_stock_quantizer"]]
     lines += [f"compiled {e.get('backend')} kernel {e.get('key')} in {e.get('seconds')} s" for e in p["compile_events"]]
     if p["attention_calls"]:
         lines.append(f"copies made by the pack's dataflow: {p['copies_per_call']} per call")

@@ -36,6 +36,11 @@ def comfy_inprocess():
         pack = import_pack(host)
     except Exception as exc:  # a broken host is a failure, not a skip
         pytest.fail(f"ComfyUI at {host} found but not importable: {type(exc).__name__}: {exc}")
+    # The block fast path's token chunks need GEMMs whose rows do not depend on the row count: CUDA's
+    # (tests/gpu), and PyTorch's own CPU GEMM, not oneDNN's (on AMX CPUs). In this process the CPU is
+    # such a device, so the chunked paths run here and their bits are checked against stock's.
+    torch.backends.mkldnn.enabled = False
+    pack.nodes.h3_block.CHUNKED_DEVICES = ("cuda", "cpu")
     return pack
 
 

@@ -172,6 +172,11 @@ export function formatReport(report) {
 
   if (Number(r.head_chunks_max) > 1) lines.push(`split over heads: up to ${Number(r.head_chunks_max)} chunks (int32 offsets)`);
   if (Number(r.projected_by_chunks) > 0) lines.push(`qkv projected by token chunks: ${Number(r.projected_by_chunks)} calls`);
+  if (Number(r.int8_own_quantizer_calls) > 0) lines.push(`int8 linears on the pack's quantiser: ${Number(r.int8_own_quantizer_calls)} calls`);
+  for (const s of objects(r.int8_stock_quantizer)) {
+    lines.push(`int8 linears on stock's quantiser${times(s.count)}`);
+    if (s.reason) details.push(`why int8 linears kept stock's quantiser: ${text(s.reason)}`);
+  }
 
   // one attention call per block on the H3 path, per call of the model on the override path
   const per = r.path === "attention_override" ? "call" : "block";

@@ -1,0 +1,135 @@
+"""int8 tensor-wise ConvRot linears with the pack's activation quantiser (kernels/int8_activation.py) and
+comfy-kitchen's own int8 GEMM: the bits of stock's call, with the quantiser's time cut.
+
+Stock's call, ``comfy_kitchen.int8_linear`` on CUDA, runs two kernels for the shapes of an H3 block
+(more than one row, a ConvRot weight, a quantised width that is a multiple of 256 up to 16,384, on a
+GPU of compute capability 8.0 or later): the fused ConvRot quantiser, then a CUTLASS int8 GEMM whose
+epilogue dequantises. ``int8_linear`` runs the pack's quantiser with that kernel's bits and then the
+same GEMM. That GEMM has no public entry point, so this module calls comfy-kitchen's CUDA extension
+as its ``int8_linear`` does, for the releases it was written against (``KITCHEN_VERSIONS``); any other
+release, and every call stock would run differently (``route_problem`` says why), keeps stock's call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+
+import torch
+
+from . import int8_activation
+
+# comfy-kitchen releases whose CUDA int8_linear this module mirrors (the GEMM call and the conditions
+# under which stock runs the fused ConvRot quantiser and the CUTLASS GEMM)
+KITCHEN_VERSIONS = ("0.2.31",)
+GROUP = int8_activation.GROUP
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # comfy-kitchen's output dtype codes
+
+
+def _kitchen_cuda():
+    """(comfy-kitchen's CUDA backend module, None), or (None, why it cannot be used)."""
+    try:
+        version = importlib.metadata.version("comfy-kitchen")
+    except importlib.metadata.PackageNotFoundError:
+        return None, "comfy-kitchen is not installed"
+    if version not in KITCHEN_VERSIONS:
+        return None, f"comfy-kitchen {version} is not a release this route was written for ({', '.join(KITCHEN_VERSIONS)})"
+    try:
+        cuda = importlib.import_module("comfy_kitchen.backends.cuda")
+    except Exception as exc:
+        return None, f"comfy-kitchen's CUDA backend does not import ({type(exc).__name__}: {exc})"
+    if not getattr(cuda, "_EXT_AVAILABLE", False) or not hasattr(getattr(cuda, "_C", None), "cutlass_int8_dequant"):
+        return None, "comfy-kitchen's CUDA extension (its CUTLASS int8 GEMM) is not loaded"
+    return cuda, None
+
+
+_KITCHEN: list = []  # [(module or None, reason)], filled on first use
+
+
+def kitchen_cuda():
+    if not _KITCHEN:
+        _KITCHEN.append(_kitchen_cuda())
+    return _KITCHEN[0]
+
+
+def _stock_kwargs(x, qdata, w_scale, bias, input_act):
+    return {"x": x, "weight": qdata, "weight_scale": w_scale, "bias": bias, "out_dtype": x.dtype,
+            "convrot": True, "convrot_groupsize": GROUP, "input_act": input_act}
+
+
+def call_problem(x: torch.Tensor, *, input_act: str | None = None) -> str | None:
+    """What about the call itself (not its weight) keeps stock's: None when nothing does."""
+    if torch.compiler.is_compiling():
+        return "traced by torch.compile"
+    if not int8_activation.quantize_takes(x, input_act):
+        return f"the pack's quantiser does not take a {x.dtype} input {x.shape[-1]} wide (act {input_act!r})"
+    if not x.is_cuda:
+        return "not on a CUDA device"
+    if x.shape[0] < 2:
+        return "one row: stock runs its single-row kernel"
+    return kitchen_cuda()[1]
+
+
+def route_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias, *,
+                  input_act: str | None = None) -> str | None:
+    """Why stock's ``int8_linear(x, qdata, w_scale, bias, convrot=True, input_act=...)`` would not run
+    the fused ConvRot quantiser and the CUTLASS GEMM that ``int8_linear`` reproduces; None: it would."""
+    problem = call_problem(x, input_act=input_act)
+    if problem is not None:
+        return problem
+    cuda = kitchen_cuda()[0]
+    k = x.shape[1] // (2 if input_act == "swiglu" else 1)
+    if qdata.dtype != torch.int8 or qdata.dim() != 2 or qdata.shape[1] != k:
+        return f"weight {qdata.dtype} {tuple(qdata.shape)} does not match the {k}-wide activations"
+    try:
+        kwargs = _stock_kwargs(x, qdata, w_scale, bias, input_act)
+        if importlib.import_module("comfy_kitchen").registry.get_capable_backend("int8_linear", kwargs) != "cuda":
+            return "comfy-kitchen would not run its CUDA int8_linear for this call"
+        if not cuda._convrot_fused_shared_memory_fits(x, k, GROUP):
+            return "comfy-kitchen's fused quantiser would not fit this row in shared memory"
+        if (cuda._DISABLE_CUTLASS_INT8 or not cuda._cuda_device_supports_cutlass_int8_dequant(x)
+                or cuda._cuda_device_is_turing(x.get_device())
+                or cuda._prefer_cublas_int8_fallback(x.shape[0], qdata.shape[0], k, x.get_device())):
+            return "comfy-kitchen would not run its CUTLASS int8 GEMM here"
+    except Exception as exc:  # an internal that moved: stock's call is the safe answer
+        return f"comfy-kitchen's int8_linear could not be inspected ({type(exc).__name__}: {exc})"
+    return None
+
+
+def gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias,
+         out_dtype: torch.dtype) -> torch.Tensor | None:
+    """comfy-kitchen's CUTLASS int8 GEMM with its dequantising epilogue, called with the arguments its
+    ``int8_linear`` passes; None where CUTLASS declines the shape (stock would then take cuBLAS)."""
+    cuda, why = kitchen_cuda()
+    if cuda is None:
+        raise RuntimeError(why)
+    m, n = xq.shape[0], qdata.shape[0]
+    device = xq.device
+    out = torch.empty(m, n, dtype=out_dtype, device=device)
+    ws = cuda._int8_weight_scale_arg(w_scale, device)
+    ws = ws if ws.numel() == n else ws.expand(n).contiguous()
+    if bias is None:
+        bias_arg = cuda._empty_cuda_tensor(device, out_dtype)
+    else:
+        bias_arg = bias.to(device=device, dtype=out_dtype).contiguous().to(torch.float32).contiguous()
+    wrap = cuda._wrap_for_dlpack
+    used = cuda._C.cutlass_int8_dequant(wrap(xq), wrap(qdata.contiguous()), wrap(x_scale), wrap(ws), wrap(bias_arg),
+                                        wrap(out), DTYPE_CODES[out_dtype], torch.cuda.current_stream(device).cuda_stream)
+    return out if used else None
+
+
+def int8_linear(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
+                input_act: str | None = None) -> torch.Tensor | None:
+    """Stock's ``int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, input_act=...)``, with the
+    pack's quantiser; None where ``route_problem`` names a reason or CUTLASS declines the shape (the
+    caller then makes stock's call)."""
+    if route_problem(x, qdata, w_scale, bias, input_act=input_act) is not None:
+        return None
+    xq, x_scale = int8_activation.quantize_rows(x, input_act)
+    return gemm(xq, x_scale, qdata, w_scale, bias, x.dtype)
+
+
+def stock_int8_linear(x, qdata, w_scale, bias=None, *, input_act: str | None = None) -> torch.Tensor:
+    """Stock's call itself (``comfy.ops.linear_input_act``'s), for a call the route declined after the cast."""
+    ck = importlib.import_module("comfy_kitchen")
+    return ck.int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, convrot_groupsize=GROUP, input_act=input_act)

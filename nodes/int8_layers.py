@@ -1,0 +1,87 @@
+"""A ComfyUI int8 tensor-wise ConvRot linear (the bundled workflows' checkpoint) called as stock calls
+it, with its input quantised by the pack's pass (kernels/int8_linear.py): the same bits, less time.
+
+``call(layer, x)`` stands for stock's ``layer(x)``, ``call(layer, u, "swiglu")`` for
+``comfy.ops.linear_input_act(layer, u, "swiglu")``. The weight is cast as stock's forward casts it
+(resident, offloaded or streamed by DynamicVRAM), once. A layer or a call the route does not take
+(another format, a LoRA weight function, another node's forward, training, torch.compile, a
+comfy-kitchen release it was not written for) runs stock's call; ``record(problem)`` is told, for
+every int8 ConvRot layer, why (None: the pack's quantiser ran)."""
+
+from __future__ import annotations
+
+import comfy.model_management
+import comfy.ops
+import torch
+
+from ..kernels import int8_linear as route
+from . import conflicts
+
+INT8_LAYOUT = "TensorWiseINT8Layout"
+
+
+def is_int8_convrot(weight) -> bool:
+    """An int8 tensor-wise weight with ConvRot groups of 256, as stored (not transposed)."""
+    params = getattr(weight, "_params", None)
+    return (isinstance(weight, getattr(comfy.ops, "QuantizedTensor", ()))
+            and getattr(weight, "_layout_cls", None) == INT8_LAYOUT and getattr(params, "convrot", False)
+            and getattr(params, "convrot_groupsize", None) == route.GROUP and not getattr(params, "transposed", False))
+
+
+def layer_problem(layer, x, input_act=None) -> str | None:
+    """Why ``call`` runs stock's call for the int8 ConvRot ``layer`` on ``x``, known before any cast."""
+    if conflicts.replaced_forward(layer):
+        return "another node replaced the layer's forward"
+    if (getattr(layer, "weight_function", None) or getattr(layer, "bias_function", None)
+            or getattr(layer, "pre_quant_scale", None) is not None or getattr(layer, "comfy_force_cast_weights", False)
+            or getattr(layer, "_full_precision_mm", False) or getattr(layer, "layout_type", None) is None):
+        return "the layer's forward would not run the int8 GEMM on its weight as stored"
+    if comfy.model_management.in_training or x.requires_grad:
+        return "training"
+    if getattr(comfy.ops, "CastBiasWeightContext", None) is None:
+        return "this ComfyUI has no comfy.ops.CastBiasWeightContext"
+    return route.call_problem(x, input_act=input_act)
+
+
+def call(layer, x: torch.Tensor, input_act: str | None = None, record=None) -> torch.Tensor:
+    """Stock's ``layer(x)`` (``input_act``: ``comfy.ops.linear_input_act(layer, x, input_act)``), through
+    the pack's quantiser where that keeps stock's bits."""
+    if torch.compiler.is_compiling() or not is_int8_convrot(getattr(layer, "weight", None)):
+        return _stock(layer, x, input_act)  # (stock's int8 linears do not compile; nothing is recorded in a trace)
+    problem = layer_problem(layer, x, input_act)
+    if problem is not None:
+        _tell(record, problem)
+        return _stock(layer, x, input_act)
+    if input_act is None:
+        comfy.ops.run_every_op()  # stock's forward checks for an interrupt first
+        cast = comfy.ops.CastBiasWeightContext(layer, None, dtype=layer.weight.dtype, device=x.device,
+                                               bias_dtype=x.dtype, offloadable=True, compute_dtype=x.dtype,
+                                               want_requant=True)
+    else:  # linear_input_act's cast
+        cast = comfy.ops.CastBiasWeightContext(layer, x, offloadable=True, compute_dtype=x.dtype, want_requant=True)
+    with cast as (weight, bias):
+        if input_act is None:
+            weight = weight.to(dtype=x.dtype)
+        if not is_int8_convrot(weight):
+            _tell(record, "the cast gave a weight that is not int8 ConvRot")
+        else:
+            qdata, scale = weight._qdata, weight._params.scale
+            out = route.int8_linear(x, qdata, scale, bias, input_act=input_act)
+            _tell(record, None if out is not None else
+                  route.route_problem(x, qdata, scale, bias, input_act=input_act) or "CUTLASS declined the shape")
+            if out is not None:
+                return out
+            if input_act is not None:
+                return route.stock_int8_linear(x, qdata, scale, bias, input_act=input_act)
+        if input_act is not None:
+            x = comfy.ops.INPUT_ACT_EAGER[input_act](x)
+        return torch.nn.functional.linear(x, weight, bias)
+
+
+def _tell(record, problem) -> None:
+    if record is not None:
+        record(problem)
+
+
+def _stock(layer, x, input_act):
+    return layer(x) if input_act is None else comfy.ops.linear_input_act(layer, x, input_act)

@@ -1,0 +1,86 @@
+"""The int8 ConvRot linears of the H3 block fast path through the pack's quantiser (nodes/int8_layers.py),
+in a real ComfyUI 0.33 host on the CPU, with the quantiser's Triton kernel under the interpreter.
+
+The route exists for comfy-kitchen's CUDA int8_linear, which a CPU does not have. So here stock's
+int8_linear is comfy-kitchen's CUDA steps written in torch (devkit/int8_oracle.py: the convrot64
+quantiser and an exact integer GEMM with its dequantising epilogue), and the route's GEMM is that same
+GEMM: what is checked is the wiring (which layers take the route, with which activation, how their
+weights are cast, the chunks, the report), bit for bit against stock's block, in the exact and fused
+modes. The report must count every call the route took: a route that took none would also equal stock.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from devkit.interpreted import run_interpreted
+
+SCRIPT = r"""
+    sys.path.insert(0, str(__import__("pathlib").Path({root!r}) / "tests"))
+    from host_fixtures import import_pack, find_host
+    pack = import_pack(find_host())
+    torch.backends.mkldnn.enabled = False            # row-independent CPU GEMMs, as in conftest.py
+    pack.nodes.h3_block.CHUNKED_DEVICES = ("cuda", "cpu")
+    import comfy_kitchen
+    from devkit import h3 as dh, int8_oracle
+    route = pack.kernels.int8_linear
+    ia = pack.kernels.int8_activation
+
+    def cuda_int8_linear(x, weight, weight_scale, bias=None, out_dtype=None, convrot=False, convrot_groupsize=256,
+                         input_act=None):
+        assert convrot and convrot_groupsize == 256
+        flat = x.reshape(-1, x.shape[-1])
+        q, s = int8_oracle.quantize_rows_convrot(flat, input_act)
+        y = int8_oracle.int8_linear(q, s, weight, weight_scale, bias, out_dtype or x.dtype)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    registry = comfy_kitchen.registry
+    stock_lookup = registry.get_implementation
+    registry.get_implementation = lambda name, kwargs=None: (
+        cuda_int8_linear if name == "int8_linear" else stock_lookup(name, kwargs=kwargs))
+    takes = lambda x, input_act=None: None if ia.quantize_takes(x, input_act) else "declined"
+    route.call_problem = takes
+    route.route_problem = lambda x, qdata, w_scale, bias, input_act=None: takes(x, input_act)
+    route.gemm = lambda xq, xs, qdata, w_scale, bias, out_dtype: int8_oracle.int8_linear(xq, xs, qdata, w_scale,
+                                                                                      bias, out_dtype)
+
+    # loaded as on a GPU: int8 weights computing in bf16 (on the CPU ComfyUI picks fp32 compute, and
+    # linear_input_act then dequantises fc2's weight instead of running the int8 kernels)
+    import comfy.model_management
+    comfy.model_management.unet_manual_cast = lambda *args, **kwargs: torch.bfloat16
+    config = dict(dh.TINY_H3, hidden_size=256, num_attention_heads=2, attention_head_dim=128, ffn_hidden_size=512)
+    model = dh.build_model(config, torch.device("cpu"), torch.bfloat16, 0, "int8_convrot")
+    assert model.model.diffusion_model.blocks[1].mlp.fc2.weight._params.orig_dtype == torch.bfloat16
+    out = {{}}
+    for path, chunk in (("exact", 30), ("exact", 8192), ("fused", 30)):
+        inputs = dh.random_block_inputs(model.model.diffusion_model.blocks[1], 100, seed=chunk, dtype=torch.bfloat16)
+        x, t_emb, segments, rope = inputs
+        want = model.model.diffusion_model.blocks[1](x.clone(), t_emb, segments, rope, transformer_options={{}})
+        settings = pack.nodes.patch.Settings(backend="sdpa", block_path=path, mlp_chunk_tokens=chunk)
+        clone, patch = pack.nodes.h3_patch.patch_model(model, settings)
+        clone.patch_model(load_weights=False)
+        try:
+            got = clone.model.diffusion_model.blocks[1](x.clone(), t_emb, segments, rope, transformer_options={{}})
+        finally:
+            clone.unpatch_model(unpatch_weights=False)
+        diff = (got.float() - want.float()).abs().max().item()
+        out[f"{{path}} {{chunk}}"] = [diff, patch.report.int8_own, dict(patch.report.int8_stock)]
+    report(out)
+"""
+
+
+@pytest.fixture(scope="module")
+def routed(comfy_inprocess):
+    from devkit.pack import REPO_ROOT
+    return run_interpreted(SCRIPT.format(root=str(REPO_ROOT)))
+
+
+def test_exact_block_takes_the_route_with_stocks_bits(routed):
+    # qkv (whole: no prepared path on the CPU) + out + fc1 and fc2 per MLP chunk (30 rows: 4 of 100)
+    assert routed["exact 30"] == [0.0, 1 + 1 + 4 + 4, {}]
+    assert routed["exact 8192"] == [0.0, 1 + 1 + 1 + 1, {}]
+
+
+def test_fused_block_takes_the_route_too(routed):
+    diff, calls, declined = routed["fused 30"]
+    assert calls == 10 and declined == {} and 0 < diff < 0.5  # fused mode is not bit-identical

@@ -1,0 +1,100 @@
+"""The pack's int8 ConvRot activation quantiser (kernels/int8_activation.py) and the route that feeds
+comfy-kitchen's int8 GEMM with it (kernels/int8_linear.py), on the CPU.
+
+The kernel runs under ``TRITON_INTERPRET=1`` in a subprocess and must equal, bit for bit, the steps of
+comfy-kitchen's CUDA ``quantize_int8_rowwise_convrot64`` written in torch (devkit/int8_oracle.py),
+with and without the folded SwiGLU, on row slices of a wider buffer, with all-zero and outlier rows
+and widths whose group count is no power of two. The oracle's rotation is tied to comfy-kitchen's
+own definition (its eager Hadamard product). The GPU test compares the compiled kernel with
+comfy-kitchen's CUDA kernel."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+from devkit import int8_oracle
+from devkit.interpreted import run_interpreted
+from devkit.pack import submodule
+
+INTERPRETED = r"""
+    from comfyui_sage_strided_nhd.kernels import int8_activation
+    from devkit import int8_oracle
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for rows, width, act in ((5, 256, None), (3, 1280, None), (2, 5120, None), (4, 768, "swiglu"),
+                             (2, 2048, "swiglu"), (512, 256, None), (256, 512, "swiglu")):
+        cols = width * (2 if act else 1)
+        buf = (3 * torch.randn(rows, cols + 64, generator=g)).bfloat16()
+        x = buf[:, 32:32 + cols]  # rows with a stride wider than the row
+        x[0] = 0                    # an all-zero row: scale 1e-30, every value 0
+        x[1, :5] = torch.tensor([300.0, -300.0, 1e-3, -1e4, 2.5]).bfloat16()  # outliers
+        q, s = int8_activation.quantize_rows(x, act)
+        want_q, want_s = int8_oracle.quantize_rows_convrot(x, act)
+        out[f"{rows}x{width} {act}"] = [int((q != want_q).sum()), int((s != want_s).sum()), list(q.shape),
+                                       list(s.shape), int(q[0].abs().sum()), int(q.abs().max())]
+    report(out)
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted(INTERPRETED)
+
+
+def test_quantiser_takes_comfy_kitchens_cuda_steps(interpreted):
+    assert len(interpreted) == 7
+    for case, (q_differ, s_differ, q_shape, s_shape, zero_row, largest) in interpreted.items():
+        assert (q_differ, s_differ) == (0, 0), f"{case}: {q_differ} values and {s_differ} scales differ"
+        rows, width = (int(n) for n in case.split()[0].split("x"))
+        assert q_shape == [rows, width] and s_shape == [rows, 1]
+        assert zero_row == 0 and largest == 127, case  # each row's absmax maps to 127
+
+
+def test_oracle_rotation_is_comfy_kitchens_hadamard(gen):
+    """The staged butterflies are comfy-kitchen's ConvRot rotation (its eager backend: a product with
+    the normalised 256 x 256 Hadamard matrix), up to fp32 rounding."""
+    eager = pytest.importorskip("comfy_kitchen.backends.eager")
+    x = torch.randn(6, 1024, generator=gen, dtype=torch.float64).float()
+    want = eager.rotate_int8_convrot_weight(x.double(), 256)
+    assert torch.allclose(int8_oracle.convrot(x).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_oracle_quantiser_is_within_one_step_of_comfy_kitchens_eager_one(gen):
+    """comfy-kitchen's eager quantiser (IEEE division, no fast math) lands within one int8 step of the
+    CUDA steps, with scales equal to fp32 rounding."""
+    eager = pytest.importorskip("comfy_kitchen.backends.eager")
+    x = (2 * torch.randn(8, 512, generator=gen)).bfloat16()
+    from comfy_kitchen.tensor.int8_utils import _build_hadamard
+    h = _build_hadamard(256, device=x.device, dtype=x.dtype)
+    q_e, s_e = eager.quantize_and_rotate_rowwise(x, h, 256)
+    q_o, s_o = int8_oracle.quantize_rows_convrot(x)
+    assert (q_e.int() - q_o.int()).abs().max() <= 1
+    assert torch.allclose(s_e.float().reshape(-1), s_o.reshape(-1), rtol=1e-2)
+
+
+def test_quantiser_declines_what_it_was_not_written_for():
+    ia = submodule("kernels.int8_activation")
+    x = torch.zeros(4, 512, dtype=torch.bfloat16)
+    assert not ia.quantize_takes(x)  # a CPU tensor outside the interpreter
+    with pytest.raises(ValueError, match="cannot take"):
+        ia.quantize_rows(x)
+    if not ia.interpreting():
+        return
+    assert not ia.quantize_takes(x.half()) and not ia.quantize_takes(x[:, :300])
+    assert not ia.quantize_takes(torch.zeros(2, 2 * 16640, dtype=torch.bfloat16), "swiglu")  # past 16,384
+
+
+def test_route_says_why_it_keeps_stocks_call(monkeypatch):
+    route = submodule("kernels.int8_linear")
+    x = torch.zeros(16, 512, dtype=torch.bfloat16)
+    w = torch.zeros(32, 512, dtype=torch.int8)
+    problem = route.route_problem(x, w, torch.ones(()), None)
+    assert problem is not None and ("CUDA" in problem or "quantiser does not take" in problem)
+    assert route.int8_linear(x, w, torch.ones(()), None) is None
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9")
+    monkeypatch.setattr(route, "_KITCHEN", [])
+    module, why = route.kitchen_cuda()
+    assert module is None and "9.9.9" in why and "0.2.31" in why
