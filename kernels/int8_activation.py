@@ -76,30 +76,87 @@ if triton is not None:
         return tl.reshape(t, [G, 256])
 
     @triton.jit
-    def _quantize_rows_kernel(X, Q, SCALE, K, stride_x, stride_q, inv_127, bf16_max,
-                              SWIGLU: tl.constexpr, G: tl.constexpr, EMULATE: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        g = tl.arange(0, G).to(tl.int64)
-        i = tl.arange(0, 256).to(tl.int64)
-        col = g[:, None] * 256 + i[None, :]
-        ok = col < K
+    def _bf16_rn(x, EMULATE: tl.constexpr):
+        """fp32 -> the nearest bf16 (ties to even), kept as fp32: one hardware conversion each way, which
+        the compiler cannot fold (under the interpreter: in integer operations)."""
+        if EMULATE:
+            return round_bf16(x)
+        return tl.inline_asm_elementwise("{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; cvt.f32.bf16 $0, h; }", "=r,r",
+                                         [x], dtype=tl.float32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _rotated_tile(X, row, stride_x, K, NG, G0: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr,
+                      SWIGLU: tl.constexpr, EMULATE: tl.constexpr):
+        """Groups ``G0 .. G0 + G`` of the row (``MASKED``: those past ``NG`` are zeros), the SwiGLU applied
+        (``SWIGLU``: the row is [gate | up], 2K wide; fp32, never rounded), rotated: ([G, 256] fp32,
+        their columns, the mask)."""
+        g = tl.arange(0, G).to(tl.int64) + G0
+        col = g[:, None] * 256 + tl.arange(0, 256).to(tl.int64)[None, :]
+        ok = (g < NG)[:, None] & (col >= 0)  # [G, 256]
         src = X + row * stride_x + col
-        a = tl.load(src, mask=ok, other=0.0).to(tl.float32)
-        if SWIGLU:  # the row is [gate | up], 2K wide; silu(gate) * up in fp32, never rounded
-            up = tl.load(src + K, mask=ok, other=0.0).to(tl.float32)
+        if MASKED:
+            a = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+        else:
+            a = tl.load(src).to(tl.float32)
+        if SWIGLU:
+            if MASKED:
+                up = tl.load(src + K, mask=ok, other=0.0).to(tl.float32)
+            else:
+                up = tl.load(src + K).to(tl.float32)
             a = _div_approx(a, 1.0 + _exp_approx(-a, EMULATE), EMULATE) * up
         a = _h4_stage(a, G, 1)
         a = _h4_stage(a, G, 4)
         a = _h4_stage(a, G, 16)
         a = _h4_stage(a, G, 64)
-        absmax = tl.max(tl.max(tl.abs(a), axis=1), axis=0)  # padding groups are zeros
-        scale = tl.maximum(tl.minimum(absmax, bf16_max) * inv_127, 1e-30)
+        return a, col, ok
+
+    @triton.jit
+    def _store_quantized(Q, row, stride_q, col, ok, a, scale_t, MASKED: tl.constexpr, EMULATE: tl.constexpr):
+        """Each rotated value (rounded to bf16) over the bf16 scale, rounded to bf16, to the nearest int8."""
+        q = _bf16_rn(_div_approx(_bf16_rn(a, EMULATE), scale_t, EMULATE), EMULATE)
+        q = tl.minimum(tl.maximum(q, -128.0), 127.0)  # a NaN becomes -128, as fmaxf/fminf make it
+        if EMULATE:
+            q = (q + 12582912.0) - 12582912.0  # to the nearest integer, ties to even (|q| <= 128 < 2**22)
+        else:
+            q = tl.inline_asm_elementwise("cvt.rni.f32.f32 $0, $1;", "=r,r", [q], dtype=tl.float32, is_pure=True, pack=1)
+        if MASKED:
+            tl.store(Q + row * stride_q + col, q.to(tl.int8), mask=ok)
+        else:
+            tl.store(Q + row * stride_q + col, q.to(tl.int8))
+
+    @triton.jit
+    def _quantize_rows_kernel(X, Q, SCALE, K, stride_x, stride_q, inv_127, bf16_max, SWIGLU: tl.constexpr,
+                              G1: tl.constexpr, G2: tl.constexpr, G3: tl.constexpr, EMULATE: tl.constexpr):
+        # One row, whole, in registers: its K / 256 groups as up to three tiles of G1, G2 and G3 groups
+        # (powers of two; only the last may run past the row, masked).
+        row = tl.program_id(0).to(tl.int64)
+        ng = K // 256
+        a1, c1, m1 = _rotated_tile(X, row, stride_x, K, ng, 0, G1, G2 == 0, SWIGLU, EMULATE)
+        absmax = tl.max(tl.abs(a1))
+        if G2 > 0:
+            a2, c2, m2 = _rotated_tile(X, row, stride_x, K, ng, G1, G2, G3 == 0, SWIGLU, EMULATE)
+            absmax = tl.maximum(absmax, tl.max(tl.abs(a2)))
+        if G3 > 0:
+            a3, c3, m3 = _rotated_tile(X, row, stride_x, K, ng, G1 + G2, G3, True, SWIGLU, EMULATE)
+            absmax = tl.maximum(absmax, tl.max(tl.abs(a3)))
+        scale = tl.maximum(tl.minimum(absmax, bf16_max) * inv_127, 1e-30)  # padding groups are zeros
         tl.store(SCALE + row, scale)
-        scale_t = round_bf16(scale)
-        q = round_bf16(_div_approx(round_bf16(a), scale_t, EMULATE))
-        q = (q + 12582912.0) - 12582912.0  # to the nearest integer, ties to even (|q| <= 128.5 < 2**22)
-        q = tl.minimum(tl.maximum(q, -128.0), 127.0)
-        tl.store(Q + row * stride_q + col, q.to(tl.int8), mask=ok)
+        scale_t = _bf16_rn(scale, EMULATE)
+        _store_quantized(Q, row, stride_q, c1, m1, a1, scale_t, G2 == 0, EMULATE)
+        if G2 > 0:
+            _store_quantized(Q, row, stride_q, c2, m2, a2, scale_t, G3 == 0, EMULATE)
+        if G3 > 0:
+            _store_quantized(Q, row, stride_q, c3, m3, a3, scale_t, True, EMULATE)
+
+
+def row_tiles(groups: int) -> tuple[int, int, int]:
+    """``groups`` as up to three power-of-two tiles (G1, G2, G3), largest first: the two largest powers
+    of two that fit, then the rest rounded up to a power of two (the only padding). 0: no tile."""
+    g1 = 1 << (groups.bit_length() - 1)
+    rest = groups - g1
+    g2 = 1 << (rest.bit_length() - 1) if rest else 0
+    rest -= g2
+    return g1, g2, triton.next_power_of_2(rest) if rest else 0
 
 
 def quantize_takes(x: torch.Tensor, input_act: str | None = None) -> bool:
@@ -114,17 +171,26 @@ def quantize_takes(x: torch.Tensor, input_act: str | None = None) -> bool:
             and width % GROUP == 0 and GROUP <= width <= MAX_COLS)
 
 
-def quantize_rows(x: torch.Tensor, input_act: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, input_act: str | None = None, *, num_warps: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [m, k], fp32 row scales [m, 1]) of bf16 rows ``x`` [m, k] (``input_act="swiglu"``: [m, 2k]),
-    comfy-kitchen's CUDA convrot64 quantiser's bits. ``quantize_takes(x, input_act)`` must hold."""
+    comfy-kitchen's CUDA convrot64 quantiser's bits. ``quantize_takes(x, input_act)`` must hold.
+    ``num_warps``: the program's warps (default ``row_warps``; other values only to measure them)."""
     if not quantize_takes(x, input_act):
         raise ValueError(f"the int8 quantiser cannot take a {x.dtype} {tuple(x.shape)} input with act {input_act!r}")
     m = x.shape[0]
     k = x.shape[1] // (2 if input_act == "swiglu" else 1)
     q = torch.empty(m, k, dtype=torch.int8, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    groups = triton.next_power_of_2(k // GROUP)
+    g1, g2, g3 = row_tiles(k // GROUP)
     _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), INV_127, BF16_MAX,
-                                SWIGLU=input_act == "swiglu", G=groups, EMULATE=interpreting(),
-                                num_warps=min(16, max(4, groups // 2)))
+                                SWIGLU=input_act == "swiglu", G1=g1, G2=g2, G3=g3, EMULATE=interpreting(),
+                                num_warps=num_warps or row_warps(k))
     return q, scale
+
+
+def row_warps(width: int) -> int:
+    """Warps of one row's program: at most 64 of the row's values a thread (H3's 5,376- and 7,168-wide
+    rows: 4 warps, 14,336: 8). Fewer warps issue fewer instructions a row (the butterflies' data
+    movement is per warp); compiled for sm90 these use no local memory."""
+    return min(16, max(4, triton.next_power_of_2(-(-width // (32 * 64)))))

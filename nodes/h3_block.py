@@ -188,18 +188,18 @@ def folds_swiglu(linear) -> bool:
             and not getattr(getattr(weight, "_params", None), "transposed", False))
 
 
-def mlp_down(mlp, u, fused: bool, record=None):
+def mlp_down(mlp, u, fused: bool, linear):
     """fc2(SwiGLU(u)) as stock's MLP.forward: ``linear_input_act`` where it folds SwiGLU into fc2's int8
-    activation quantiser (the pack's quantiser where it keeps the bits); else SwiGLU in one pass
-    (stock's bits, or one rounding in fused mode), then fc2."""
+    activation quantiser; else SwiGLU in one pass (stock's bits, or one rounding in fused mode), then
+    fc2. ``linear(layer, x, input_act=None)`` makes the linear calls (int8_layers.caller)."""
     if folds_swiglu(mlp.fc2):
-        return int8_layers.call(mlp.fc2, u, "swiglu", record=record)
-    return mlp.fc2(fused_ops.swiglu(u) if fused else ops.swiglu(u))
+        return linear(mlp.fc2, u, "swiglu")
+    return linear(mlp.fc2, fused_ops.swiglu(u) if fused else ops.swiglu(u))
 
 
-def mlp_forward(mlp, h, fused: bool, record=None):
-    """Stock's ``MLP.forward(h)``: fc1, SwiGLU, fc2, its int8 ConvRot linears through the pack's quantiser."""
-    return mlp_down(mlp, int8_layers.call(mlp.fc1, h, record=record), fused, record)
+def mlp_forward(mlp, h, fused: bool, linear):
+    """Stock's ``MLP.forward(h)``: fc1, SwiGLU, fc2, each linear through ``linear``."""
+    return mlp_down(mlp, linear(mlp.fc1, h), fused, linear)
 
 
 class H3BlockForward:
@@ -237,15 +237,15 @@ class H3BlockForward:
         """``x += mlp(mlp_input(a, b, segments of a:b)) * gate``, by token chunks where they give the same bits."""
         blk = self.block
         chunk = mlp_chunk_rows(blk.mlp, x, self.patch.settings.mlp_chunk_tokens)
-        record = self.patch.report.record_int8
+        linear = int8_layers.caller(self.patch.settings, self.patch.report)
         if chunk is None:
             h = mlp_input(0, x.shape[0], segments)
-            y = blk.mlp(h) if replaced_forward(blk.mlp) else mlp_forward(blk.mlp, h, fused, record)
+            y = blk.mlp(h) if replaced_forward(blk.mlp) else mlp_forward(blk.mlp, h, fused, linear)
             return gated_residual(x, gate, y, segments)
         for a, b in ops.token_chunks(x.shape[0], chunk):
             segs = ops.clip_segments(segments, a, b)
             h = mlp_input(a, b, segs)
-            y = mlp_forward(blk.mlp, h, fused, record)
+            y = mlp_forward(blk.mlp, h, fused, linear)
             del h
             gated_residual(x[a:b], gate, y, segs)
         return x

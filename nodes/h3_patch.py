@@ -90,10 +90,8 @@ class H3AttentionForward:
         return self._linear(self.attn.out_proj)(_attend(self, source, device, rope_freqs, chunk))
 
     def _linear(self, layer):
-        """``layer``'s call: with the block fast path on, its int8 ConvRot GEMMs take the pack's quantiser."""
-        if self.patch.settings.block_path == "attention_only":
-            return layer
-        return functools.partial(int8_layers.call, layer, record=self.patch.report.record_int8)
+        """``layer``'s call (its int8 ConvRot GEMMs on the pack's quantiser with the block fast path on)."""
+        return functools.partial(int8_layers.caller(self.patch.settings, self.patch.report), layer)
 
 
 @torch.compiler.disable

@@ -10,6 +10,8 @@ every int8 ConvRot layer, why (None: the pack's quantiser ran)."""
 
 from __future__ import annotations
 
+import functools
+
 import comfy.model_management
 import comfy.ops
 import torch
@@ -78,10 +80,19 @@ def call(layer, x: torch.Tensor, input_act: str | None = None, record=None) -> t
         return torch.nn.functional.linear(x, weight, bias)
 
 
+def caller(settings, report):
+    """How one patch calls a linear ``(layer, x, input_act=None)``: through ``call`` (its int8 ConvRot
+    layers on the pack's quantiser) with the block fast path on and ``settings.own_int8_quantizer``,
+    else stock's call."""
+    if settings.block_path == "attention_only" or not settings.own_int8_quantizer:
+        return _stock
+    return functools.partial(call, record=report.record_int8)
+
+
 def _tell(record, problem) -> None:
     if record is not None:
         record(problem)
 
 
-def _stock(layer, x, input_act):
+def _stock(layer, x, input_act=None):
     return layer(x) if input_act is None else comfy.ops.linear_input_act(layer, x, input_act)

@@ -29,6 +29,9 @@ class Settings:
     block_path: str = "exact"
     mlp_chunk_tokens: int = 8192  # block fast path: rows per MLP chunk (not a node input)
     qkv_chunk_tokens: int = 8192  # H3 attention: rows per qkv-projection chunk on a prepared path (not a node input)
+    # block fast path: int8 ConvRot linears quantise their input with the pack's pass (stock's bits;
+    # not a node input: False measures stock's quantiser beside it)
+    own_int8_quantizer: bool = True
 
     def __post_init__(self):
         for what, value, valid in (("layout", self.layout, kernels.LAYOUTS), ("block path", self.block_path, BLOCK_PATHS),

@@ -24,8 +24,10 @@ INTERPRETED = r"""
     from devkit import int8_oracle
     g = torch.Generator().manual_seed(0)
     out = {}
-    for rows, width, act in ((5, 256, None), (3, 1280, None), (2, 5120, None), (4, 768, "swiglu"),
-                             (2, 2048, "swiglu"), (512, 256, None), (256, 512, "swiglu")):
+    # group counts: 1, 5 = 4 + 1, 15 = 8 + 4 + (3 padded to 4), 21 = 16 + 4 + 1 (H3's hidden 5,376),
+    # 3, 8, 7 = 4 + 2 + 1; and many rows of few groups: many scales, each the exact max of its row
+    for rows, width, act in ((5, 256, None), (3, 1280, None), (2, 3840, None), (2, 5376, None), (4, 768, "swiglu"),
+                             (2, 2048, "swiglu"), (2, 1792, "swiglu"), (512, 256, None), (256, 512, "swiglu")):
         cols = width * (2 if act else 1)
         buf = (3 * torch.randn(rows, cols + 64, generator=g)).bfloat16()
         x = buf[:, 32:32 + cols]  # rows with a stride wider than the row
@@ -45,7 +47,7 @@ def interpreted():
 
 
 def test_quantiser_takes_comfy_kitchens_cuda_steps(interpreted):
-    assert len(interpreted) == 7
+    assert len(interpreted) == 9
     for case, (q_differ, s_differ, q_shape, s_shape, zero_row, largest) in interpreted.items():
         assert (q_differ, s_differ) == (0, 0), f"{case}: {q_differ} values and {s_differ} scales differ"
         rows, width = (int(n) for n in case.split()[0].split("x"))
@@ -75,6 +77,16 @@ def test_oracle_quantiser_is_within_one_step_of_comfy_kitchens_eager_one(gen):
     assert torch.allclose(s_e.float().reshape(-1), s_o.reshape(-1), rtol=1e-2)
 
 
+def test_rows_split_into_power_of_two_tiles():
+    ia = submodule("kernels.int8_activation")
+    assert ia.row_tiles(1) == (1, 0, 0) and ia.row_tiles(20) == (16, 4, 0) and ia.row_tiles(21) == (16, 4, 1)
+    assert ia.row_tiles(28) == (16, 8, 4) and ia.row_tiles(56) == (32, 16, 8) and ia.row_tiles(15) == (8, 4, 4)
+    for groups in range(1, 65):
+        tiles = ia.row_tiles(groups)
+        assert groups <= sum(tiles) < groups + max(tiles[2], 1) and all(t & (t - 1) == 0 for t in tiles)
+    assert (ia.row_warps(5376), ia.row_warps(7168), ia.row_warps(14336)) == (4, 4, 8)
+
+
 def test_quantiser_declines_what_it_was_not_written_for():
     ia = submodule("kernels.int8_activation")
     x = torch.zeros(4, 512, dtype=torch.bfloat16)
@@ -98,3 +110,16 @@ def test_route_says_why_it_keeps_stocks_call(monkeypatch):
     monkeypatch.setattr(route, "_KITCHEN", [])
     module, why = route.kitchen_cuda()
     assert module is None and "9.9.9" in why and "0.2.31" in why
+
+
+@pytest.mark.parametrize("width,swiglu", [(5376, False), (14336, True)])
+def test_quantiser_compiles_for_sm90_with_the_fast_math_instructions(width, swiglu):
+    """Compiled for sm90 here (no GPU needed): no spills, and the division and the exponential are the
+    approximate hardware instructions comfy-kitchen's fast-math build uses (MUFU.RCP, MUFU.EX2), not an
+    IEEE division's subroutine; that choice decides the bits the GPU test compares."""
+    static = pytest.importorskip("benchmarks.int8_quant_static")
+    r = static.analyse(width, swiglu, submodule("kernels.int8_activation").row_warps(width), clock_hz=1.8e9)
+    assert r["stack_bytes"] == 0 and "CALL" not in r["mix"]
+    kernel = static.compile_sm90(width, swiglu, 4)
+    sass = static._run_tool("nvdisasm", ["-c"], kernel.asm["cubin"])
+    assert "MUFU.RCP" in sass and ("MUFU.EX2" in sass) == swiglu and "F2F.BF16.F32" in sass
