@@ -10,8 +10,8 @@ instructions of one row's program. The kernel has no loop, so the listing is wha
 a row costs ``listing x threads`` thread instructions. Two times follow for 37,810 rows: the issue
 floor (every scheduler issuing one warp instruction a cycle, at the clock of the committed Nsight
 profile) and the bytes-moved floor at 4.0 TB/s; the kernel's time is at least the larger. comfy-kitchen's
-CUDA kernel measured 1.06 ms a 5,120-wide call and 2.56 ms the SwiGLU call at 37,810 rows on an H200
-(benchmarks/results/block-path/h200-2026-12-04-norm-rope, profiler section). Times on the GPU:
+CUDA kernel measured 3.18 ms for a block's three 5,376- and 7,168-wide calls and 2.56 ms for the SwiGLU
+call at 37,810 rows on an H200 (benchmarks/results/block-path/h200-2026-12-04-norm-rope, profiler section). Times on the GPU:
 tests/gpu/test_int8_activation_gpu.py prints them beside comfy-kitchen's."""
 
 from __future__ import annotations

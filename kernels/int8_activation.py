@@ -5,13 +5,15 @@ Stock's int8 linear quantises its input row by row before the int8 GEMM, with co
 ``quantize_int8_rowwise_convrot64`` kernel: each 256-wide group of a row rotated by a fast Hadamard
 transform (four radix-4 butterflies), the row's absmax over the rotated values gives its scale, each
 value is divided by that scale (both rounded to bf16 first) and rounded to int8. For fc2 the SwiGLU of
-fc1's output is computed inside it (``input_act="swiglu"``). One H200 profile at 37,810 tokens:
-1.06 ms a 5,120-wide call and 2.56 ms the SwiGLU call, where reading and writing the bytes once takes
-about 0.12 and 0.57 ms (the CUDA kernel stages each row in shared memory behind a barrier per butterfly).
+fc1's output is computed inside it (``input_act="swiglu"``). One H200 profile at 37,810 tokens: 3.18 ms
+for the three 5,376- and 7,168-wide calls of a block (about 1.06 ms each) and 2.56 ms for the SwiGLU
+call, where reading and writing the bytes once takes about 0.15-0.2 and 0.68 ms (the CUDA kernel
+stages each row in shared memory behind a barrier per butterfly).
 
 ``quantize_rows`` computes the same steps in the same order: one program holds a whole row in registers
-(its groups as the rows of a [groups, 256] tile; a power of two of them, the extra ones zero), applies
-the butterflies by reshaping that tile, and reads the input once. comfy-kitchen's kernels are built
+(its groups as the rows of up to three [groups, 256] tiles of power-of-two sizes), applies the
+butterflies by reshaping those tiles, and reads the input once (benchmarks/int8_quant_static.py reads
+its sm90 machine code). comfy-kitchen's kernels are built
 with ``--use_fast_math``: its divisions are ``div.approx.ftz`` and its ``expf`` is ``ex2.approx.ftz``
 of ``x * log2(e)``; the pass issues those instructions (under the interpreter: the IEEE reciprocal and
 a correctly rounded exp2, which devkit/int8_oracle.py writes in torch). Offsets are int64."""
