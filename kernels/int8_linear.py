@@ -61,10 +61,10 @@ def call_problem(x: torch.Tensor, *, input_act: str | None = None) -> str | None
     """What about the call itself (not its weight) keeps stock's: None when nothing does."""
     if torch.compiler.is_compiling():
         return "traced by torch.compile"
-    if not int8_activation.quantize_takes(x, input_act):
-        return f"the pack's quantiser does not take a {x.dtype} input {x.shape[-1]} wide (act {input_act!r})"
     if not x.is_cuda:
         return "not on a CUDA device"
+    if not int8_activation.quantize_takes(x, input_act):
+        return f"the pack's quantiser does not take a {x.dtype} input {x.shape[-1]} wide (act {input_act!r})"
     if x.shape[0] < 2:
         return "one row: stock runs its single-row kernel"
     return kitchen_cuda()[1]

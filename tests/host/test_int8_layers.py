@@ -1,0 +1,70 @@
+"""When the int8 route (nodes/int8_layers.py) leaves a linear to stock's call, in a real ComfyUI 0.33 host
+on the CPU: each reason is recorded, the output is exactly what stock's call gives, and float layers
+are never counted. The route taking calls is tests/host/test_int8_route.py's."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from devkit import h3 as dh
+
+CONFIG = dict(dh.TINY_H3, hidden_size=256, num_attention_heads=2, attention_head_dim=128, ffn_hidden_size=512)
+
+
+@pytest.fixture(scope="module")
+def pack(comfy_inprocess):
+    return comfy_inprocess
+
+
+@pytest.fixture(scope="module")
+def blocks(pack):
+    return {w: dh.build_model(CONFIG, torch.device("cpu"), torch.bfloat16, 0, w).model.diffusion_model.blocks[0]
+            for w in dh.WEIGHT_FORMATS}
+
+
+def routed(pack, layer, x):
+    reasons = []
+    return pack.nodes.int8_layers.call(layer, x, record=reasons.append), reasons
+
+
+def test_float_layers_run_stocks_call_unrecorded(pack, blocks):
+    fc1 = blocks["bf16"].mlp.fc1
+    x = torch.randn(5, CONFIG["hidden_size"]).bfloat16()
+    out, reasons = routed(pack, fc1, x)
+    assert torch.equal(out, fc1(x)) and reasons == []
+
+
+def test_each_declined_call_runs_stocks_call_and_says_why(pack, blocks, monkeypatch):
+    import comfy.model_management
+
+    fc1 = blocks["int8_convrot"].mlp.fc1
+    assert pack.nodes.int8_layers.is_int8_convrot(fc1.weight)
+    x = torch.randn(5, CONFIG["hidden_size"]).bfloat16()
+    out, reasons = routed(pack, fc1, x)
+    assert torch.equal(out, fc1(x)) and reasons == ["not on a CUDA device"]
+
+    monkeypatch.setattr(fc1, "weight_function", [lambda w: w])  # a LoRA-style weight function
+    out, reasons = routed(pack, fc1, x)
+    assert torch.equal(out, fc1(x)) and "would not run the int8 GEMM" in reasons[0]
+    monkeypatch.undo()
+
+    monkeypatch.setattr(fc1, "forward", types.MethodType(lambda self, t: t[:, :3] * 2, fc1))  # another node's
+    out, reasons = routed(pack, fc1, x)
+    assert torch.equal(out, x[:, :3] * 2) and "replaced the layer's forward" in reasons[0]
+    monkeypatch.undo()
+
+    monkeypatch.setattr(comfy.model_management, "in_training", True)
+    out, reasons = routed(pack, fc1, x)
+    assert torch.equal(out, fc1(x)) and reasons == ["training"]
+
+
+def test_the_caller_follows_the_settings(pack):
+    layers, patch = pack.nodes.int8_layers, pack.nodes.patch
+    report = types.SimpleNamespace(record_int8=lambda problem: None)
+    assert layers.caller(patch.Settings(block_path="attention_only"), report) is layers._stock
+    assert layers.caller(patch.Settings(own_int8_quantizer=False), report) is layers._stock
+    taken = layers.caller(patch.Settings(), report)
+    assert taken.func is layers.call and taken.keywords == {"record": report.record_int8}
