@@ -55,7 +55,9 @@ def call(layer, x: torch.Tensor, input_act: str | None = None, record=None) -> t
         _tell(record, problem)
         return _stock(layer, x, input_act)
     if input_act is None:
-        comfy.ops.run_every_op()  # stock's forward checks for an interrupt first
+        every_op = getattr(comfy.ops, "run_every_op", None)
+        if every_op is not None:
+            every_op()  # stock's forward checks for an interrupt first
         cast = comfy.ops.CastBiasWeightContext(layer, None, dtype=layer.weight.dtype, device=x.device,
                                                bias_dtype=x.dtype, offloadable=True, compute_dtype=x.dtype,
                                                want_requant=True)
