@@ -8,6 +8,12 @@ epilogue dequantises. ``int8_linear`` runs the pack's quantiser with that kernel
 same GEMM. That GEMM has no public entry point, so this module calls comfy-kitchen's CUDA extension
 as its ``int8_linear`` does, for the releases it was written against (``KITCHEN_VERSIONS``); any other
 release, and every call stock would run differently (``route_problem`` says why), keeps stock's call.
+
+``column_products`` splits one such linear by output columns on activations quantised once
+(``QuantizedRows``): the GEMM's int32 sums are exact and its epilogue scales each element alone, so
+column blocks of the product are the whole product's bits (benchmarks/projection_split.py measured it
+for stock's int8 linear on the GPU). The fused qkv projection then runs as the bf16 one does: K and V of
+every token first, Q by token chunks, no K/V copy out of whole rows.
 """
 
 from __future__ import annotations
@@ -133,3 +139,49 @@ def stock_int8_linear(x, qdata, w_scale, bias=None, *, input_act: str | None = N
     """Stock's call itself (``comfy.ops.linear_input_act``'s), for a call the route declined after the cast."""
     ck = importlib.import_module("comfy_kitchen")
     return ck.int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, convrot_groupsize=GROUP, input_act=input_act)
+
+
+class GemmDeclined(RuntimeError):
+    """comfy-kitchen's CUTLASS int8 GEMM declined a shape (stock would then take its cuBLAS path)."""
+
+
+class QuantizedRows:
+    """int8 rows with their fp32 scales, sliced by rows as the bf16 rows they were quantised from
+    (``dtype``: theirs, the product's): what ``kernels.RowProjection`` takes rows of."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        self.q, self.scale, self.dtype = q, scale, dtype
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def device(self):
+        return self.q.device
+
+    def __getitem__(self, rows: slice) -> "QuantizedRows":
+        return QuantizedRows(self.q[rows], self.scale[rows], self.dtype)
+
+
+def quantized_rows(x: torch.Tensor) -> QuantizedRows:
+    """``x`` quantised as stock's int8 ConvRot linear quantises it (``route_problem`` must be None)."""
+    return QuantizedRows(*int8_activation.quantize_rows(x), x.dtype)
+
+
+def column_products(qdata: torch.Tensor, w_scale: torch.Tensor, inner: int):
+    """``(project_q, project_kv)`` on ``QuantizedRows``: the GEMM on the weight's first ``inner`` output
+    rows and on the rest (a per-channel scale is split with them). Each raises ``GemmDeclined`` where
+    CUTLASS declines the shape."""
+    def block(a: int, b: int | None):
+        w = qdata[a:b]
+        ws = w_scale if w_scale.numel() == 1 else w_scale.reshape(-1)[a:b]
+
+        def project(rows: QuantizedRows) -> torch.Tensor:
+            out = gemm(rows.q, rows.scale, w, ws, None, rows.dtype)
+            if out is None:
+                raise GemmDeclined(f"CUTLASS declined an int8 GEMM of {rows.q.shape[0]} x {w.shape[0]} x {w.shape[1]}")
+            return out
+        return project
+
+    return block(0, inner), block(inner, None)

@@ -11,6 +11,7 @@ import comfy.model_management
 import torch
 
 from .. import kernels
+from ..kernels.int8_linear import GemmDeclined
 from . import conflicts, h3_block, int8_layers
 from .patch import NODE, InstalledPatch, Plan, Settings
 from .report import RunReport
@@ -83,11 +84,29 @@ class H3AttentionForward:
         if chunk is not None and rope_freqs is not None:
             # a prepared path may take the projection by token chunks: the fused buffer never exists whole
             inner = self.attn.heads * self.attn.head_dim
-            source = kernels.RowProjection(qkv_proj, x, columns=h3_block.column_products(self.attn.qkv_proj, x, inner))
+            source = self._int8_projection(x, inner) or kernels.RowProjection(
+                qkv_proj, x, columns=h3_block.column_products(self.attn.qkv_proj, x, inner))
         else:
             source, chunk = [qkv_proj(x)], None
         del x  # the fused buffer (or the projection), handed over, is the only thing alive while the kernel runs
         return self._linear(self.attn.out_proj)(_attend(self, source, device, rope_freqs, chunk))
+
+    def _int8_projection(self, x, inner):
+        """An int8 ConvRot qkv projection by columns on its input quantised once (K/V of every token at
+        once, Q by chunks; ``int8_layers.quantized_columns``), where the route takes it; else None."""
+        settings = self.patch.settings
+        if settings.block_path == "attention_only" or not settings.own_int8_quantizer:
+            return None
+        form = int8_layers.quantized_columns(self.attn.qkv_proj, x, inner, record=self.patch.report.record_int8)
+        if form is None:
+            return None
+        rows, project, columns = form
+        del form
+        try:
+            return kernels.RowProjection(project, rows, columns=columns)  # K/V projected here
+        except GemmDeclined as exc:
+            self.patch.report.record_int8(str(exc))
+            return None  # by rows, each chunk as stock computes it
 
     def _linear(self, layer):
         """``layer``'s call (its int8 ConvRot GEMMs on the pack's quantiser with the block fast path on)."""

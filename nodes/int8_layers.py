@@ -55,9 +55,7 @@ def call(layer, x: torch.Tensor, input_act: str | None = None, record=None) -> t
         _tell(record, problem)
         return _stock(layer, x, input_act)
     if input_act is None:
-        every_op = getattr(comfy.ops, "run_every_op", None)
-        if every_op is not None:
-            every_op()  # stock's forward checks for an interrupt first
+        _every_op()
         cast = comfy.ops.CastBiasWeightContext(layer, None, dtype=layer.weight.dtype, device=x.device,
                                                bias_dtype=x.dtype, offloadable=True, compute_dtype=x.dtype,
                                                want_requant=True)
@@ -82,6 +80,24 @@ def call(layer, x: torch.Tensor, input_act: str | None = None, record=None) -> t
         return torch.nn.functional.linear(x, weight, bias)
 
 
+def quantized_columns(layer, x: torch.Tensor, inner: int, record=None):
+    """The fused qkv projection of the int8 ConvRot ``layer`` by output columns (``kernels.RowProjection``'s
+    column form) on ``x`` quantised once: ``(rows, project, columns)``, or None where the route does not
+    take it (the projection then goes by rows, each chunk through ``call``). Only for a weight resident
+    on x's device without a bias, as the bf16 column form: then stock's forward casts nothing."""
+    w = getattr(layer, "weight", None)
+    if (not is_int8_convrot(w) or getattr(layer, "bias", None) is not None or hasattr(layer, "_v")
+            or w.device != x.device or layer_problem(layer, x) is not None):
+        return None
+    qdata, scale = w._qdata, w._params.scale
+    if qdata.shape[0] != 3 * inner or route.route_problem(x, qdata, scale, None) is not None:
+        return None
+    _every_op()
+    rows = route.quantized_rows(x)
+    _tell(record, None)
+    return rows, route.column_products(qdata, scale, 3 * inner)[0], route.column_products(qdata, scale, inner)
+
+
 def caller(settings, report):
     """How one patch calls a linear ``(layer, x, input_act=None)``: through ``call`` (its int8 ConvRot
     layers on the pack's quantiser) with the block fast path on and ``settings.own_int8_quantizer``,
@@ -89,6 +105,12 @@ def caller(settings, report):
     if settings.block_path == "attention_only" or not settings.own_int8_quantizer:
         return _stock
     return functools.partial(call, record=report.record_int8)
+
+
+def _every_op() -> None:
+    every_op = getattr(comfy.ops, "run_every_op", None)
+    if every_op is not None:
+        every_op()  # stock's forward checks for an interrupt first
 
 
 def _tell(record, problem) -> None:

@@ -41,8 +41,12 @@ SCRIPT = r"""
     takes = lambda x, input_act=None: None if ia.quantize_takes(x, input_act) else "declined"
     route.call_problem = takes
     route.route_problem = lambda x, qdata, w_scale, bias, input_act=None: takes(x, input_act)
-    route.gemm = lambda xq, xs, qdata, w_scale, bias, out_dtype: int8_oracle.int8_linear(xq, xs, qdata, w_scale,
-                                                                                      bias, out_dtype)
+    widths = []  # output columns of each GEMM the route ran
+
+    def gemm(xq, xs, qdata, w_scale, bias, out_dtype):
+        widths.append(qdata.shape[0])
+        return int8_oracle.int8_linear(xq, xs, qdata, w_scale, bias, out_dtype)
+    route.gemm = gemm
 
     # loaded as on a GPU: int8 weights computing in bf16 (on the CPU ComfyUI picks fp32 compute, and
     # linear_input_act then dequantises fc2's weight instead of running the int8 kernels)
@@ -52,11 +56,13 @@ SCRIPT = r"""
     model = dh.build_model(config, torch.device("cpu"), torch.bfloat16, 0, "int8_convrot")
     assert model.model.diffusion_model.blocks[1].mlp.fc2.weight._params.orig_dtype == torch.bfloat16
     out = {{}}
-    for path, chunk in (("exact", 30), ("exact", 8192), ("fused", 30)):
+    for path, chunk, qkv_chunk in (("exact", 30, 8192), ("exact", 8192, 8192), ("fused", 30, 8192), ("exact", 30, 32)):
         inputs = dh.random_block_inputs(model.model.diffusion_model.blocks[1], 100, seed=chunk, dtype=torch.bfloat16)
         x, t_emb, segments, rope = inputs
         want = model.model.diffusion_model.blocks[1](x.clone(), t_emb, segments, rope, transformer_options={{}})
-        settings = pack.nodes.patch.Settings(backend="sdpa", block_path=path, mlp_chunk_tokens=chunk)
+        widths.clear()
+        settings = pack.nodes.patch.Settings(backend="sdpa", block_path=path, mlp_chunk_tokens=chunk,
+                                             qkv_chunk_tokens=qkv_chunk)
         clone, patch = pack.nodes.h3_patch.patch_model(model, settings)
         clone.patch_model(load_weights=False)
         try:
@@ -64,7 +70,8 @@ SCRIPT = r"""
         finally:
             clone.unpatch_model(unpatch_weights=False)
         diff = (got.float() - want.float()).abs().max().item()
-        out[f"{{path}} {{chunk}}"] = [diff, patch.report.int8_own, dict(patch.report.int8_stock)]
+        out[f"{{path}} {{chunk}} {{qkv_chunk}}"] = [diff, patch.report.int8_own, dict(patch.report.int8_stock),
+                                                sorted(set(widths))]
     report(out)
 """
 
@@ -75,12 +82,19 @@ def routed(comfy_inprocess):
     return run_interpreted(SCRIPT.format(root=str(REPO_ROOT)))
 
 
+# GEMM widths (output columns) of the narrow H3: qkv 3 x 256, K/V 2 x 256, Q 256, out and fc2 256, fc1 1024
 def test_exact_block_takes_the_route_with_stocks_bits(routed):
-    # qkv (whole: no prepared path on the CPU) + out + fc1 and fc2 per MLP chunk (30 rows: 4 of 100)
-    assert routed["exact 30"] == [0.0, 1 + 1 + 4 + 4, {}]
-    assert routed["exact 8192"] == [0.0, 1 + 1 + 1 + 1, {}]
+    # qkv (whole) + out + fc1 and fc2 per MLP chunk (30 rows: 4 of 100)
+    assert routed["exact 30 8192"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 768, 1024]]
+    assert routed["exact 8192 8192"] == [0.0, 1 + 1 + 1 + 1, {}, [256, 768, 1024]]
+
+
+def test_qkv_projection_by_columns_on_its_input_quantised_once(routed):
+    """Past qkv_chunk_tokens the projection is taken by columns (no prepared path on the CPU: Q whole
+    beside the K/V projected ahead): one quantiser call, the 768-wide product never formed."""
+    assert routed["exact 30 32"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 512, 1024]]
 
 
 def test_fused_block_takes_the_route_too(routed):
-    diff, calls, declined = routed["fused 30"]
+    diff, calls, declined, _ = routed["fused 30 8192"]
     assert calls == 10 and declined == {} and 0 < diff < 0.5  # fused mode is not bit-identical
