@@ -10,7 +10,6 @@ for)."""
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import time
 
 import pytest
@@ -22,17 +21,12 @@ HIDDEN, INNER, FFN = 5376, 7168, 14336  # H3's hidden size, heads x head_dim, ML
 
 
 @pytest.fixture(scope="module")
-def pack():
-    if importlib.util.find_spec("comfy_kitchen") is None:
-        pytest.skip("needs comfy-kitchen")
-    from devkit.pack import import_pack
-
-    pack = import_pack()
-    importlib.import_module(pack.__name__ + ".kernels.int8_linear")
-    cuda, why = pack.kernels.int8_linear.kitchen_cuda()
+def pack(kitchen_pack):
+    importlib.import_module(kitchen_pack.__name__ + ".kernels.int8_linear")
+    cuda, why = kitchen_pack.kernels.int8_linear.kitchen_cuda()
     if cuda is None:
         pytest.skip(why)
-    return pack
+    return kitchen_pack
 
 
 def rows(m, k, seed=0):

@@ -7,8 +7,6 @@ comfy-kitchen with its CUDA implementation."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 
 import pytest
 import torch
@@ -19,14 +17,8 @@ HEADS, HEAD_DIM, ROT = 56, 128, 96
 
 
 @pytest.fixture(scope="module")
-def pack():
-    if importlib.util.find_spec("comfy_kitchen") is None:
-        pytest.skip("needs comfy-kitchen")
-    from devkit.pack import import_pack
-
-    pack = import_pack()
-    importlib.import_module(pack.__name__ + ".kernels")
-    return pack
+def pack(kitchen_pack):
+    return kitchen_pack
 
 
 def h3_inputs(seq, table_dtype=torch.bfloat16, seed=0):
