@@ -43,7 +43,11 @@ SCRIPT = r"""
     route.route_problem = lambda x, qdata, w_scale, bias, input_act=None: takes(x, input_act)
     widths = []  # output columns of each GEMM the route ran
 
+    declines = set()  # output widths CUTLASS "declines" (stock would take cuBLAS)
+
     def gemm(xq, xs, qdata, w_scale, bias, out_dtype):
+        if qdata.shape[0] in declines:
+            return None
         widths.append(qdata.shape[0])
         return int8_oracle.int8_linear(xq, xs, qdata, w_scale, bias, out_dtype)
     route.gemm = gemm
@@ -56,11 +60,14 @@ SCRIPT = r"""
     model = dh.build_model(config, torch.device("cpu"), torch.bfloat16, 0, "int8_convrot")
     assert model.model.diffusion_model.blocks[1].mlp.fc2.weight._params.orig_dtype == torch.bfloat16
     out = {{}}
-    for path, chunk, qkv_chunk in (("exact", 30, 8192), ("exact", 8192, 8192), ("fused", 30, 8192), ("exact", 30, 32)):
+    for path, chunk, qkv_chunk, declined in (("exact", 30, 8192, ()), ("exact", 8192, 8192, ()), ("fused", 30, 8192, ()),
+                                             ("exact", 30, 32, ()), ("exact", 30, 32, (512, 768))):
         inputs = dh.random_block_inputs(model.model.diffusion_model.blocks[1], 100, seed=chunk, dtype=torch.bfloat16)
         x, t_emb, segments, rope = inputs
         want = model.model.diffusion_model.blocks[1](x.clone(), t_emb, segments, rope, transformer_options={{}})
         widths.clear()
+        declines.clear()
+        declines.update(declined)
         settings = pack.nodes.patch.Settings(backend="sdpa", block_path=path, mlp_chunk_tokens=chunk,
                                              qkv_chunk_tokens=qkv_chunk)
         clone, patch = pack.nodes.h3_patch.patch_model(model, settings)
@@ -70,7 +77,7 @@ SCRIPT = r"""
         finally:
             clone.unpatch_model(unpatch_weights=False)
         diff = (got.float() - want.float()).abs().max().item()
-        out[f"{{path}} {{chunk}} {{qkv_chunk}}"] = [diff, patch.report.int8_own, dict(patch.report.int8_stock),
+        out[f"{{path}} {{chunk}} {{qkv_chunk}}{{' declined' if declined else ''}}"] = [diff, patch.report.int8_own, dict(patch.report.int8_stock),
                                                 sorted(set(widths))]
     report(out)
 """
@@ -93,6 +100,14 @@ def test_qkv_projection_by_columns_on_its_input_quantised_once(routed):
     """Past qkv_chunk_tokens the projection is taken by columns (no prepared path on the CPU: Q whole
     beside the K/V projected ahead): one quantiser call, the 768-wide product never formed."""
     assert routed["exact 30 32"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 512, 1024]]
+
+
+def test_a_declined_gemm_leaves_the_projection_to_stocks_call(routed):
+    """CUTLASS declining the K/V product (as it might a shape): the projection goes by rows, each
+    chunk stock's own int8 linear (the whole 768-wide product declined too), with stock's bits."""
+    diff, calls, declined, widths = routed["exact 30 32 declined"]
+    assert diff == 0.0 and widths == [256, 1024] and calls == 1 + 1 + 4 + 4
+    assert set(declined) == {"CUTLASS declined an int8 GEMM of 100 x 512 x 256", "CUTLASS declined the shape"}
 
 
 def test_fused_block_takes_the_route_too(routed):
