@@ -32,7 +32,8 @@ SIGNATURE = dict(X="*bf16", Q="*i8", SCALE="*fp32", K="i32", stride_x="i64", str
 DIVISIBLE_BY_16 = ("X", "Q", "SCALE", "K", "stride_x", "stride_q")  # H3's widths and buffers
 
 
-def compile_sm90(width: int, swiglu: bool, warps: int):
+def compile_sm90(width: int, swiglu: bool, warps: int, arch: int = 90):
+    """The kernel as a launch for ``width`` specialises it, compiled for sm90 (or ``arch``)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -46,7 +47,7 @@ def compile_sm90(width: int, swiglu: bool, warps: int):
         kernel, signature={n: SIGNATURE.get(n, "constexpr") for n in names},
         constexprs={"SWIGLU": swiglu, "G1": g1, "G2": g2, "G3": g3, "EMULATE": False},
         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE_BY_16})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
 
 
 def analyse(width: int, swiglu: bool, warps: int, clock_hz: float) -> dict:

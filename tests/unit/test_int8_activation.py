@@ -123,3 +123,12 @@ def test_quantiser_compiles_for_sm90_with_the_fast_math_instructions(width, swig
     kernel = static.compile_sm90(width, swiglu, 4)
     sass = static._run_tool("nvdisasm", ["-c"], kernel.asm["cubin"])
     assert "MUFU.RCP" in sass and ("MUFU.EX2" in sass) == swiglu and "F2F.BF16.F32" in sass
+
+
+def test_quantiser_compiles_for_every_arch_the_route_takes():
+    """The route runs on compute capability 8.0 and later (comfy-kitchen's CUTLASS int8 GEMM): the
+    kernel's instructions (bf16 conversions, approximate division and exponential) must exist there."""
+    static = pytest.importorskip("benchmarks.int8_quant_static")
+    for arch in (80, 86, 89, 120):
+        for width, swiglu in ((5376, False), (14336, True)):
+            assert static.compile_sm90(width, swiglu, 4, arch=arch).asm["cubin"]
