@@ -9,7 +9,8 @@ expression again: inductor fuses it with the RMSNorm before it into one kernel, 
 custom op would prevent. Offsets are int64.
 The modulation parameters are one row for the whole segment, or one row per token: current ComfyUI
 gives rows under a partial denoise mask their own timestep (a per-token index tensor as the
-segment's mod row). ``token_chunks`` splits a sequence for the block's MLP."""
+segment's mod row). ``PendingModulation`` hands rows with the modulation still owed to a pass that
+applies it as it reads them (the int8 quantiser). ``token_chunks`` splits a sequence for the block's MLP."""
 
 from __future__ import annotations
 
@@ -123,6 +124,27 @@ def swiglu(u: torch.Tensor) -> torch.Tensor:
     _swiglu_exact_kernel[grid](u, y, rows, half, u.stride(0), y.stride(0), EMULATE=interpreting(),
                                BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
     return y
+
+
+class PendingModulation:
+    """Rows owed stock's modulation, ``h[a:b].mul_(scale1).add_(shift)`` per segment ``(a, b, scale1, shift)``
+    (``scale1`` = 1 + scale in h's dtype; each parameter one row or one per row): handed to a consumer
+    that may fold it into its own pass (the int8 quantiser), which reads ``rows`` and ``segments``;
+    anything else calls ``apply`` first."""
+
+    def __init__(self, rows: torch.Tensor, segments: list):
+        self.rows, self.segments = rows, segments
+
+    def apply(self) -> torch.Tensor:
+        """The rows modulated, in place (one pass a segment, stock's bits)."""
+        for a, b, scale1, shift in self.segments:
+            scale_shift_(self.rows[a:b], scale1, shift)
+        return self.rows
+
+
+def settled(rows):
+    """``rows`` as a tensor: a ``PendingModulation`` applied, a tensor as it is."""
+    return rows.apply() if isinstance(rows, PendingModulation) else rows
 
 
 def token_chunks(rows: int, chunk: int, align: int = 64) -> list[tuple[int, int]]:

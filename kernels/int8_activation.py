@@ -13,7 +13,8 @@ stages each row in shared memory behind a barrier per butterfly).
 ``quantize_rows`` computes the same steps in the same order: one program holds a whole row in registers
 (its groups as the rows of up to three [groups, 256] tiles of power-of-two sizes), applies the
 butterflies by reshaping those tiles, and reads the input once (benchmarks/int8_quant_static.py reads
-its sm90 machine code). comfy-kitchen's kernels are built
+its sm90 machine code). It can also apply the block's modulation to the rows first, with stock's two
+bf16 roundings (``modulation=``), so fc1's modulated input is never written. comfy-kitchen's kernels are built
 with ``--use_fast_math``: its divisions are ``div.approx.ftz`` and its ``expf`` is ``ex2.approx.ftz``
 of ``x * log2(e)``; the pass issues those instructions (under the interpreter: the IEEE reciprocal and
 a correctly rounded exp2, which devkit/int8_oracle.py writes in torch). Offsets are int64."""
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .h3_block import per_token_params
 from .triton_support import interpreting, round_bf16, tl, triton
 
 GROUP = 256            # ConvRot's rotation group (comfy-kitchen's fused kernels take only 256)
@@ -87,11 +89,12 @@ if triton is not None:
                                          [x], dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
-    def _rotated_tile(X, row, stride_x, K, NG, G0: tl.constexpr, G: tl.constexpr, MASKED: tl.constexpr,
-                      SWIGLU: tl.constexpr, EMULATE: tl.constexpr):
+    def _rotated_tile(X, S1, B, row, stride_x, stride_p, K, NG, G0: tl.constexpr, G: tl.constexpr,
+                      MASKED: tl.constexpr, SWIGLU: tl.constexpr, MOD: tl.constexpr, EMULATE: tl.constexpr):
         """Groups ``G0 .. G0 + G`` of the row (``MASKED``: those past ``NG`` are zeros), the SwiGLU applied
-        (``SWIGLU``: the row is [gate | up], 2K wide; fp32, never rounded), rotated: ([G, 256] fp32,
-        their columns, the mask)."""
+        (``SWIGLU``: the row is [gate | up], 2K wide; fp32, never rounded) or the modulation (``MOD``:
+        ``x * scale1 + shift`` with stock's two bf16 roundings; the parameter row at ``row * stride_p``),
+        rotated: ([G, 256] fp32, their columns, the mask)."""
         g = tl.arange(0, G).to(tl.int64) + G0
         col = g[:, None] * 256 + tl.arange(0, 256).to(tl.int64)[None, :]
         ok = (g < NG)[:, None] & (col >= 0)  # [G, 256]
@@ -106,6 +109,15 @@ if triton is not None:
             else:
                 up = tl.load(src + K).to(tl.float32)
             a = _div_approx(a, 1.0 + _exp_approx(-a, EMULATE), EMULATE) * up
+        if MOD:
+            p = row * stride_p + col
+            if MASKED:
+                s1 = tl.load(S1 + p, mask=ok, other=0.0).to(tl.float32)
+                b = tl.load(B + p, mask=ok, other=0.0).to(tl.float32)
+            else:
+                s1 = tl.load(S1 + p).to(tl.float32)
+                b = tl.load(B + p).to(tl.float32)
+            a = _bf16_rn(_bf16_rn(a * s1, EMULATE) + b, EMULATE)  # stock's mul_, then its add_
         a = _h4_stage(a, G, 1)
         a = _h4_stage(a, G, 4)
         a = _h4_stage(a, G, 16)
@@ -127,19 +139,22 @@ if triton is not None:
             tl.store(Q + row * stride_q + col, q.to(tl.int8))
 
     @triton.jit
-    def _quantize_rows_kernel(X, Q, SCALE, K, stride_x, stride_q, inv_127, bf16_max, SWIGLU: tl.constexpr,
-                              G1: tl.constexpr, G2: tl.constexpr, G3: tl.constexpr, EMULATE: tl.constexpr):
+    def _quantize_rows_kernel(X, S1, B, Q, SCALE, K, stride_x, stride_p, stride_q, inv_127, bf16_max,
+                              SWIGLU: tl.constexpr, MOD: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr,
+                              G3: tl.constexpr, EMULATE: tl.constexpr):
         # One row, whole, in registers: its K / 256 groups as up to three tiles of G1, G2 and G3 groups
         # (powers of two; only the last may run past the row, masked).
         row = tl.program_id(0).to(tl.int64)
         ng = K // 256
-        a1, c1, m1 = _rotated_tile(X, row, stride_x, K, ng, 0, G1, G2 == 0, SWIGLU, EMULATE)
+        a1, c1, m1 = _rotated_tile(X, S1, B, row, stride_x, stride_p, K, ng, 0, G1, G2 == 0, SWIGLU, MOD, EMULATE)
         absmax = tl.max(tl.abs(a1))
         if G2 > 0:
-            a2, c2, m2 = _rotated_tile(X, row, stride_x, K, ng, G1, G2, G3 == 0, SWIGLU, EMULATE)
+            a2, c2, m2 = _rotated_tile(X, S1, B, row, stride_x, stride_p, K, ng, G1, G2, G3 == 0, SWIGLU, MOD,
+                                       EMULATE)
             absmax = tl.maximum(absmax, tl.max(tl.abs(a2)))
         if G3 > 0:
-            a3, c3, m3 = _rotated_tile(X, row, stride_x, K, ng, G1 + G2, G3, True, SWIGLU, EMULATE)
+            a3, c3, m3 = _rotated_tile(X, S1, B, row, stride_x, stride_p, K, ng, G1 + G2, G3, True, SWIGLU, MOD,
+                                       EMULATE)
             absmax = tl.maximum(absmax, tl.max(tl.abs(a3)))
         scale = tl.maximum(tl.minimum(absmax, bf16_max) * inv_127, 1e-30)  # padding groups are zeros
         tl.store(SCALE + row, scale)
@@ -173,21 +188,33 @@ def quantize_takes(x: torch.Tensor, input_act: str | None = None) -> bool:
             and width % GROUP == 0 and GROUP <= width <= MAX_COLS)
 
 
-def quantize_rows(x: torch.Tensor, input_act: str | None = None, *, num_warps: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, input_act: str | None = None, *, modulation=None, out=None,
+                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [m, k], fp32 row scales [m, 1]) of bf16 rows ``x`` [m, k] (``input_act="swiglu"``: [m, 2k]),
     comfy-kitchen's CUDA convrot64 quantiser's bits. ``quantize_takes(x, input_act)`` must hold.
-    ``num_warps``: the program's warps (default ``row_warps``; other values only to measure them)."""
-    if not quantize_takes(x, input_act):
-        raise ValueError(f"the int8 quantiser cannot take a {x.dtype} {tuple(x.shape)} input with act {input_act!r}")
+
+    ``modulation``: ``(scale1, shift)`` in x's dtype, one row ([k]) or one per row ([m, k]): the rows
+    quantised are ``x * scale1 + shift`` as stock's ``mul_`` and ``add_`` make them (no SwiGLU then).
+    ``out``: the (int8, scales) to write into (row slices of a larger pair). ``num_warps``: the program's
+    warps (default ``row_warps``; other values only to measure them)."""
+    if not quantize_takes(x, input_act) or (modulation is not None and input_act is not None):
+        raise ValueError(f"the int8 quantiser cannot take a {x.dtype} {tuple(x.shape)} input with act {input_act!r}"
+                         + (" and a modulation" if modulation is not None else ""))
     m = x.shape[0]
     k = x.shape[1] // (2 if input_act == "swiglu" else 1)
-    q = torch.empty(m, k, dtype=torch.int8, device=x.device)
-    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    q, scale = out if out is not None else (torch.empty(m, k, dtype=torch.int8, device=x.device),
+                                            torch.empty(m, 1, dtype=torch.float32, device=x.device))
+    if q.shape != (m, k) or scale.shape != (m, 1) or q.stride(-1) != 1:
+        raise ValueError(f"out must be an int8 [{m}, {k}] with a contiguous last dim and fp32 [{m}, 1] scales")
+    scale1 = shift = x  # unused without a modulation
+    per_row = False
+    if modulation is not None:
+        scale1, shift = (p.to(x.dtype).contiguous() for p in modulation)
+        per_row = per_token_params(x, scale1, shift)
     g1, g2, g3 = row_tiles(k // GROUP)
-    _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), INV_127, BF16_MAX,
-                                SWIGLU=input_act == "swiglu", G1=g1, G2=g2, G3=g3, EMULATE=interpreting(),
-                                num_warps=num_warps or row_warps(k))
+    _quantize_rows_kernel[(m,)](x, scale1, shift, q, scale, k, x.stride(0), k if per_row else 0, q.stride(0),
+                                INV_127, BF16_MAX, SWIGLU=input_act == "swiglu", MOD=modulation is not None,
+                                G1=g1, G2=g2, G3=g3, EMULATE=interpreting(), num_warps=num_warps or row_warps(k))
     return q, scale
 
 

@@ -125,14 +125,32 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: 
 
 
 def int8_linear(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
-                input_act: str | None = None) -> torch.Tensor | None:
+                input_act: str | None = None, modulation: list | None = None) -> torch.Tensor | None:
     """Stock's ``int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, input_act=...)``, with the
     pack's quantiser; None where ``route_problem`` names a reason or CUTLASS declines the shape (the
-    caller then makes stock's call)."""
+    caller then makes stock's call). ``modulation``: ``x`` is owed stock's modulation, segments
+    ``(a, b, scale1, shift)`` tiling its rows in order (``kernels.h3_block.PendingModulation``): each
+    segment's rows are modulated inside the quantiser, never written out."""
     if route_problem(x, qdata, w_scale, bias, input_act=input_act) is not None:
         return None
-    xq, x_scale = int8_activation.quantize_rows(x, input_act)
+    if modulation is None:
+        xq, x_scale = int8_activation.quantize_rows(x, input_act)
+    else:
+        xq = torch.empty(x.shape[0], x.shape[1], dtype=torch.int8, device=x.device)
+        x_scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        for a, b, scale1, shift in modulation:
+            int8_activation.quantize_rows(x[a:b], modulation=(scale1, shift), out=(xq[a:b], x_scale[a:b]))
     return gemm(xq, x_scale, qdata, w_scale, bias, x.dtype)
+
+
+def tiles_rows(segments: list, rows: int) -> bool:
+    """The modulation ``segments`` ``(a, b, ...)`` cover ``range(rows)`` in order, without gaps or overlaps."""
+    at = 0
+    for a, b, *_ in segments:
+        if a != at or b < a:
+            return False
+        at = b
+    return at == rows
 
 
 def stock_int8_linear(x, qdata, w_scale, bias=None, *, input_act: str | None = None) -> torch.Tensor:

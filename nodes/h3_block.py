@@ -66,11 +66,15 @@ def structure_problems(block) -> list[str]:
     return problems
 
 
+def pending_modulation(h, shift, scale, segments) -> ops.PendingModulation:
+    """Stock's ``_mod_scale_shift`` of ``h`` (same expressions), owed: its parameters per segment."""
+    return ops.PendingModulation(h, [(a, b, 1.0 + scale[row].to(h.dtype), shift[row].to(h.dtype))
+                                     for a, b, row in segments])
+
+
 def modulate(h, shift, scale, segments):
     """Stock's ``_mod_scale_shift`` (same expressions, same bits), one pass per segment."""
-    for a, b, row in segments:
-        ops.scale_shift_(h[a:b], 1.0 + scale[row].to(h.dtype), shift[row].to(h.dtype))
-    return h
+    return pending_modulation(h, shift, scale, segments).apply()
 
 
 def gated_residual(x, gate, other, segments):
@@ -230,17 +234,19 @@ class H3BlockForward:
             return self._mlp_half(x, gate_mlp, mod_segments, lambda a, b, segs: h[a:b], fused=True)
         x = gated_residual(x, gate_msa, out, mod_segments)
         del out
-        return self._mlp_half(x, gate_mlp, mod_segments,
-                              lambda a, b, segs: modulate(blk.norm2(x[a:b]), shift_mlp, scale_mlp, segs), fused)
+        # the modulation owed: fc1's int8 quantiser applies it where it takes the call
+        return self._mlp_half(x, gate_mlp, mod_segments, lambda a, b, segs: pending_modulation(
+            blk.norm2(x[a:b]), shift_mlp, scale_mlp, segs), fused)
 
     def _mlp_half(self, x, gate, segments, mlp_input, fused: bool):
-        """``x += mlp(mlp_input(a, b, segments of a:b)) * gate``, by token chunks where they give the same bits."""
+        """``x += mlp(mlp_input(a, b, segments of a:b)) * gate``, by token chunks where they give the same bits
+        (``mlp_input``: the MLP's input, or its normed rows with the modulation still owed)."""
         blk = self.block
         chunk = mlp_chunk_rows(blk.mlp, x, self.patch.settings.mlp_chunk_tokens)
         linear = int8_layers.caller(self.patch.settings, self.patch.report)
         if chunk is None:
             h = mlp_input(0, x.shape[0], segments)
-            y = blk.mlp(h) if replaced_forward(blk.mlp) else mlp_forward(blk.mlp, h, fused, linear)
+            y = blk.mlp(ops.settled(h)) if replaced_forward(blk.mlp) else mlp_forward(blk.mlp, h, fused, linear)
             return gated_residual(x, gate, y, segments)
         for a, b in ops.token_chunks(x.shape[0], chunk):
             segs = ops.clip_segments(segments, a, b)

@@ -16,6 +16,7 @@ import comfy.model_management
 import comfy.ops
 import torch
 
+from ..kernels import h3_block as block_ops
 from ..kernels import int8_linear as route
 from . import conflicts
 
@@ -45,15 +46,21 @@ def layer_problem(layer, x, input_act=None) -> str | None:
     return route.call_problem(x, input_act=input_act)
 
 
-def call(layer, x: torch.Tensor, input_act: str | None = None, record=None) -> torch.Tensor:
+def call(layer, x, input_act: str | None = None, record=None) -> torch.Tensor:
     """Stock's ``layer(x)`` (``input_act``: ``comfy.ops.linear_input_act(layer, x, input_act)``), through
-    the pack's quantiser where that keeps stock's bits."""
+    the pack's quantiser where that keeps stock's bits. ``x``: a tensor, or rows owed stock's modulation
+    (``kernels.h3_block.PendingModulation``), which the quantiser applies where it takes the call."""
     if torch.compiler.is_compiling() or not is_int8_convrot(getattr(layer, "weight", None)):
         return _stock(layer, x, input_act)  # (stock's int8 linears do not compile; nothing is recorded in a trace)
+    pending = x if isinstance(x, block_ops.PendingModulation) else None
+    if pending is not None:
+        x = pending.rows
+        if input_act is not None or not route.tiles_rows(pending.segments, x.shape[0]):
+            x, pending = pending.apply(), None
     problem = layer_problem(layer, x, input_act)
     if problem is not None:
         _tell(record, problem)
-        return _stock(layer, x, input_act)
+        return _stock(layer, block_ops.settled(pending) if pending is not None else x, input_act)
     if input_act is None:
         _every_op()
         cast = comfy.ops.CastBiasWeightContext(layer, None, dtype=layer.weight.dtype, device=x.device,
@@ -68,13 +75,16 @@ def call(layer, x: torch.Tensor, input_act: str | None = None, record=None) -> t
             _tell(record, "the cast gave a weight that is not int8 ConvRot")
         else:
             qdata, scale = weight._qdata, weight._params.scale
-            out = route.int8_linear(x, qdata, scale, bias, input_act=input_act)
+            out = route.int8_linear(x, qdata, scale, bias, input_act=input_act,
+                                    modulation=pending.segments if pending is not None else None)
             _tell(record, None if out is not None else
                   route.route_problem(x, qdata, scale, bias, input_act=input_act) or "CUTLASS declined the shape")
             if out is not None:
                 return out
+            x = block_ops.settled(pending) if pending is not None else x
             if input_act is not None:
                 return route.stock_int8_linear(x, qdata, scale, bias, input_act=input_act)
+        x = block_ops.settled(pending) if pending is not None else x
         if input_act is not None:
             x = comfy.ops.INPUT_ACT_EAGER[input_act](x)
         return torch.nn.functional.linear(x, weight, bias)
@@ -119,4 +129,5 @@ def _tell(record, problem) -> None:
 
 
 def _stock(layer, x, input_act=None):
+    x = block_ops.settled(x)
     return layer(x) if input_act is None else comfy.ops.linear_input_act(layer, x, input_act)

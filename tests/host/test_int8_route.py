@@ -5,8 +5,8 @@ The route exists for comfy-kitchen's CUDA int8_linear, which a CPU does not have
 int8_linear is comfy-kitchen's CUDA steps written in torch (devkit/int8_oracle.py: the convrot64
 quantiser and an exact integer GEMM with its dequantising epilogue), and the route's GEMM is that same
 GEMM: what is checked is the wiring (which layers take the route, with which activation, how their
-weights are cast, the chunks, the report), bit for bit against stock's block, in the exact and fused
-modes. The report must count every call the route took: a route that took none would also equal stock.
+weights are cast, the chunks, fc1's modulation folded into its quantiser, the report), bit for bit
+against stock's block, in the exact and fused modes. The report must count every call the route took: a route that took none would also equal stock.
 """
 
 from __future__ import annotations
@@ -60,9 +60,11 @@ SCRIPT = r"""
     model = dh.build_model(config, torch.device("cpu"), torch.bfloat16, 0, "int8_convrot")
     assert model.model.diffusion_model.blocks[1].mlp.fc2.weight._params.orig_dtype == torch.bfloat16
     out = {{}}
-    for path, chunk, qkv_chunk, declined in (("exact", 30, 8192, ()), ("exact", 8192, 8192, ()), ("fused", 30, 8192, ()),
-                                             ("exact", 30, 32, ()), ("exact", 30, 32, (512, 768))):
-        inputs = dh.random_block_inputs(model.model.diffusion_model.blocks[1], 100, seed=chunk, dtype=torch.bfloat16)
+    for path, chunk, qkv_chunk, declined, masked in (
+            ("exact", 30, 8192, (), False), ("exact", 8192, 8192, (), False), ("fused", 30, 8192, (), False),
+            ("exact", 30, 32, (), False), ("exact", 30, 32, (512, 768), False), ("exact", 30, 8192, (), True)):
+        inputs = dh.random_block_inputs(model.model.diffusion_model.blocks[1], 100, seed=chunk, dtype=torch.bfloat16,
+                                        masked=masked)
         x, t_emb, segments, rope = inputs
         want = model.model.diffusion_model.blocks[1](x.clone(), t_emb, segments, rope, transformer_options={{}})
         widths.clear()
@@ -77,7 +79,7 @@ SCRIPT = r"""
         finally:
             clone.unpatch_model(unpatch_weights=False)
         diff = (got.float() - want.float()).abs().max().item()
-        out[f"{{path}} {{chunk}} {{qkv_chunk}}{{' declined' if declined else ''}}"] = [diff, patch.report.int8_own, dict(patch.report.int8_stock),
+        out[f"{{path}} {{chunk}} {{qkv_chunk}}{{' declined' if declined else ''}}{{' masked' if masked else ''}}"] = [diff, patch.report.int8_own, dict(patch.report.int8_stock),
                                                 sorted(set(widths))]
     report(out)
 """
@@ -94,6 +96,12 @@ def test_exact_block_takes_the_route_with_stocks_bits(routed):
     # qkv (whole) + out + fc1 and fc2 per MLP chunk (30 rows: 4 of 100)
     assert routed["exact 30 8192"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 768, 1024]]
     assert routed["exact 8192 8192"] == [0.0, 1 + 1 + 1 + 1, {}, [256, 768, 1024]]
+
+
+def test_per_token_modulation_rows_folded_into_the_quantiser(routed):
+    """Rows under a partial denoise mask have their own modulation row: fc1's quantiser applies each
+    token's, with stock's bits, where an MLP chunk cuts the segment too."""
+    assert routed["exact 30 8192 masked"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 768, 1024]]
 
 
 def test_qkv_projection_by_columns_on_its_input_quantised_once(routed):
