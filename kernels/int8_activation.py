@@ -17,7 +17,9 @@ its sm90 machine code). It can also apply the block's modulation to the rows fir
 bf16 roundings (``modulation=``), so fc1's modulated input is never written. comfy-kitchen's kernels are built
 with ``--use_fast_math``: its divisions are ``div.approx.ftz`` and its ``expf`` is ``ex2.approx.ftz``
 of ``x * log2(e)``; the pass issues those instructions (under the interpreter: the IEEE reciprocal and
-a correctly rounded exp2, which devkit/int8_oracle.py writes in torch). Offsets are int64."""
+a correctly rounded exp2, which devkit/int8_oracle.py writes in torch). Fast math also flushes fp32
+subnormals to zero in comfy-kitchen's additions, which the butterflies here do not: inputs below
+about 1e-38 in magnitude (never seen in activations) may quantise differently. Offsets are int64."""
 
 from __future__ import annotations
 
