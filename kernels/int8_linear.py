@@ -133,14 +133,19 @@ def int8_linear(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bia
     segment's rows are modulated inside the quantiser, never written out."""
     if route_problem(x, qdata, w_scale, bias, input_act=input_act) is not None:
         return None
-    if modulation is None:
-        xq, x_scale = int8_activation.quantize_rows(x, input_act)
-    else:
-        xq = torch.empty(x.shape[0], x.shape[1], dtype=torch.int8, device=x.device)
-        x_scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        for a, b, scale1, shift in modulation:
-            int8_activation.quantize_rows(x[a:b], modulation=(scale1, shift), out=(xq[a:b], x_scale[a:b]))
+    xq, x_scale = _quantize(x, input_act, modulation)
     return gemm(xq, x_scale, qdata, w_scale, bias, x.dtype)
+
+
+def _quantize(x, input_act, modulation):
+    """(int8 rows, scales) of ``x``; ``modulation``: segments that tile its rows, applied by the pass."""
+    if modulation is None:
+        return int8_activation.quantize_rows(x, input_act)
+    xq = torch.empty(x.shape[0], x.shape[1], dtype=torch.int8, device=x.device)
+    x_scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    for a, b, scale1, shift in modulation:
+        int8_activation.quantize_rows(x[a:b], modulation=(scale1, shift), out=(xq[a:b], x_scale[a:b]))
+    return xq, x_scale
 
 
 def tiles_rows(segments: list, rows: int) -> bool:
@@ -182,9 +187,10 @@ class QuantizedRows:
         return QuantizedRows(self.q[rows], self.scale[rows], self.dtype)
 
 
-def quantized_rows(x: torch.Tensor) -> QuantizedRows:
-    """``x`` quantised as stock's int8 ConvRot linear quantises it (``route_problem`` must be None)."""
-    return QuantizedRows(*int8_activation.quantize_rows(x), x.dtype)
+def quantized_rows(x: torch.Tensor, modulation: list | None = None) -> QuantizedRows:
+    """``x`` quantised as stock's int8 ConvRot linear quantises it (``route_problem`` must be None);
+    ``modulation`` as ``int8_linear``'s."""
+    return QuantizedRows(*_quantize(x, None, modulation), x.dtype)
 
 
 def column_products(qdata: torch.Tensor, w_scale: torch.Tensor, inner: int):

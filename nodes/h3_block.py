@@ -222,12 +222,13 @@ class H3BlockForward:
         fused = self.patch.settings.block_path == "fused"
         if fused and fused_norm_takes(blk.norm1, x):
             handed = [fused_norm_modulate(blk.norm1, x, shift_msa, scale_msa, mod_segments)]
-        else:
-            handed = [modulate(blk.norm1(x), shift_msa, scale_msa, mod_segments)]
+        else:  # the modulation owed: the qkv projection's int8 quantiser applies it where it takes the call
+            handed = [pending_modulation(blk.norm1(x), shift_msa, scale_msa, mod_segments)]
         if attention is None and conflicts.is_own(vars(blk.attn).get("forward")):
             out = blk.attn(handed, rope_freqs=rope_freqs, transformer_options=transformer_options)
         else:  # a block replace's attention, or another node's attention forward: a tensor, as stock hands it
-            out = (attention or blk.attn)(handed.pop(), rope_freqs=rope_freqs, transformer_options=transformer_options)
+            out = (attention or blk.attn)(ops.settled(handed.pop()), rope_freqs=rope_freqs,
+                                          transformer_options=transformer_options)
         if fused and fused_norm_takes(blk.norm2, x) and out.shape == x.shape and out.stride(-1) == 1:
             h = fused_norm_modulate(blk.norm2, x, shift_mlp, scale_mlp, mod_segments, other=out, gate=gate_msa)
             del out

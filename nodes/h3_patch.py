@@ -11,6 +11,7 @@ import comfy.model_management
 import torch
 
 from .. import kernels
+from ..kernels.h3_block import PendingModulation, settled
 from ..kernels.int8_linear import GemmDeclined
 from . import conflicts, h3_block, int8_layers
 from .patch import NODE, InstalledPatch, Plan, Settings
@@ -76,16 +77,21 @@ class H3AttentionForward:
         self.patch = patch
 
     def __call__(self, x, rope_freqs=None, transformer_options={}):
-        if isinstance(x, list):  # a block forward handed its input over (KJNodes' Low VRAM Attention)
+        if isinstance(x, list):  # a block forward handed its input over (KJNodes' Low VRAM Attention; ours)
             x = x.pop()
-        device = x.device
+        rows = x.rows if isinstance(x, PendingModulation) else x  # ours: with the modulation still owed
+        device = rows.device
         qkv_proj = self._linear(self.attn.qkv_proj)
-        chunk = h3_block.projection_chunk_rows(self.attn.qkv_proj, x, self.patch.settings.qkv_chunk_tokens)
+        chunk = h3_block.projection_chunk_rows(self.attn.qkv_proj, rows, self.patch.settings.qkv_chunk_tokens)
+        del rows
         if chunk is not None and rope_freqs is not None:
             # a prepared path may take the projection by token chunks: the fused buffer never exists whole
             inner = self.attn.heads * self.attn.head_dim
-            source = self._int8_projection(x, inner) or kernels.RowProjection(
-                qkv_proj, x, columns=h3_block.column_products(self.attn.qkv_proj, x, inner))
+            source = self._int8_projection(x, inner)
+            if source is None:
+                x = settled(x)
+                source = kernels.RowProjection(qkv_proj, x, columns=h3_block.column_products(self.attn.qkv_proj, x,
+                                                                                            inner))
         else:
             source, chunk = [qkv_proj(x)], None
         del x  # the fused buffer (or the projection), handed over, is the only thing alive while the kernel runs
@@ -93,7 +99,8 @@ class H3AttentionForward:
 
     def _int8_projection(self, x, inner):
         """An int8 ConvRot qkv projection by columns on its input quantised once (K/V of every token at
-        once, Q by chunks; ``int8_layers.quantized_columns``), where the route takes it; else None."""
+        once, Q by chunks; ``int8_layers.quantized_columns``; a modulation owed applied by the quantiser),
+        where the route takes it; else None."""
         settings = self.patch.settings
         if settings.block_path == "attention_only" or not settings.own_int8_quantizer:
             return None

@@ -90,20 +90,24 @@ def call(layer, x, input_act: str | None = None, record=None) -> torch.Tensor:
         return torch.nn.functional.linear(x, weight, bias)
 
 
-def quantized_columns(layer, x: torch.Tensor, inner: int, record=None):
+def quantized_columns(layer, x, inner: int, record=None):
     """The fused qkv projection of the int8 ConvRot ``layer`` by output columns (``kernels.RowProjection``'s
     column form) on ``x`` quantised once: ``(rows, project, columns)``, or None where the route does not
     take it (the projection then goes by rows, each chunk through ``call``). Only for a weight resident
-    on x's device without a bias, as the bf16 column form: then stock's forward casts nothing."""
+    on x's device without a bias, as the bf16 column form: then stock's forward casts nothing. ``x``: a
+    tensor, or rows owed the block's modulation (a ``PendingModulation``), applied by the quantiser."""
+    pending = x if isinstance(x, block_ops.PendingModulation) else None
+    x = pending.rows if pending is not None else x
     w = getattr(layer, "weight", None)
     if (not is_int8_convrot(w) or getattr(layer, "bias", None) is not None or hasattr(layer, "_v")
-            or w.device != x.device or layer_problem(layer, x) is not None):
+            or w.device != x.device or layer_problem(layer, x) is not None
+            or (pending is not None and not route.tiles_rows(pending.segments, x.shape[0]))):
         return None
     qdata, scale = w._qdata, w._params.scale
     if qdata.shape[0] != 3 * inner or route.route_problem(x, qdata, scale, None) is not None:
         return None
     _every_op()
-    rows = route.quantized_rows(x)
+    rows = route.quantized_rows(x, pending.segments if pending is not None else None)
     _tell(record, None)
     return rows, route.column_products(qdata, scale, 3 * inner)[0], route.column_products(qdata, scale, inner)
 

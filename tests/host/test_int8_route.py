@@ -42,6 +42,10 @@ SCRIPT = r"""
     route.call_problem = takes
     route.route_problem = lambda x, qdata, w_scale, bias, input_act=None: takes(x, input_act)
     widths = []  # output columns of each GEMM the route ran
+    modulated = []  # modulation passes run on their own (not folded into a quantiser)
+    block_ops = pack.kernels.h3_block
+    own_pass = block_ops.scale_shift_
+    block_ops.scale_shift_ = lambda h, scale1, shift: (modulated.append(h.shape[0]), own_pass(h, scale1, shift))[1]
 
     declines = set()  # output widths CUTLASS "declines" (stock would take cuBLAS)
 
@@ -68,6 +72,7 @@ SCRIPT = r"""
         x, t_emb, segments, rope = inputs
         want = model.model.diffusion_model.blocks[1](x.clone(), t_emb, segments, rope, transformer_options={{}})
         widths.clear()
+        modulated.clear()
         declines.clear()
         declines.update(declined)
         settings = pack.nodes.patch.Settings(backend="sdpa", block_path=path, mlp_chunk_tokens=chunk,
@@ -80,7 +85,7 @@ SCRIPT = r"""
             clone.unpatch_model(unpatch_weights=False)
         diff = (got.float() - want.float()).abs().max().item()
         out[f"{{path}} {{chunk}} {{qkv_chunk}}{{' declined' if declined else ''}}{{' masked' if masked else ''}}"] = [diff, patch.report.int8_own, dict(patch.report.int8_stock),
-                                                sorted(set(widths))]
+                                                sorted(set(widths)), len(modulated)]
     report(out)
 """
 
@@ -94,30 +99,32 @@ def routed(comfy_inprocess):
 # GEMM widths (output columns) of the narrow H3: qkv 3 x 256, K/V 2 x 256, Q 256, out and fc2 256, fc1 1024
 def test_exact_block_takes_the_route_with_stocks_bits(routed):
     # qkv (whole) + out + fc1 and fc2 per MLP chunk (30 rows: 4 of 100)
-    assert routed["exact 30 8192"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 768, 1024]]
-    assert routed["exact 8192 8192"] == [0.0, 1 + 1 + 1 + 1, {}, [256, 768, 1024]]
+    # ... and no modulation pass of its own: both modulations folded into the quantisers (qkv's, fc1's)
+    assert routed["exact 30 8192"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 768, 1024], 0]
+    assert routed["exact 8192 8192"] == [0.0, 1 + 1 + 1 + 1, {}, [256, 768, 1024], 0]
 
 
 def test_per_token_modulation_rows_folded_into_the_quantiser(routed):
     """Rows under a partial denoise mask have their own modulation row: fc1's quantiser applies each
     token's, with stock's bits, where an MLP chunk cuts the segment too."""
-    assert routed["exact 30 8192 masked"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 768, 1024]]
+    assert routed["exact 30 8192 masked"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 768, 1024], 0]
 
 
 def test_qkv_projection_by_columns_on_its_input_quantised_once(routed):
     """Past qkv_chunk_tokens the projection is taken by columns (no prepared path on the CPU: Q whole
     beside the K/V projected ahead): one quantiser call, the 768-wide product never formed."""
-    assert routed["exact 30 32"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 512, 1024]]
+    assert routed["exact 30 32"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 512, 1024], 0]
 
 
 def test_a_declined_gemm_leaves_the_projection_to_stocks_call(routed):
     """CUTLASS declining the K/V product (as it might a shape): the projection goes by rows, each
     chunk stock's own int8 linear (the whole 768-wide product declined too), with stock's bits."""
-    diff, calls, declined, widths = routed["exact 30 32 declined"]
+    diff, calls, declined, widths, modulated = routed["exact 30 32 declined"]
     assert diff == 0.0 and widths == [256, 1024] and calls == 1 + 1 + 4 + 4
+    assert modulated > 0  # the projection by rows takes the modulated rows: the modulation ran first
     assert set(declined) == {"CUTLASS declined an int8 GEMM of 100 x 512 x 256", "CUTLASS declined the shape"}
 
 
 def test_fused_block_takes_the_route_too(routed):
-    diff, calls, declined, _ = routed["fused 30 8192"]
+    diff, calls, declined, _, _ = routed["fused 30 8192"]
     assert calls == 10 and declined == {} and 0 < diff < 0.5  # fused mode is not bit-identical
