@@ -134,11 +134,14 @@ class PendingModulation:
 
     def __init__(self, rows: torch.Tensor, segments: list):
         self.rows, self.segments = rows, segments
+        self.applied = False
 
     def apply(self) -> torch.Tensor:
-        """The rows modulated, in place (one pass a segment, stock's bits)."""
-        for a, b, scale1, shift in self.segments:
-            scale_shift_(self.rows[a:b], scale1, shift)
+        """The rows modulated, in place (one pass a segment, stock's bits); once, however often asked."""
+        if not self.applied:
+            for a, b, scale1, shift in self.segments:
+                scale_shift_(self.rows[a:b], scale1, shift)
+            self.applied = True
         return self.rows
 
 

@@ -52,15 +52,17 @@ def call(layer, x, input_act: str | None = None, record=None) -> torch.Tensor:
     (``kernels.h3_block.PendingModulation``), which the quantiser applies where it takes the call."""
     if torch.compiler.is_compiling() or not is_int8_convrot(getattr(layer, "weight", None)):
         return _stock(layer, x, input_act)  # (stock's int8 linears do not compile; nothing is recorded in a trace)
-    pending = x if isinstance(x, block_ops.PendingModulation) else None
+    pending = _owed(x)
     if pending is not None:
         x = pending.rows
         if input_act is not None or not route.tiles_rows(pending.segments, x.shape[0]):
             x, pending = pending.apply(), None
+    else:
+        x = block_ops.settled(x)
     problem = layer_problem(layer, x, input_act)
     if problem is not None:
         _tell(record, problem)
-        return _stock(layer, block_ops.settled(pending) if pending is not None else x, input_act)
+        return _stock(layer, pending if pending is not None else x, input_act)
     if input_act is None:
         _every_op()
         cast = comfy.ops.CastBiasWeightContext(layer, None, dtype=layer.weight.dtype, device=x.device,
@@ -71,9 +73,8 @@ def call(layer, x, input_act: str | None = None, record=None) -> torch.Tensor:
     with cast as (weight, bias):
         if input_act is None:
             weight = weight.to(dtype=x.dtype)
-        if not is_int8_convrot(weight):
-            _tell(record, "the cast gave a weight that is not int8 ConvRot")
-        else:
+        quantized = is_int8_convrot(weight)
+        if quantized:
             qdata, scale = weight._qdata, weight._params.scale
             out = route.int8_linear(x, qdata, scale, bias, input_act=input_act,
                                     modulation=pending.segments if pending is not None else None)
@@ -81,10 +82,11 @@ def call(layer, x, input_act: str | None = None, record=None) -> torch.Tensor:
                   route.route_problem(x, qdata, scale, bias, input_act=input_act) or "CUTLASS declined the shape")
             if out is not None:
                 return out
-            x = block_ops.settled(pending) if pending is not None else x
-            if input_act is not None:
-                return route.stock_int8_linear(x, qdata, scale, bias, input_act=input_act)
-        x = block_ops.settled(pending) if pending is not None else x
+        else:
+            _tell(record, "the cast gave a weight that is not int8 ConvRot")
+        x = block_ops.settled(pending) if pending is not None else x  # the modulation owed, applied once
+        if quantized and input_act is not None:
+            return route.stock_int8_linear(x, qdata, scale, bias, input_act=input_act)
         if input_act is not None:
             x = comfy.ops.INPUT_ACT_EAGER[input_act](x)
         return torch.nn.functional.linear(x, weight, bias)
@@ -96,8 +98,8 @@ def quantized_columns(layer, x, inner: int, record=None):
     take it (the projection then goes by rows, each chunk through ``call``). Only for a weight resident
     on x's device without a bias, as the bf16 column form: then stock's forward casts nothing. ``x``: a
     tensor, or rows owed the block's modulation (a ``PendingModulation``), applied by the quantiser."""
-    pending = x if isinstance(x, block_ops.PendingModulation) else None
-    x = pending.rows if pending is not None else x
+    pending = _owed(x)
+    x = pending.rows if pending is not None else block_ops.settled(x)
     w = getattr(layer, "weight", None)
     if (not is_int8_convrot(w) or getattr(layer, "bias", None) is not None or hasattr(layer, "_v")
             or w.device != x.device or layer_problem(layer, x) is not None
@@ -119,6 +121,11 @@ def caller(settings, report):
     if settings.block_path == "attention_only" or not settings.own_int8_quantizer:
         return _stock
     return functools.partial(call, record=report.record_int8)
+
+
+def _owed(x):
+    """``x`` if it is rows with the block's modulation still owed, else None."""
+    return x if isinstance(x, block_ops.PendingModulation) and not x.applied else None
 
 
 def _every_op() -> None:

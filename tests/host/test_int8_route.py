@@ -66,7 +66,8 @@ SCRIPT = r"""
     out = {{}}
     for path, chunk, qkv_chunk, declined, masked in (
             ("exact", 30, 8192, (), False), ("exact", 8192, 8192, (), False), ("fused", 30, 8192, (), False),
-            ("exact", 30, 32, (), False), ("exact", 30, 32, (512, 768), False), ("exact", 30, 8192, (), True)):
+            ("exact", 30, 32, (), False), ("exact", 30, 32, (512, 768), False), ("exact", 30, 8192, (), True),
+            ("exact", 30, 8192, (1024,), False)):
         inputs = dh.random_block_inputs(model.model.diffusion_model.blocks[1], 100, seed=chunk, dtype=torch.bfloat16,
                                         masked=masked)
         x, t_emb, segments, rope = inputs
@@ -123,6 +124,14 @@ def test_a_declined_gemm_leaves_the_projection_to_stocks_call(routed):
     assert diff == 0.0 and widths == [256, 1024] and calls == 1 + 1 + 4 + 4
     assert modulated > 0  # the projection by rows takes the modulated rows: the modulation ran first
     assert set(declined) == {"CUTLASS declined an int8 GEMM of 100 x 512 x 256", "CUTLASS declined the shape"}
+
+
+def test_a_declined_gemm_with_the_modulation_owed_applies_it_once(routed):
+    """fc1's GEMM declined after the quantiser was given its rows with the modulation owed: stock's call
+    runs on the rows modulated once (per chunk, by the block's own pass), with stock's bits."""
+    diff, calls, declined, widths, modulated = routed["exact 30 8192 declined"]
+    assert diff == 0.0 and widths == [256, 768] and calls == 1 + 1 + 4
+    assert declined == {"CUTLASS declined the shape": 4} and modulated > 0
 
 
 def test_fused_block_takes_the_route_too(routed):

@@ -116,3 +116,18 @@ def test_modulation_rows_of_another_shape_are_refused(gen):
     for scale1 in (torch.ones(3, 8), torch.ones(8, 4), torch.ones(1, 8)):
         with pytest.raises(ValueError, match="rows, cols"):
             h3_block.scale_shift_(h, scale1.bfloat16(), torch.zeros_like(scale1).bfloat16())
+
+
+def test_a_pending_modulation_is_applied_once(gen):
+    """Rows handed on with the modulation owed: ``apply`` gives stock's passes per segment, once however
+    often it is asked (a consumer that falls back after another one could otherwise modulate twice)."""
+    rows = torch.randn(7, 16, generator=gen).bfloat16()
+    segments = [(0, 3, torch.randn(16, generator=gen).bfloat16(), torch.randn(16, generator=gen).bfloat16()),
+                (3, 7, torch.randn(4, 16, generator=gen).bfloat16(), torch.randn(4, 16, generator=gen).bfloat16())]
+    want = rows.clone()
+    for a, b, scale1, shift in segments:
+        want[a:b].mul_(scale1).add_(shift)
+    pending = h3_block.PendingModulation(rows.clone(), segments)
+    assert h3_block.settled(pending) is pending.rows and torch.equal(pending.rows, want)
+    assert torch.equal(pending.apply(), want) and pending.applied
+    assert h3_block.settled(want) is want  # a tensor as it is
