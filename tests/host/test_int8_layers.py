@@ -25,9 +25,9 @@ def blocks(pack):
             for w in dh.WEIGHT_FORMATS}
 
 
-def routed(pack, layer, x):
+def routed(pack, layer, x, input_act=None):
     reasons = []
-    return pack.nodes.int8_layers.call(layer, x, record=reasons.append), reasons
+    return pack.nodes.int8_layers.call(layer, x, input_act, record=reasons.append), reasons
 
 
 def test_float_layers_run_stocks_call_unrecorded(pack, blocks):
@@ -68,3 +68,32 @@ def test_the_caller_follows_the_settings(pack):
     assert layers.caller(patch.Settings(own_int8_quantizer=False), report) is layers._stock
     taken = layers.caller(patch.Settings(), report)
     assert taken.func is layers.call and taken.keywords == {"record": report.record_int8}
+
+
+def test_a_cast_that_dequantises_runs_the_float_linear(pack, blocks, monkeypatch):
+    """Where stock's cast hands back a dequantised weight (a LoRA patched in on the fly, activations of
+    another dtype), the call is stock's float linear on it, for both call forms, with the reason recorded."""
+    import comfy.ops
+
+    route = pack.kernels.int8_linear
+    monkeypatch.setattr(route, "call_problem", lambda x, input_act=None: None)  # past the CPU's own reason
+    fc2 = blocks["int8_convrot"].mlp.fc2
+    dequantised = fc2.weight.dequantize().to(torch.bfloat16)
+
+    class Cast:  # stock's context, handing back the dequantised weight
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return dequantised, None
+
+        def __exit__(self, *args):
+            return False
+
+    monkeypatch.setattr(comfy.ops, "CastBiasWeightContext", Cast)
+    u = torch.randn(4, 2 * CONFIG["ffn_hidden_size"]).bfloat16()
+    for x, act in ((u[:, :CONFIG["ffn_hidden_size"]].contiguous(), None), (u, "swiglu")):
+        out, reasons = routed(pack, fc2, x, act)
+        want_in = comfy.ops.INPUT_ACT_EAGER[act](x) if act else x
+        assert torch.equal(out, torch.nn.functional.linear(want_in, dequantised))
+        assert reasons == ["the cast gave a weight that is not int8 ConvRot"]
