@@ -136,6 +136,17 @@ class PendingModulation:
         self.rows, self.segments = rows, segments
         self.applied = False
 
+    @property
+    def foldable(self) -> bool:
+        """Owed, with segments that tile the rows in order (no gaps or overlaps): a pass that reads the
+        rows once, segment by segment, can apply it."""
+        at = 0
+        for a, b, *_ in self.segments:
+            if a != at or b < a:
+                return False
+            at = b
+        return not self.applied and at == self.rows.shape[0]
+
     def apply(self) -> torch.Tensor:
         """The rows modulated, in place (one pass a segment, stock's bits); once, however often asked."""
         if not self.applied:

@@ -91,6 +91,13 @@ if triton is not None:
                                          [x], dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
+    def _load(ptr, ok, MASKED: tl.constexpr):
+        """A tile as fp32; masked (zeros where ``ok`` is false) only for a tile that runs past the row."""
+        if MASKED:
+            return tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
+        return tl.load(ptr).to(tl.float32)
+
+    @triton.jit
     def _rotated_tile(X, S1, B, row, stride_x, stride_p, K, NG, G0: tl.constexpr, G: tl.constexpr,
                       MASKED: tl.constexpr, SWIGLU: tl.constexpr, MOD: tl.constexpr, EMULATE: tl.constexpr):
         """Groups ``G0 .. G0 + G`` of the row (``MASKED``: those past ``NG`` are zeros), the SwiGLU applied
@@ -101,24 +108,12 @@ if triton is not None:
         col = g[:, None] * 256 + tl.arange(0, 256).to(tl.int64)[None, :]
         ok = (g < NG)[:, None] & (col >= 0)  # [G, 256]
         src = X + row * stride_x + col
-        if MASKED:
-            a = tl.load(src, mask=ok, other=0.0).to(tl.float32)
-        else:
-            a = tl.load(src).to(tl.float32)
+        a = _load(src, ok, MASKED)
         if SWIGLU:
-            if MASKED:
-                up = tl.load(src + K, mask=ok, other=0.0).to(tl.float32)
-            else:
-                up = tl.load(src + K).to(tl.float32)
-            a = _div_approx(a, 1.0 + _exp_approx(-a, EMULATE), EMULATE) * up
+            a = _div_approx(a, 1.0 + _exp_approx(-a, EMULATE), EMULATE) * _load(src + K, ok, MASKED)
         if MOD:
             p = row * stride_p + col
-            if MASKED:
-                s1 = tl.load(S1 + p, mask=ok, other=0.0).to(tl.float32)
-                b = tl.load(B + p, mask=ok, other=0.0).to(tl.float32)
-            else:
-                s1 = tl.load(S1 + p).to(tl.float32)
-                b = tl.load(B + p).to(tl.float32)
+            s1, b = _load(S1 + p, ok, MASKED), _load(B + p, ok, MASKED)
             a = _bf16_rn(_bf16_rn(a * s1, EMULATE) + b, EMULATE)  # stock's mul_, then its add_
         a = _h4_stage(a, G, 1)
         a = _h4_stage(a, G, 4)

@@ -80,9 +80,12 @@ def route_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, b
                   input_act: str | None = None) -> str | None:
     """Why stock's ``int8_linear(x, qdata, w_scale, bias, convrot=True, input_act=...)`` would not run
     the fused ConvRot quantiser and the CUTLASS GEMM that ``int8_linear`` reproduces; None: it would."""
-    problem = call_problem(x, input_act=input_act)
-    if problem is not None:
-        return problem
+    return call_problem(x, input_act=input_act) or weight_problem(x, qdata, w_scale, bias, input_act=input_act)
+
+
+def weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias, *,
+                   input_act: str | None = None) -> str | None:
+    """``route_problem`` for a call whose ``call_problem`` is already known to be None."""
     cuda = kitchen_cuda()[0]
     k = x.shape[1] // (2 if input_act == "swiglu" else 1)
     if qdata.dtype != torch.int8 or qdata.dim() != 2 or qdata.shape[1] != k:
@@ -129,10 +132,16 @@ def int8_linear(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bia
     """Stock's ``int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, input_act=...)``, with the
     pack's quantiser; None where ``route_problem`` names a reason or CUTLASS declines the shape (the
     caller then makes stock's call). ``modulation``: ``x`` is owed stock's modulation, segments
-    ``(a, b, scale1, shift)`` tiling its rows in order (``kernels.h3_block.PendingModulation``): each
-    segment's rows are modulated inside the quantiser, never written out."""
+    ``(a, b, scale1, shift)`` tiling its rows in order (``kernels.h3_block.PendingModulation.foldable``):
+    each segment's rows are modulated inside the quantiser, never written out."""
     if route_problem(x, qdata, w_scale, bias, input_act=input_act) is not None:
         return None
+    return routed(x, qdata, w_scale, bias, input_act=input_act, modulation=modulation)
+
+
+def routed(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
+           input_act: str | None = None, modulation: list | None = None) -> torch.Tensor | None:
+    """``int8_linear`` for a call whose ``route_problem`` is already known to be None."""
     xq, x_scale = _quantize(x, input_act, modulation)
     return gemm(xq, x_scale, qdata, w_scale, bias, x.dtype)
 
@@ -146,16 +155,6 @@ def _quantize(x, input_act, modulation):
     for a, b, scale1, shift in modulation:
         int8_activation.quantize_rows(x[a:b], modulation=(scale1, shift), out=(xq[a:b], x_scale[a:b]))
     return xq, x_scale
-
-
-def tiles_rows(segments: list, rows: int) -> bool:
-    """The modulation ``segments`` ``(a, b, ...)`` cover ``range(rows)`` in order, without gaps or overlaps."""
-    at = 0
-    for a, b, *_ in segments:
-        if a != at or b < a:
-            return False
-        at = b
-    return at == rows
 
 
 def stock_int8_linear(x, qdata, w_scale, bias=None, *, input_act: str | None = None) -> torch.Tensor:

@@ -101,8 +101,7 @@ class H3AttentionForward:
         """An int8 ConvRot qkv projection by columns on its input quantised once (K/V of every token at
         once, Q by chunks; ``int8_layers.quantized_columns``; a modulation owed applied by the quantiser),
         where the route takes it; else None."""
-        settings = self.patch.settings
-        if settings.block_path == "attention_only" or not settings.own_int8_quantizer:
+        if not int8_layers.route_on(self.patch.settings):
             return None
         form = int8_layers.quantized_columns(self.attn.qkv_proj, x, inner, record=self.patch.report.record_int8)
         if form is None:

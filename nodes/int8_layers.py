@@ -52,13 +52,7 @@ def call(layer, x, input_act: str | None = None, record=None) -> torch.Tensor:
     (``kernels.h3_block.PendingModulation``), which the quantiser applies where it takes the call."""
     if torch.compiler.is_compiling() or not is_int8_convrot(getattr(layer, "weight", None)):
         return _stock(layer, x, input_act)  # (stock's int8 linears do not compile; nothing is recorded in a trace)
-    pending = _owed(x)
-    if pending is not None:
-        x = pending.rows
-        if input_act is not None or not route.tiles_rows(pending.segments, x.shape[0]):
-            x, pending = pending.apply(), None
-    else:
-        x = block_ops.settled(x)
+    x, pending = _owed(x, input_act is None)
     problem = layer_problem(layer, x, input_act)
     if problem is not None:
         _tell(record, problem)
@@ -76,10 +70,10 @@ def call(layer, x, input_act: str | None = None, record=None) -> torch.Tensor:
         quantized = is_int8_convrot(weight)
         if quantized:
             qdata, scale = weight._qdata, weight._params.scale
-            out = route.int8_linear(x, qdata, scale, bias, input_act=input_act,
-                                    modulation=pending.segments if pending is not None else None)
-            _tell(record, None if out is not None else
-                  route.route_problem(x, qdata, scale, bias, input_act=input_act) or "CUTLASS declined the shape")
+            problem = route.weight_problem(x, qdata, scale, bias, input_act=input_act)  # the call's: checked above
+            out = None if problem else route.routed(x, qdata, scale, bias, input_act=input_act,
+                                                    modulation=pending.segments if pending is not None else None)
+            _tell(record, None if out is not None else problem or "CUTLASS declined the shape")
             if out is not None:
                 return out
         else:
@@ -98,15 +92,17 @@ def quantized_columns(layer, x, inner: int, record=None):
     take it (the projection then goes by rows, each chunk through ``call``). Only for a weight resident
     on x's device without a bias, as the bf16 column form: then stock's forward casts nothing. ``x``: a
     tensor, or rows owed the block's modulation (a ``PendingModulation``), applied by the quantiser."""
-    pending = _owed(x)
-    x = pending.rows if pending is not None else block_ops.settled(x)
     w = getattr(layer, "weight", None)
+    pending = x if isinstance(x, block_ops.PendingModulation) and x.foldable else None
+    if pending is not None:
+        x = pending.rows
+    elif isinstance(x, block_ops.PendingModulation):
+        return None  # a modulation the pass cannot fold: the caller applies it
     if (not is_int8_convrot(w) or getattr(layer, "bias", None) is not None or hasattr(layer, "_v")
-            or w.device != x.device or layer_problem(layer, x) is not None
-            or (pending is not None and not route.tiles_rows(pending.segments, x.shape[0]))):
+            or w.device != x.device or layer_problem(layer, x) is not None):
         return None
     qdata, scale = w._qdata, w._params.scale
-    if qdata.shape[0] != 3 * inner or route.route_problem(x, qdata, scale, None) is not None:
+    if qdata.shape[0] != 3 * inner or route.weight_problem(x, qdata, scale, None) is not None:  # the call's: above
         return None
     _every_op()
     rows = route.quantized_rows(x, pending.segments if pending is not None else None)
@@ -114,18 +110,24 @@ def quantized_columns(layer, x, inner: int, record=None):
     return rows, route.column_products(qdata, scale, 3 * inner)[0], route.column_products(qdata, scale, inner)
 
 
+def route_on(settings) -> bool:
+    """The patch's int8 ConvRot linears take the pack's quantiser: the block fast path is on and
+    ``settings.own_int8_quantizer``."""
+    return settings.block_path != "attention_only" and settings.own_int8_quantizer
+
+
 def caller(settings, report):
-    """How one patch calls a linear ``(layer, x, input_act=None)``: through ``call`` (its int8 ConvRot
-    layers on the pack's quantiser) with the block fast path on and ``settings.own_int8_quantizer``,
+    """How one patch calls a linear ``(layer, x, input_act=None)``: through ``call`` where ``route_on``,
     else stock's call."""
-    if settings.block_path == "attention_only" or not settings.own_int8_quantizer:
-        return _stock
-    return functools.partial(call, record=report.record_int8)
+    return functools.partial(call, record=report.record_int8) if route_on(settings) else _stock
 
 
-def _owed(x):
-    """``x`` if it is rows with the block's modulation still owed, else None."""
-    return x if isinstance(x, block_ops.PendingModulation) and not x.applied else None
+def _owed(x, fold: bool):
+    """(rows, the ``PendingModulation`` they still owe or None): a modulation the quantiser can fold
+    (``fold`` and ``foldable``) is kept owed; any other is applied here."""
+    if fold and isinstance(x, block_ops.PendingModulation) and x.foldable:
+        return x.rows, x
+    return block_ops.settled(x), None
 
 
 def _every_op() -> None:

@@ -40,7 +40,7 @@ SCRIPT = r"""
         cuda_int8_linear if name == "int8_linear" else stock_lookup(name, kwargs=kwargs))
     takes = lambda x, input_act=None: None if ia.quantize_takes(x, input_act) else "declined"
     route.call_problem = takes
-    route.route_problem = lambda x, qdata, w_scale, bias, input_act=None: takes(x, input_act)
+    route.weight_problem = lambda x, qdata, w_scale, bias, input_act=None: None
     widths = []  # output columns of each GEMM the route ran
     modulated = []  # modulation passes run on their own (not folded into a quantiser)
     block_ops = pack.kernels.h3_block

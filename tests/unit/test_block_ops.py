@@ -128,6 +128,8 @@ def test_a_pending_modulation_is_applied_once(gen):
     for a, b, scale1, shift in segments:
         want[a:b].mul_(scale1).add_(shift)
     pending = h3_block.PendingModulation(rows.clone(), segments)
+    assert pending.foldable  # its segments tile the rows in order
+    assert not h3_block.PendingModulation(rows, segments[1:]).foldable  # rows 0..2 owe nothing: a gap
     assert h3_block.settled(pending) is pending.rows and torch.equal(pending.rows, want)
-    assert torch.equal(pending.apply(), want) and pending.applied
+    assert torch.equal(pending.apply(), want) and pending.applied and not pending.foldable
     assert h3_block.settled(want) is want  # a tensor as it is
