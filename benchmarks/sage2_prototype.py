@@ -341,6 +341,13 @@ if triton is not None:
         tl.store(O + rows[:, None] * (H * D) + h * D + c[None, :], o.to(tl.bfloat16), mask=row_ok[:, None])
 
 
+def all_configs() -> dict:
+    """Every variant by name: this module's Triton configs, then the warp-specialised Gluon ones."""
+    from benchmarks import sage2_ws
+
+    return {**CONFIGS, **sage2_ws.WS_CONFIGS}
+
+
 def kernel_constexprs(cfg: Config, emulate: bool) -> dict:
     """The kernel's constexpr arguments for ``cfg`` (a launch here and the ahead-of-time build alike)."""
     return dict(D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, I2F_MAGIC=cfg.i2f_magic, EXP2_F16=cfg.exp2_f16,
@@ -375,11 +382,16 @@ def _check_operands(ops: dict) -> tuple[int, int, int]:
 def prototype_attention(ops: dict, sm_scale: float, *, config: str | Config = DEFAULT_CONFIG,
                         aot=None) -> torch.Tensor:
     """Attention from prepared operands (the dict ``quantize_operands`` returns) -> bf16 [S, H, D].
+    ``config`` may also name (or be) a warp-specialised Gluon variant (``benchmarks/sage2_ws.py``).
 
     ``aot``: a ``benchmarks.triton_aot.Cubins`` to launch the config's ahead-of-time cubin from (``config``
     then names one it holds) instead of compiling the kernel with this process's Triton."""
     if triton is None:
         raise RuntimeError(f"the sage2 prototype needs Triton: {sq.TRITON_ERROR}")
+    from benchmarks import sage2_ws
+
+    if (isinstance(config, str) and config in sage2_ws.WS_CONFIGS) or isinstance(config, sage2_ws.WsConfig):
+        return sage2_ws.ws_attention(ops, sm_scale, config, aot)
     cfg = CONFIGS[config] if isinstance(config, str) else config
     if (sq.V_PAD % cfg.block_n and cfg.block_n % sq.V_PAD) or cfg.block_n % 16 or cfg.block_m % 16:
         raise ValueError(f"block_n must divide {sq.V_PAD} or be a multiple of it, and be a multiple of 16, block_m a "
@@ -401,8 +413,18 @@ def prototype_attention(ops: dict, sm_scale: float, *, config: str | Config = DE
             raise ValueError("an ahead-of-time launch names its config (the cubin is built per name)")
         aot.launch(config, grid, values, torch.cuda.current_stream(out.device).cuda_stream)
         return out
+    if cfg.tma_loads and not sq.interpreting():
+        scratch_allocator()
     _prototype_kernel[grid](*values, **kernel_constexprs(cfg, emulate=sq.interpreting()), **compile_options(cfg))
     return out
+
+
+def scratch_allocator() -> None:
+    """Give Triton's launcher the global scratch that in-kernel TMA descriptors live in (torch memory)."""
+    def allocate(size: int, alignment: int, stream):  # torch's blocks are 512-byte aligned, past any ask here
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(allocate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,16 +556,19 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=HEADS)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--configs", nargs="+", default=["all"], help=f"names from {list(CONFIGS)}, or all")
+    p.add_argument("--configs", nargs="+", default=["all"],
+                   help=f"names from {list(all_configs())}, or all (the Triton configs), or ws (the Gluon ones)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--aot", default=None, metavar="DIR",
                    help="launch the configs from the cubins `python -m benchmarks.triton_aot --out DIR` built "
                         "(a newer Triton's code on a machine whose Triton is older; needs CuPy) instead of this Triton")
     args = p.parse_args(argv)
-    names = list(CONFIGS) if args.configs == ["all"] else args.configs
-    unknown = [n for n in names if n not in CONFIGS]
+    known = all_configs()
+    groups = {"all": list(CONFIGS), "ws": [n for n in known if n not in CONFIGS]}
+    names = [n for arg in args.configs for n in groups.get(arg, [arg])]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        sys.exit(f"unknown configs {unknown}; known: {list(CONFIGS)}")
+        sys.exit(f"unknown configs {unknown}; known: {list(known)}")
     problem = device_problem()
     if problem:
         sys.exit(f"sage2_prototype: {problem}")
@@ -558,7 +583,7 @@ def main(argv=None) -> int:
               "kernels_from": (f"cubins built ahead of time by Triton {aot.manifest['triton']}" if aot
                                else f"this machine's Triton {triton.__version__}"),
               "sageattention": getattr(sageattention, "__version__", None),
-              "configs": {n: asdict(CONFIGS[n]) for n in names}, "lengths": []}
+              "configs": {n: asdict(known[n]) for n in names}, "lengths": []}
     for seq in args.seq:
         report["lengths"].append(bench_length(seq, args.heads, names, args.reps, args.warmup, aot))
         print_length(report["lengths"][-1])

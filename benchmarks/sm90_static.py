@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import sage2_prototype as proto
-from benchmarks.triton_aot import check_compilable, compile_sm90
+from benchmarks.triton_aot import check_compilable
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "benchmarks" / "results" / "ncu" / "sage2_sm90_kernel_profile.json"
@@ -101,28 +101,60 @@ def main_loop(listing: list[str], labels: dict[str, int]) -> list[str]:
     return max(loops, key=len)
 
 
+def product_loops(listing: list[str], labels: dict[str, int]) -> list[list[str]]:
+    """Innermost loops that issue both products (``IGMMA`` and ``QGMMA``), in program order: the one
+    main loop of a Triton config, one per consumer warpgroup in a warp-specialised kernel (whose
+    partitions also sit inside the worker dispatch loop, which these leave out)."""
+    exits = [i for i, ins in enumerate(listing) if opcode(ins) == "EXIT"]
+    end = exits[-1] if exits else len(listing)
+    spans = []
+    for i, ins in enumerate(listing[:end]):
+        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ins)
+        if target and labels.get(target[1], i + 1) <= i:
+            ops = {opcode(x) for x in listing[labels[target[1]]:i + 1]}
+            if {"IGMMA", "QGMMA"} <= ops:
+                spans.append((labels[target[1]], i))
+    inner = [a for a in spans if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in spans)]
+    return [listing[a:b + 1] for a, b in sorted(inner)]
+
+
 @dataclass
 class Analysis:
     config: str
     registers: int
     stack_bytes: int
     shared_bytes: int
-    loop_instructions: int
+    loop_instructions: float  # a warp-specialised config: the mean of its consumers' loops
     per_score_element: float
     mma: dict
     mix: dict
 
 
 def analyse(name: str) -> Analysis:
-    config = proto.CONFIGS[name]
-    kernel = compile_sm90(config)
+    """One config's machine code. A warp-specialised config's loop and mix are the mean of its two
+    consumer warpgroups' loops (consumer 0 also issues the loads); per score element counts one
+    warpgroup's 128 threads over its 64 rows x block_n keys."""
+    from benchmarks import sage2_ws
+    from benchmarks.triton_aot import compile_named
+
+    kernel = compile_named(name)
     cubin, shared = kernel.asm["cubin"], int(kernel.metadata.shared)
     listing, labels = instructions(_run_tool("nvdisasm", ["-c"], cubin))
-    loop = main_loop(listing, labels)
-    mix = collections.Counter(opcode(i) for i in loop)
-    threads = 32 * config.num_warps
-    return Analysis(name, **resources(cubin), shared_bytes=shared, loop_instructions=len(loop),
-                    per_score_element=len(loop) * threads / (config.block_m * config.block_n),
+    if name in sage2_ws.WS_CONFIGS:
+        cfg = sage2_ws.WS_CONFIGS[name]
+        loops = product_loops(listing, labels)
+        if len(loops) != sage2_ws.CONSUMERS:
+            raise ValueError(f"{name}: expected one product loop per consumer warpgroup, found {len(loops)}")
+        threads, rows = 32 * sage2_ws.NUM_WARPS, sage2_ws.ROWS
+    else:
+        cfg = proto.CONFIGS[name]
+        loops = [main_loop(listing, labels)]
+        threads, rows = 32 * cfg.num_warps, cfg.block_m
+    mixes = [collections.Counter(opcode(i) for i in loop) for loop in loops]
+    mix = collections.Counter({op: sum(m[op] for m in mixes) / len(mixes) for op in set().union(*mixes)})
+    length = sum(len(loop) for loop in loops) / len(loops)
+    return Analysis(name, **resources(cubin), shared_bytes=shared, loop_instructions=length,
+                    per_score_element=length * threads / (rows * cfg.block_n),
                     mma={op: mix[op] for op in MMA_OPCODES if mix[op]}, mix=dict(mix.most_common()))
 
 
@@ -171,7 +203,7 @@ def markdown(profile: dict, configs: list[dict]) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", nargs="+", default=list(proto.CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=list(proto.all_configs()))
     parser.add_argument("--out", type=Path)
     parser.add_argument("--markdown", action="store_true", help="also print the table docs/BENCHMARKS.md holds")
     args = parser.parse_args(argv)

@@ -49,6 +49,15 @@ def compile_sm90(config: proto.Config):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=proto.compile_options(config))
 
 
+def compile_named(name: str):
+    """Config ``name`` compiled for sm90: a Triton prototype config or a warp-specialised Gluon one."""
+    from benchmarks import sage2_ws
+
+    if name in sage2_ws.WS_CONFIGS:
+        return sage2_ws.compile_sm90(sage2_ws.WS_CONFIGS[name])
+    return compile_sm90(proto.CONFIGS[name])
+
+
 def ptx_parameter_count(ptx: str, kernel: str) -> int:
     """How many parameters the PTX entry ``kernel`` takes."""
     entry = re.search(r"\.entry\s+" + re.escape(kernel) + r"\s*\((.*?)\)", ptx, re.S)
@@ -65,7 +74,7 @@ def build(out: Path, names: list[str]) -> dict:
     arguments = [n for n in proto._prototype_kernel.arg_names if n in SIGNATURE]
     manifest = {"triton": triton.__version__, "target": "sm_90a", "arguments": arguments, "configs": {}}
     for name in names:
-        kernel = compile_sm90(proto.CONFIGS[name])
+        kernel = compile_named(name)
         md = kernel.metadata
         params = ptx_parameter_count(kernel.asm["ptx"], md.name)
         if params != len(arguments) + SCRATCH_POINTERS:
@@ -158,9 +167,10 @@ class Cubins:
 
 def check_compilable(tool: str, names: list[str]) -> None:
     """SystemExit naming the problem when ``names`` holds an unknown config or Triton is missing."""
-    unknown = sorted(set(names) - set(proto.CONFIGS))
+    known = proto.all_configs()
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        raise SystemExit(f"{tool}: unknown configs {unknown}; known: {sorted(proto.CONFIGS)}")
+        raise SystemExit(f"{tool}: unknown configs {unknown}; known: {sorted(known)}")
     if proto.triton is None:
         raise SystemExit(f"{tool}: needs Triton ({proto.sq.TRITON_ERROR})")
 
@@ -168,7 +178,7 @@ def check_compilable(tool: str, names: list[str]) -> None:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for the cubins and manifest.json")
-    p.add_argument("--configs", nargs="+", default=list(proto.CONFIGS))
+    p.add_argument("--configs", nargs="+", default=list(proto.all_configs()))
     args = p.parse_args(argv)
     check_compilable("triton_aot", args.configs)
     return build(args.out, args.configs)

@@ -5,9 +5,13 @@ On the pack's own operands (``quantize_operands``, exact mode, H3-like normed in
 prototype config's error against fp32 attention of the same dequantised operands is within 10 % of
 SageAttention's own error on them (relative L2, first and last 256 query rows):
 
-* S = 8,192, 56 heads: every config in the table (one that does not compile on this Triton fails
-  the test, but for the experimental f16x2-exp2 config, which is skipped then);
-* S = 320,000, 56 heads, the default config, the fewest-instruction ones (``_cvt_groupk``) and a TMA one:
+* S = 8,192, 56 heads: every config in the table, the warp-specialised Gluon ones
+  (benchmarks/sage2_ws.py) too (one that does not compile on this Triton fails the test, but for the
+  experimental f16x2-exp2 config, which is skipped then);
+* the Gluon kernel against the one-warpgroup Triton kernel with the same arithmetic, at lengths that
+  exercise its pipeline's edges (one block, a one-key tail), within rounding;
+* S = 320,000, 56 heads, the default config, the fewest-instruction ones (``_cvt_groupk``), a TMA one and
+  the warp-specialised one:
   element offsets up to 2.9e9, past 2**31 (the last head of q/k/v, the output's last rows), checked
   on heads 0, 27 and 55. With 2 heads every offset
   would stay below 2**31 (8.2e7) and the 64-bit offsets would go untested; 56 heads take about
@@ -79,13 +83,13 @@ def short():
     return {"seq": seq, "ops": ops, "rows": rows, "ref": ref, "sage": errors(sage[rows], ref), "sage_out": sage}
 
 
-@pytest.mark.parametrize("name", list(proto.CONFIGS))
+@pytest.mark.parametrize("name", list(proto.all_configs()))
 def test_error_within_10_percent_of_sageattention_at_8192(short, aot, name):
     try:
         out = proto.prototype_attention(short["ops"], SM_SCALE, config=name, aot=aot)
         torch.cuda.synchronize()
     except Exception as exc:
-        if proto.CONFIGS[name].exp2_f16:
+        if getattr(proto.all_configs()[name], "exp2_f16", False):
             pytest.skip(f"the f16x2 exp2 config does not compile here: {type(exc).__name__}: {exc}")
         raise
     assert out.shape == (short["seq"], HEADS, D) and out.dtype == torch.bfloat16 and out.is_contiguous()
@@ -107,8 +111,29 @@ def test_integer_add_conversion_matches_the_plain_conversion(short, aot):
     assert ((magic.float() - plain.float()).norm() / plain.float().norm()).item() < 1e-3, row
 
 
+@pytest.mark.parametrize("seq", [100, 128, 129, 256, 300, 640, 1000])
+def test_warp_specialised_kernel_agrees_with_the_one_warpgroup_kernel(aot, seq):
+    """The Gluon kernel runs the arithmetic of ``m64n128w4s3_cvt_groupk_tma`` through its software pipeline
+    (block j's softmax beside block j-1's P.V, the last block masked, one block alone): a mistake in that
+    bookkeeping (a rescale applied to the wrong block, a stage read before its load, a lost tail) shows as
+    a difference far above rounding. Lengths: one partial block, one full, a one-key tail, two full, a
+    tail, five full, a tail."""
+    from benchmarks import sage2_ws
+
+    ops = proto.make_operands(seq, 4, seed=seq)
+    base = proto.prototype_attention(ops, SM_SCALE, config="m64n128w4s3_cvt_groupk_tma", aot=aot).float()
+    row = {"check": "ws_vs_one_warpgroup", "seq": seq}
+    for name in sage2_ws.WS_CONFIGS:
+        out = proto.prototype_attention(ops, SM_SCALE, config=name, aot=aot).float()
+        row[name] = {"rel_l2": ((out - base).norm() / base.norm()).item(),
+                     "bit_identical": bool(torch.equal(out, base))}
+    log_result(row)
+    for name in sage2_ws.WS_CONFIGS:
+        assert row[name]["rel_l2"] < 1e-3, row
+
+
 @pytest.mark.parametrize("name", [proto.DEFAULT_CONFIG, "m128n128w8s3_cvt_groupk", "m128n256w8s2_cvt_groupk_mmasum",
-                                  "m64n128w4s3_cvt_groupk_tma"])
+                                  "m64n128w4s3_cvt_groupk_tma", "ws_n128s3_pp"])
 def test_long_sequence_with_offsets_past_2_31(aot, name):
     seq, heads = 320000, [0, 27, 55]
     ops = proto.make_operands(seq, HEADS, seed=4)

@@ -49,6 +49,32 @@ def test_out_of_line_retries_after_the_exit_are_not_loops():
     assert [static.opcode(i) for i in loop] == ["FFMA", "MUFU", "IGMMA", "BRA"]
 
 
+def test_product_loops_are_the_innermost_loops_that_issue_both_products():
+    """A warp-specialised kernel: each partition's main loop, inside the loop its worker warps wait in;
+    a loop with one product only (the last P.V) and the enclosing loop are not product loops."""
+    listing, labels = static.instructions("""
+.L_x_0:
+        /*0000*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
+.L_x_1:
+        /*0010*/                   IGMMA.64x128x32.S8.S8 R88, gdesc[UR8], RZ ;
+        /*0020*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, R152, gdesc[UR12], RZ ;
+        /*0030*/               @P1 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0040*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, R152, gdesc[UR12], RZ ;
+        /*0050*/               @P2 BRA `(.L_x_2) ;
+.L_x_3:
+        /*0060*/                   FFMA R3, R4, R5, R6 ;
+        /*0070*/                   IGMMA.64x128x32.S8.S8 R88, gdesc[UR8], RZ ;
+        /*0080*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, R152, gdesc[UR12], RZ ;
+        /*0090*/               @P3 BRA `(.L_x_3) ;
+        /*00a0*/               @P4 BRA `(.L_x_0) ;
+        /*00b0*/                   EXIT ;
+""")
+    loops = static.product_loops(listing, labels)
+    assert [[static.opcode(i) for i in loop] for loop in loops] == [["IGMMA", "QGMMA", "BRA"],
+                                                                    ["FFMA", "IGMMA", "QGMMA", "BRA"]]
+
+
 def test_estimates_give_sageattentions_profiled_time_back():
     profile = static.profiled_kernel()
     assert set(profile) == set(static.H3_SEQS)

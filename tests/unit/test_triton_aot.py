@@ -37,6 +37,21 @@ def test_tma_configs_record_the_scratch_their_descriptors_need(tmp_path):
     assert entry["global_scratch_size"] >= 2 * 128 and entry["global_scratch_align"] >= 64  # K and V descriptors
 
 
+def test_warp_specialised_configs_build_with_the_same_launch_abi(tmp_path):
+    """The Gluon kernel takes the Triton prototype's arguments; its launch is both partitions' warps and
+    the scratch for its three in-kernel descriptors (Q, K, V)."""
+    from benchmarks import sage2_ws
+
+    if sage2_ws.gl is None:
+        pytest.skip(f"needs Triton's Gluon: {sage2_ws.GLUON_ERROR}")
+    name = sage2_ws.WS_DEFAULT
+    manifest = aot.build(tmp_path, [name])
+    entry = manifest["configs"][name]
+    assert entry["parameters"] == len(manifest["arguments"]) + aot.SCRATCH_POINTERS
+    assert entry["num_warps"] == sage2_ws.CONSUMERS * sage2_ws.NUM_WARPS
+    assert entry["global_scratch_size"] >= 3 * 128 and entry["shared"] > 100 * 1024
+
+
 def test_ptx_parameter_count_reads_the_named_entry():
     ptx = (".visible .entry other(\n .param .u64 a\n)\n"
            ".visible .entry k(\n\t.param .u64 .ptr .global .align 1 k_param_0,\n\t.param .u32 k_param_1,\n"

@@ -1,0 +1,405 @@
+"""A warp-specialised sm90 attention kernel on the pack's prepared operands (issue 21, stage 2), in Gluon.
+
+Why a second prototype: the Triton prototype (``benchmarks/sage2_prototype.py``) reaches
+SageAttention's sm90 kernel (0.95-1.05x) and no further, because Triton on Hopper cannot give one
+CTA warpgroups that run independently. SageAttention's own profile says why that matters: at 37,810
+tokens its time (43.6 ms) is the sum of the tensor pipe's floor (21.0 ms) and the XU pipe's floor
+(21.7 ms, one exp2 a score): the softmax's exponentials and the products do not overlap. Gluon,
+Triton's explicit-layout language (in every Triton wheel since 3.4, ``triton.experimental.gluon``),
+writes that structure directly:
+
+* one CTA = 128 query rows of one head = two **consumer** warpgroups of 64 rows (``gl.warp_specialize``),
+  sharing one ring of ``stages`` K/V tiles loaded by TMA, each tile with its own ready barrier (K's
+  and V's apart, so Q.K^T can start before V lands) and one "empty" barrier both consumers release;
+* each consumer runs the Triton prototype's arithmetic (``m64n128w4s3_cvt_groupk_tma``: int8 Q.K^T in
+  int32, to float, both scales once per (row, K-scale group), online softmax with SageAttention's
+  fp8 offset, P rounded to e4m3 and relabelled to V's stored positions with no data movement, a fresh
+  fp32 P.V a block added to the rescaled accumulator), **software-pipelined**: block j+1's Q.K^T and
+  block j's P.V are issued together, and block j+1's softmax runs while block j's P.V works;
+* **ping-pong** (``pingpong``): the consumers take turns to issue their products (an mbarrier each
+  way), so one warpgroup's softmax runs while the other's products occupy the tensor cores
+  (FlashAttention-3's schedule).
+
+There is no producer warp: with one (and ``setmaxnreg`` to move registers to the consumers) ptxas
+serialises every wgmma of the consumer worker partition for want of registers. The consumers load
+instead: once both have released a block's stage, consumer 0 issues the next K tile and consumer 1
+the next V tile, predicated rather than branched on, because P must reach its wgmma in the basic
+block where it is converted (across a branch or a loop iteration its bytes are unpacked and
+repacked, +128 instructions a block). docs/BENCHMARKS.md has the machine-code reading.
+
+Operands and output are the prototype's (``sage2_prototype`` docstring; devkit/sage2_oracle.py):
+int8 Q/K [H, S, D] with SageAttention's per-thread scales, e4m3 V [H, D, S_pad] in SageAttention's
+16-token permuted order, per-channel V scales; bf16 out [S, H, D]. The kernel's parameters are the
+prototype kernel's, so ``benchmarks.triton_aot`` builds it ahead of time the same way. Offsets are
+64-bit (each head's base pointer is formed in int64; TMA coordinates are 32-bit element indices within
+one head, below 2**31 for any S).
+
+Status: a prototype in benchmarks/; no back-end imports it. Compiled and read here without a GPU
+(``tests/unit/test_sage2_ws.py``); Gluon has no CPU interpreter, so its results and times come only
+from a GPU: ``tests/gpu/test_sage2_prototype_gpu.py`` and ``python -m benchmarks.sage2_prototype
+--configs ws ...`` (the ``ws_*`` configs run through the prototype's harness beside SageAttention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from benchmarks import sage2_prototype as proto
+
+try:  # Gluon ships inside Triton >= 3.4; the prototype is only compiled where it exists
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    GLUON_ERROR = None
+except ImportError as exc:  # pragma: no cover - depends on the installed Triton
+    gluon = gl = None
+    GLUON_ERROR = f"{type(exc).__name__}: {exc}"
+
+D = proto.D
+ROWS = 64  # query rows a consumer warpgroup owns (one m64 wgmma row block)
+CONSUMERS = 2
+
+
+@dataclass(frozen=True)
+class WsConfig:
+    """One warp-specialised variant."""
+
+    block_n: int = 128  # keys a block
+    stages: int = 3  # K/V ring depth: block b + stages is loaded once block b is retired
+    pingpong: bool = True  # consumers take turns to issue their products
+    i2f_magic: bool = False  # int32 -> fp32 by integer add + float subtract (else the conversion)
+    overlap_pv: bool = True  # a block's softmax runs while the previous block's P.V is in flight
+
+    @property
+    def block_m(self) -> int:
+        return ROWS * CONSUMERS
+
+
+WS_CONFIGS = {
+    "ws_n128s3_pp": WsConfig(),
+    "ws_n128s2_pp": WsConfig(stages=2),
+    "ws_n128s4_pp": WsConfig(stages=4),
+    "ws_n128s3": WsConfig(pingpong=False),
+    "ws_n128s3_pp_serial": WsConfig(overlap_pv=False),
+    "ws_n128s3_pp_magic": WsConfig(i2f_magic=True),
+}
+WS_DEFAULT = "ws_n128s3_pp"
+
+
+if gl is not None:
+    _OFFSET = gl.constexpr(proto.FP8_OFFSET)
+
+    @gluon.constexpr_function
+    def _mma_layout(n):
+        # one warpgroup, m64 rows, n columns an instruction; the k (32) fits 8-bit operands
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 32])
+
+    @gluon.jit
+    def _to_f32(x, MAGIC: gl.constexpr):
+        """int32 -> fp32; MAGIC: 0x4B400000 is 1.5*2**23's bits, exact for |x| < 2**22 (|q.k| <= 2**21)."""
+        if MAGIC:
+            y = (x + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
+        else:
+            y = x.to(gl.float32)
+        return y
+
+    @gluon.jit
+    def _to_5d(x, ROW: gl.constexpr):
+        """[M, U, 4] (ROW: [M]) in the layouts _softmax_block slices them to -> broadcastable [M, U, 16, 4, 2]."""
+        if ROW:
+            x = gl.expand_dims(gl.expand_dims(x, 1), 2)
+        return gl.expand_dims(gl.expand_dims(x, 2), 4)
+
+    @gluon.jit
+    def _softmax_block(s, qsc, m_i, l_i, KS_head, n0, S, p_layout: gl.constexpr, MAGIC: gl.constexpr,
+                       MASKED: gl.constexpr):
+        """Block scores (int32 [ROWS, N], token order) -> (P as e4m3 in V's position order, alpha, m, l).
+
+        Column 128u + 8x + 2g + b has K scale g of 128-key block u, and in the wgmma accumulator each
+        thread's columns of a 128-key block share g: the row max is taken on the unscaled scores per
+        (row, u, g), scaled once, and exp2's argument is one FFMA a score with both scales' product."""
+        M: gl.constexpr = s.shape[0]
+        N: gl.constexpr = s.shape[1]
+        U: gl.constexpr = N // 128
+        row_layout: gl.constexpr = m_i.type.layout
+        f = _to_f32(s, MAGIC)
+        if MASKED:
+            col = n0 + gl.arange(0, N, layout=gl.SliceLayout(0, s.type.layout))
+            f = gl.where((col < S)[None, :], f, float("-inf"))
+        f5 = gl.reshape(f, [M, U, 16, 4, 2])
+        gmax = gl.max(gl.max(f5, 4), 2)  # [M, U, 4]
+        g_layout: gl.constexpr = gmax.type.layout
+        u = gl.arange(0, U, layout=gl.SliceLayout(1, gl.SliceLayout(0, g_layout)))
+        g = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, g_layout)))
+        ks_at = KS_head + (n0 // 128 + u)[:, None] * 4 + g[None, :]
+        if MASKED:  # a 256-key tail block may reach past the last K-scale block
+            ks = gl.load(ks_at, mask=((n0 // 128 + u) * 128 < S)[:, None], other=0.0)
+        else:
+            ks = gl.load(ks_at)
+        scaled = gmax * ks[None, :, :]
+        if MASKED:  # a group with no valid key: -inf times a zero scale would be NaN
+            scaled = gl.where(gmax == float("-inf"), float("-inf"), scaled)
+        q5: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, g_layout))
+        qsc_g = gl.convert_layout(qsc, q5)
+        m_new = gl.maximum(gl.convert_layout(m_i, q5), gl.max(gl.max(scaled, 2), 1) * qsc_g - _OFFSET)
+        mult = gl.expand_dims(gl.expand_dims(qsc_g, 1), 2) * gl.expand_dims(ks, 0)  # [M, U, 4]
+        arg5 = f5 * _to_5d(mult, False) - _to_5d(m_new, True)
+        if MASKED:
+            arg5 = gl.where(f5 == float("-inf"), float("-inf"), arg5)
+        p = gl.exp2(gl.reshape(arg5, [M, N]))
+        m_new = gl.convert_layout(m_new, row_layout)
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_layout)  # the row sum of the unrounded P
+        # token 8a + 2t + b of each 16 to V's position 4t + 2a + b (SageAttention's V layout): a relabelling
+        # of the accumulator's registers, which then are fp8 wgmma's A operand as they stand
+        p = gl.reshape(gl.permute(gl.reshape(p, [M, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4)), [M, N])
+        return gl.convert_layout(p, p_layout).to(gl.float8e4nv), alpha, m_new, l_i
+
+    @gluon.jit
+    def _issue(turn, which, t, PINGPONG: gl.constexpr):
+        """Wait for this consumer's t-th turn to issue products (consumer 0 goes first)."""
+        if PINGPONG:
+            mbarrier.wait(turn.index(which), (t & 1) ^ (1 - which))
+
+    @gluon.jit
+    def _issued(turn, which, PINGPONG: gl.constexpr):
+        """Hand the turn to the other consumer."""
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - which), count=1)
+
+    @gluon.jit
+    def _qk(q_tile, k_smem, st):
+        N: gl.constexpr = k_smem.shape[1]
+        return warpgroup_mma(q_tile, k_smem.index(st).permute((1, 0)),
+                             gl.zeros([q_tile.shape[0], N], gl.int32, layout=_mma_layout(128)), use_acc=False,
+                             is_async=True)
+
+    @gluon.jit
+    def _pv(p, v_smem, st, acc):
+        """A fresh fp32 P.V (SageAttention's "inst_buf": fp8 wgmma accumulates with fewer bits than fp32)."""
+        return warpgroup_mma(p, v_smem.index(st).permute((1, 0)), gl.zeros_like(acc), use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _load_tile(desc, smem, ready, coord, pred=True):
+        """One TMA tile into ``smem`` signalling ``ready`` (predicated rather than branched on: no branch
+        may stand between P's cast and its wgmma)."""
+        mbarrier.expect(ready, desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(desc, coord, ready, smem, pred=pred)
+
+    @gluon.jit
+    def _load_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, STAGES: gl.constexpr):
+        """Key block b's K and V tiles into ring stage b % STAGES, each with its own ready barrier."""
+        N: gl.constexpr = k_smem.shape[1]
+        st = b % STAGES
+        _load_tile(k_desc, k_smem.index(st), k_ready.index(st), [b * N, 0])
+        _load_tile(v_desc, v_smem.index(st), v_ready.index(st), [0, b * N])
+
+    @gluon.jit
+    def _retire_pv(pv, acc, alpha, b, kv_empty, STAGES: gl.constexpr):
+        """Wait for block b's P.V, release b's ring stage, add the product to the rescaled accumulator."""
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
+        mbarrier.arrive(kv_empty.index(b % STAGES), count=1)
+        return acc * alpha[:, None] + pv
+
+    @gluon.jit
+    def _refill(b, n_blocks, ring, WHICH: gl.constexpr, STAGES: gl.constexpr):
+        """Once both consumers have released block b, block b + STAGES takes its stage: consumer 0 loads
+        its K tile, consumer 1 its V tile, so the two loops carry the same work."""
+        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty = ring
+        N: gl.constexpr = k_smem.shape[1]
+        st = b % STAGES
+        more = b + STAGES < n_blocks
+        mbarrier.wait(kv_empty.index(st), (b // STAGES) & 1, pred=more)
+        if WHICH == 0:
+            _load_tile(k_desc, k_smem.index(st), k_ready.index(st), [(b + STAGES) * N, 0], pred=more)
+        else:
+            _load_tile(v_desc, v_smem.index(st), v_ready.index(st), [0, (b + STAGES) * N], pred=more)
+
+    @gluon.jit
+    def _steady_block(j, n_blocks, s, pv_prev, acc, l_i, m_i, alpha_prev, q_tile, ring, turn, qsc, KS_head, S,
+                      p_layout: gl.constexpr, WHICH: gl.constexpr, STAGES: gl.constexpr, MAGIC: gl.constexpr,
+                      PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+        """Block j (full, not the last): its softmax while block j-1's P.V runs, then block j+1's Q.K^T and
+        block j's P.V issued together; returns with block j+1's scores and block j's P.V in flight."""
+        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty = ring
+        N: gl.constexpr = k_smem.shape[1]
+        if not OVERLAP:
+            acc = _retire_pv(pv_prev, acc, alpha_prev, j - 1, kv_empty, STAGES)
+            _refill(j - 1, n_blocks, ring, WHICH, STAGES)
+        p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, j * N, S, p_layout, MAGIC, False)
+        if OVERLAP:
+            acc = _retire_pv(pv_prev, acc, alpha_prev, j - 1, kv_empty, STAGES)
+            _refill(j - 1, n_blocks, ring, WHICH, STAGES)
+        mbarrier.wait(k_ready.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+        _issue(turn, WHICH, j + 1, PINGPONG)
+        s = _qk(q_tile, k_smem, (j + 1) % STAGES)
+        pv = _pv(p, v_smem, j % STAGES, acc)
+        _issued(turn, WHICH, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        return s, pv, acc, l_i, m_i, alpha
+
+    @gluon.jit
+    def _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, WHICH: gl.constexpr,
+                  STAGES: gl.constexpr, MAGIC: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+        """One warpgroup's 64 query rows against every key block. Products are issued at n_blocks + 1 turns:
+        block 0's Q.K^T, then each block's P.V together with the next block's Q.K^T, then the last P.V."""
+        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty = ring
+        N: gl.constexpr = k_smem.shape[1]
+        Dh: gl.constexpr = k_smem.shape[2]
+        layout: gl.constexpr = _mma_layout(128)
+        rows_l: gl.constexpr = gl.SliceLayout(1, layout)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=4)
+        rows = m0 + WHICH * 64 + gl.arange(0, 64, layout=rows_l).to(gl.int64)
+        qsc = gl.load(QS + h * NQS + rows // 16 * 8 + rows % 8, mask=rows < S, other=0.0) * qk_scale
+        n_blocks = gl.cdiv(S, N)
+        last = n_blocks - 1
+        mbarrier.wait(q_bar, 0)
+        q_tile = q_smem.index(WHICH)
+        mbarrier.wait(k_ready.index(0), 0)
+        _issue(turn, WHICH, 0, PINGPONG)
+        s = _qk(q_tile, k_smem, 0)
+        _issued(turn, WHICH, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=rows_l)
+        l_i = gl.zeros([64], gl.float32, layout=rows_l)
+        acc = gl.zeros([64, Dh], gl.float32, layout=layout)
+        if last > 0:
+            # block 0 (full): softmax, then block 1's Q.K^T and block 0's P.V
+            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, 0, S, p_layout, MAGIC, False)
+            mbarrier.wait(k_ready.index(1 % STAGES), (1 // STAGES) & 1)
+            mbarrier.wait(v_ready.index(0), 0)
+            _issue(turn, WHICH, 1, PINGPONG)
+            s = _qk(q_tile, k_smem, 1 % STAGES)
+            pv = _pv(p, v_smem, 0, acc)
+            _issued(turn, WHICH, PINGPONG)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+            for j in range(1, last):
+                s, pv, acc, l_i, m_i, alpha = _steady_block(j, n_blocks, s, pv, acc, l_i, m_i, alpha, q_tile, ring,
+                                                            turn, qsc, KS_head, S, p_layout, WHICH, STAGES, MAGIC,
+                                                            PINGPONG, OVERLAP)
+            # the last block (partial or not): its softmax after the previous P.V
+            acc = _retire_pv(pv, acc, alpha, last - 1, kv_empty, STAGES)
+            _refill(last - 1, n_blocks, ring, WHICH, STAGES)
+            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, last * N, S, p_layout, MAGIC, True)
+        else:  # one block, the only one, partial
+            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, 0, S, p_layout, MAGIC, True)
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        _issue(turn, WHICH, last + 1, PINGPONG)
+        pv = _pv(p, v_smem, last % STAGES, acc)
+        _issued(turn, WHICH, PINGPONG)
+        acc = _retire_pv(pv, acc, alpha, last, kv_empty, STAGES)  # the last stage: nothing left to load
+        c = gl.arange(0, Dh, layout=gl.SliceLayout(0, layout))
+        vs = gl.load(VS + h * Dh + c)
+        o = acc / l_i[:, None] * vs[None, :]
+        gl.store(O + rows[:, None] * (H * Dh) + h * Dh + c[None, :], o.to(gl.bfloat16), mask=(rows < S)[:, None])
+
+    @gluon.jit
+    def _consumer_0(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, STAGES: gl.constexpr,
+                    MAGIC: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+        _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 0, STAGES, MAGIC,
+                  PINGPONG, OVERLAP)
+
+    @gluon.jit
+    def _consumer_1(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, STAGES: gl.constexpr,
+                    MAGIC: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+        _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 1, STAGES, MAGIC,
+                  PINGPONG, OVERLAP)
+
+    @gluon.jit
+    def _ws_kernel(Q, QS, K, KS, V, VS, O, S, H, NQS, NKS, LPAD, qk_scale, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, MAGIC: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+        Dh: gl.constexpr = 128
+        m0 = gl.program_id(0) * 128
+        h = gl.program_id(1).to(gl.int64)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, Dh], gl.int8)
+        k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, Dh], gl.int8)
+        v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Dh, BLOCK_N], gl.float8e4nv)
+        # one head's operands; zero past S (Q, K) and past the padded length (V)
+        q_desc = tma.make_tensor_descriptor(Q + h * S * Dh, shape=[S, Dh], strides=[Dh, 1], block_shape=[64, Dh],
+                                            layout=q_layout)
+        k_desc = tma.make_tensor_descriptor(K + h * S * Dh, shape=[S, Dh], strides=[Dh, 1],
+                                            block_shape=[BLOCK_N, Dh], layout=k_layout)
+        v_desc = tma.make_tensor_descriptor(V + h * Dh * LPAD, shape=[Dh, LPAD], strides=[LPAD, 1],
+                                            block_shape=[Dh, BLOCK_N], layout=v_layout)
+        q_smem = gl.allocate_shared_memory(gl.int8, [2, 64, Dh], q_layout)
+        k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, Dh], k_layout)
+        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, Dh, BLOCK_N], v_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        fence_async_shared()
+        # the first loads, before the consumers fork: both Q tiles and the ring's first STAGES key blocks
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [m0 + 64, 0], q_bar, q_smem.index(1))
+        n_blocks = gl.cdiv(S, BLOCK_N)
+        for b in gl.static_range(STAGES):
+            if b < n_blocks:
+                _load_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, STAGES)
+        ring = (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty)
+        args = (q_smem, q_bar, ring, turn, QS, KS + h * NKS, VS, O, h, m0, S, H, NQS, qk_scale, STAGES, MAGIC,
+                PINGPONG, OVERLAP)
+        # two consumer warpgroups and no producer warps: every warp keeps the kernel's full register
+        # budget (ptxas serialises the wgmmas of a setmaxnreg worker partition for want of registers)
+        gl.warp_specialize([(_consumer_0, args), (_consumer_1, args)], [4])
+
+
+def ws_constexprs(cfg: WsConfig) -> dict:
+    return dict(BLOCK_N=cfg.block_n, STAGES=cfg.stages, MAGIC=cfg.i2f_magic, PINGPONG=cfg.pingpong,
+                OVERLAP=cfg.overlap_pv)
+
+
+NUM_WARPS = 4  # each partition's warps: the default partition (consumer 0) and consumer 1
+
+
+def compile_sm90(cfg: WsConfig):
+    """The kernel compiled for sm90 (no GPU needed), with a real launch's specialisations: every pointer
+    and the operands' padded lengths divisible by 16, the sequence length left unspecialised."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from benchmarks.triton_aot import DIVISIBLE_BY_16, SIGNATURE
+
+    if gl is None:
+        raise RuntimeError(f"the warp-specialised prototype needs Triton's Gluon: {GLUON_ERROR}")
+    names = list(_ws_kernel.arg_names)
+    signature = {n: SIGNATURE.get(n, "constexpr") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE_BY_16}
+    source = GluonASTSource(_ws_kernel, signature=signature, constexprs=ws_constexprs(cfg), attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS))
+
+
+def ws_attention(ops: dict, sm_scale: float, config: str | WsConfig = WS_DEFAULT, aot=None):
+    """Attention from prepared operands -> bf16 [S, H, D], by the warp-specialised kernel (sm90 only).
+    ``aot``: a ``benchmarks.triton_aot.Cubins`` holding the named config's cubin."""
+    import torch
+
+    if gl is None and aot is None:
+        raise RuntimeError(f"the warp-specialised prototype needs Triton's Gluon: {GLUON_ERROR}")
+    cfg = WS_CONFIGS[config] if isinstance(config, str) else config
+    h, s, d = proto._check_operands(ops)
+    out = torch.empty(s, h, d, dtype=torch.bfloat16, device=ops["q_int8"].device)
+    grid = (-(-s // cfg.block_m), h)
+    values = (ops["q_int8"], ops["q_scale"], ops["k_int8"], ops["k_scale"], ops["v_fp8"], ops["v_scale"], out,
+              s, h, ops["q_scale"].shape[-1], ops["k_scale"].shape[-1], ops["v_fp8"].shape[-1],
+              float(sm_scale) * proto.LOG2E)
+    if aot is not None:
+        if not isinstance(config, str):
+            raise ValueError("an ahead-of-time launch names its config (the cubin is built per name)")
+        aot.launch(config, grid, values, torch.cuda.current_stream(out.device).cuda_stream)
+    else:
+        proto.scratch_allocator()
+        _ws_kernel[grid](*values, **ws_constexprs(cfg), num_warps=NUM_WARPS)
+    return out
