@@ -68,7 +68,6 @@ class WsConfig:
     block_n: int = 128  # keys a block
     stages: int = 3  # K/V ring depth: block b + stages is loaded once block b is retired
     pingpong: bool = True  # consumers take turns to issue their products
-    i2f_magic: bool = False  # int32 -> fp32 by integer add + float subtract (else the conversion)
     overlap_pv: bool = True  # a block's softmax runs while the previous block's P.V is in flight
 
     @property
@@ -82,7 +81,6 @@ WS_CONFIGS = {
     "ws_n128s4_pp": WsConfig(stages=4),
     "ws_n128s3": WsConfig(pingpong=False),
     "ws_n128s3_pp_serial": WsConfig(overlap_pv=False),
-    "ws_n128s3_pp_magic": WsConfig(i2f_magic=True),
 }
 WS_DEFAULT = "ws_n128s3_pp"
 
@@ -96,15 +94,6 @@ if gl is not None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 32])
 
     @gluon.jit
-    def _to_f32(x, MAGIC: gl.constexpr):
-        """int32 -> fp32; MAGIC: 0x4B400000 is 1.5*2**23's bits, exact for |x| < 2**22 (|q.k| <= 2**21)."""
-        if MAGIC:
-            y = (x + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
-        else:
-            y = x.to(gl.float32)
-        return y
-
-    @gluon.jit
     def _to_5d(x, ROW: gl.constexpr):
         """[M, U, 4] (ROW: [M]) in the layouts _softmax_block slices them to -> broadcastable [M, U, 16, 4, 2]."""
         if ROW:
@@ -112,7 +101,7 @@ if gl is not None:
         return gl.expand_dims(gl.expand_dims(x, 2), 4)
 
     @gluon.jit
-    def _softmax_block(s, qsc, m_i, l_i, KS_head, n0, S, p_layout: gl.constexpr, MAGIC: gl.constexpr,
+    def _softmax_block(s, qsc, m_i, l_i, KS_head, n0, S, p_layout: gl.constexpr,
                        MASKED: gl.constexpr):
         """Block scores (int32 [ROWS, N], token order) -> (P as e4m3 in V's position order, alpha, m, l).
 
@@ -123,7 +112,7 @@ if gl is not None:
         N: gl.constexpr = s.shape[1]
         U: gl.constexpr = N // 128
         row_layout: gl.constexpr = m_i.type.layout
-        f = _to_f32(s, MAGIC)
+        f = s.to(gl.float32)  # the integer-add trick issues one more a score here and ran no faster in Triton
         if MASKED:
             col = n0 + gl.arange(0, N, layout=gl.SliceLayout(0, s.type.layout))
             f = gl.where((col < S)[None, :], f, float("-inf"))
@@ -218,7 +207,7 @@ if gl is not None:
 
     @gluon.jit
     def _steady_block(j, n_blocks, s, pv_prev, acc, l_i, m_i, alpha_prev, q_tile, ring, turn, qsc, KS_head, S,
-                      p_layout: gl.constexpr, WHICH: gl.constexpr, STAGES: gl.constexpr, MAGIC: gl.constexpr,
+                      p_layout: gl.constexpr, WHICH: gl.constexpr, STAGES: gl.constexpr,
                       PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
         """Block j (full, not the last): its softmax while block j-1's P.V runs, then block j+1's Q.K^T and
         block j's P.V issued together; returns with block j+1's scores and block j's P.V in flight."""
@@ -227,7 +216,7 @@ if gl is not None:
         if not OVERLAP:
             acc = _retire_pv(pv_prev, acc, alpha_prev, j - 1, kv_empty, STAGES)
             _refill(j - 1, n_blocks, ring, WHICH, STAGES)
-        p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, j * N, S, p_layout, MAGIC, False)
+        p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, j * N, S, p_layout, False)
         if OVERLAP:
             acc = _retire_pv(pv_prev, acc, alpha_prev, j - 1, kv_empty, STAGES)
             _refill(j - 1, n_blocks, ring, WHICH, STAGES)
@@ -242,7 +231,7 @@ if gl is not None:
 
     @gluon.jit
     def _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, WHICH: gl.constexpr,
-                  STAGES: gl.constexpr, MAGIC: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+                  STAGES: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
         """One warpgroup's 64 query rows against every key block. Products are issued at n_blocks + 1 turns:
         block 0's Q.K^T, then each block's P.V together with the next block's Q.K^T, then the last P.V."""
         k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty = ring
@@ -267,7 +256,7 @@ if gl is not None:
         acc = gl.zeros([64, Dh], gl.float32, layout=layout)
         if last > 0:
             # block 0 (full): softmax, then block 1's Q.K^T and block 0's P.V
-            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, 0, S, p_layout, MAGIC, False)
+            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, 0, S, p_layout, False)
             mbarrier.wait(k_ready.index(1 % STAGES), (1 // STAGES) & 1)
             mbarrier.wait(v_ready.index(0), 0)
             _issue(turn, WHICH, 1, PINGPONG)
@@ -277,14 +266,14 @@ if gl is not None:
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
             for j in range(1, last):
                 s, pv, acc, l_i, m_i, alpha = _steady_block(j, n_blocks, s, pv, acc, l_i, m_i, alpha, q_tile, ring,
-                                                            turn, qsc, KS_head, S, p_layout, WHICH, STAGES, MAGIC,
+                                                            turn, qsc, KS_head, S, p_layout, WHICH, STAGES,
                                                             PINGPONG, OVERLAP)
             # the last block (partial or not): its softmax after the previous P.V
             acc = _retire_pv(pv, acc, alpha, last - 1, kv_empty, STAGES)
             _refill(last - 1, n_blocks, ring, WHICH, STAGES)
-            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, last * N, S, p_layout, MAGIC, True)
+            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, last * N, S, p_layout, True)
         else:  # one block, the only one, partial
-            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, 0, S, p_layout, MAGIC, True)
+            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, 0, S, p_layout, True)
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         _issue(turn, WHICH, last + 1, PINGPONG)
         pv = _pv(p, v_smem, last % STAGES, acc)
@@ -297,19 +286,19 @@ if gl is not None:
 
     @gluon.jit
     def _consumer_0(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, STAGES: gl.constexpr,
-                    MAGIC: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
-        _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 0, STAGES, MAGIC,
+                    PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+        _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 0, STAGES,
                   PINGPONG, OVERLAP)
 
     @gluon.jit
     def _consumer_1(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, STAGES: gl.constexpr,
-                    MAGIC: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
-        _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 1, STAGES, MAGIC,
+                    PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+        _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 1, STAGES,
                   PINGPONG, OVERLAP)
 
     @gluon.jit
     def _ws_kernel(Q, QS, K, KS, V, VS, O, S, H, NQS, NKS, LPAD, qk_scale, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, MAGIC: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+                   STAGES: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
         Dh: gl.constexpr = 128
         m0 = gl.program_id(0) * 128
         h = gl.program_id(1).to(gl.int64)
@@ -348,7 +337,7 @@ if gl is not None:
             if b < n_blocks:
                 _load_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, STAGES)
         ring = (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty)
-        args = (q_smem, q_bar, ring, turn, QS, KS + h * NKS, VS, O, h, m0, S, H, NQS, qk_scale, STAGES, MAGIC,
+        args = (q_smem, q_bar, ring, turn, QS, KS + h * NKS, VS, O, h, m0, S, H, NQS, qk_scale, STAGES,
                 PINGPONG, OVERLAP)
         # two consumer warpgroups and no producer warps: every warp keeps the kernel's full register
         # budget (ptxas serialises the wgmmas of a setmaxnreg worker partition for want of registers)
@@ -356,7 +345,7 @@ if gl is not None:
 
 
 def ws_constexprs(cfg: WsConfig) -> dict:
-    return dict(BLOCK_N=cfg.block_n, STAGES=cfg.stages, MAGIC=cfg.i2f_magic, PINGPONG=cfg.pingpong,
+    return dict(BLOCK_N=cfg.block_n, STAGES=cfg.stages, PINGPONG=cfg.pingpong,
                 OVERLAP=cfg.overlap_pv)
 
 

@@ -85,17 +85,23 @@ def opcode(instruction: str) -> str:
     return re.sub(r"^@!?U?P[T\d]+\s+", "", instruction).split()[0].split(".")[0]
 
 
-def main_loop(listing: list[str], labels: dict[str, int]) -> list[str]:
-    """The longest loop body: from a label to the backward branch that returns to it. Branches past
-    the last ``EXIT`` are left out: that is out-of-line code (the retry of an mbarrier wait, in
-    kernels that load by TMA) jumping back into the body, not a loop."""
+def loop_spans(listing: list[str], labels: dict[str, int]) -> list[tuple[int, int]]:
+    """(first, last) instruction of every loop: a label and the backward branch that returns to it.
+    Branches past the last ``EXIT`` are left out: that is out-of-line code (the retry of an mbarrier
+    wait, in kernels that load by TMA) jumping back into the body, not a loop."""
     exits = [i for i, ins in enumerate(listing) if opcode(ins) == "EXIT"]
     end = exits[-1] if exits else len(listing)
-    loops = []
+    spans = []
     for i, ins in enumerate(listing[:end]):
         target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ins)
         if target and labels.get(target[1], i + 1) <= i:
-            loops.append(listing[labels[target[1]]:i + 1])
+            spans.append((labels[target[1]], i))
+    return spans
+
+
+def main_loop(listing: list[str], labels: dict[str, int]) -> list[str]:
+    """The longest loop body."""
+    loops = [listing[a:b + 1] for a, b in loop_spans(listing, labels)]
     if not loops:
         raise ValueError("no backward branch: the kernel has no loop")
     return max(loops, key=len)
@@ -105,15 +111,8 @@ def product_loops(listing: list[str], labels: dict[str, int]) -> list[list[str]]
     """Innermost loops that issue both products (``IGMMA`` and ``QGMMA``), in program order: the one
     main loop of a Triton config, one per consumer warpgroup in a warp-specialised kernel (whose
     partitions also sit inside the worker dispatch loop, which these leave out)."""
-    exits = [i for i, ins in enumerate(listing) if opcode(ins) == "EXIT"]
-    end = exits[-1] if exits else len(listing)
-    spans = []
-    for i, ins in enumerate(listing[:end]):
-        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", ins)
-        if target and labels.get(target[1], i + 1) <= i:
-            ops = {opcode(x) for x in listing[labels[target[1]]:i + 1]}
-            if {"IGMMA", "QGMMA"} <= ops:
-                spans.append((labels[target[1]], i))
+    spans = [(a, b) for a, b in loop_spans(listing, labels)
+             if {"IGMMA", "QGMMA"} <= {opcode(x) for x in listing[a:b + 1]}]
     inner = [a for a in spans if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in spans)]
     return [listing[a:b + 1] for a, b in sorted(inner)]
 

@@ -85,8 +85,7 @@ def test_instructions_a_score_stay_at_sageattentions_level(compiled):
     for name, r in compiled.items():
         for loop in r["loops"]:
             per_score = len(loop) * 32 * ws.NUM_WARPS / (ws.ROWS * ws.WS_CONFIGS[name].block_n)
-            limit = 10.5 if ws.WS_CONFIGS[name].i2f_magic else 9.5  # the integer-add conversion: one more a score
-            assert per_score <= limit, (name, per_score)
+            assert per_score <= 9.5, (name, per_score)
 
 
 def test_configs_are_consistent():
