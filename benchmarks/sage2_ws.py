@@ -18,7 +18,9 @@ writes that structure directly:
   block j's P.V are issued together, and block j+1's softmax runs while block j's P.V works;
 * **ping-pong** (``pingpong``): the consumers take turns to issue their products (an mbarrier each
   way), so one warpgroup's softmax runs while the other's products occupy the tensor cores
-  (FlashAttention-3's schedule).
+  (FlashAttention-3's schedule);
+* optionally (``rowsum_mma``) the row sums on the tensor cores, as the Triton prototype's ``_mmasum``:
+  P . ones [N, 16] issued with P.V, the normaliser then being the sum of the e4m3 P that meets V.
 
 There is no producer warp: with one (and ``setmaxnreg`` to move registers to the consumers) ptxas
 serialises every wgmma of the consumer worker partition for want of registers. The consumers load
@@ -51,6 +53,7 @@ try:  # Gluon ships inside Triton >= 3.4; the prototype is only compiled where i
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
+    from triton.language.core import _aggregate as aggregate
     GLUON_ERROR = None
 except ImportError as exc:  # pragma: no cover - depends on the installed Triton
     gluon = gl = None
@@ -69,6 +72,7 @@ class WsConfig:
     stages: int = 3  # K/V ring depth: block b + stages is loaded once block b is retired
     pingpong: bool = True  # consumers take turns to issue their products
     overlap_pv: bool = True  # a block's softmax runs while the previous block's P.V is in flight
+    rowsum_mma: bool = False  # the row sums by a product of the e4m3 P with ones (n16) beside P.V
 
     @property
     def block_m(self) -> int:
@@ -81,6 +85,7 @@ WS_CONFIGS = {
     "ws_n128s4_pp": WsConfig(stages=4),
     "ws_n128s3": WsConfig(pingpong=False),
     "ws_n128s3_pp_serial": WsConfig(overlap_pv=False),
+    "ws_n128s3_pp_mmasum": WsConfig(rowsum_mma=True),
 }
 WS_DEFAULT = "ws_n128s3_pp"
 
@@ -102,7 +107,7 @@ if gl is not None:
 
     @gluon.jit
     def _softmax_block(s, qsc, m_i, l_i, KS_head, n0, S, p_layout: gl.constexpr,
-                       MASKED: gl.constexpr):
+                       MASKED: gl.constexpr, ROWSUM_MMA: gl.constexpr):
         """Block scores (int32 [ROWS, N], token order) -> (P as e4m3 in V's position order, alpha, m, l).
 
         Column 128u + 8x + 2g + b has K scale g of 128-key block u, and in the wgmma accumulator each
@@ -139,7 +144,8 @@ if gl is not None:
         p = gl.exp2(gl.reshape(arg5, [M, N]))
         m_new = gl.convert_layout(m_new, row_layout)
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_layout)  # the row sum of the unrounded P
+        if not ROWSUM_MMA:  # else the sum of the rounded P comes with its P.V (_pv)
+            l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_layout)  # the row sum of the unrounded P
         # token 8a + 2t + b of each 16 to V's position 4t + 2a + b (SageAttention's V layout): a relabelling
         # of the accumulator's registers, which then are fp8 wgmma's A operand as they stand
         p = gl.reshape(gl.permute(gl.reshape(p, [M, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4)), [M, N])
@@ -165,9 +171,28 @@ if gl is not None:
                              is_async=True)
 
     @gluon.jit
-    def _pv(p, v_smem, st, acc):
-        """A fresh fp32 P.V (SageAttention's "inst_buf": fp8 wgmma accumulates with fewer bits than fp32)."""
-        return warpgroup_mma(p, v_smem.index(st).permute((1, 0)), gl.zeros_like(acc), use_acc=False, is_async=True)
+    def _pv(p, ring, st, acc, ROWSUM_MMA: gl.constexpr):
+        """A fresh fp32 P.V (SageAttention's "inst_buf": fp8 wgmma accumulates with fewer bits than fp32);
+        with ROWSUM_MMA also P . ones [N, 16], whose 16 equal columns are the rows' sums of the e4m3 P."""
+        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, ones = ring
+        pv = warpgroup_mma(p, v_smem.index(st).permute((1, 0)), gl.zeros_like(acc), use_acc=False, is_async=True)
+        if ROWSUM_MMA:
+            return pv, _row_sums(p, ones)
+        else:
+            return (pv, )
+
+    @gluon.jit
+    def _row_sums(p, ones):
+        sums: gl.constexpr = _mma_layout(16)
+        p16 = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=sums, k_width=4))
+        return warpgroup_mma(p16, ones.permute((1, 0)), gl.zeros([p.shape[0], 16], gl.float32, layout=sums),
+                             use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _scores_ready(s, ROWSUM_MMA: gl.constexpr):
+        """Wait for the next block's Q.K^T, issued before this block's P.V (and row sums), which stay in flight."""
+        in_flight: gl.constexpr = 2 if ROWSUM_MMA else 1
+        return warpgroup_mma_wait(num_outstanding=in_flight, deps=(s, ))
 
     @gluon.jit
     def _load_tile(desc, smem, ready, coord, pred=True):
@@ -185,17 +210,22 @@ if gl is not None:
         _load_tile(v_desc, v_smem.index(st), v_ready.index(st), [0, b * N])
 
     @gluon.jit
-    def _retire_pv(pv, acc, alpha, b, kv_empty, STAGES: gl.constexpr):
-        """Wait for block b's P.V, release b's ring stage, add the product to the rescaled accumulator."""
-        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
+    def _retire_pv(prods, acc, l_i, alpha, b, kv_empty, STAGES: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+        """Wait for block b's P.V, release b's ring stage, add the product to the rescaled accumulator
+        (and, with ROWSUM_MMA, its row sums to the rescaled normaliser)."""
+        if ROWSUM_MMA:
+            pv, rs = warpgroup_mma_wait(num_outstanding=0, deps=(prods[0], prods[1]))
+            l_i = l_i * alpha + gl.convert_layout(gl.max(rs, 1), l_i.type.layout)
+        else:
+            pv = warpgroup_mma_wait(num_outstanding=0, deps=(prods[0], ))
         mbarrier.arrive(kv_empty.index(b % STAGES), count=1)
-        return acc * alpha[:, None] + pv
+        return acc * alpha[:, None] + pv, l_i
 
     @gluon.jit
     def _refill(b, n_blocks, ring, WHICH: gl.constexpr, STAGES: gl.constexpr):
         """Once both consumers have released block b, block b + STAGES takes its stage: consumer 0 loads
         its K tile, consumer 1 its V tile, so the two loops carry the same work."""
-        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty = ring
+        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, ones = ring
         N: gl.constexpr = k_smem.shape[1]
         st = b % STAGES
         more = b + STAGES < n_blocks
@@ -208,33 +238,33 @@ if gl is not None:
     @gluon.jit
     def _steady_block(j, n_blocks, s, pv_prev, acc, l_i, m_i, alpha_prev, q_tile, ring, turn, qsc, KS_head, S,
                       p_layout: gl.constexpr, WHICH: gl.constexpr, STAGES: gl.constexpr,
-                      PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+                      PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, ROWSUM_MMA: gl.constexpr):
         """Block j (full, not the last): its softmax while block j-1's P.V runs, then block j+1's Q.K^T and
         block j's P.V issued together; returns with block j+1's scores and block j's P.V in flight."""
-        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty = ring
+        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, ones = ring
         N: gl.constexpr = k_smem.shape[1]
         if not OVERLAP:
-            acc = _retire_pv(pv_prev, acc, alpha_prev, j - 1, kv_empty, STAGES)
+            acc, l_i = _retire_pv(pv_prev, acc, l_i, alpha_prev, j - 1, kv_empty, STAGES, ROWSUM_MMA)
             _refill(j - 1, n_blocks, ring, WHICH, STAGES)
-        p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, j * N, S, p_layout, False)
+        p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, j * N, S, p_layout, False, ROWSUM_MMA)
         if OVERLAP:
-            acc = _retire_pv(pv_prev, acc, alpha_prev, j - 1, kv_empty, STAGES)
+            acc, l_i = _retire_pv(pv_prev, acc, l_i, alpha_prev, j - 1, kv_empty, STAGES, ROWSUM_MMA)
             _refill(j - 1, n_blocks, ring, WHICH, STAGES)
         mbarrier.wait(k_ready.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
         mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
         _issue(turn, WHICH, j + 1, PINGPONG)
         s = _qk(q_tile, k_smem, (j + 1) % STAGES)
-        pv = _pv(p, v_smem, j % STAGES, acc)
+        pv = _pv(p, ring, j % STAGES, acc, ROWSUM_MMA)
         _issued(turn, WHICH, PINGPONG)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        s = _scores_ready(s, ROWSUM_MMA)
         return s, pv, acc, l_i, m_i, alpha
 
     @gluon.jit
     def _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, WHICH: gl.constexpr,
-                  STAGES: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+                  STAGES: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, ROWSUM_MMA: gl.constexpr):
         """One warpgroup's 64 query rows against every key block. Products are issued at n_blocks + 1 turns:
         block 0's Q.K^T, then each block's P.V together with the next block's Q.K^T, then the last P.V."""
-        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty = ring
+        k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, ones = ring
         N: gl.constexpr = k_smem.shape[1]
         Dh: gl.constexpr = k_smem.shape[2]
         layout: gl.constexpr = _mma_layout(128)
@@ -256,49 +286,57 @@ if gl is not None:
         acc = gl.zeros([64, Dh], gl.float32, layout=layout)
         if last > 0:
             # block 0 (full): softmax, then block 1's Q.K^T and block 0's P.V
-            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, 0, S, p_layout, False)
+            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, 0, S, p_layout, False, ROWSUM_MMA)
             mbarrier.wait(k_ready.index(1 % STAGES), (1 // STAGES) & 1)
             mbarrier.wait(v_ready.index(0), 0)
             _issue(turn, WHICH, 1, PINGPONG)
             s = _qk(q_tile, k_smem, 1 % STAGES)
-            pv = _pv(p, v_smem, 0, acc)
+            pv = _pv(p, ring, 0, acc, ROWSUM_MMA)
             _issued(turn, WHICH, PINGPONG)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+            s = _scores_ready(s, ROWSUM_MMA)
             for j in range(1, last):
                 s, pv, acc, l_i, m_i, alpha = _steady_block(j, n_blocks, s, pv, acc, l_i, m_i, alpha, q_tile, ring,
                                                             turn, qsc, KS_head, S, p_layout, WHICH, STAGES,
-                                                            PINGPONG, OVERLAP)
+                                                            PINGPONG, OVERLAP, ROWSUM_MMA)
             # the last block (partial or not): its softmax after the previous P.V
-            acc = _retire_pv(pv, acc, alpha, last - 1, kv_empty, STAGES)
+            acc, l_i = _retire_pv(pv, acc, l_i, alpha, last - 1, kv_empty, STAGES, ROWSUM_MMA)
             _refill(last - 1, n_blocks, ring, WHICH, STAGES)
-            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, last * N, S, p_layout, True)
+            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, last * N, S, p_layout, True,
+                                                ROWSUM_MMA)
         else:  # one block, the only one, partial
-            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, 0, S, p_layout, True)
+            p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, 0, S, p_layout, True, ROWSUM_MMA)
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         _issue(turn, WHICH, last + 1, PINGPONG)
-        pv = _pv(p, v_smem, last % STAGES, acc)
+        pv = _pv(p, ring, last % STAGES, acc, ROWSUM_MMA)
         _issued(turn, WHICH, PINGPONG)
-        acc = _retire_pv(pv, acc, alpha, last, kv_empty, STAGES)  # the last stage: nothing left to load
+        acc, l_i = _retire_pv(pv, acc, l_i, alpha, last, kv_empty, STAGES, ROWSUM_MMA)  # nothing left to load
         c = gl.arange(0, Dh, layout=gl.SliceLayout(0, layout))
         vs = gl.load(VS + h * Dh + c)
         o = acc / l_i[:, None] * vs[None, :]
         gl.store(O + rows[:, None] * (H * Dh) + h * Dh + c[None, :], o.to(gl.bfloat16), mask=(rows < S)[:, None])
 
-    @gluon.jit
-    def _consumer_0(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, STAGES: gl.constexpr,
-                    PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
-        _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 0, STAGES,
-                  PINGPONG, OVERLAP)
+    @aggregate
+    class _Schedule:
+        """The compile-time choices, as one value: constexprs in a plain tuple reach warp_specialize's
+        partitions as runtime values, in an aggregate they stay constexprs."""
+        STAGES: gl.constexpr
+        PINGPONG: gl.constexpr
+        OVERLAP: gl.constexpr
+        ROWSUM_MMA: gl.constexpr
 
     @gluon.jit
-    def _consumer_1(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, STAGES: gl.constexpr,
-                    PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
-        _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 1, STAGES,
-                  PINGPONG, OVERLAP)
+    def _consumer_0(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, sched):
+        _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 0, sched.STAGES,
+                  sched.PINGPONG, sched.OVERLAP, sched.ROWSUM_MMA)
+
+    @gluon.jit
+    def _consumer_1(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, sched):
+        _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 1, sched.STAGES,
+                  sched.PINGPONG, sched.OVERLAP, sched.ROWSUM_MMA)
 
     @gluon.jit
     def _ws_kernel(Q, QS, K, KS, V, VS, O, S, H, NQS, NKS, LPAD, qk_scale, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
+                   STAGES: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, ROWSUM_MMA: gl.constexpr):
         Dh: gl.constexpr = 128
         m0 = gl.program_id(0) * 128
         h = gl.program_id(1).to(gl.int64)
@@ -327,6 +365,11 @@ if gl is not None:
             mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
+        # [16, N] e4m3 ones (K-major for the n16 product that sums P's rows; unused without ROWSUM_MMA)
+        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([16, BLOCK_N], gl.float8e4nv)
+        ones = gl.allocate_shared_memory(gl.float8e4nv, [16, BLOCK_N], ones_layout,
+                                         gl.full([16, BLOCK_N], 1.0, gl.float8e4nv,
+                                                 layout=gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])))
         fence_async_shared()
         # the first loads, before the consumers fork: both Q tiles and the ring's first STAGES key blocks
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
@@ -336,9 +379,9 @@ if gl is not None:
         for b in gl.static_range(STAGES):
             if b < n_blocks:
                 _load_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, STAGES)
-        ring = (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty)
-        args = (q_smem, q_bar, ring, turn, QS, KS + h * NKS, VS, O, h, m0, S, H, NQS, qk_scale, STAGES,
-                PINGPONG, OVERLAP)
+        ring = (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, ones)
+        args = (q_smem, q_bar, ring, turn, QS, KS + h * NKS, VS, O, h, m0, S, H, NQS, qk_scale,
+                _Schedule(STAGES, PINGPONG, OVERLAP, ROWSUM_MMA))
         # two consumer warpgroups and no producer warps: every warp keeps the kernel's full register
         # budget (ptxas serialises the wgmmas of a setmaxnreg worker partition for want of registers)
         gl.warp_specialize([(_consumer_0, args), (_consumer_1, args)], [4])
@@ -346,7 +389,7 @@ if gl is not None:
 
 def ws_constexprs(cfg: WsConfig) -> dict:
     return dict(BLOCK_N=cfg.block_n, STAGES=cfg.stages, PINGPONG=cfg.pingpong,
-                OVERLAP=cfg.overlap_pv)
+                OVERLAP=cfg.overlap_pv, ROWSUM_MMA=cfg.rowsum_mma)
 
 
 NUM_WARPS = 4  # each partition's warps: the default partition (consumer 0) and consumer 1
