@@ -19,8 +19,8 @@ import pytest
 from benchmarks import sage2_ws as ws
 from benchmarks import sm90_static as static
 
-if ws.gl is None:
-    pytest.skip(f"needs Triton's Gluon: {ws.GLUON_ERROR}", allow_module_level=True)
+if ws.gluon_problem():
+    pytest.skip(ws.gluon_problem(), allow_module_level=True)
 
 
 def read(name: str) -> dict:

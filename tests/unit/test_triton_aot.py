@@ -42,8 +42,8 @@ def test_warp_specialised_configs_build_with_the_same_launch_abi(tmp_path):
     the scratch for its three in-kernel descriptors (Q, K, V)."""
     from benchmarks import sage2_ws
 
-    if sage2_ws.gl is None:
-        pytest.skip(f"needs Triton's Gluon: {sage2_ws.GLUON_ERROR}")
+    if sage2_ws.gluon_problem():
+        pytest.skip(sage2_ws.gluon_problem())
     name = sage2_ws.WS_DEFAULT
     manifest = aot.build(tmp_path, [name])
     entry = manifest["configs"][name]
