@@ -1,6 +1,10 @@
 """The Gluon kernel of the warp-specialised attention prototype (``benchmarks/sage2_ws.py`` has the
 design, the configs and the launcher). Imported only to compile or JIT-launch it, so the prototype's
 configs, its ahead-of-time launch and the harness load on any Triton, with or without this Gluon API.
+
+Its barrier protocol (which waits, arrivals, loads and products, in which order, with which parities)
+is modelled in tests/unit/test_sage2_ws_protocol.py and run there under random schedules: change the
+two together.
 """
 
 from __future__ import annotations
