@@ -268,14 +268,28 @@ class _Schedule:
 
 
 @gluon.jit
-def _consumer_0(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, sched):
+def _v_descriptor(V_head, LPAD, Dh: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One head's V [D, S_pad] (zero past the padded length) as TMA tiles of [D, BLOCK_N]."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Dh, BLOCK_N], gl.float8e4nv)
+    return tma.make_tensor_descriptor(V_head, shape=[Dh, LPAD], strides=[LPAD, 1], block_shape=[Dh, BLOCK_N],
+                                      layout=layout)
+
+
+@gluon.jit
+def _consumer_0(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, V_head, LPAD, sched):
     _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 0, sched.STAGES,
               sched.PINGPONG, sched.OVERLAP, sched.ROWSUM_MMA)
 
 
 @gluon.jit
-def _consumer_1(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, sched):
-    _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 1, sched.STAGES,
+def _consumer_1(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, V_head, LPAD, sched):
+    """Consumer 1 loads the V tiles of its refills through a descriptor it makes itself: a descriptor
+    written by other warps needs the tensormap acquire fence in the warps that use it, and Gluon emits
+    that fence where the descriptor is made."""
+    k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, ones = ring
+    own = (k_desc, _v_descriptor(V_head, LPAD, k_smem.shape[2], k_smem.shape[1]), k_smem, v_smem, k_ready, v_ready,
+           kv_empty, ones)
+    _consumer(q_smem, q_bar, own, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 1, sched.STAGES,
               sched.PINGPONG, sched.OVERLAP, sched.ROWSUM_MMA)
 
 
@@ -293,8 +307,8 @@ def _ws_kernel(Q, QS, K, KS, V, VS, O, S, H, NQS, NKS, LPAD, qk_scale, BLOCK_N: 
                                         layout=q_layout)
     k_desc = tma.make_tensor_descriptor(K + h * S * Dh, shape=[S, Dh], strides=[Dh, 1],
                                         block_shape=[BLOCK_N, Dh], layout=k_layout)
-    v_desc = tma.make_tensor_descriptor(V + h * Dh * LPAD, shape=[Dh, LPAD], strides=[LPAD, 1],
-                                        block_shape=[Dh, BLOCK_N], layout=v_layout)
+    V_head = V + h * Dh * LPAD
+    v_desc = _v_descriptor(V_head, LPAD, Dh, BLOCK_N)
     q_smem = gl.allocate_shared_memory(gl.int8, [2, 64, Dh], q_layout)
     k_smem = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, Dh], k_layout)
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, Dh, BLOCK_N], v_layout)
@@ -325,7 +339,7 @@ def _ws_kernel(Q, QS, K, KS, V, VS, O, S, H, NQS, NKS, LPAD, qk_scale, BLOCK_N: 
         if b < n_blocks:
             _load_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, STAGES)
     ring = (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, ones)
-    args = (q_smem, q_bar, ring, turn, QS, KS + h * NKS, VS, O, h, m0, S, H, NQS, qk_scale,
+    args = (q_smem, q_bar, ring, turn, QS, KS + h * NKS, VS, O, h, m0, S, H, NQS, qk_scale, V_head, LPAD,
             _Schedule(STAGES, PINGPONG, OVERLAP, ROWSUM_MMA))
     # two consumer warpgroups and no producer warps: every warp keeps the kernel's full register
     # budget (ptxas serialises the wgmmas of a setmaxnreg worker partition for want of registers)
