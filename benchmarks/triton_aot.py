@@ -1,6 +1,7 @@
 """The attention prototype compiled ahead of time: built for sm90 here, launched from its cubin there.
 
     python -m benchmarks.triton_aot --out DIR                   # every prototype config -> DIR
+                                                                 # (the Gluon ws_* ones too, same ABI)
     python -m benchmarks.sage2_prototype --aot DIR ...           # on the GPU: time those cubins
 
 Why: the prototype is written for the Triton a user installs with a current torch (3.8 here). A GPU
