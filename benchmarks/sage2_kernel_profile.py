@@ -5,9 +5,9 @@
     python -m benchmarks.sage2_kernel_profile --seq 8192 --out DIR --aot CUBINS \
         --prototype m64n128w4s3_cvt_groupk                                 # also the prototype's configs
 
-``--prototype NAME`` (repeatable) profiles the attention prototype's config NAME, launched from the
-ahead-of-time cubins in ``--aot`` (``benchmarks/triton_aot``), on the same operands, beside
-SageAttention's kernel, with the same sections and summary.
+``--prototype NAME`` (repeatable) profiles the attention prototype's config NAME (a Triton one or a
+Gluon ``ws_*`` one), launched from the ahead-of-time cubins in ``--aot`` (``benchmarks/triton_aot``), on
+the same operands, beside SageAttention's kernel, with the same sections and summary.
 
 The target prepares H3-shaped operands (56x128 heads, bf16 inputs, ``sage2_prep = exact``) with the
 pack's own passes, runs the kernel once to warm up, then once inside a profiler range; the driver
@@ -29,7 +29,7 @@ from pathlib import Path
 
 HEADS, D = 56, 128
 KERNEL = "regex:qk_int8_sv_f8"
-PROTOTYPE_KERNEL = "_prototype_kernel"
+PROTOTYPE_KERNEL = "regex:^(_prototype_kernel|_ws_kernel)$"  # the Triton prototype's, the Gluon one's
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "InstructionStats", "WarpStateStats", "SchedulerStats",
             "Occupancy", "LaunchStats")
 # summary keys -> the ncu metric names read for them (the first one present is used)
