@@ -79,6 +79,7 @@ WS_CONFIGS = {
     "ws_n128s3": WsConfig(pingpong=False),
     "ws_n128s3_pp_serial": WsConfig(overlap_pv=False),
     "ws_n128s3_pp_mmasum": WsConfig(rowsum_mma=True),
+    "ws_n128s4_pp_mmasum": WsConfig(stages=4, rowsum_mma=True),
 }
 WS_DEFAULT = "ws_n128s3_pp"
 
