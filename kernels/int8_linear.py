@@ -18,6 +18,7 @@ every token first, Q by token chunks, no K/V copy out of whole rows.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 
@@ -49,13 +50,10 @@ def _kitchen_cuda():
     return cuda, None
 
 
-_KITCHEN: list = []  # [(module or None, reason)], filled on first use
-
-
+@functools.cache
 def kitchen_cuda():
-    if not _KITCHEN:
-        _KITCHEN.append(_kitchen_cuda())
-    return _KITCHEN[0]
+    """``_kitchen_cuda()``, asked once (the installed release and its extension do not change in a process)."""
+    return _kitchen_cuda()
 
 
 def _stock_kwargs(x, qdata, w_scale, bias, input_act):
