@@ -402,20 +402,33 @@ def prototype_attention(ops: dict, sm_scale: float, *, config: str | Config = DE
         raise ValueError(f"tma_loads reads K tiles in token order: it needs relabel_p: {cfg}")
     if cfg.exp2_f16 and sq.interpreting():
         raise ValueError("exp2_f16 uses inline PTX, which TRITON_INTERPRET cannot run")
-    h, s, d = _check_operands(ops)
-    out = torch.empty(s, h, d, dtype=torch.bfloat16, device=ops["q_int8"].device)
-    grid = (triton.cdiv(s, cfg.block_m), h)
-    values = (ops["q_int8"], ops["q_scale"], ops["k_int8"], ops["k_scale"], ops["v_fp8"], ops["v_scale"], out,
-              s, h, ops["q_scale"].shape[-1], ops["k_scale"].shape[-1], ops["v_fp8"].shape[-1],
-              float(sm_scale) * LOG2E)
+    out, grid, values = launch_arguments(ops, sm_scale, cfg.block_m)
     if aot is not None:
-        if not isinstance(config, str):
-            raise ValueError("an ahead-of-time launch names its config (the cubin is built per name)")
-        aot.launch(config, grid, values, torch.cuda.current_stream(out.device).cuda_stream)
-        return out
+        return launch_ahead_of_time(aot, config, grid, values, out)
     if cfg.tma_loads and not sq.interpreting():
         scratch_allocator()
     _prototype_kernel[grid](*values, **kernel_constexprs(cfg, emulate=sq.interpreting()), **compile_options(cfg))
+    return out
+
+
+def launch_arguments(ops: dict, sm_scale: float, block_m: int) -> tuple:
+    """``(out, grid, values)`` of a launch on prepared operands: the bf16 output [S, H, D], one program per
+    ``block_m`` query rows of a head, and the kernel's non-constexpr arguments in order (the Triton and
+    the Gluon prototype take the same ones)."""
+    h, s, d = _check_operands(ops)
+    out = torch.empty(s, h, d, dtype=torch.bfloat16, device=ops["q_int8"].device)
+    values = (ops["q_int8"], ops["q_scale"], ops["k_int8"], ops["k_scale"], ops["v_fp8"], ops["v_scale"], out,
+              s, h, ops["q_scale"].shape[-1], ops["k_scale"].shape[-1], ops["v_fp8"].shape[-1],
+              float(sm_scale) * LOG2E)
+    return out, (-(-s // block_m), h), values
+
+
+def launch_ahead_of_time(aot, config, grid: tuple, values: tuple, out: torch.Tensor) -> torch.Tensor:
+    """One launch of config ``config``'s cubin from ``aot`` (a ``benchmarks.triton_aot.Cubins``) on
+    torch's current stream; ``out``, which it writes."""
+    if not isinstance(config, str):
+        raise ValueError("an ahead-of-time launch names its config (the cubin is built per name)")
+    aot.launch(config, grid, values, torch.cuda.current_stream(out.device).cuda_stream)
     return out
 
 

@@ -127,21 +127,11 @@ def compile_sm90(cfg: WsConfig):
 def ws_attention(ops: dict, sm_scale: float, config: str | WsConfig = WS_DEFAULT, aot=None):
     """Attention from prepared operands -> bf16 [S, H, D], by the warp-specialised kernel (sm90 only).
     ``aot``: a ``benchmarks.triton_aot.Cubins`` holding the named config's cubin."""
-    import torch
-
     cfg = WS_CONFIGS[config] if isinstance(config, str) else config
-    h, s, d = proto._check_operands(ops)
-    out = torch.empty(s, h, d, dtype=torch.bfloat16, device=ops["q_int8"].device)
-    grid = (-(-s // cfg.block_m), h)
-    values = (ops["q_int8"], ops["q_scale"], ops["k_int8"], ops["k_scale"], ops["v_fp8"], ops["v_scale"], out,
-              s, h, ops["q_scale"].shape[-1], ops["k_scale"].shape[-1], ops["v_fp8"].shape[-1],
-              float(sm_scale) * proto.LOG2E)
+    out, grid, values = proto.launch_arguments(ops, sm_scale, cfg.block_m)
     if aot is not None:
-        if not isinstance(config, str):
-            raise ValueError("an ahead-of-time launch names its config (the cubin is built per name)")
-        aot.launch(config, grid, values, torch.cuda.current_stream(out.device).cuda_stream)
-    else:
-        kernel = _kernel()
-        proto.scratch_allocator()
-        kernel[grid](*values, **ws_constexprs(cfg), num_warps=NUM_WARPS)
+        return proto.launch_ahead_of_time(aot, config, grid, values, out)
+    kernel = _kernel()
+    proto.scratch_allocator()
+    kernel[grid](*values, **ws_constexprs(cfg), num_warps=NUM_WARPS)
     return out
