@@ -61,6 +61,15 @@ if triton is not None:
                                          dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
+    def _mul_unfused(a, b, EMULATE: tl.constexpr):
+        """``a * b`` rounded on its own (``mul.rn.ftz``: ``.rn`` keeps the compiler from contracting it
+        into the butterfly's next addition as an FMA, which nvcc's code for comfy-kitchen does not do)."""
+        if EMULATE:
+            return a * b
+        return tl.inline_asm_elementwise("mul.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+    @triton.jit
     def _h4_stage(x, G: tl.constexpr, S: tl.constexpr):
         """One radix-4 butterfly over the base-4 digit of stride ``S`` of each 256-wide row of ``x``
         [G, 256]: output d of a quadruple is 0.5 * (row d of H4 . (x0, x1, x2, x3)), summed left to
@@ -110,7 +119,8 @@ if triton is not None:
         src = X + row * stride_x + col
         a = _load(src, ok, MASKED)
         if SWIGLU:
-            a = _div_approx(a, 1.0 + _exp_approx(-a, EMULATE), EMULATE) * _load(src + K, ok, MASKED)
+            silu = _div_approx(a, 1.0 + _exp_approx(-a, EMULATE), EMULATE)
+            a = _mul_unfused(silu, _load(src + K, ok, MASKED), EMULATE)
         if MOD:
             p = row * stride_p + col
             s1, b = _load(S1 + p, ok, MASKED), _load(B + p, ok, MASKED)

@@ -151,6 +151,19 @@ def test_quantiser_compiles_for_sm90_with_the_fast_math_instructions(width, swig
     assert "MUFU.RCP" in sass and ("MUFU.EX2" in sass) == swiglu and "F2F.BF16.F32" in sass
 
 
+def test_swiglu_product_is_rounded_before_the_rotation_adds_it():
+    """comfy-kitchen's CUDA code rounds silu(gate) * up (FMUL) before the first butterfly adds it; an
+    FMA contracted from that product and the addition rounds once instead of twice and moves a tenth
+    of the rows' scales (seen on the H200). The SwiGLU kernel may fuse no more than the plain one of
+    the same width does (its FMAs are the butterflies' exact 0.5 * x + y)."""
+    import re
+
+    static = pytest.importorskip("benchmarks.int8_quant_static")
+    fmas = {swiglu: len(re.findall(r"\bfma\.rn(\.ftz)?\.f32", static.compile_sm90(14336, swiglu, 8).asm["ptx"]))
+            for swiglu in (False, True)}
+    assert fmas[True] == fmas[False], fmas
+
+
 def test_quantiser_compiles_for_every_arch_the_route_takes():
     """The route runs on compute capability 8.0 and later (comfy-kitchen's CUTLASS int8 GEMM): the
     kernel's instructions (bf16 conversions, approximate division and exponential) must exist there."""
