@@ -35,9 +35,9 @@ def _to_5d(x, ROW: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_block(s, qsc, m_i, l_i, KS_head, n0, S, p_layout: gl.constexpr,
-                   MASKED: gl.constexpr, ROWSUM_MMA: gl.constexpr):
-    """Block scores (int32 [ROWS, N], token order) -> (P as e4m3 in V's position order, alpha, m, l).
+def _softmax_block(s, qsc, m_i, KS_head, n0, S, p_layout: gl.constexpr, MASKED: gl.constexpr):
+    """Block scores (int32 [ROWS, N], token order) -> (P as e4m3 in V's position order, alpha, m); the
+    row sums come from the tensor cores with the P.V (``_pv``).
 
     Column 128u + 8x + 2g + b has K scale g of 128-key block u, and in the wgmma accumulator each
     thread's columns of a 128-key block share g: the row max is taken on the unscaled scores per
@@ -73,12 +73,10 @@ def _softmax_block(s, qsc, m_i, l_i, KS_head, n0, S, p_layout: gl.constexpr,
     p = gl.exp2(gl.reshape(arg5, [M, N]))
     m_new = gl.convert_layout(m_new, row_layout)
     alpha = gl.exp2(m_i - m_new)
-    if not ROWSUM_MMA:  # else the sum of the rounded P comes with its P.V (_pv)
-        l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 1), row_layout)  # the row sum of the unrounded P
     # token 8a + 2t + b of each 16 to V's position 4t + 2a + b (SageAttention's V layout): a relabelling
     # of the accumulator's registers, which then are fp8 wgmma's A operand as they stand
     p = gl.reshape(gl.permute(gl.reshape(p, [M, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4)), [M, N])
-    return gl.convert_layout(p, p_layout).to(gl.float8e4nv), alpha, m_new, l_i
+    return gl.convert_layout(p, p_layout).to(gl.float8e4nv), alpha, m_new
 
 
 @gluon.jit
@@ -104,15 +102,12 @@ def _qk(q_tile, k_smem, st):
 
 
 @gluon.jit
-def _pv(p, ring, st, acc, ROWSUM_MMA: gl.constexpr):
-    """A fresh fp32 P.V (SageAttention's "inst_buf": fp8 wgmma accumulates with fewer bits than fp32);
-    with ROWSUM_MMA also P . ones [N, 16], whose 16 equal columns are the rows' sums of the e4m3 P."""
+def _pv(p, ring, st, acc):
+    """A fresh fp32 P.V (SageAttention's "inst_buf": fp8 wgmma accumulates with fewer bits than fp32)
+    and P . ones [N, 16], whose 16 equal columns are the rows' sums of the e4m3 P."""
     k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, ones = ring
     pv = warpgroup_mma(p, v_smem.index(st).permute((1, 0)), gl.zeros_like(acc), use_acc=False, is_async=True)
-    if ROWSUM_MMA:
-        return pv, _row_sums(p, ones)
-    else:
-        return (pv, )
+    return pv, _row_sums(p, ones)
 
 
 @gluon.jit
@@ -124,10 +119,9 @@ def _row_sums(p, ones):
 
 
 @gluon.jit
-def _scores_ready(s, ROWSUM_MMA: gl.constexpr):
-    """Wait for the next block's Q.K^T, issued before this block's P.V (and row sums), which stay in flight."""
-    in_flight: gl.constexpr = 2 if ROWSUM_MMA else 1
-    return warpgroup_mma_wait(num_outstanding=in_flight, deps=(s, ))
+def _scores_ready(s):
+    """Wait for the next block's Q.K^T, issued before this block's P.V and row sums, which stay in flight."""
+    return warpgroup_mma_wait(num_outstanding=2, deps=(s, ))
 
 
 @gluon.jit
@@ -148,14 +142,11 @@ def _load_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, STAGES: gl.
 
 
 @gluon.jit
-def _retire_pv(prods, acc, l_i, alpha, b, kv_empty, STAGES: gl.constexpr, ROWSUM_MMA: gl.constexpr):
-    """Wait for block b's P.V, release b's ring stage, add the product to the rescaled accumulator
-    (and, with ROWSUM_MMA, its row sums to the rescaled normaliser)."""
-    if ROWSUM_MMA:
-        pv, rs = warpgroup_mma_wait(num_outstanding=0, deps=(prods[0], prods[1]))
-        l_i = l_i * alpha + gl.convert_layout(gl.max(rs, 1), l_i.type.layout)
-    else:
-        pv = warpgroup_mma_wait(num_outstanding=0, deps=(prods[0], ))
+def _retire_pv(prods, acc, l_i, alpha, b, kv_empty, STAGES: gl.constexpr):
+    """Wait for block b's P.V and row sums, release b's ring stage, add them to the rescaled accumulator
+    and normaliser."""
+    pv, rs = warpgroup_mma_wait(num_outstanding=0, deps=(prods[0], prods[1]))
+    l_i = l_i * alpha + gl.convert_layout(gl.max(rs, 1), l_i.type.layout)
     mbarrier.arrive(kv_empty.index(b % STAGES), count=1)
     return acc * alpha[:, None] + pv, l_i
 
@@ -178,31 +169,31 @@ def _refill(b, n_blocks, ring, WHICH: gl.constexpr, STAGES: gl.constexpr):
 @gluon.jit
 def _steady_block(j, n_blocks, s, pv_prev, acc, l_i, m_i, alpha_prev, q_tile, ring, turn, qsc, KS_head, S,
                   p_layout: gl.constexpr, WHICH: gl.constexpr, STAGES: gl.constexpr,
-                  PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+                  PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
     """Block j (full, not the last): its softmax while block j-1's P.V runs, then block j+1's Q.K^T and
     block j's P.V issued together; returns with block j+1's scores and block j's P.V in flight."""
     k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, ones = ring
     N: gl.constexpr = k_smem.shape[1]
     if not OVERLAP:
-        acc, l_i = _retire_pv(pv_prev, acc, l_i, alpha_prev, j - 1, kv_empty, STAGES, ROWSUM_MMA)
+        acc, l_i = _retire_pv(pv_prev, acc, l_i, alpha_prev, j - 1, kv_empty, STAGES)
         _refill(j - 1, n_blocks, ring, WHICH, STAGES)
-    p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, j * N, S, p_layout, False, ROWSUM_MMA)
+    p, alpha, m_i = _softmax_block(s, qsc, m_i, KS_head, j * N, S, p_layout, False)
     if OVERLAP:
-        acc, l_i = _retire_pv(pv_prev, acc, l_i, alpha_prev, j - 1, kv_empty, STAGES, ROWSUM_MMA)
+        acc, l_i = _retire_pv(pv_prev, acc, l_i, alpha_prev, j - 1, kv_empty, STAGES)
         _refill(j - 1, n_blocks, ring, WHICH, STAGES)
     mbarrier.wait(k_ready.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
     mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
     _issue(turn, WHICH, j + 1, PINGPONG)
     s = _qk(q_tile, k_smem, (j + 1) % STAGES)
-    pv = _pv(p, ring, j % STAGES, acc, ROWSUM_MMA)
+    pv = _pv(p, ring, j % STAGES, acc)
     _issued(turn, WHICH, PINGPONG)
-    s = _scores_ready(s, ROWSUM_MMA)
+    s = _scores_ready(s)
     return s, pv, acc, l_i, m_i, alpha
 
 
 @gluon.jit
 def _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, WHICH: gl.constexpr,
-              STAGES: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+              STAGES: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
     """One warpgroup's 64 query rows against every key block. Products are issued at n_blocks + 1 turns:
     block 0's Q.K^T, then each block's P.V together with the next block's Q.K^T, then the last P.V."""
     k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, ones = ring
@@ -227,30 +218,29 @@ def _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, q
     acc = gl.zeros([64, Dh], gl.float32, layout=layout)
     if last > 0:
         # block 0 (full): softmax, then block 1's Q.K^T and block 0's P.V
-        p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, 0, S, p_layout, False, ROWSUM_MMA)
+        p, alpha, m_i = _softmax_block(s, qsc, m_i, KS_head, 0, S, p_layout, False)
         mbarrier.wait(k_ready.index(1 % STAGES), (1 // STAGES) & 1)
         mbarrier.wait(v_ready.index(0), 0)
         _issue(turn, WHICH, 1, PINGPONG)
         s = _qk(q_tile, k_smem, 1 % STAGES)
-        pv = _pv(p, ring, 0, acc, ROWSUM_MMA)
+        pv = _pv(p, ring, 0, acc)
         _issued(turn, WHICH, PINGPONG)
-        s = _scores_ready(s, ROWSUM_MMA)
+        s = _scores_ready(s)
         for j in range(1, last):
             s, pv, acc, l_i, m_i, alpha = _steady_block(j, n_blocks, s, pv, acc, l_i, m_i, alpha, q_tile, ring,
                                                         turn, qsc, KS_head, S, p_layout, WHICH, STAGES,
-                                                        PINGPONG, OVERLAP, ROWSUM_MMA)
+                                                        PINGPONG, OVERLAP)
         # the last block (partial or not): its softmax after the previous P.V
-        acc, l_i = _retire_pv(pv, acc, l_i, alpha, last - 1, kv_empty, STAGES, ROWSUM_MMA)
+        acc, l_i = _retire_pv(pv, acc, l_i, alpha, last - 1, kv_empty, STAGES)
         _refill(last - 1, n_blocks, ring, WHICH, STAGES)
-        p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, last * N, S, p_layout, True,
-                                            ROWSUM_MMA)
+        p, alpha, m_i = _softmax_block(s, qsc, m_i, KS_head, last * N, S, p_layout, True)
     else:  # one block, the only one, partial
-        p, alpha, m_i, l_i = _softmax_block(s, qsc, m_i, l_i, KS_head, 0, S, p_layout, True, ROWSUM_MMA)
+        p, alpha, m_i = _softmax_block(s, qsc, m_i, KS_head, 0, S, p_layout, True)
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
     _issue(turn, WHICH, last + 1, PINGPONG)
-    pv = _pv(p, ring, last % STAGES, acc, ROWSUM_MMA)
+    pv = _pv(p, ring, last % STAGES, acc)
     _issued(turn, WHICH, PINGPONG)
-    acc, l_i = _retire_pv(pv, acc, l_i, alpha, last, kv_empty, STAGES, ROWSUM_MMA)  # nothing left to load
+    acc, l_i = _retire_pv(pv, acc, l_i, alpha, last, kv_empty, STAGES)  # nothing left to load
     c = gl.arange(0, Dh, layout=gl.SliceLayout(0, layout))
     vs = gl.load(VS + h * Dh + c)
     o = acc / l_i[:, None] * vs[None, :]
@@ -264,7 +254,6 @@ class _Schedule:
     STAGES: gl.constexpr
     PINGPONG: gl.constexpr
     OVERLAP: gl.constexpr
-    ROWSUM_MMA: gl.constexpr
 
 
 @gluon.jit
@@ -278,7 +267,7 @@ def _v_descriptor(V_head, LPAD, Dh: gl.constexpr, BLOCK_N: gl.constexpr):
 @gluon.jit
 def _consumer_0(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, V_head, LPAD, sched):
     _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 0, sched.STAGES,
-              sched.PINGPONG, sched.OVERLAP, sched.ROWSUM_MMA)
+              sched.PINGPONG, sched.OVERLAP)
 
 
 @gluon.jit
@@ -290,12 +279,12 @@ def _consumer_1(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS,
     own = (k_desc, _v_descriptor(V_head, LPAD, k_smem.shape[2], k_smem.shape[1]), k_smem, v_smem, k_ready, v_ready,
            kv_empty, ones)
     _consumer(q_smem, q_bar, own, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, qk_scale, 1, sched.STAGES,
-              sched.PINGPONG, sched.OVERLAP, sched.ROWSUM_MMA)
+              sched.PINGPONG, sched.OVERLAP)
 
 
 @gluon.jit
 def _ws_kernel(Q, QS, K, KS, V, VS, O, S, H, NQS, NKS, LPAD, qk_scale, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+               STAGES: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
     Dh: gl.constexpr = 128
     m0 = gl.program_id(0) * 128
     h = gl.program_id(1).to(gl.int64)
@@ -324,7 +313,7 @@ def _ws_kernel(Q, QS, K, KS, V, VS, O, S, H, NQS, NKS, LPAD, qk_scale, BLOCK_N: 
         mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
-    # [16, N] e4m3 ones (K-major for the n16 product that sums P's rows; unused without ROWSUM_MMA)
+    # [16, N] e4m3 ones (K-major for the n16 product that sums P's rows)
     ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([16, BLOCK_N], gl.float8e4nv)
     ones = gl.allocate_shared_memory(gl.float8e4nv, [16, BLOCK_N], ones_layout,
                                      gl.full([16, BLOCK_N], 1.0, gl.float8e4nv,
@@ -340,7 +329,7 @@ def _ws_kernel(Q, QS, K, KS, V, VS, O, S, H, NQS, NKS, LPAD, qk_scale, BLOCK_N: 
             _load_block(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, b, STAGES)
     ring = (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, ones)
     args = (q_smem, q_bar, ring, turn, QS, KS + h * NKS, VS, O, h, m0, S, H, NQS, qk_scale, V_head, LPAD,
-            _Schedule(STAGES, PINGPONG, OVERLAP, ROWSUM_MMA))
+            _Schedule(STAGES, PINGPONG, OVERLAP))
     # two consumer warpgroups and no producer warps: every warp keeps the kernel's full register
     # budget (ptxas serialises the wgmmas of a setmaxnreg worker partition for want of registers)
     gl.warp_specialize([(_consumer_0, args), (_consumer_1, args)], [4])

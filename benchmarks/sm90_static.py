@@ -2,7 +2,7 @@
 
     python -m benchmarks.sm90_static                       # every prototype config
     python -m benchmarks.sm90_static --configs m128n128w8s3 --out static.json
-    python -m benchmarks.sm90_static --configs ws_n128s3_pp    # a warp-specialised Gluon config: the mean
+    python -m benchmarks.sm90_static --configs ws_n128s4_pp_mmasum    # a warp-specialised Gluon config: the mean
                                                                # of its two consumer loops
 
 Triton compiles for any target without a device, and its wheel carries ``ptxas``, ``cuobjdump`` and
