@@ -42,9 +42,10 @@ one head, below 2**31 for any S).
 The Gluon code is ``benchmarks/sage2_ws_kernel.py``, imported only to compile or JIT-launch it: the
 configs, the ahead-of-time launch and the harness load on any Triton.
 
-Status: a prototype in benchmarks/; no back-end imports it. Compiled and read here without a GPU
-(``tests/unit/test_sage2_ws.py``); Gluon has no CPU interpreter, so its results and times come only
-from a GPU: ``tests/gpu/test_sage2_prototype_gpu.py`` and ``python -m benchmarks.sage2_prototype
+Status: a prototype in benchmarks/; no back-end imports it. On the H200 it runs at 0.83-0.90x
+SageAttention's sm90 kernel (8 warps an SM against its 12; docs/BENCHMARKS.md has the profile).
+Compiled and read here without a GPU (``tests/unit/test_sage2_ws.py``); Gluon has no CPU
+interpreter, so its results and times come only from a GPU: ``tests/gpu/test_sage2_prototype_gpu.py`` and ``python -m benchmarks.sage2_prototype
 --configs ws ...`` (the ``ws_*`` configs run through the prototype's harness beside SageAttention).
 """
 
