@@ -70,6 +70,9 @@ def test_quantiser_gives_comfy_kitchens_cuda_bits(pack, m, width, act):
     assert (bad_q, bad_s) == (0, 0), (
         f"{bad_q} int8 values and {bad_s} scales differ; largest value difference "
         f"{int((q.int() - want_q.int()).abs().max())}, rows with a scale difference {int((s != want_s).sum())}")
+    for w in ours:  # every warp count timed gives the same bits
+        qw, sw = ia.quantize_rows(x, act, num_warps=w)
+        assert torch.equal(qw, want_q) and torch.equal(sw, want_s), w
 
 
 def test_quantiser_past_int32_offsets(pack):

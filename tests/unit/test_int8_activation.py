@@ -159,9 +159,10 @@ def test_swiglu_product_is_rounded_before_the_rotation_adds_it():
     import re
 
     static = pytest.importorskip("benchmarks.int8_quant_static")
-    fmas = {swiglu: len(re.findall(r"\bfma\.rn(\.ftz)?\.f32", static.compile_sm90(14336, swiglu, 8).asm["ptx"]))
-            for swiglu in (False, True)}
-    assert fmas[True] == fmas[False], fmas
+    for warps in (4, 8):
+        fmas = {swiglu: len(re.findall(r"\bfma\.rn(\.ftz)?\.f32", static.compile_sm90(14336, swiglu, warps).asm["ptx"]))
+                for swiglu in (False, True)}
+        assert fmas[True] == fmas[False], (warps, fmas)
 
 
 def test_quantiser_compiles_for_every_arch_the_route_takes():
