@@ -45,8 +45,9 @@ configs, the ahead-of-time launch and the harness load on any Triton.
 Status: a prototype in benchmarks/; no back-end imports it. On the H200 it runs at 0.83-0.90x
 SageAttention's sm90 kernel (8 warps an SM against its 12; docs/BENCHMARKS.md has the profile).
 Compiled and read here without a GPU (``tests/unit/test_sage2_ws.py``); Gluon has no CPU
-interpreter, so its results and times come only from a GPU: ``tests/gpu/test_sage2_prototype_gpu.py`` and ``python -m benchmarks.sage2_prototype
---configs ws ...`` (the ``ws_*`` configs run through the prototype's harness beside SageAttention).
+interpreter, so its results and times come only from a GPU: ``tests/gpu/test_sage2_prototype_gpu.py``
+and ``python -m benchmarks.sage2_prototype --configs ws ...`` (the ``ws_*`` configs run through the
+prototype's harness beside SageAttention).
 """
 
 from __future__ import annotations
@@ -88,8 +89,7 @@ WS_DEFAULT = "ws_n128s4_pp_mmasum"
 
 def ws_constexprs(cfg: WsConfig) -> dict:
     """The kernel's compile-time arguments for ``cfg``."""
-    return dict(BLOCK_N=cfg.block_n, STAGES=cfg.stages, PINGPONG=cfg.pingpong,
-                OVERLAP=cfg.overlap_pv)
+    return dict(BLOCK_N=cfg.block_n, STAGES=cfg.stages, PINGPONG=cfg.pingpong, OVERLAP=cfg.overlap_pv)
 
 
 def gluon_problem() -> str | None:

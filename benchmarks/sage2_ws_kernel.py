@@ -167,6 +167,21 @@ def _refill(b, n_blocks, ring, WHICH: gl.constexpr, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _issue_next(j, p, acc, q_tile, ring, turn, WHICH: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """Once block j+1's K and block j's V have landed, on this consumer's turn: block j+1's Q.K^T and
+    block j's P.V (with its row sums) issued together; returns block j+1's scores, waited for, and the
+    P.V still in flight."""
+    k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, ones = ring
+    mbarrier.wait(k_ready.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+    _issue(turn, WHICH, j + 1, PINGPONG)
+    s = _qk(q_tile, k_smem, (j + 1) % STAGES)
+    pv = _pv(p, ring, j % STAGES, acc)
+    _issued(turn, WHICH, PINGPONG)
+    return _scores_ready(s), pv
+
+
+@gluon.jit
 def _steady_block(j, n_blocks, s, pv_prev, acc, l_i, m_i, alpha_prev, q_tile, ring, turn, qsc, KS_head, S,
                   p_layout: gl.constexpr, WHICH: gl.constexpr, STAGES: gl.constexpr,
                   PINGPONG: gl.constexpr, OVERLAP: gl.constexpr):
@@ -181,13 +196,7 @@ def _steady_block(j, n_blocks, s, pv_prev, acc, l_i, m_i, alpha_prev, q_tile, ri
     if OVERLAP:
         acc, l_i = _retire_pv(pv_prev, acc, l_i, alpha_prev, j - 1, kv_empty, STAGES)
         _refill(j - 1, n_blocks, ring, WHICH, STAGES)
-    mbarrier.wait(k_ready.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
-    mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
-    _issue(turn, WHICH, j + 1, PINGPONG)
-    s = _qk(q_tile, k_smem, (j + 1) % STAGES)
-    pv = _pv(p, ring, j % STAGES, acc)
-    _issued(turn, WHICH, PINGPONG)
-    s = _scores_ready(s)
+    s, pv = _issue_next(j, p, acc, q_tile, ring, turn, WHICH, STAGES, PINGPONG)
     return s, pv, acc, l_i, m_i, alpha
 
 
@@ -219,13 +228,7 @@ def _consumer(q_smem, q_bar, ring, turn, QS, KS_head, VS, O, h, m0, S, H, NQS, q
     if last > 0:
         # block 0 (full): softmax, then block 1's Q.K^T and block 0's P.V
         p, alpha, m_i = _softmax_block(s, qsc, m_i, KS_head, 0, S, p_layout, False)
-        mbarrier.wait(k_ready.index(1 % STAGES), (1 // STAGES) & 1)
-        mbarrier.wait(v_ready.index(0), 0)
-        _issue(turn, WHICH, 1, PINGPONG)
-        s = _qk(q_tile, k_smem, 1 % STAGES)
-        pv = _pv(p, ring, 0, acc)
-        _issued(turn, WHICH, PINGPONG)
-        s = _scores_ready(s)
+        s, pv = _issue_next(0, p, acc, q_tile, ring, turn, WHICH, STAGES, PINGPONG)
         for j in range(1, last):
             s, pv, acc, l_i, m_i, alpha = _steady_block(j, n_blocks, s, pv, acc, l_i, m_i, alpha, q_tile, ring,
                                                         turn, qsc, KS_head, S, p_layout, WHICH, STAGES,
