@@ -1,7 +1,7 @@
 """Triton passes that turn strided NHD Q/K/V views into SageAttention 2's sm90 operands.
 
-``sage2_reduce``: V's per-channel absmax and, fused, the normed+roped K sum (fp64, fixed order; else
-``k.mean``, SageAttention's own call). ``sage2_quantize``: per (128-token block, head), int8 Q and K
+``sage2_reduce``: V's per-channel absmax (token tiles over every head's channels, streamed) and,
+fused, the normed+roped K sum (fp64, fixed order; else ``k.mean``, SageAttention's own call). ``sage2_quantize``: per (128-token block, head), int8 Q and K
 with the sm90 per-thread scales and fp8 V head-major ``[H, D, S_pad]``, permuted, zero pad. Both are
 torch.library custom ops with fake implementations; offsets are int64. ``MODES``: exact, fused
 (norm+rope inside), rotated and fused_rotated (an exact integer Hadamard product before int8).
@@ -26,7 +26,9 @@ FP8_MAX = 448.0
 # Rotation: rows whose absmax is below 2^(ROT_MIN_EXPONENT - 127) are treated as if it were that
 # (keeps every power-of-two factor of the rotation a normal fp32; such rows quantise to 0 anyway).
 ROT_MIN_EXPONENT = 32
-ROWS_PER_SPLIT = 512  # reduction pass: rows of one head per program
+ROWS_PER_SPLIT = 512  # K sum (fused modes): rows of one head per program
+# V absmax: rows per program, rows per loaded tile, channels per program (a tile is 8 x 1024 bf16)
+VMAX_ROWS, VMAX_TILE_ROWS, VMAX_COLS = 256, 8, 1024
 
 # The preparation modes: name -> (RMSNorm+RoPE folded into the passes, Hadamard rotation of Q/K).
 MODES = {"exact": (False, False), "fused": (True, False), "rotated": (False, True), "fused_rotated": (True, True)}
@@ -132,42 +134,52 @@ if triton is not None:
         return xn
 
     @triton.jit
-    def _reduce_kernel(K, V, KW, RC, KSUM, VMAX, S, H, sks, skh, svs, svh, eps,
-                       D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr,
-                       ROWS: tl.constexpr, RB: tl.constexpr):
+    def _ksum_kernel(K, KW, RC, KSUM, S, H, sks, skh, eps,
+                     D: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr, RB: tl.constexpr):
+        """Fused modes: the normed+roped K summed over ROWS rows of one head (fp64, fixed order)."""
         pid = tl.program_id(0).to(tl.int64)
         h = pid % H
         split = pid // H
         c = tl.arange(0, D)
-        vmax = tl.zeros([D], dtype=tl.float32)
         ksum = tl.zeros([D], dtype=tl.float64)
         for r0 in range(0, ROWS, RB):
             rows = split * ROWS + r0 + tl.arange(0, RB)
             m = rows < S
-            vv = _load_rows(V, rows, m, h, c, svs, svh).to(tl.float32)
-            vmax = tl.maximum(vmax, tl.max(tl.abs(vv), axis=0))
-            if FUSED:
-                kk = _norm_rope_rows(K, KW, RC, rows, m, h, c, sks, skh, S, eps, D, HALF)
-                kk = tl.where(m[:, None], kk, 0.0)
-                ksum += tl.sum(kk.to(tl.float64), axis=0)
-        off = (split * H + h) * D + c
-        tl.store(VMAX + off, vmax)
-        if FUSED:
-            tl.store(KSUM + off, ksum)
+            kk = _norm_rope_rows(K, KW, RC, rows, m, h, c, sks, skh, S, eps, D, HALF)
+            kk = tl.where(m[:, None], kk, 0.0)
+            ksum += tl.sum(kk.to(tl.float64), axis=0)
+        tl.store(KSUM + (split * H + h) * D + c, ksum)
 
     @triton.jit
-    def _finalize_kernel(KSUM, VMAX, KMEAN_IN, KMEAN, VSCALE, VRECP, NSPLIT, H, S, scale_max,
+    def _vmax_kernel(V, VMAX, S, HD, svs, svh, D: tl.constexpr, ROWS: tl.constexpr, RB: tl.constexpr,
+                     BC: tl.constexpr):
+        """V's absmax over ROWS rows, for BC of the H*D channels (column c: head c // D, dim c % D). The
+        running max is kept per element and reduced over the rows once at the end: no cross-warp
+        reduction per tile, so the loads stream (a max is exact in any order)."""
+        split = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC).to(tl.int64)
+        cm = c < HD
+        col = (c // D) * svh + c % D
+        acc = tl.zeros([RB, BC], dtype=tl.float32)
+        for r0 in range(0, ROWS, RB):
+            rows = split * ROWS + r0 + tl.arange(0, RB).to(tl.int64)
+            m = (rows < S)[:, None] & cm[None, :]
+            vv = tl.load(V + rows[:, None] * svs + col[None, :], mask=m, other=0.0)
+            acc = tl.maximum(acc, tl.abs(vv.to(tl.float32)))
+        tl.store(VMAX + split * HD + c, tl.max(acc, axis=0), mask=cm)
+
+    @triton.jit
+    def _finalize_kernel(KSUM, VMAX, KMEAN_IN, KMEAN, VSCALE, VRECP, KSPLIT, VSPLIT, H, S, scale_max,
                          D: tl.constexpr, FUSED: tl.constexpr):
         h = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, D)
         vm = tl.zeros([D], dtype=tl.float32)
-        acc = tl.zeros([D], dtype=tl.float64)
-        for sp in range(0, NSPLIT):
-            off = (sp * H + h) * D + c
-            vm = tl.maximum(vm, tl.load(VMAX + off))
-            if FUSED:
-                acc += tl.load(KSUM + off)
+        for sp in range(0, VSPLIT):
+            vm = tl.maximum(vm, tl.load(VMAX + (sp * H + h) * D + c))
         if FUSED:
+            acc = tl.zeros([D], dtype=tl.float64)
+            for sp in range(0, KSPLIT):
+                acc += tl.load(KSUM + (sp * H + h) * D + c)
             km = (acc / S).to(tl.float32)
         else:
             km = tl.load(KMEAN_IN + h * D + c).to(tl.float32)
@@ -321,20 +333,24 @@ def _reduce_impl(k, v, k_weight, rope_coef, eps, fused):
     _require_triton()
     s, h, d, _, _, _ = _geometry(k)
     dev = k.device
-    nsplit = -(-s // ROWS_PER_SPLIT)
-    vmax = torch.empty(nsplit, h, d, dtype=torch.float32, device=dev)
-    ksum = torch.empty(nsplit, h, d, dtype=torch.float64, device=dev) if fused else vmax
-    kmean_in = vmax if fused else k.mean(dim=1, keepdim=True)  # SageAttention's own call, same bits
-    half = rope_coef.shape[-1] // 2 if rope_coef is not None else 0
-    w = k_weight.contiguous() if k_weight is not None else vmax
-    rc = rope_coef if rope_coef is not None else vmax
-    _reduce_kernel[(nsplit * h,)](
-        k, v, w, rc, ksum, vmax, s, h, k.stride(1), k.stride(2), v.stride(1), v.stride(2), float(eps),
-        D=d, HALF=half, FUSED=fused, ROWS=ROWS_PER_SPLIT, RB=32, num_warps=8)
+    vsplit, ksplit = -(-s // VMAX_ROWS), -(-s // ROWS_PER_SPLIT)
+    vmax = torch.empty(vsplit, h, d, dtype=torch.float32, device=dev)
+    _vmax_kernel[(vsplit, triton.cdiv(h * d, VMAX_COLS))](
+        v, vmax, s, h * d, v.stride(1), v.stride(2), D=d, ROWS=VMAX_ROWS, RB=VMAX_TILE_ROWS, BC=VMAX_COLS,
+        num_warps=4)
+    if fused:
+        ksum = torch.empty(ksplit, h, d, dtype=torch.float64, device=dev)
+        half = rope_coef.shape[-1] // 2 if rope_coef is not None else 0
+        _ksum_kernel[(ksplit * h,)](
+            k, k_weight.contiguous(), rope_coef if rope_coef is not None else vmax, ksum, s, h, k.stride(1),
+            k.stride(2), float(eps), D=d, HALF=half, ROWS=ROWS_PER_SPLIT, RB=32, num_warps=8)
+        kmean_in = vmax  # unused
+    else:
+        ksum, kmean_in = vmax, k.mean(dim=1, keepdim=True)  # SageAttention's own call, same bits
     kmean = torch.empty(h, d, dtype=torch.float32, device=dev)
     vscale = torch.empty(1, h, d, dtype=torch.float32, device=dev)
     vrecp = torch.empty(h, d, dtype=torch.float32, device=dev)
-    _finalize_kernel[(h,)](ksum, vmax, kmean_in, kmean, vscale, vrecp, nsplit, h, s, FP8_MAX,
+    _finalize_kernel[(h,)](ksum, vmax, kmean_in, kmean, vscale, vrecp, ksplit, vsplit, h, s, FP8_MAX,
                            D=d, FUSED=fused, num_warps=1)
     return kmean, vscale, vrecp
 

@@ -34,7 +34,8 @@ INTERPRETED_CHECKS = r"""
     differing = ref.operand_mismatches
 
     results = {"operands": {}, "rows": {}, "row_errors": [], "prepare": {}, "fp8": None, "bf16": None, "compile": None}
-    for seq, heads, seed in ((200, 2, 0), (129, 1, 1), (144, 1, 3)):
+    # (300, 9): V's absmax over two row splits and two channel blocks, the second part-empty
+    for seq, heads, seed in ((200, 2, 0), (129, 1, 1), (144, 1, 3), (300, 9, 4)):
         g = torch.Generator().manual_seed(seed)
         qkv = torch.randn(seq, 3 * heads * 128, generator=g) * 1.5
         if seed == 3:  # the rotation's edge cases: outlier channels, rows from 2^-100 to 2^40, zero rows
@@ -61,6 +62,12 @@ INTERPRETED_CHECKS = r"""
             for a in range(0, seq, 128):
                 by_rows.add_q_rows(q[:, a:a + 128])
             results["rows"][f"{mode}/S={seq}/H={heads}"] = differing(by_rows.finish(k, v), got)
+        if seed == 1:  # heads not adjacent in memory ([S, H, 3, D]): every pass takes the head stride
+            g2 = torch.Generator().manual_seed(7)
+            mixed = (torch.randn(seq, 2, 3, 128, generator=g2) * 1.5).to(torch.bfloat16)
+            qm, km, vm = mixed.unsqueeze(0).unbind(3)
+            results["operands"][f"exact/S={seq}/H=2/interleaved-heads"] = differing(
+                sq.quantize_operands(qm, km, vm, mode="exact"), ref.prepare_reference(qm, km, vm, mode="exact"))
         if seed == 0:
             # Sage2Backend.prepare: a fused mode folds an in-place QKNorm with a rope table (the views
             # stay as they are); a module norm cannot be folded: it is applied and the unfused twin runs.
