@@ -154,6 +154,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-12-step", action="store_true")
     p.add_argument("--reps", type=int, default=9, help="timed reps per block and variant")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--queued-reps", type=int, default=0, help="with the blocks section: also time block 0 "
+                   "enqueued behind a GPU busy wait, this many reps (GPU time without host gaps, host enqueue time)")
     p.add_argument("--attention-reps", type=int, default=10)
     p.add_argument("--reps-2-step", type=int, default=2, help="2-step runs per layout (2 = ABBA)")
     p.add_argument("--reps-12-step", type=int, default=1, help="12-step runs per layout (2 = ABBA)")
@@ -526,6 +528,8 @@ def run_sections(args, bench: sec.Bench, kernels, backend: str, report: Report) 
         report.validation("peer_attention", peer_kernel_verdict(report.data, backend))
     if "blocks" in args.sections:
         run_blocks(args, bench, report, names["blocks_0_24_49"])
+        if args.queued_reps > 0:
+            _section(report, "queued_block", lambda: sec.queued_blocks(bench, args.queued_reps, args.warmup, with_stock))
     if args.compile_blocks:
         sec.ensure_stock_loaded(bench)
         _section(report, "compiled_block_results", lambda: sec.real_blocks(

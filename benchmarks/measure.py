@@ -40,6 +40,92 @@ def event_timed(fn: Callable[[], object]) -> Callable[[], float]:
     return run
 
 
+# GPU cycles the queued timing holds the device for before the measured call (~0.3 s at 2 GHz): far
+# longer than any block takes to enqueue, so the host is done before the GPU reaches the call
+QUEUE_HEAD_START_CYCLES = 600_000_000
+
+
+def queued_timed(fn: Callable[[], object]) -> Callable[[], tuple[float, float]]:
+    """A runner returning ``(host seconds, GPU seconds)`` of one ``fn()`` enqueued behind a GPU busy
+    wait: the host enqueues every kernel before the GPU reaches the first, as in a sampling run where
+    the previous block still runs. The GPU time (CUDA events) then has no host gaps in it; the host
+    time is what enqueuing the call cost (a host sync inside ``fn`` would show as both)."""
+    def run():
+        torch.cuda.synchronize()
+        torch.cuda._sleep(QUEUE_HEAD_START_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        host = time.perf_counter() - t0
+        end.record()
+        end.synchronize()
+        return host, start.elapsed_time(end) / 1e3
+    return run
+
+
+class DeviceSampler:
+    """SM clock and board power sampled every ``period`` seconds in a background thread (NVML through
+    ``pynvml``, nvidia-ml-py); ``mean_over(windows)`` averages the samples inside host time windows.
+    ``available`` is False without pynvml or an NVML device: the tables then leave the columns out."""
+
+    def __init__(self, device_index: int = 0, period: float = 0.002):
+        import threading
+        self.samples: list[tuple[float, float, float]] = []  # (perf_counter, MHz, W)
+        self._stop = threading.Event()
+        self._thread = None
+        self.period = period
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self.available = True
+        except Exception:
+            self._nvml = self._handle = None
+            self.available = False
+        if self.available:
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self):
+        nvml = self._nvml
+        while not self._stop.is_set():
+            try:
+                mhz = nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM)
+                watts = nvml.nvmlDeviceGetPowerUsage(self._handle) / 1e3
+            except Exception:
+                return
+            self.samples.append((time.perf_counter(), float(mhz), float(watts)))
+            time.sleep(self.period)
+
+    def __enter__(self):
+        if self._thread is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def mean_over(self, windows: list[tuple[float, float]]) -> dict | None:
+        """Mean SM clock (MHz) and power (W) of the samples taken inside ``windows``; None without any."""
+        inside = [(m, w) for t, m, w in self.samples if any(a <= t <= b for a, b in windows)]
+        if not inside:
+            return None
+        return {"sm_mhz": statistics.fmean(m for m, _ in inside), "watts": statistics.fmean(w for _, w in inside),
+                "samples": len(inside)}
+
+
+def windowed(runner: Callable[[], object], windows: list) -> Callable[[], object]:
+    """``runner`` that also appends the host time window of each call to ``windows``."""
+    def run():
+        t0 = time.perf_counter()
+        result = runner()
+        windows.append((t0, time.perf_counter()))
+        return result
+    return run
+
+
 def rotated(names: list[str], rep: int) -> list[str]:
     """The variant order for repetition ``rep``: each variant leads in turn."""
     shift = rep % len(names)

@@ -203,9 +203,35 @@ def more_markdown(data: dict) -> str:
         sampled = sampling_variant_rows(data, key)
         if sampled:
             parts.append("\n".join(_markdown(SAMPLING_HEADER, sampled)))
+    parts.append(queued_markdown(data))
     parts.append(memory_markdown(data))
     parts.append("\n".join(peer_lines(data)))
     return "\n\n".join(p for p in parts if p)
+
+
+QUEUED_HEADER = ("variant", "block p50", "GPU time, queue ahead", "stock / variant (GPU)", "host enqueue",
+                 "SM clock", "board power")
+
+
+def queued_markdown(data: dict) -> str:
+    """Block 0 per variant: the block section's p50 beside its GPU time with the launch queue kept
+    ahead and the host's enqueue time, and the mean SM clock and power over the block section's reps."""
+    q = data.get("queued_block") or {}
+    blocks = data.get("real_block_results") or []
+    if not q:
+        return ""
+    first = blocks[0] if blocks else {}
+    clocks = first.get("device_clocks") or {}
+    names = [k[:-len("_gpu_p50_seconds")] for k in q if k.endswith("_gpu_p50_seconds")]
+    rows = []
+    for name in names:
+        c = clocks.get(name) or {}
+        rows.append((name, _fmt_s(first.get(f"{name}_p50_seconds"), "ms"), _fmt_s(q.get(f"{name}_gpu_p50_seconds"), "ms"),
+                     _fmt_x(1.0 if name == "stock" else q.get(f"stock_over_{name}_gpu")),
+                     _fmt_s(q.get(f"{name}_host_p50_seconds"), "ms"),
+                     f"{c['sm_mhz']:.0f} MHz" if c else "-", f"{c['watts']:.0f} W" if c else "-"))
+    return (f"Block {q.get('block')} with the launch queue kept ahead ({q.get('reps')} reps; clocks over the "
+            "block section's reps):\n\n" + "\n".join(_markdown(QUEUED_HEADER, rows)))
 
 
 SAMPLING_HEADER = ("variant", "sampling", "stock / variant", "vs stock", "peak allocated")

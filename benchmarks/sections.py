@@ -281,8 +281,11 @@ def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool, compiled
     for index in indices:
         bench.log(f"  block {index}: {', '.join(variants)}{' (torch.compile)' if compiled is not None else ''}")
         runners = {name: _block_call(bench, p, index, compiled=compiled, name=name) for name, p in variants.items()}
-        times = measure.interleaved_times({n: (lambda r=r: r()[0]) for n, r in runners.items()}, reps, warmup,
-                                          progress=lambda m: bench.log(f"    {m}"))
+        windows = {n: [] for n in runners}
+        with device_sampler(bench) as sampler:
+            times = measure.interleaved_times(
+                {n: measure.windowed(lambda r=r: r()[0], windows[n]) for n, r in runners.items()}, reps, warmup,
+                progress=lambda m: bench.log(f"    {m}"))
         outputs, peaks = {}, {}
         for name, run in runners.items():
             peak, out = run(measure.peak_extra_bytes)
@@ -294,6 +297,8 @@ def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool, compiled
             row[f"{name}_p50_seconds"] = stats["p50_seconds"]
             row[f"{name}_spread"] = stats["spread"]
         row["peak_extra_bytes"] = peaks
+        if sampler.available:
+            row["device_clocks"] = {n: sampler.mean_over(w) for n, w in windows.items()}
         if "hnd" in outputs and "strided_nhd" in outputs:
             diff = measure.max_abs_difference(outputs["hnd"], outputs["strided_nhd"])
             row["speedup"] = measure.speedup(row["hnd_p50_seconds"], row["strided_nhd_p50_seconds"])
@@ -310,6 +315,52 @@ def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool, compiled
         results.append(row)
         del outputs
     return results
+
+
+def device_sampler(bench: Bench) -> measure.DeviceSampler:
+    """SM clock and power sampling for the timed reps (a sampler that is not ``available`` off CUDA)."""
+    index = bench.device.index if bench.device.index is not None else torch.cuda.current_device() \
+        if bench.device.type == "cuda" else 0
+    sampler = measure.DeviceSampler(index)
+    if bench.device.type != "cuda":
+        sampler.available = False
+    return sampler
+
+
+def queued_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool) -> dict:
+    """Block 0 per variant enqueued behind a GPU busy wait (``measure.queued_timed``), interleaved: the
+    GPU time without host gaps (a block in a sampling run, its predecessor still running) and the host
+    time of enqueuing it. Where the block section's time exceeds the GPU time here, the device waited
+    for the host."""
+    if bench.device.type != "cuda":
+        raise RuntimeError("the queued timing needs a CUDA device (it holds the GPU with a busy wait)")
+    index = bench.block_indices[0]
+    runners = {name: _block_call(bench, p, index) for name, p in bench.variants(with_stock).items()}
+    host: dict[str, list[float]] = {n: [] for n in runners}
+
+    def gpu_seconds(name, run):
+        def once():
+            h, g = run(lambda fn, device: measure.queued_timed(fn)())
+            host[name].append(h)
+            return g
+        return once
+
+    windows = {n: [] for n in runners}
+    with device_sampler(bench) as sampler:
+        times = measure.interleaved_times(
+            {n: measure.windowed(gpu_seconds(n, r), windows[n]) for n, r in runners.items()}, reps, warmup,
+            progress=lambda m: bench.log(f"    queued {m}"))
+    result = {"block": index, "reps": reps, "what": "GPU time with the launch queue kept ahead (no host gaps) "
+              "and the host time of enqueuing the block"}
+    for name, t in times.items():
+        result[f"{name}_gpu_p50_seconds"] = measure.summary(t)["p50_seconds"]
+        result[f"{name}_host_p50_seconds"] = measure.summary(host[name][warmup:])["p50_seconds"]
+        if "stock" in times:
+            result[f"stock_over_{name}_gpu"] = measure.speedup(result["stock_gpu_p50_seconds"],
+                                                               result[f"{name}_gpu_p50_seconds"])
+    if sampler.available:
+        result["device_clocks"] = {n: sampler.mean_over(w) for n, w in windows.items()}
+    return result
 
 
 # --- kernel launches -----------------------------------------------------------------------------------

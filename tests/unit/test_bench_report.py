@@ -390,3 +390,31 @@ def test_launch_waits_name_the_kernels_around_the_first_calls_gaps():
     assert waits["first_kernel_after_ms"] == pytest.approx(0.003)
     assert waits["largest_gaps"] == [(0.02, "a", "b"), (0.001, "b", "c")]
     assert measure.launch_waits([], [1.0]) == {}
+
+
+def test_queued_table_sets_gpu_time_host_time_and_clocks_beside_the_block_time():
+    from benchmarks.report import queued_markdown
+    data = {"real_block_results": [{"block": 0, "stock_p50_seconds": 0.104, "fused_p50_seconds": 0.096,
+                                    "device_clocks": {"stock": {"sm_mhz": 1755.0, "watts": 690.0, "samples": 9},
+                                                      "fused": None}}],
+            "queued_block": {"block": 0, "reps": 5, "stock_gpu_p50_seconds": 0.1025, "stock_host_p50_seconds": 0.0021,
+                             "fused_gpu_p50_seconds": 0.0941, "fused_host_p50_seconds": 0.0034,
+                             "stock_over_stock_gpu": 1.0, "stock_over_fused_gpu": 0.1025 / 0.0941}}
+    table = queued_markdown(data)
+    assert "| stock | 104.00 ms | 102.50 ms | 1.000x | 2.10 ms | 1755 MHz | 690 W |" in table
+    assert "| fused | 96.00 ms | 94.10 ms | 1.089x | 3.40 ms | - | - |" in table
+    assert queued_markdown({"real_block_results": data["real_block_results"]}) == ""
+
+
+def test_device_sampler_averages_the_samples_inside_the_windows_only():
+    sampler = measure.DeviceSampler.__new__(measure.DeviceSampler)
+    sampler.samples = [(1.0, 1800.0, 600.0), (2.0, 1700.0, 700.0), (3.0, 1000.0, 100.0)]
+    assert sampler.mean_over([(0.5, 2.5)]) == {"sm_mhz": 1750.0, "watts": 650.0, "samples": 2}
+    assert sampler.mean_over([(5.0, 6.0)]) is None
+
+
+def test_windowed_runner_records_each_calls_host_window():
+    windows = []
+    run = measure.windowed(lambda: 7, windows)
+    assert run() == 7 and run() == 7
+    assert len(windows) == 2 and all(a <= b for a, b in windows) and windows[0][1] <= windows[1][0]

@@ -4,7 +4,7 @@ Its Triton kernel runs under ``TRITON_INTERPRET=1`` in a subprocess (the flag mu
 kernel is decorated) and must equal, bit for bit, comfy-kitchen's CUDA steps written in torch
 (``devkit.rope.kitchen_cuda_norm_rope``, with the interpreter's 1/sqrt for rsqrt): on Q/K views of a
 fused qkv buffer, in place, with partial and full rotation, bf16 and fp32 tables, token and head
-counts that are no multiple of the program's tile, and a table cut to a token range as the chunked
+counts that are no multiple of the program's tile, two tilings of the pass, and a table cut to a token range as the chunked
 projection passes it. The GPU test compares the compiled kernel with comfy-kitchen's CUDA kernel.
 """
 
@@ -23,8 +23,12 @@ INTERPRETED = r"""
     from devkit.rope import kitchen_cuda_norm_rope, make_rope_table
     g = torch.Generator().manual_seed(0)
     out = {}
-    for seq, heads, d, rot, tdtype, start in ((37, 3, 128, 96, torch.bfloat16, 0), (21, 9, 64, 64, torch.float32, 0),
-                                             (18, 2, 32, 16, torch.bfloat16, 5)):
+    # the last case tiles the pass differently: 32 tokens and 4 heads a program, heads unrolled
+    for seq, heads, d, rot, tdtype, start, config in (
+            (37, 3, 128, 96, torch.bfloat16, 0, qk_transform.NORM_ROPE_CONFIG),
+            (21, 9, 64, 64, torch.float32, 0, qk_transform.NORM_ROPE_CONFIG),
+            (18, 2, 32, 16, torch.bfloat16, 5, qk_transform.NORM_ROPE_CONFIG),
+            (45, 6, 128, 96, torch.bfloat16, 0, (32, 4, 8, True))):
         qkv = (3 * torch.randn(seq, 3 * heads * d, generator=g)).bfloat16()
         table = make_rope_table(seq + start, rot, dtype=tdtype, generator=g)[:, start:]
         qw = (1 + 0.3 * torch.randn(d, generator=g)).bfloat16()
@@ -33,8 +37,8 @@ INTERPRETED = r"""
         want_q, want_k = kitchen_cuda_norm_rope(q, table, qw, 1e-5), kitchen_cuda_norm_rope(k, table, kw, 1e-5)
         v_before = v.clone()
         assert qk_transform.own_pass_takes(q, k, table, qw, kw)
-        qk_transform.norm_rope_pass(q, k, table, qw, kw, 1e-5)
-        out[f"{seq}x{heads}x{d} rot {rot} {tdtype} from {start}"] = [
+        qk_transform.norm_rope_pass(q, k, table, qw, kw, 1e-5, config=config)
+        out[f"{seq}x{heads}x{d} rot {rot} {tdtype} from {start} tiling {config}"] = [
             int((q != want_q).sum()), int((k != want_k).sum()), bool(torch.equal(v, v_before))]
     report(out)
 """
@@ -46,7 +50,7 @@ def interpreted():
 
 
 def test_pass_takes_comfy_kitchens_cuda_steps(interpreted):
-    assert len(interpreted) == 3
+    assert len(interpreted) == 4
     for case, (q_differ, k_differ, v_kept) in interpreted.items():
         assert (q_differ, k_differ) == (0, 0), f"{case}: {q_differ} Q and {k_differ} K elements differ"
         assert v_kept, f"{case}: the pass wrote into V"

@@ -1,0 +1,154 @@
+"""The sage2 prepared path's passes one by one on an H100/H200, at H3's attention shape.
+
+    python -m benchmarks.prep_passes --seq 8192 37810 --reps 15 --out prep-passes.json
+
+Strided NHD views [1, S, 56, 128] of one fused bf16 buffer [S, 3*7168]. Each pass is timed with
+CUDA events, every variant interleaved rep by rep (each leads in turn), median of ``--reps``, and
+its bytes moved are set beside it as a bandwidth:
+
+  copy_qk            -- ``torch`` copy of a [S, 2*7168] buffer: the device's copy bandwidth here
+  norm_rope <tiling> -- the in-place RMSNorm+RoPE pass for each tiling of ``--norm-rope``
+  k_mean, v_absmax   -- the exact reduction's two reads (SageAttention's ``k.mean`` and the V pass)
+  reduce_exact       -- both, with the finalisation: ``sage2_quant._reduce_impl`` as exact mode runs it
+  quantize           -- the quantisation pass (Q, K, V -> int8 / fp8 operands)
+  kernel_out_<nhd|hnd> -- SageAttention's sm90 kernel on the prepared operands, its output token-major
+                        (what the pack writes) or head-major (what ``sageattn(..., "HND")`` writes)
+
+Every norm_rope tiling must give the default tiling's bits, and both outputs of the kernel the
+same values; the run says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from benchmarks.measure import event_timed, interleaved_times, summary
+from devkit.inputs import fused_attention_inputs
+from devkit.pack import kernels as _kernels
+from devkit.pack import submodule
+
+kernels = _kernels()
+sage2_quant = submodule("kernels.sage2_quant")
+qk_transform = submodule("kernels.qk_transform")
+
+HEADS, D, ROT, EPS = 56, 128, 96, 1e-5
+TILINGS = ("16,8,4,0", "16,8,4,1", "32,8,4,0", "32,4,8,0", "32,4,4,1", "64,2,8,0", "16,4,4,1")
+
+
+def tiling(text: str) -> tuple:
+    tokens, heads, warps, unroll = (int(x) for x in text.split(","))
+    return tokens, heads, warps, bool(unroll)
+
+
+def norm_rope_bits_agree(qkv, table, qw, kw, tilings) -> dict:
+    """Each tiling's Q/K after one pass, against the default tiling's: elements that differ."""
+    def once(config):
+        buf = qkv.clone()
+        q, k, _ = buf.unflatten(1, (3, HEADS, D)).unsqueeze(0).unbind(2)
+        qk_transform.norm_rope_pass(q, k, table, qw, kw, EPS, config=config)
+        return buf
+    want = once(qk_transform.NORM_ROPE_CONFIG)
+    return {",".join(str(int(x)) for x in t): int((once(t) != want).sum()) for t in tilings}
+
+
+def passes(seq: int, reps: int, warmup: int, tilings) -> dict:
+    qkv, table, qw, kw = fused_attention_inputs(seq, HEADS, D, ROT, seed=seq, weight_mean=1.0,
+                                                weight_spread=0.2, table_dtype=torch.bfloat16)
+    q, k, v = qkv.unflatten(1, (3, HEADS, D)).unsqueeze(0).unbind(2)
+    element = seq * HEADS * D  # one of Q, K, V
+    mib = 2 * element  # bf16 bytes of one of them
+    scratch = torch.empty(seq, 2 * HEADS * D, dtype=torch.bfloat16, device=qkv.device)
+    source = qkv[:, :2 * HEADS * D].contiguous()
+    kmean, vscale, vrecp = sage2_quant._reduce_impl(k, v, None, None, 0.0, False)
+    operands = sage2_quant.quantize_operands(q, k, v, mode="exact")
+    prepared = kernels.BACKENDS["sage2"].prepare(q, k, v, mode="exact")
+    vmax = torch.empty(-(-seq // sage2_quant.VMAX_ROWS), HEADS, D, dtype=torch.float32, device=qkv.device)
+    out_hnd = torch.empty(1, HEADS, seq, D, dtype=torch.bfloat16, device=qkv.device)
+
+    def v_absmax():
+        sage2_quant._vmax_kernel[(vmax.shape[0], -(-HEADS * D // sage2_quant.VMAX_COLS))](
+            v, vmax, seq, HEADS * D, v.stride(1), v.stride(2), D=D, ROWS=sage2_quant.VMAX_ROWS,
+            RB=sage2_quant.VMAX_TILE_ROWS, BC=sage2_quant.VMAX_COLS, num_warps=4)
+
+    def kernel_to(out):
+        op, reason = kernels.backends.sage2._sm90_attention_op()
+        if op is None:
+            raise RuntimeError(reason)
+        p = prepared.operands
+        op(p["q_int8"].permute(1, 0, 2).unsqueeze(0), p["k_int8"].permute(1, 0, 2).unsqueeze(0),
+           p["v_fp8"].permute(1, 0, 2).unsqueeze(0), out, p["q_scale"], p["k_scale"], p["v_scale"],
+           0, 0, 3, prepared.sm_scale, 0)
+
+    fns = {"copy_qk": (lambda: scratch.copy_(source), 4 * mib)}
+    for t in tilings:
+        name = "norm_rope " + ",".join(str(int(x)) for x in t)
+        fns[name] = ((lambda t=t: qk_transform.norm_rope_pass(q, k, table, qw, kw, EPS, config=t)), 4 * mib)
+    fns.update({
+        "k_mean": (lambda: k.mean(dim=1, keepdim=True), mib),
+        "v_absmax": (v_absmax, mib),
+        "reduce_exact": (lambda: sage2_quant._reduce_impl(k, v, None, None, 0.0, False), 2 * mib),
+        "quantize": (lambda: sage2_quant._quantize_impl(q, k, v, kmean, vrecp, None, None, None, 0.0, False, False),
+                     3 * mib + 3 * element),
+    })
+    has_kernel = kernels.backends.sage2._sm90_attention_op()[0] is not None
+    if has_kernel:
+        out_nhd = torch.empty(1, seq, HEADS, D, dtype=torch.bfloat16, device=qkv.device)
+        fns["kernel_out_nhd"] = (lambda: kernel_to(out_nhd), None)
+        fns["kernel_out_hnd"] = (lambda: kernel_to(out_hnd.transpose(1, 2)), None)
+    times = interleaved_times({n: event_timed(f) for n, (f, _) in fns.items()}, reps, warmup)
+    rows = {}
+    for name, (_, nbytes) in fns.items():
+        p50 = summary(times[name])["p50_seconds"]
+        rows[name] = {"p50_ms": p50 * 1e3, "spread": summary(times[name])["spread"],
+                      "gb_per_s": nbytes / p50 / 1e9 if nbytes else None}
+    result = {"seq": seq, "reps": reps, "passes": rows,
+              "norm_rope_elements_differing_from_default": norm_rope_bits_agree(qkv, table, qw, kw, tilings)}
+    if has_kernel:
+        kernel_to(out_nhd)
+        kernel_to(out_hnd.transpose(1, 2))
+        result["kernel_outputs_equal"] = bool(torch.equal(out_nhd, out_hnd.transpose(1, 2)))
+    return result
+
+
+def print_result(r: dict) -> None:
+    print(f"\nS = {r['seq']}, {r['reps']} reps, p50")
+    print("| pass | ms | GB/s | spread |")
+    print("|---|---|---|---|")
+    for name, row in r["passes"].items():
+        bw = f"{row['gb_per_s']:.0f}" if row["gb_per_s"] else "-"
+        print(f"| {name} | {row['p50_ms']:.3f} | {bw} | {row['spread']:.1%} |")
+    print(f"norm_rope elements differing from the default tiling: {r['norm_rope_elements_differing_from_default']}")
+    if "kernel_outputs_equal" in r:
+        print(f"kernel outputs token-major and head-major equal: {r['kernel_outputs_equal']}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, nargs="+", default=[8192, 37810])
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--norm-rope", nargs="+", default=list(TILINGS), metavar="TOKENS,HEADS,WARPS,UNROLL",
+                   help="tilings of the RMSNorm+RoPE pass to time")
+    p.add_argument("--out", help="results JSON")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    tilings = [tiling(t) for t in args.norm_rope]
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
+    for seq in args.seq:
+        r = passes(seq, args.reps, args.warmup, tilings)
+        print_result(r)
+        results["runs"].append(r)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
