@@ -77,15 +77,16 @@ from .report import LAYOUTS, Report, correctness_table, equality_verdict, text_t
 
 SECTIONS = ("isolated", "blocks", "profiler", "sampling_2_step", "sampling_12_step")
 MEMORY_SECTION = "memory"  # only with --memory-at; runs last (past the int32 line stock's attention may fault)
-VARIANT_USAGE = ("NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:stock_int8q][:qkvN][:mlpN]"
+VARIANT_USAGE = ("NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:stock_int8q][:gate_pass][:qkvN][:mlpN]"
                  "[:attention_only|:fused_block]")
 # whole_qkv: the qkv projection always made whole (no token chunks), to measure what the chunks cost;
 # stock_int8q: int8 ConvRot linears on stock's activation quantiser, to measure the pack's beside it;
+# gate_pass: fused mode with the MLP's gated residual as its own pass (not in fc2's GEMM);
 # qkvN / mlpN: N rows per qkv-projection / MLP chunk (the settings' qkv_chunk_tokens, mlp_chunk_tokens)
 CHUNK_FLAG = re.compile(r"(qkv|mlp)([1-9][0-9]*)")
 VARIANT_FLAGS = {"noprepared": ("prepared", False), "attention_only": ("block_path", "attention_only"),
                  "fused_block": ("block_path", "fused"), "whole_qkv": ("qkv_chunk_tokens", 2**62),
-                 "stock_int8q": ("own_int8_quantizer", False)}
+                 "stock_int8q": ("own_int8_quantizer", False), "gate_pass": ("gate_in_gemm", False)}
 ATTENTION_ONLY = "attention_only"  # --peer-table's strided NHD variant on the attention-only block path
 LAYOUT_ENV = "H3_SAGE_QKV_LAYOUT"
 REFERENCE_COPY = Path(__file__).resolve().parent / "reference" / "gb10-strided-nhd-results.json"
@@ -264,7 +265,7 @@ def parse_variant(parser, spec: str) -> dict:
                               != len(flags) else f"one block path at most, got {block_paths}")
                      + f"; flags: {', '.join(VARIANT_FLAGS)}")
     variant = {"name": name, "layout": parts[0], "backend": parts[1], "prep": parts[2], "prepared": True,
-               "block_path": "exact", "qkv_chunk_tokens": None, "mlp_chunk_tokens": None, "own_int8_quantizer": True}
+               "block_path": "exact"}
     variant.update(VARIANT_FLAGS[f] if f in VARIANT_FLAGS else
                    (f"{CHUNK_FLAG.fullmatch(f)[1]}_chunk_tokens", int(CHUNK_FLAG.fullmatch(f)[2])) for f in flags)
     return variant
@@ -330,17 +331,22 @@ def default_out(facts: dict, backend: str) -> Path:
     return Path("benchmarks/results") / f"h3-{slug}-{backend}.json"
 
 
+# Settings fields a variant may set (benchmark variants, not node inputs; absent: the default)
+SETTING_OVERRIDES = ("qkv_chunk_tokens", "mlp_chunk_tokens", "own_int8_quantizer", "gate_in_gemm")
+
+
 def patch_model(model_patcher, layout: str, backend: str, prep_mode: str = "exact", prepared: bool = True,
-                block_path: str = "exact", qkv_chunk_tokens: int | None = None, mlp_chunk_tokens: int | None = None,
-                own_int8_quantizer: bool = True):
+                block_path: str = "exact", **overrides):
     """A clone of ``model_patcher`` patched exactly as the node patches it: (clone, installed patch).
-    ``prepared=False`` switches the chain's prepared paths off, ``qkv_chunk_tokens`` / ``mlp_chunk_tokens``
-    set the rows per qkv-projection / MLP chunk, ``own_int8_quantizer=False`` leaves int8 linears on
-    stock's quantiser (benchmark variants, not node inputs; None: the default)."""
-    extra = {k: v for k, v in (("qkv_chunk_tokens", qkv_chunk_tokens), ("mlp_chunk_tokens", mlp_chunk_tokens))
-             if v is not None}
+    ``prepared=False`` switches the chain's prepared paths off; ``overrides``: ``SETTING_OVERRIDES``
+    (rows per qkv-projection / MLP chunk, int8 linears on stock's quantiser, fused mode's gate as its
+    own pass), None meaning the default."""
+    unknown = set(overrides) - set(SETTING_OVERRIDES)
+    if unknown:
+        raise ValueError(f"unknown setting override(s) {sorted(unknown)}")
+    extra = {k: v for k, v in overrides.items() if v is not None}
     settings = submodule("nodes.patch").Settings(layout=layout, backend=backend, prep_mode=prep_mode,
-                                                 block_path=block_path, own_int8_quantizer=own_int8_quantizer, **extra)
+                                                 block_path=block_path, **extra)
     clone, patch = submodule("nodes.h3_patch").patch_model(model_patcher, settings)
     patch.plan.default.prepared = prepared  # the plan of every run starts from this chain
     return clone, patch
@@ -461,16 +467,12 @@ def build_variants(args, base, layouts) -> tuple[dict, dict, dict, dict]:
               "block_path": "exact"} for layout in layouts] + args.variants  # exact: the node's default
     clones, extras, patches, settings = {}, {}, {}, {}
     for v in specs:
+        overrides = {k: v.get(k) for k in SETTING_OVERRIDES}
         clone, patches[v["name"]] = patch_model(base, v["layout"], v["backend"], prep_mode=v["prep"],
-                                                prepared=v["prepared"], block_path=v["block_path"],
-                                                qkv_chunk_tokens=v.get("qkv_chunk_tokens"),
-                                                mlp_chunk_tokens=v.get("mlp_chunk_tokens"),
-                                                own_int8_quantizer=v.get("own_int8_quantizer", True))
+                                                prepared=v["prepared"], block_path=v["block_path"], **overrides)
         (clones if v["name"] in layouts else extras)[v["name"]] = clone
         settings[v["name"]] = {k: v[k] for k in ("layout", "backend", "prep", "prepared", "block_path")}
-        settings[v["name"]].update({k: v[k] for k in ("qkv_chunk_tokens", "mlp_chunk_tokens") if v.get(k) is not None})
-        if not v.get("own_int8_quantizer", True):
-            settings[v["name"]]["own_int8_quantizer"] = False
+        settings[v["name"]].update({k: x for k, x in overrides.items() if x is not None})
     return clones, extras, patches, settings
 
 
