@@ -9,7 +9,8 @@ expression again: inductor fuses it with the RMSNorm before it into one kernel, 
 custom op would prevent. Offsets are int64.
 The modulation parameters are one row for the whole segment, or one row per token: current ComfyUI
 gives rows under a partial denoise mask their own timestep (a per-token index tensor as the
-segment's mod row). ``PendingModulation`` hands rows with the modulation still owed to a pass that
+segment's mod row). ``gated_residual_`` is stock's ``addcmul_`` residual in one vectorised pass, same
+bits. ``PendingModulation`` hands rows with the modulation still owed to a pass that
 applies it as it reads them (the int8 quantiser). ``token_chunks`` splits a sequence for the block's MLP."""
 
 from __future__ import annotations
@@ -44,6 +45,24 @@ if triton is not None:
         scaled = round_bf16(h * s)  # stock's mul_: one rounding
         tl.store(ptr, round_bf16(scaled + b).to(tl.bfloat16), mask=ok)  # add_: the second
 
+
+    @triton.jit
+    def _gated_residual_kernel(x_ptr, y_ptr, gate_ptr, rows, cols, stride_x, stride_y,
+                               PER_ROW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
+        col_ok = c < cols
+        ok = (r[:, None] < rows) & col_ok[None, :]
+        if PER_ROW:  # one gate row per token, [rows, cols] contiguous
+            g = tl.load(gate_ptr + r[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        else:
+            g = tl.load(gate_ptr + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        ptr = x_ptr + r[:, None] * stride_x + c[None, :]
+        x = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + r[:, None] * stride_y + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        # torch's addcmul: a + (b * c) in fp32, rounded to bf16. The bf16 product is exact in fp32, so a
+        # fused multiply-add gives the same fp32 sum.
+        tl.store(ptr, round_bf16(x + y * g).to(tl.bfloat16), mask=ok)
 
     @triton.jit
     def swiglu_halves(u_ptr, rows, half, stride_u, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -109,6 +128,22 @@ def scale_shift_(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> 
         return h.mul_(scale1).add_(shift)  # inductor fuses it with the norm
     _scale_shift_impl(h, scale1, shift)
     return h
+
+
+def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Stock's ``x.addcmul_(other, gate)`` in one pass with its bits; ``gate`` (x's dtype) is one row
+    (``[cols]``) or one row per token (``[rows, cols]``). torch's own kernel reads the broadcast gate
+    unvectorised (about 1.7 TB/s on an H200). Inputs the pass cannot take, and torch.compile (inductor
+    fuses stock's expression), run stock's. Returns ``x``."""
+    per_row = per_token_params(x, gate)
+    if (torch.compiler.is_compiling() or not (fusable(x) and fusable(other)) or other.shape != x.shape
+            or gate.dtype != x.dtype):  # a wider gate: torch promotes, the product is no longer exact
+        return x.addcmul_(other, gate)
+    rows, cols = x.shape
+    grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
+    _gated_residual_kernel[grid](x, other, gate.contiguous(), rows, cols, x.stride(0), other.stride(0),
+                                 PER_ROW=per_row, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
+    return x
 
 
 def swiglu(u: torch.Tensor) -> torch.Tensor:

@@ -78,9 +78,10 @@ def modulate(h, shift, scale, segments):
 
 
 def gated_residual(x, gate, other, segments):
-    """Stock's ``_mod_gate``: ``x += other * gate`` per segment, in place."""
+    """Stock's ``_mod_gate``: ``x += other * gate`` per segment, in place (one vectorised pass each,
+    stock's bits)."""
     for a, b, row in segments:
-        x[a:b].addcmul_(other[a:b], gate[row].to(x.dtype))
+        ops.gated_residual_(x[a:b], other[a:b], gate[row].to(x.dtype))
     return x
 
 
@@ -193,7 +194,7 @@ class GatedDown:
                     self.gated[row] = self.weight * self.gate[row].to(self.weight.dtype)[:, None]
                 x[a:b].addmm_(s[a:b], self.gated[row].t())
             else:
-                x[a:b].addcmul_(torch.mm(s[a:b], self.weight.t()), self.gate[row].to(x.dtype))
+                ops.gated_residual_(x[a:b], torch.mm(s[a:b], self.weight.t()), self.gate[row].to(x.dtype))
 
 
 def projection_chunk_rows(linear, x, chunk: int) -> int | None:

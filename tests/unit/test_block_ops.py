@@ -1,8 +1,8 @@
 """The block fast path's elementwise pass (kernels/h3_block.py) on the CPU.
 
-``scale_shift_`` runs its Triton kernel under ``TRITON_INTERPRET=1`` in a subprocess (the flag must
+``scale_shift_`` and ``gated_residual_`` run their Triton kernels under ``TRITON_INTERPRET=1`` in a subprocess (the flag must
 be set before the kernel is decorated) and must equal stock's two in-place passes
-(``h.mul_(scale1).add_(shift)``) bit for bit, on row blocks that are views of a larger tensor, with
+(``h.mul_(scale1).add_(shift)``, ``x.addcmul_(other, gate)``) bit for bit, on row blocks that are views of a larger tensor, with
 ragged edges, in bf16. Other dtypes and non-row-major inputs take stock's passes themselves.
 """
 
@@ -36,6 +36,16 @@ INTERPRETED = r"""
             want[3:3 + rows].mul_(table[0][index]).add_(table[1][index])
             h3_block.scale_shift_(got[3:3 + rows], table[0][index], table[1][index])
             out[f"{dtype}-{rows}x{cols}-per-token"] = [bool(torch.equal(got, want)), int((got != want).sum())]
+    # the gated residual: stock's x.addcmul_(other, gate), one gate row or one per token, on row views
+    for rows, cols in ((5, 1030), (1, 3000)):
+        full = (torch.randn(rows + 6, cols, generator=g) * 4).bfloat16()
+        other = (torch.randn(rows + 2, cols, generator=g) * 3).bfloat16()[1:1 + rows]
+        for kind, gate in (("row", torch.randn(cols, generator=g).bfloat16()),
+                           ("per-token", torch.randn(rows, cols, generator=g).bfloat16())):
+            want, got = full.clone(), full.clone()
+            want[3:3 + rows].addcmul_(other, gate)
+            h3_block.gated_residual_(got[3:3 + rows], other, gate)
+            out[f"residual-{rows}x{cols}-{kind}"] = [bool(torch.equal(got, want)), int((got != want).sum())]
     # SwiGLU in one pass: stock's two roundings (silu, then the product), on a strided fc1 output view.
     # The interpreter has no libdevice: its exp is numpy's, so the reference takes numpy's exp too
     # (the GPU test checks torch's CUDA bits).
@@ -59,10 +69,28 @@ def interpreted():
 
 
 def test_scale_shift_kernel_gives_stock_bits(interpreted):
-    cases = {k: v for k, v in interpreted.items() if not k.startswith("swiglu")}
+    cases = {k: v for k, v in interpreted.items() if not k.startswith(("swiglu", "residual"))}
     assert len(cases) == 6
     for case, (equal, differing) in cases.items():
         assert equal, f"{case}: {differing} elements differ from h.mul_(scale1).add_(shift)"
+
+
+def test_gated_residual_kernel_gives_stock_bits(interpreted):
+    cases = {k: v for k, v in interpreted.items() if k.startswith("residual")}
+    assert len(cases) == 4
+    for case, (equal, differing) in cases.items():
+        assert equal, f"{case}: {differing} elements differ from x.addcmul_(other, gate)"
+
+
+def test_gated_residual_inputs_the_kernel_does_not_take_get_stocks_addcmul(gen):
+    x = torch.randn(4, 8, generator=gen).bfloat16()
+    other = torch.randn(4, 8, generator=gen).bfloat16()
+    for gate in (torch.randn(8, generator=gen),                    # fp32 gate: torch promotes
+                 torch.randn(8, generator=gen).bfloat16()):        # on the CPU outside the interpreter
+        want = x.clone().addcmul_(other, gate)
+        assert torch.equal(h3_block.gated_residual_(x.clone(), other, gate), want)
+    with pytest.raises(ValueError, match="modulation parameters"):
+        h3_block.gated_residual_(x.clone(), other, torch.randn(3, 8, generator=gen).bfloat16())
 
 
 def test_swiglu_kernel_takes_stocks_steps(interpreted):
