@@ -9,6 +9,8 @@ its bytes moved are set beside it as a bandwidth:
   copy_qk            -- ``torch`` copy of a [S, 2*7168] buffer: the device's copy bandwidth here
   norm_rope <tiling> -- the in-place RMSNorm+RoPE pass for each tiling of ``--norm-rope``
   k_mean, v_absmax   -- the exact reduction's two reads (SageAttention's ``k.mean`` and the V pass)
+  v_absmax <tiling>  -- the V pass for each tiling of ``--vmax`` (rows a program, rows a tile,
+                        channels a program, warps)
   reduce_exact       -- both, with the finalisation: ``sage2_quant._reduce_impl`` as exact mode runs it
   quantize           -- the quantisation pass (Q, K, V -> int8 / fp8 operands)
   kernel_out_<nhd|hnd> -- SageAttention's sm90 kernel on the prepared operands, its output token-major
@@ -37,6 +39,7 @@ qk_transform = submodule("kernels.qk_transform")
 
 HEADS, D, ROT, EPS = 56, 128, 96, 1e-5
 TILINGS = ("16,8,4,0", "16,8,4,1", "32,8,4,0", "32,4,8,0", "32,4,4,1", "64,2,8,0", "16,4,4,1")
+VMAX_TILINGS = ("256,8,1024,4", "256,16,1024,8", "512,32,512,8", "128,8,1024,4", "256,4,2048,4")
 
 
 def tiling(text: str) -> tuple:
@@ -55,7 +58,7 @@ def norm_rope_bits_agree(qkv, table, qw, kw, tilings) -> dict:
     return {",".join(str(int(x)) for x in t): int((once(t) != want).sum()) for t in tilings}
 
 
-def passes(seq: int, reps: int, warmup: int, tilings) -> dict:
+def passes(seq: int, reps: int, warmup: int, tilings, vmax_tilings=()) -> dict:
     qkv, table, qw, kw = fused_attention_inputs(seq, HEADS, D, ROT, seed=seq, weight_mean=1.0,
                                                 weight_spread=0.2, table_dtype=torch.bfloat16)
     q, k, v = qkv.unflatten(1, (3, HEADS, D)).unsqueeze(0).unbind(2)
@@ -66,13 +69,13 @@ def passes(seq: int, reps: int, warmup: int, tilings) -> dict:
     kmean, vscale, vrecp = sage2_quant._reduce_impl(k, v, None, None, 0.0, False)
     operands = sage2_quant.quantize_operands(q, k, v, mode="exact")
     prepared = kernels.BACKENDS["sage2"].prepare(q, k, v, mode="exact")
-    vmax = torch.empty(-(-seq // sage2_quant.VMAX_ROWS), HEADS, D, dtype=torch.float32, device=qkv.device)
     out_hnd = torch.empty(1, HEADS, seq, D, dtype=torch.bfloat16, device=qkv.device)
 
-    def v_absmax():
-        sage2_quant._vmax_kernel[(vmax.shape[0], -(-HEADS * D // sage2_quant.VMAX_COLS))](
-            v, vmax, seq, HEADS * D, v.stride(1), v.stride(2), D=D, ROWS=sage2_quant.VMAX_ROWS,
-            RB=sage2_quant.VMAX_TILE_ROWS, BC=sage2_quant.VMAX_COLS, num_warps=4)
+    def v_absmax(rows=sage2_quant.VMAX_ROWS, tile=sage2_quant.VMAX_TILE_ROWS, cols=sage2_quant.VMAX_COLS, warps=4):
+        out = torch.empty(-(-seq // rows), HEADS, D, dtype=torch.float32, device=qkv.device)
+        sage2_quant._vmax_kernel[(out.shape[0], -(-HEADS * D // cols))](
+            v, out, seq, HEADS * D, v.stride(1), v.stride(2), D=D, ROWS=rows, RB=tile, BC=cols, num_warps=warps)
+        return out.amax(0)
 
     def kernel_to(out):
         op, reason = kernels.backends.sage2._sm90_attention_op()
@@ -90,6 +93,7 @@ def passes(seq: int, reps: int, warmup: int, tilings) -> dict:
     fns.update({
         "k_mean": (lambda: k.mean(dim=1, keepdim=True), mib),
         "v_absmax": (v_absmax, mib),
+        **{"v_absmax " + t: ((lambda t=t: v_absmax(*(int(x) for x in t.split(",")))), mib) for t in vmax_tilings},
         "reduce_exact": (lambda: sage2_quant._reduce_impl(k, v, None, None, 0.0, False), 2 * mib),
         "quantize": (lambda: sage2_quant._quantize_impl(q, k, v, kmean, vrecp, None, None, None, 0.0, False, False),
                      3 * mib + 3 * element),
@@ -106,7 +110,9 @@ def passes(seq: int, reps: int, warmup: int, tilings) -> dict:
         rows[name] = {"p50_ms": p50 * 1e3, "spread": summary(times[name])["spread"],
                       "gb_per_s": nbytes / p50 / 1e9 if nbytes else None}
     result = {"seq": seq, "reps": reps, "passes": rows,
-              "norm_rope_elements_differing_from_default": norm_rope_bits_agree(qkv, table, qw, kw, tilings)}
+              "norm_rope_elements_differing_from_default": norm_rope_bits_agree(qkv, table, qw, kw, tilings),
+              "v_absmax_tilings_equal": all(torch.equal(v_absmax(*(int(x) for x in t.split(","))), v_absmax())
+                                            for t in vmax_tilings)}
     if has_kernel:
         kernel_to(out_nhd)
         kernel_to(out_hnd.transpose(1, 2))
@@ -122,6 +128,7 @@ def print_result(r: dict) -> None:
         bw = f"{row['gb_per_s']:.0f}" if row["gb_per_s"] else "-"
         print(f"| {name} | {row['p50_ms']:.3f} | {bw} | {row['spread']:.1%} |")
     print(f"norm_rope elements differing from the default tiling: {r['norm_rope_elements_differing_from_default']}")
+    print(f"every V absmax tiling gives the same maxima: {r['v_absmax_tilings_equal']}")
     if "kernel_outputs_equal" in r:
         print(f"kernel outputs token-major and head-major equal: {r['kernel_outputs_equal']}")
 
@@ -133,6 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--norm-rope", nargs="+", default=list(TILINGS), metavar="TOKENS,HEADS,WARPS,UNROLL",
                    help="tilings of the RMSNorm+RoPE pass to time")
+    p.add_argument("--vmax", nargs="*", default=list(VMAX_TILINGS), metavar="ROWS,TILE_ROWS,COLS,WARPS",
+                   help="tilings of the V absmax pass to time")
     p.add_argument("--out", help="results JSON")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -141,7 +150,7 @@ def main(argv=None) -> int:
     tilings = [tiling(t) for t in args.norm_rope]
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
     for seq in args.seq:
-        r = passes(seq, args.reps, args.warmup, tilings)
+        r = passes(seq, args.reps, args.warmup, tilings, args.vmax)
         print_result(r)
         results["runs"].append(r)
     if args.out:
