@@ -13,8 +13,8 @@ computes what stock's computes, in stock's order and with stock's bits:
   the pack's pass with comfy-kitchen's bits, then comfy-kitchen's GEMM (nodes/int8_layers.py).
 
 ``block_path="fused"`` merges more than stock's bits allow (kernels.h3_block_fused): each RMSNorm
-with its modulation in one pass, the attention half's gated residual with the MLP half's norm, and
-(bf16 weights) SwiGLU in one pass. A norm the kernels cannot take (weights cast on the fly, LoRA
+with its modulation in one pass, the attention half's gated residual with the MLP half's norm,
+(bf16 weights) SwiGLU in one pass, and the MLP's gated residual added by fc2's GEMM (``GatedDown``). A norm the kernels cannot take (weights cast on the fly, LoRA
 weight functions, another node's forward) runs as the exact path runs it.
 """
 
