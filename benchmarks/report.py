@@ -210,12 +210,14 @@ def more_markdown(data: dict) -> str:
 
 
 QUEUED_HEADER = ("variant", "block p50", "GPU time, queue ahead", "stock / variant (GPU)", "host enqueue",
-                 "SM clock", "board power")
+                 "SM clock")
 
 
 def queued_markdown(data: dict) -> str:
     """Block 0 per variant: the block section's p50 beside its GPU time with the launch queue kept
-    ahead and the host's enqueue time, and the mean SM clock and power over the block section's reps."""
+    ahead and the host's enqueue time, and the mean SM clock over the block section's reps. (The JSON
+    also keeps NVML's board power, which the driver averages over longer than one block: with the
+    variants interleaved block by block it mixes them, so the table leaves it out.)"""
     q = data.get("queued_block") or {}
     blocks = data.get("real_block_results") or []
     if not q:
@@ -229,7 +231,7 @@ def queued_markdown(data: dict) -> str:
         rows.append((name, _fmt_s(first.get(f"{name}_p50_seconds"), "ms"), _fmt_s(q.get(f"{name}_gpu_p50_seconds"), "ms"),
                      _fmt_x(1.0 if name == "stock" else q.get(f"stock_over_{name}_gpu")),
                      _fmt_s(q.get(f"{name}_host_p50_seconds"), "ms"),
-                     f"{c['sm_mhz']:.0f} MHz" if c else "-", f"{c['watts']:.0f} W" if c else "-"))
+                     f"{c['sm_mhz']:.0f} MHz" if c else "-"))
     return (f"Block {q.get('block')} with the launch queue kept ahead ({q.get('reps')} reps; clocks over the "
             "block section's reps):\n\n" + "\n".join(_markdown(QUEUED_HEADER, rows)))
 
