@@ -27,36 +27,37 @@ BLOCK_COLS, BLOCK_ROWS = 1024, 4
 
 if triton is not None:
     @triton.jit
-    def _scale_shift_kernel(h_ptr, scale_ptr, shift_ptr, rows, cols, stride_row,
-                            PER_ROW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _row_tile(rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """This program's tile of a [rows, cols] block: (row offsets, column offsets, column mask, mask)."""
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
         col_ok = c < cols
-        ok = (r[:, None] < rows) & col_ok[None, :]
-        if PER_ROW:  # one parameter row per token, [rows, cols] contiguous
-            at = r[:, None] * cols + c[None, :]
-            s = tl.load(scale_ptr + at, mask=ok, other=0.0).to(tl.float32)
-            b = tl.load(shift_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        else:
-            s = tl.load(scale_ptr + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            b = tl.load(shift_ptr + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        return r, c, col_ok, (r[:, None] < rows) & col_ok[None, :]
+
+    @triton.jit
+    def _modulation(ptr, r, c, cols, col_ok, ok, PER_ROW: tl.constexpr):
+        """A modulation parameter over the tile, fp32: one row per token ([rows, cols] contiguous) or one
+        row for all ([cols], broadcast)."""
+        if PER_ROW:
+            return tl.load(ptr + r[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        return tl.load(ptr + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+
+    @triton.jit
+    def _scale_shift_kernel(h_ptr, scale_ptr, shift_ptr, rows, cols, stride_row,
+                            PER_ROW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        r, c, col_ok, ok = _row_tile(rows, cols, BLOCK_R, BLOCK_C)
+        s = _modulation(scale_ptr, r, c, cols, col_ok, ok, PER_ROW)
+        b = _modulation(shift_ptr, r, c, cols, col_ok, ok, PER_ROW)
         ptr = h_ptr + r[:, None] * stride_row + c[None, :]
         h = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
         scaled = round_bf16(h * s)  # stock's mul_: one rounding
         tl.store(ptr, round_bf16(scaled + b).to(tl.bfloat16), mask=ok)  # add_: the second
 
-
     @triton.jit
     def _gated_residual_kernel(x_ptr, y_ptr, gate_ptr, rows, cols, stride_x, stride_y,
                                PER_ROW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-        c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
-        col_ok = c < cols
-        ok = (r[:, None] < rows) & col_ok[None, :]
-        if PER_ROW:  # one gate row per token, [rows, cols] contiguous
-            g = tl.load(gate_ptr + r[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        else:
-            g = tl.load(gate_ptr + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        r, c, col_ok, ok = _row_tile(rows, cols, BLOCK_R, BLOCK_C)
+        g = _modulation(gate_ptr, r, c, cols, col_ok, ok, PER_ROW)
         ptr = x_ptr + r[:, None] * stride_x + c[None, :]
         x = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + r[:, None] * stride_y + c[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -67,9 +68,7 @@ if triton is not None:
     @triton.jit
     def swiglu_halves(u_ptr, rows, half, stride_u, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         """This program's tile of a SwiGLU input's two halves, fp32: (rows, columns, mask, gate, up)."""
-        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-        c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
-        ok = (r[:, None] < rows) & (c[None, :] < half)
+        r, c, _, ok = _row_tile(rows, half, BLOCK_R, BLOCK_C)
         base = u_ptr + r[:, None] * stride_u + c[None, :]
         g = tl.load(base, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(base + half, mask=ok, other=0.0).to(tl.float32)
