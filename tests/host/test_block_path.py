@@ -202,11 +202,13 @@ def test_unknown_block_structure_keeps_the_attention_only_patch(pack, monkeypatc
     assert off and "forward(" in off[0] and "scale" in off[0], plan.notes
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_fast_path_adds_no_graph_break_under_torch_compile(pack, model, masked):
+@pytest.mark.parametrize("masked,fold", [(False, False), (True, False), (False, True)])
+def test_fast_path_adds_no_graph_break_under_torch_compile(pack, model, masked, fold, monkeypatch):
     """torch._dynamo.explain of one block: the fast path breaks the graph exactly where the
     attention-only patch does (the attention, kept out of the graph on purpose), nowhere else; also
-    with per-token modulation rows."""
+    with per-token modulation rows, and with fused mode's gate folded into fc2 (every row folds)."""
+    if fold:
+        monkeypatch.setattr(pack.nodes.h3_block, "GATE_FOLD_MIN_TOKENS", 1)
     block = model.model.diffusion_model.blocks[0]
     inputs = dh.random_block_inputs(block, SEQ, seed=9, dtype=torch.bfloat16, masked=masked)
     breaks = {}
