@@ -77,16 +77,15 @@ from .report import LAYOUTS, Report, correctness_table, equality_verdict, text_t
 
 SECTIONS = ("isolated", "blocks", "profiler", "sampling_2_step", "sampling_12_step")
 MEMORY_SECTION = "memory"  # only with --memory-at; runs last (past the int32 line stock's attention may fault)
-VARIANT_USAGE = ("NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:stock_int8q][:gate_pass][:qkvN][:mlpN]"
+VARIANT_USAGE = ("NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:stock_int8q][:qkvN][:mlpN]"
                  "[:attention_only|:fused_block]")
 # whole_qkv: the qkv projection always made whole (no token chunks), to measure what the chunks cost;
 # stock_int8q: int8 ConvRot linears on stock's activation quantiser, to measure the pack's beside it;
-# gate_pass: fused mode with the MLP's gated residual as its own pass (not in fc2's GEMM);
 # qkvN / mlpN: N rows per qkv-projection / MLP chunk (the settings' qkv_chunk_tokens, mlp_chunk_tokens)
 CHUNK_FLAG = re.compile(r"(qkv|mlp)([1-9][0-9]*)")
 VARIANT_FLAGS = {"noprepared": ("prepared", False), "attention_only": ("block_path", "attention_only"),
                  "fused_block": ("block_path", "fused"), "whole_qkv": ("qkv_chunk_tokens", 2**62),
-                 "stock_int8q": ("own_int8_quantizer", False), "gate_pass": ("gate_in_gemm", False)}
+                 "stock_int8q": ("own_int8_quantizer", False)}
 ATTENTION_ONLY = "attention_only"  # --peer-table's strided NHD variant on the attention-only block path
 LAYOUT_ENV = "H3_SAGE_QKV_LAYOUT"
 REFERENCE_COPY = Path(__file__).resolve().parent / "reference" / "gb10-strided-nhd-results.json"
@@ -332,15 +331,14 @@ def default_out(facts: dict, backend: str) -> Path:
 
 
 # Settings fields a variant may set (benchmark variants, not node inputs; absent: the default)
-SETTING_OVERRIDES = ("qkv_chunk_tokens", "mlp_chunk_tokens", "own_int8_quantizer", "gate_in_gemm")
+SETTING_OVERRIDES = ("qkv_chunk_tokens", "mlp_chunk_tokens", "own_int8_quantizer")
 
 
 def patch_model(model_patcher, layout: str, backend: str, prep_mode: str = "exact", prepared: bool = True,
                 block_path: str = "exact", **overrides):
     """A clone of ``model_patcher`` patched exactly as the node patches it: (clone, installed patch).
     ``prepared=False`` switches the chain's prepared paths off; ``overrides``: ``SETTING_OVERRIDES``
-    (rows per qkv-projection / MLP chunk, int8 linears on stock's quantiser, fused mode's gate as its
-    own pass), None meaning the default."""
+    (rows per qkv-projection / MLP chunk, int8 linears on stock's quantiser), None meaning the default."""
     unknown = set(overrides) - set(SETTING_OVERRIDES)
     if unknown:
         raise ValueError(f"unknown setting override(s) {sorted(unknown)}")

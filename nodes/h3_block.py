@@ -13,8 +13,8 @@ computes what stock's computes, in stock's order and with stock's bits:
   the pack's pass with comfy-kitchen's bits, then comfy-kitchen's GEMM (nodes/int8_layers.py).
 
 ``block_path="fused"`` merges more than stock's bits allow (kernels.h3_block_fused): each RMSNorm
-with its modulation in one pass, the attention half's gated residual with the MLP half's norm,
-(bf16 weights) SwiGLU in one pass, and the MLP's gated residual added by fc2's GEMM (``GatedDown``). A norm the kernels cannot take (weights cast on the fly, LoRA
+with its modulation in one pass, the attention half's gated residual with the MLP half's norm, and
+(bf16 weights) SwiGLU in one pass. A norm the kernels cannot take (weights cast on the fly, LoRA
 weight functions, another node's forward) runs as the exact path runs it.
 """
 
@@ -133,68 +133,19 @@ def mlp_chunk_rows(mlp, x, chunk: int) -> int | None:
     return chunk if x.shape[0] > chunk else None
 
 
-def plain_weight(linear, x):
-    """``linear``'s weight when its output is the plain product ``x @ weight.T``: a 2-D float weight
-    of x's dtype on x's device, no bias, nothing cast or patched per call. Else None."""
+def column_products(linear, x, inner: int):
+    """``(project_q, project_kv)`` for ``kernels.RowProjection`` when ``linear``'s output is the
+    plain product ``x @ weight.T`` (a float weight of x's dtype on x's device, no bias, nothing cast or
+    patched per call): Q is its first ``inner`` output columns, K and V the rest. Column blocks of
+    that product give its bits (benchmarks/projection_split.py checks it on the GPU). Else None."""
     w = getattr(linear, "weight", None)
     if (type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dtype != x.dtype or w.device != x.device
-            or w.dim() != 2 or getattr(linear, "bias", None) is not None
+            or w.dim() != 2 or w.shape[0] != 3 * inner or getattr(linear, "bias", None) is not None
             or getattr(linear, "weight_function", None) or getattr(linear, "bias_function", None)
             or getattr(linear, "comfy_cast_weights", False) or replaced_forward(linear)):
         return None
-    return w
-
-
-def column_products(linear, x, inner: int):
-    """``(project_q, project_kv)`` for ``kernels.RowProjection`` when ``linear``'s output is the
-    plain product ``x @ weight.T`` (``plain_weight``): Q is its first ``inner`` output columns, K and
-    V the rest. Column blocks of that product give its bits (benchmarks/projection_split.py checks it
-    on the GPU). Else None."""
-    w = plain_weight(linear, x)
-    if w is None or w.shape[0] != 3 * inner:
-        return None
     return (lambda rows: torch.nn.functional.linear(rows, w[:inner]),
             lambda rows: torch.mm(rows, w[inner:].t()))
-
-
-# fused mode: a modulation row whose segments hold at least this many tokens in all gets the MLP's gate
-# folded into fc2's weight. Gating the weight moves 2 x 154 MB (H3's fc2); the residual pass it saves
-# moves about 43 KB a token (read the product and x, write x): it pays from about 7,000 tokens.
-GATE_FOLD_MIN_TOKENS = 8192
-
-
-class GatedDown:
-    """Fused mode's MLP down-projection with the residual in the GEMM: ``x += fc2(s) * gate`` as
-    ``x.addmm_(s, (fc2.weight * gate[:, None]).T)`` for the modulation rows that cover enough tokens
-    (one rounding: the GEMM adds into x; stock rounds the product, then the residual). The gated weight
-    is made once per block call and row; other rows take the product and stock's residual pass."""
-
-    def __init__(self, weight, gate, segments):
-        tokens: dict = {}
-        for a, b, row in segments:
-            if isinstance(row, int):  # a per-token row (an index tensor) has no one gate to fold
-                tokens[row] = tokens.get(row, 0) + b - a
-        self.weight, self.gate = weight, gate
-        self.folded = {row for row, n in tokens.items() if n >= GATE_FOLD_MIN_TOKENS}
-        self.gated: dict = {}
-
-    @classmethod
-    def for_block(cls, mlp, x, gate, segments):
-        """The down-projection for this block call, or None when nothing folds (fc2's weight is not
-        plain, another node replaced the MLP forward, no row covers enough tokens)."""
-        w = None if replaced_forward(mlp) else plain_weight(mlp.fc2, x)
-        down = cls(w, gate, segments) if w is not None else None
-        return down if down is not None and down.folded else None
-
-    def add_into(self, x, s, segments) -> None:
-        """``x[a:b] += (s[a:b] @ fc2.weight.T) * gate[row]`` for each ``(a, b, row)`` of ``segments``."""
-        for a, b, row in segments:
-            if isinstance(row, int) and row in self.folded:
-                if row not in self.gated:
-                    self.gated[row] = self.weight * self.gate[row].to(self.weight.dtype)[:, None]
-                x[a:b].addmm_(s[a:b], self.gated[row].t())
-            else:
-                ops.gated_residual_(x[a:b], torch.mm(s[a:b], self.weight.t()), self.gate[row].to(x.dtype))
 
 
 def projection_chunk_rows(linear, x, chunk: int) -> int | None:
@@ -291,24 +242,17 @@ class H3BlockForward:
 
     def _mlp_half(self, x, gate, segments, mlp_input, fused: bool):
         """``x += mlp(mlp_input(a, b, segments of a:b)) * gate``, by token chunks where they give the same bits
-        (``mlp_input``: the MLP's input, or its normed rows with the modulation still owed). Fused mode
-        folds the gate into fc2's GEMM where it can (``GatedDown``)."""
+        (``mlp_input``: the MLP's input, or its normed rows with the modulation still owed)."""
         blk = self.block
         chunk = mlp_chunk_rows(blk.mlp, x, self.patch.settings.mlp_chunk_tokens)
         linear = int8_layers.caller(self.patch.settings, self.patch.report)
-        down = GatedDown.for_block(blk.mlp, x, gate, segments) if fused and self.patch.settings.gate_in_gemm else None
-        if chunk is None and down is None:
+        if chunk is None:
             h = mlp_input(0, x.shape[0], segments)
             y = blk.mlp(ops.settled(h)) if replaced_forward(blk.mlp) else mlp_forward(blk.mlp, h, fused, linear)
             return gated_residual(x, gate, y, segments)
-        for a, b in ops.token_chunks(x.shape[0], chunk or x.shape[0]):
+        for a, b in ops.token_chunks(x.shape[0], chunk):
             segs = ops.clip_segments(segments, a, b)
             h = mlp_input(a, b, segs)
-            if down is not None:
-                s = fused_ops.swiglu(linear(blk.mlp.fc1, h))
-                del h
-                down.add_into(x[a:b], s, segs)
-                continue
             y = mlp_forward(blk.mlp, h, fused, linear)
             del h
             gated_residual(x[a:b], gate, y, segs)

@@ -32,9 +32,6 @@ class Settings:
     # block fast path: int8 ConvRot linears quantise their input with the pack's pass (stock's bits;
     # not a node input: False measures stock's quantiser beside it)
     own_int8_quantizer: bool = True
-    # block fast path, fused mode: the MLP's gated residual added by fc2's GEMM (h3_block.GatedDown; not a
-    # node input: False measures the residual pass beside it)
-    gate_in_gemm: bool = True
 
     def __post_init__(self):
         for what, value, valid in (("layout", self.layout, kernels.LAYOUTS), ("block path", self.block_path, BLOCK_PATHS),

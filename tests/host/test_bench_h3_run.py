@@ -378,8 +378,6 @@ def test_variant_flags_come_after_prep_in_any_order():
     assert (sized["mlp_chunk_tokens"], sized["qkv_chunk_tokens"]) == (16384, 4096)
     ckq = parse_args(["--variant", "c=strided_nhd:sage2:exact:stock_int8q"]).variants[0]
     assert ckq["own_int8_quantizer"] is False and z.get("own_int8_quantizer") is None  # None: the default
-    gate = parse_args(["--variant", "g=strided_nhd:sage2:exact:fused_block:gate_pass"]).variants[0]
-    assert gate["gate_in_gemm"] is False and gate["block_path"] == "fused"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -387,7 +385,7 @@ def test_variant_flags_come_after_prep_in_any_order():
     (["--variant", "x=strided_nhd:sage2:exact:mlp0"], "unknown flag(s) ['mlp0']"),
     (["--variant", "x=strided_nhd:sage2:exact:noprepared:noprepared"], "a flag given twice"),
     (["--variant", "x=nhd:sage2:exact"], "LAYOUT one of hnd, strided_nhd"),
-    (["--variant", "x=strided_nhd:sage2"], "expected NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:stock_int8q][:gate_pass][:qkvN]"),
+    (["--variant", "x=strided_nhd:sage2"], "expected NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:stock_int8q][:qkvN]"),
     (["--variant", "x=strided_nhd:sage2:exact:fused_block:attention_only"], "one block path at most"),
     (["--variant", "x-1=strided_nhd:sage2:exact"], "NAME letters, digits and _"),
     (["--variant", "x=strided_nhd:sage9:exact"], "unknown back-end 'sage9'"),

@@ -202,13 +202,11 @@ def test_unknown_block_structure_keeps_the_attention_only_patch(pack, monkeypatc
     assert off and "forward(" in off[0] and "scale" in off[0], plan.notes
 
 
-@pytest.mark.parametrize("masked,fold", [(False, False), (True, False), (False, True)])
-def test_fast_path_adds_no_graph_break_under_torch_compile(pack, model, masked, fold, monkeypatch):
+@pytest.mark.parametrize("masked", [False, True])
+def test_fast_path_adds_no_graph_break_under_torch_compile(pack, model, masked):
     """torch._dynamo.explain of one block: the fast path breaks the graph exactly where the
     attention-only patch does (the attention, kept out of the graph on purpose), nowhere else; also
-    with per-token modulation rows, and with fused mode's gate folded into fc2 (every row folds)."""
-    if fold:
-        monkeypatch.setattr(pack.nodes.h3_block, "GATE_FOLD_MIN_TOKENS", 1)
+    with per-token modulation rows."""
     block = model.model.diffusion_model.blocks[0]
     inputs = dh.random_block_inputs(block, SEQ, seed=9, dtype=torch.bfloat16, masked=masked)
     breaks = {}
@@ -251,51 +249,6 @@ def test_fused_mode_is_no_further_from_the_fp32_block_than_stock(pack, model, ch
         assert relative_error(got, fp32) <= 1.05 * relative_error(want, fp32)
     whole, _, _ = patched_call(pack, model, 1, inputs, block_path="fused", mlp_chunk_tokens=8192)
     assert torch.equal(got, whole)
-
-
-def test_fused_mode_folds_the_mlp_gate_into_fc2_and_stays_as_close_to_fp32(pack, model, monkeypatch):
-    """With every modulation row long enough to fold (the threshold lowered to 1 token), fused mode's MLP
-    residual is fc2's GEMM adding into x: not the residual pass's bits, and still no further from the
-    fp32 block than stock. The int8 format's fc2 is no plain weight: nothing folds, the bits stay."""
-    block = model.model.diffusion_model.blocks[1]
-    inputs = dh.random_block_inputs(block, SEQ, seed=12, dtype=torch.bfloat16)
-    want = stock_call(model, 1, inputs)
-    apart, _, _ = patched_call(pack, model, 1, inputs, block_path="fused", gate_in_gemm=False)
-    monkeypatch.setattr(pack.nodes.h3_block, "GATE_FOLD_MIN_TOKENS", 1)
-    folded, _, _ = patched_call(pack, model, 1, inputs, block_path="fused", mlp_chunk_tokens=30)
-    import comfy.ops
-    if any(isinstance(p, comfy.ops.QuantizedTensor) for p in block.parameters()):
-        assert torch.equal(folded, apart)
-        return
-    assert not torch.equal(folded, apart)
-    assert 0 < relative_error(folded, want) < 1e-2
-    x, t_emb, segments, rope = inputs
-    fp32 = copy.deepcopy(block).float()(x.float(), t_emb.float(), segments, rope, transformer_options={})
-    assert relative_error(folded, fp32) <= 1.05 * relative_error(want, fp32)
-
-
-def test_gated_down_folds_long_rows_only_and_adds_what_the_residual_pass_adds(pack, monkeypatch):
-    h3_block = pack.nodes.h3_block
-    g = torch.Generator().manual_seed(5)
-    w = torch.randn(16, 24, generator=g).bfloat16()
-    gate = torch.randn(3, 16, generator=g).bfloat16()
-    s = torch.randn(40, 24, generator=g).bfloat16()
-    x = torch.randn(40, 16, generator=g).bfloat16()
-    per_token = torch.tensor([0, 2] * 5)
-    segments = [(0, 10, 0), (10, 30, 1), (30, 40, per_token)]  # rows 0 and 1, then one row per token
-    monkeypatch.setattr(h3_block, "GATE_FOLD_MIN_TOKENS", 20)
-    down = h3_block.GatedDown(w, gate, segments)
-    assert down.folded == {1}  # row 0 covers 10 tokens; a per-token row never folds
-    got = x.clone()
-    down.add_into(got, s, segments)
-    assert set(down.gated) == {1}
-    want = x.double().clone()
-    for a, b, row in segments:
-        want[a:b] += (s[a:b].double() @ w.double().t()) * gate[row].double()
-    apart = x.clone()
-    h3_block.gated_residual(apart, gate, torch.mm(s, w.t()), segments)
-    assert torch.equal(got[:10], apart[:10]) and torch.equal(got[30:], apart[30:])  # not folded: stock's pass
-    assert (got[10:30].double() - want[10:30]).abs().max() <= 2 ** -6 * want[10:30].abs().max()
 
 
 def test_fused_passes_match_their_fp32_definition(pack):
