@@ -1,6 +1,8 @@
-"""The sage2 prepared path's passes one by one on an H100/H200, at H3's attention shape.
+"""The block path's memory-bound passes one by one on an H100/H200, at H3's shapes.
 
     python -m benchmarks.prep_passes --seq 8192 37810 --reps 15 --out prep-passes.json
+
+Attention preparation (``--part attention``):
 
 Strided NHD views [1, S, 56, 128] of one fused bf16 buffer [S, 3*7168]. Each pass is timed with
 CUDA events, every variant interleaved rep by rep (each leads in turn), median of ``--reps``, and
@@ -18,6 +20,16 @@ its bytes moved are set beside it as a bandwidth:
 
 Every norm_rope tiling must give the default tiling's bits, and both outputs of the kernel the
 same values; the run says so.
+
+The block's own passes (``--part block``), on [S, 5376] rows (SwiGLU on fc1's [S, 28672] output),
+one modulation row for all:
+
+  rms_norm, addcmul       -- stock's torch calls (the norm, the gated residual)
+  scale_shift, residual   -- the exact path's modulation and gated residual passes
+  norm_modulate <warps>, residual_norm_modulate <warps> -- fused mode's passes per ``--norm-modulate-warps``
+  swiglu_exact, swiglu_fused -- SwiGLU with stock's two roundings / one
+
+with each fused warp count's largest difference from the default's output.
 """
 
 from __future__ import annotations
@@ -36,8 +48,11 @@ from devkit.pack import submodule
 kernels = _kernels()
 sage2_quant = submodule("kernels.sage2_quant")
 qk_transform = submodule("kernels.qk_transform")
+h3_block = submodule("kernels.h3_block")
+h3_block_fused = submodule("kernels.h3_block_fused")
 
 HEADS, D, ROT, EPS = 56, 128, 96, 1e-5
+HIDDEN, FFN = 5376, 14336  # H3's block width and MLP width (fc1 gives 2 * FFN)
 TILINGS = ("16,8,4,0", "16,8,4,1", "32,8,4,0", "32,4,8,0", "32,4,4,1", "64,2,8,0", "16,4,4,1")
 VMAX_TILINGS = ("256,8,1024,4", "256,16,1024,8", "512,32,512,8", "128,8,1024,4", "256,4,2048,4")
 
@@ -120,6 +135,41 @@ def passes(seq: int, reps: int, warmup: int, tilings, vmax_tilings=()) -> dict:
     return result
 
 
+def block_passes(seq: int, reps: int, warmup: int, warps_list) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seq)
+    rand = lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    x, other, h = rand(seq, HIDDEN), rand(seq, HIDDEN), rand(seq, HIDDEN)
+    w, scale1, shift, gate = rand(HIDDEN), 1 + rand(HIDDEN), rand(HIDDEN), rand(HIDDEN)
+    u = rand(seq, 2 * FFN)
+    row = 2 * seq * HIDDEN  # bf16 bytes of one [S, 5376] tensor
+    fns = {
+        "rms_norm": (lambda: torch.nn.functional.rms_norm(x, (HIDDEN,), w, 1e-6), 2 * row),
+        "scale_shift": (lambda: h3_block.scale_shift_(h, scale1, shift), 2 * row),
+        "addcmul": (lambda: x.addcmul_(other, gate), 3 * row),
+        "residual": (lambda: h3_block.gated_residual_(x, other, gate), 3 * row),
+        "swiglu_exact": (lambda: h3_block.swiglu(u), 3 * seq * FFN * 2),
+        "swiglu_fused": (lambda: h3_block_fused.swiglu(u), 3 * seq * FFN * 2),
+    }
+    for n in warps_list:
+        fns[f"norm_modulate {n}"] = ((lambda n=n: h3_block_fused._norm_modulate_impl(
+            x, None, None, w, scale1, shift, 1e-6, h, warps=n)), 2 * row)
+        fns[f"residual_norm_modulate {n}"] = ((lambda n=n: h3_block_fused._norm_modulate_impl(
+            x, other, gate, w, scale1, shift, 1e-6, h, warps=n)), 4 * row)
+    times = interleaved_times({n: event_timed(f) for n, (f, _) in fns.items()}, reps, warmup)
+    rows = {}
+    for name, (_, nbytes) in fns.items():
+        p50 = summary(times[name])["p50_seconds"]
+        rows[name] = {"p50_ms": p50 * 1e3, "spread": summary(times[name])["spread"], "gb_per_s": nbytes / p50 / 1e9}
+
+    def normed(n):
+        out = torch.empty_like(x)
+        h3_block_fused._norm_modulate_impl(x, None, None, w, scale1, shift, 1e-6, out, warps=n)
+        return out
+    default = normed(None)
+    differs = {str(n): float((normed(n).float() - default.float()).abs().max()) for n in warps_list}
+    return {"seq": seq, "reps": reps, "passes": rows, "norm_modulate_max_abs_from_default": differs}
+
+
 def print_result(r: dict) -> None:
     print(f"\nS = {r['seq']}, {r['reps']} reps, p50")
     print("| pass | ms | GB/s | spread |")
@@ -127,6 +177,9 @@ def print_result(r: dict) -> None:
     for name, row in r["passes"].items():
         bw = f"{row['gb_per_s']:.0f}" if row["gb_per_s"] else "-"
         print(f"| {name} | {row['p50_ms']:.3f} | {bw} | {row['spread']:.1%} |")
+    if "norm_modulate_max_abs_from_default" in r:
+        print(f"norm_modulate, largest difference from the default warps: {r['norm_modulate_max_abs_from_default']}")
+        return
     print(f"norm_rope elements differing from the default tiling: {r['norm_rope_elements_differing_from_default']}")
     print(f"every V absmax tiling gives the same maxima: {r['v_absmax_tilings_equal']}")
     if "kernel_outputs_equal" in r:
@@ -142,6 +195,9 @@ def main(argv=None) -> int:
                    help="tilings of the RMSNorm+RoPE pass to time")
     p.add_argument("--vmax", nargs="*", default=list(VMAX_TILINGS), metavar="ROWS,TILE_ROWS,COLS,WARPS",
                    help="tilings of the V absmax pass to time")
+    p.add_argument("--part", choices=("attention", "block", "both"), default="both")
+    p.add_argument("--norm-modulate-warps", type=int, nargs="+", default=[4, 8, 16], metavar="WARPS",
+                   help="warp counts of fused mode's norm + modulation pass to time")
     p.add_argument("--out", help="results JSON")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -150,9 +206,12 @@ def main(argv=None) -> int:
     tilings = [tiling(t) for t in args.norm_rope]
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
     for seq in args.seq:
-        r = passes(seq, args.reps, args.warmup, tilings, args.vmax)
-        print_result(r)
-        results["runs"].append(r)
+        if args.part in ("attention", "both"):
+            results["runs"].append(passes(seq, args.reps, args.warmup, tilings, args.vmax))
+            print_result(results["runs"][-1])
+        if args.part in ("block", "both"):
+            results["runs"].append(block_passes(seq, args.reps, args.warmup, args.norm_modulate_warps))
+            print_result(results["runs"][-1])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

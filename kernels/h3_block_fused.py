@@ -30,6 +30,12 @@ from .triton_support import interpreting, round_bf16, tl, triton
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_ROW = 16384  # widest row one program holds in registers (H3: 5120)
+
+
+def norm_modulate_warps(block: int) -> int:
+    """Warps of the one-row program for a row block of ``block`` columns (a power of two): 16 columns a
+    thread, between 4 and 16 warps (benchmarks/prep_passes.py ``--norm-modulate-warps`` times others)."""
+    return min(16, max(4, block // 512))
 SWIGLU_COLS, SWIGLU_ROWS = 1024, 4
 
 if triton is not None:
@@ -89,9 +95,9 @@ def _norm_modulate_torch(x, weight, scale, shift, eps):
     return (y * (1.0 + scale.float()) + shift.float()).to(x.dtype)
 
 
-def _norm_modulate_impl(x, other, gate, weight, scale, shift, eps, h):
+def _norm_modulate_impl(x, other, gate, weight, scale, shift, eps, h, warps=None):
     """Writes ``h``; ``other``/``gate`` None: norm and modulation only, else the gated residual
-    first, in place."""
+    first, in place. ``warps``: the program's warps (None: ``norm_modulate_warps``)."""
     rows, cols = x.shape
     if not (_kernel_takes(x, h, *(() if other is None else (other,))) and cols <= MAX_ROW):
         if other is not None:
@@ -104,7 +110,8 @@ def _norm_modulate_impl(x, other, gate, weight, scale, shift, eps, h):
         x, other if other is not None else x, gate.contiguous() if gate is not None else scale,
         weight.contiguous() if weight is not None else scale, scale.contiguous(), shift.contiguous(), h, cols,
         x.stride(0), other.stride(0) if other is not None else 0, h.stride(0), cols if per_row else 0, float(eps),
-        RESIDUAL=other is not None, WEIGHT=weight is not None, BLOCK_C=block, num_warps=min(16, max(4, block // 512)))
+        RESIDUAL=other is not None, WEIGHT=weight is not None, BLOCK_C=block,
+        num_warps=warps or norm_modulate_warps(block))
 
 
 def _swiglu_impl(u):
