@@ -26,10 +26,11 @@ one modulation row for all:
 
   rms_norm, addcmul       -- stock's torch calls (the norm, the gated residual)
   scale_shift, residual   -- the exact path's modulation and gated residual passes
-  norm_modulate <warps>, residual_norm_modulate <warps> -- fused mode's passes per ``--norm-modulate-warps``
+  norm_modulate <tiling>, residual_norm_modulate <tiling> -- fused mode's passes per ``--norm-modulate``
+                        tiling: WARPS (one row a program) or ROWS,COLS,WARPS (two sweeps over rows)
   swiglu_exact, swiglu_fused -- SwiGLU with stock's two roundings / one
 
-with each fused warp count's largest difference from the default's output.
+with each fused tiling's largest difference from the default's output.
 """
 
 from __future__ import annotations
@@ -135,9 +136,17 @@ def passes(seq: int, reps: int, warmup: int, tilings, vmax_tilings=()) -> dict:
     return result
 
 
-def block_passes(seq: int, reps: int, warmup: int, warps_list) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(seq)
-    rand = lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+NORM_MODULATE_TILINGS = ("16", "8", "4", "4,1024,4", "8,1024,8", "2,2048,4", "4,512,4")
+
+
+def norm_modulate_tiling(text: str):
+    parts = tuple(int(x) for x in text.split(","))
+    return parts[0] if len(parts) == 1 else parts
+
+
+def block_passes(seq: int, reps: int, warmup: int, tilings, device="cuda") -> dict:
+    g = torch.Generator(device=device).manual_seed(seq)
+    rand = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=torch.bfloat16)  # noqa: E731
     x, other, h = rand(seq, HIDDEN), rand(seq, HIDDEN), rand(seq, HIDDEN)
     w, scale1, shift, gate = rand(HIDDEN), 1 + rand(HIDDEN), rand(HIDDEN), rand(HIDDEN)
     u = rand(seq, 2 * FFN)
@@ -150,23 +159,24 @@ def block_passes(seq: int, reps: int, warmup: int, warps_list) -> dict:
         "swiglu_exact": (lambda: h3_block.swiglu(u), 3 * seq * FFN * 2),
         "swiglu_fused": (lambda: h3_block_fused.swiglu(u), 3 * seq * FFN * 2),
     }
-    for n in warps_list:
-        fns[f"norm_modulate {n}"] = ((lambda n=n: h3_block_fused._norm_modulate_impl(
-            x, None, None, w, scale1, shift, 1e-6, h, warps=n)), 2 * row)
-        fns[f"residual_norm_modulate {n}"] = ((lambda n=n: h3_block_fused._norm_modulate_impl(
-            x, other, gate, w, scale1, shift, 1e-6, h, warps=n)), 4 * row)
+    for t in tilings:
+        tiling = norm_modulate_tiling(t)
+        fns[f"norm_modulate {t}"] = ((lambda tiling=tiling: h3_block_fused._norm_modulate_impl(
+            x, None, None, w, scale1, shift, 1e-6, h, tiling=tiling)), 2 * row)
+        fns[f"residual_norm_modulate {t}"] = ((lambda tiling=tiling: h3_block_fused._norm_modulate_impl(
+            x, other, gate, w, scale1, shift, 1e-6, h, tiling=tiling)), 4 * row)
     times = interleaved_times({n: event_timed(f) for n, (f, _) in fns.items()}, reps, warmup)
     rows = {}
     for name, (_, nbytes) in fns.items():
         p50 = summary(times[name])["p50_seconds"]
         rows[name] = {"p50_ms": p50 * 1e3, "spread": summary(times[name])["spread"], "gb_per_s": nbytes / p50 / 1e9}
 
-    def normed(n):
+    def normed(tiling):
         out = torch.empty_like(x)
-        h3_block_fused._norm_modulate_impl(x, None, None, w, scale1, shift, 1e-6, out, warps=n)
+        h3_block_fused._norm_modulate_impl(x, None, None, w, scale1, shift, 1e-6, out, tiling=tiling)
         return out
-    default = normed(None)
-    differs = {str(n): float((normed(n).float() - default.float()).abs().max()) for n in warps_list}
+    default = normed("default")
+    differs = {t: float((normed(norm_modulate_tiling(t)).float() - default.float()).abs().max()) for t in tilings}
     return {"seq": seq, "reps": reps, "passes": rows, "norm_modulate_max_abs_from_default": differs}
 
 
@@ -178,7 +188,7 @@ def print_result(r: dict) -> None:
         bw = f"{row['gb_per_s']:.0f}" if row["gb_per_s"] else "-"
         print(f"| {name} | {row['p50_ms']:.3f} | {bw} | {row['spread']:.1%} |")
     if "norm_modulate_max_abs_from_default" in r:
-        print(f"norm_modulate, largest difference from the default warps: {r['norm_modulate_max_abs_from_default']}")
+        print(f"norm_modulate, largest difference from the default tiling: {r['norm_modulate_max_abs_from_default']}")
         return
     print(f"norm_rope elements differing from the default tiling: {r['norm_rope_elements_differing_from_default']}")
     print(f"every V absmax tiling gives the same maxima: {r['v_absmax_tilings_equal']}")
@@ -196,8 +206,8 @@ def main(argv=None) -> int:
     p.add_argument("--vmax", nargs="*", default=list(VMAX_TILINGS), metavar="ROWS,TILE_ROWS,COLS,WARPS",
                    help="tilings of the V absmax pass to time")
     p.add_argument("--part", choices=("attention", "block", "both"), default="both")
-    p.add_argument("--norm-modulate-warps", type=int, nargs="+", default=[4, 8, 16], metavar="WARPS",
-                   help="warp counts of fused mode's norm + modulation pass to time")
+    p.add_argument("--norm-modulate", nargs="+", default=list(NORM_MODULATE_TILINGS), metavar="WARPS|ROWS,COLS,WARPS",
+                   help="tilings of fused mode's norm + modulation pass to time")
     p.add_argument("--out", help="results JSON")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -210,7 +220,7 @@ def main(argv=None) -> int:
             results["runs"].append(passes(seq, args.reps, args.warmup, tilings, args.vmax))
             print_result(results["runs"][-1])
         if args.part in ("block", "both"):
-            results["runs"].append(block_passes(seq, args.reps, args.warmup, args.norm_modulate_warps))
+            results["runs"].append(block_passes(seq, args.reps, args.warmup, args.norm_modulate))
             print_result(results["runs"][-1])
     if args.out:
         with open(args.out, "w") as f:

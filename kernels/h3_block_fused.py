@@ -32,9 +32,15 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_ROW = 16384  # widest row one program holds in registers (H3: 5120)
 
 
+# The norm + modulation pass's tiling: None, one row a program held whole in registers
+# (``_norm_modulate_kernel``); or (rows a program, columns a sweep, warps) for the two-sweep
+# ``_norm_modulate_rows_kernel``. benchmarks/prep_passes.py ``--norm-modulate`` times both kinds.
+NORM_MODULATE_TILING = None
+
+
 def norm_modulate_warps(block: int) -> int:
     """Warps of the one-row program for a row block of ``block`` columns (a power of two): 16 columns a
-    thread, between 4 and 16 warps (benchmarks/prep_passes.py ``--norm-modulate-warps`` times others)."""
+    thread, between 4 and 16 warps."""
     return min(16, max(4, block // 512))
 SWIGLU_COLS, SWIGLU_ROWS = 1024, 4
 
@@ -73,6 +79,48 @@ if triton is not None:
         tl.store(h_ptr + row * stride_h + c, _rounded(y * s1 + b, h_ptr), mask=ok)
 
     @triton.jit
+    def _norm_modulate_rows_kernel(x_ptr, other_ptr, gate_ptr, w_ptr, scale_ptr, shift_ptr, h_ptr, rows, cols,
+                                   stride_x, stride_o, stride_h, eps, RESIDUAL: tl.constexpr,
+                                   WEIGHT: tl.constexpr, PER_ROW: tl.constexpr, R: tl.constexpr,
+                                   BLOCK_C: tl.constexpr):
+        """``_norm_modulate_kernel``'s result, R rows a program, BLOCK_C columns at a time: one sweep
+        sums the squares (writing the residual back), a second reads the rows again (from cache) and
+        writes them normalised and modulated. Few registers a thread, so many rows are in flight; the
+        modulation parameters of one row for all are read once per program, not once per row."""
+        r = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
+        rok = r < rows
+        acc = tl.zeros([R, BLOCK_C], dtype=tl.float32)
+        for c0 in range(0, cols, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C).to(tl.int64)
+            ok = rok[:, None] & (c < cols)[None, :]
+            xp = x_ptr + r[:, None] * stride_x + c[None, :]
+            x = tl.load(xp, mask=ok, other=0.0)
+            if RESIDUAL:  # stock's addcmul_, written back (the second sweep reads it again)
+                o = tl.load(other_ptr + r[:, None] * stride_o + c[None, :], mask=ok, other=0.0).to(tl.float32)
+                x = _rounded(x.to(tl.float32) + o * _parameter(gate_ptr, r, c, cols, ok, PER_ROW), x_ptr)
+                tl.store(xp, x, mask=ok)
+            xf = x.to(tl.float32)
+            acc += xf * xf
+        inv_rms = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / cols + eps)
+        for c0 in range(0, cols, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C).to(tl.int64)
+            ok = rok[:, None] & (c < cols)[None, :]
+            y = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=ok, other=0.0).to(tl.float32)
+            y = y * inv_rms[:, None]
+            if WEIGHT:
+                y = y * tl.load(w_ptr + c, mask=c < cols, other=0.0).to(tl.float32)[None, :]
+            s1 = 1.0 + _parameter(scale_ptr, r, c, cols, ok, PER_ROW)
+            b = _parameter(shift_ptr, r, c, cols, ok, PER_ROW)
+            tl.store(h_ptr + r[:, None] * stride_h + c[None, :], _rounded(y * s1 + b, h_ptr), mask=ok)
+
+    @triton.jit
+    def _parameter(ptr, r, c, cols, ok, PER_ROW: tl.constexpr):
+        """A modulation parameter over an [R, BLOCK_C] tile, fp32: one row per token or one for all."""
+        if PER_ROW:
+            return tl.load(ptr + r[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        return tl.load(ptr + c, mask=c < cols, other=0.0).to(tl.float32)[None, :]
+
+    @triton.jit
     def _swiglu_kernel(u_ptr, y_ptr, rows, half, stride_u, stride_y,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         r, c, ok, g, up = swiglu_halves(u_ptr, rows, half, stride_u, BLOCK_R, BLOCK_C)
@@ -95,23 +143,31 @@ def _norm_modulate_torch(x, weight, scale, shift, eps):
     return (y * (1.0 + scale.float()) + shift.float()).to(x.dtype)
 
 
-def _norm_modulate_impl(x, other, gate, weight, scale, shift, eps, h, warps=None):
+def _norm_modulate_impl(x, other, gate, weight, scale, shift, eps, h, tiling="default"):
     """Writes ``h``; ``other``/``gate`` None: norm and modulation only, else the gated residual
-    first, in place. ``warps``: the program's warps (None: ``norm_modulate_warps``)."""
+    first, in place. ``tiling``: ``NORM_MODULATE_TILING``'s forms, or an int: the one-row program's
+    warps ("default": ``NORM_MODULATE_TILING``)."""
     rows, cols = x.shape
     if not (_kernel_takes(x, h, *(() if other is None else (other,))) and cols <= MAX_ROW):
         if other is not None:
             x.addcmul_(other, gate.to(x.dtype))
         h.copy_(_norm_modulate_torch(x, weight, scale, shift, eps))
         return
-    block = triton.next_power_of_2(cols)
+    tiling = NORM_MODULATE_TILING if tiling == "default" else tiling
     per_row = per_token_params(x, scale, shift, *(() if gate is None else (gate,)))
+    tensors = (x, other if other is not None else x, gate.contiguous() if gate is not None else scale,
+               weight.contiguous() if weight is not None else scale, scale.contiguous(), shift.contiguous(), h)
+    flags = dict(RESIDUAL=other is not None, WEIGHT=weight is not None)
+    if isinstance(tiling, tuple):
+        r, block_c, warps = tiling
+        _norm_modulate_rows_kernel[(triton.cdiv(rows, r),)](
+            *tensors, rows, cols, x.stride(0), other.stride(0) if other is not None else 0, h.stride(0), float(eps),
+            PER_ROW=per_row, R=r, BLOCK_C=block_c, num_warps=warps, **flags)
+        return
+    block = triton.next_power_of_2(cols)
     _norm_modulate_kernel[(rows,)](
-        x, other if other is not None else x, gate.contiguous() if gate is not None else scale,
-        weight.contiguous() if weight is not None else scale, scale.contiguous(), shift.contiguous(), h, cols,
-        x.stride(0), other.stride(0) if other is not None else 0, h.stride(0), cols if per_row else 0, float(eps),
-        RESIDUAL=other is not None, WEIGHT=weight is not None, BLOCK_C=block,
-        num_warps=warps or norm_modulate_warps(block))
+        *tensors, cols, x.stride(0), other.stride(0) if other is not None else 0, h.stride(0),
+        cols if per_row else 0, float(eps), BLOCK_C=block, num_warps=tiling or norm_modulate_warps(block), **flags)
 
 
 def _swiglu_impl(u):

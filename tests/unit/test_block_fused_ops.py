@@ -1,6 +1,6 @@
 """The block fast path's fused passes (kernels/h3_block_fused.py) run by their Triton kernels on the
 CPU under ``TRITON_INTERPRET=1`` (a subprocess: the flag must be set before the kernels are
-decorated). Each result must be its fp32 definition rounded once: within one bf16/fp16 step of the
+decorated); the norm + modulation pass in both its tilings (one row a program, two sweeps over rows). Each result must be its fp32 definition rounded once: within one bf16/fp16 step of the
 float64 value, on row blocks that are views of a larger tensor (one modulation segment), with and
 without the norm weight; the residual stream written in place keeps stock's ``addcmul_`` values."""
 
@@ -11,6 +11,7 @@ import pytest
 from devkit.interpreted import run_interpreted
 
 INTERPRETED = r"""
+    import itertools
     from comfyui_sage_strided_nhd.kernels import h3_block_fused as f
     g = torch.Generator().manual_seed(0)
 
@@ -26,7 +27,9 @@ INTERPRETED = r"""
         return y + shift.double(), y.abs() + shift.double().abs()
 
     out = {}
-    for dtype in (torch.bfloat16, torch.float16):
+    # the one-row kernel, then the two-sweep one (4 rows a program, 256 columns a sweep: ragged both ways)
+    for tiling, dtype in itertools.product((None, (4, 256, 4)), (torch.bfloat16, torch.float16)):
+        f.NORM_MODULATE_TILING = tiling
         for rows, cols, weighted in ((5, 1030, True), (3, 5120, False), (1, 64, True)):
             full = (torch.randn(rows + 4, cols, generator=g) * 3).to(dtype)
             other = torch.randn(rows, cols, generator=g).to(dtype)
@@ -37,7 +40,7 @@ INTERPRETED = r"""
             h = torch.empty(rows + 4, cols, dtype=dtype)[1:1 + rows]
             f.norm_modulate(x, w, scale, shift, 1e-6, h)
             wd = w.double() if weighted else None
-            key = f"{dtype}-{rows}x{cols}-{'w' if weighted else 'now'}"
+            key = f"{tiling}-{dtype}-{rows}x{cols}-{'w' if weighted else 'now'}"
             out[key + "-norm_modulate"] = steps(h, *norm_ref(x, wd, scale, shift))
             want_x = x.clone().addcmul_(other, gate)
             xr = x.clone()
@@ -51,6 +54,7 @@ INTERPRETED = r"""
             f.residual_norm_modulate_(xr, other, gate, w, scale, shift, 1e-6, h)
             out[key + "-per-token-residual_norm_modulate"] = steps(h, *norm_ref(xr, wd, scale, shift))
             out[key + "-per-token-residual_changed_values"] = int((xr != want_x).sum())
+    for dtype in (torch.bfloat16, torch.float16):
         u = (torch.randn(7, 2 * 1500, generator=g) * 3).to(dtype)
         want = torch.nn.functional.silu(u[:, :1500].double()) * u[:, 1500:].double()
         out[f"{dtype}-swiglu"] = steps(f.swiglu(u), want, want.abs())
@@ -65,10 +69,10 @@ def interpreted():
 
 def test_fused_passes_round_once(interpreted):
     rounded = {k: v for k, v in interpreted.items() if not k.endswith("changed_values")}
-    assert len(rounded) == 20
+    assert len(rounded) == 38
     assert all(v <= 1.0 for v in rounded.values()), rounded
 
 
 def test_fused_residual_keeps_stocks_values(interpreted):
     changed = {k: v for k, v in interpreted.items() if k.endswith("changed_values")}
-    assert len(changed) == 12 and all(v == 0 for v in changed.values()), changed
+    assert len(changed) == 24 and all(v == 0 for v in changed.values()), changed
