@@ -1,9 +1,10 @@
 """Triton passes that turn strided NHD Q/K/V views into SageAttention 2's sm90 operands.
 
 ``sage2_reduce``: V's per-channel absmax (token tiles over every head's channels, streamed) and,
-fused, the normed+roped K sum (fp64, fixed order; else ``k.mean``, SageAttention's own call). ``sage2_quantize``: per (128-token block, head), int8 Q and K
-with the sm90 per-thread scales and fp8 V head-major ``[H, D, S_pad]``, permuted, zero pad. Both are
-torch.library custom ops with fake implementations; offsets are int64. ``MODES``: exact, fused
+fused, the normed+roped K sum (fp64, fixed order; else ``k.mean``, SageAttention's own call).
+``sage2_quantize``: per (128-token block, head), int8 Q and K with the sm90 per-thread scales and
+fp8 V head-major ``[H, D, S_pad]``, permuted, zero pad. Both are torch.library custom ops with fake
+implementations; offsets are int64. ``MODES``: exact, fused
 (norm+rope inside), rotated and fused_rotated (an exact integer Hadamard product before int8).
 Under ``TRITON_INTERPRET=1`` they match devkit/sage2_oracle.py bit for bit (the interpreter's
 truncating casts are rounded in integer arithmetic)."""
