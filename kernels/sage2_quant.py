@@ -4,10 +4,10 @@
 fused, the normed+roped K sum (fp64, fixed order; else ``k.mean``, SageAttention's own call).
 ``sage2_quantize``: per (128-token block, head), int8 Q and K with the sm90 per-thread scales and
 fp8 V head-major ``[H, D, S_pad]``, permuted, zero pad. Both are torch.library custom ops with fake
-implementations; offsets are int64. ``MODES``: exact, fused
-(norm+rope inside), rotated and fused_rotated (an exact integer Hadamard product before int8).
-Under ``TRITON_INTERPRET=1`` they match devkit/sage2_oracle.py bit for bit (the interpreter's
-truncating casts are rounded in integer arithmetic)."""
+implementations; offsets are int64. ``MODES``: exact, fused (norm+rope inside), rotated and
+fused_rotated (an exact integer Hadamard product before int8). Under ``TRITON_INTERPRET=1`` they
+match devkit/sage2_oracle.py bit for bit (the interpreter's truncating casts are rounded in integer
+arithmetic)."""
 
 from __future__ import annotations
 
