@@ -48,9 +48,9 @@ def check_rope_table(rope_table: torch.Tensor, seq_len: int, head_dim: int) -> N
 
 # the comfy-kitchen implementation whose bits the pack's pass reproduces
 KITCHEN_BACKEND = "cuda"
-# the pass's tiling: (tokens per program, heads per program, warps, heads unrolled); every tiling gives
-# the same bits (benchmarks/prep_passes.py times them)
-NORM_ROPE_CONFIG = (16, 8, 4, False)
+# the pass's tiling: (tokens per program, heads per program, warps, heads unrolled, a head's Q and K read
+# before either is stored); every tiling gives the same bits (benchmarks/prep_passes.py times them)
+NORM_ROPE_CONFIG = (16, 8, 4, False, False)
 LANES = 32  # comfy-kitchen's kernel: one warp per (token, head) row
 
 
@@ -70,10 +70,11 @@ if triton is not None:
         return lo + hi
 
     @triton.jit
-    def _norm_rope_head(X, rows, ok, h, stride_s, stride_h, w_lo, w_hi, w_tail, f00, f01, f10, f11, eps,
-                        R: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
-                        TAIL: tl.constexpr, TP: tl.constexpr, EMULATE: tl.constexpr):
-        """RMSNorm + split-half rope of head ``h`` of ``R`` token rows, in place, comfy-kitchen's steps."""
+    def _norm_rope_values(X, rows, ok, h, stride_s, stride_h, w_lo, w_hi, w_tail, f00, f01, f10, f11, eps,
+                          R: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
+                          TAIL: tl.constexpr, TP: tl.constexpr, EMULATE: tl.constexpr):
+        """RMSNorm + split-half rope of head ``h`` of ``R`` token rows, comfy-kitchen's steps: (the rows'
+        address, the rotated halves and the tail, bf16 values in fp32), nothing stored yet."""
         row = X + rows[:, None] * stride_s + h * stride_h
         lane = tl.arange(0, 32)
         acc = tl.zeros([R, 32], dtype=tl.float32)
@@ -99,21 +100,32 @@ if triton is not None:
         n1 = round_bf16(x1 * rrms * w_hi[None, :])
         y0 = _fma(f00, n0, f01 * n1, EMULATE)  # f00*n0 + f01*n1, contracted as nvcc contracts it
         y1 = _fma(f10, n0, f11 * n1, EMULATE)
-        tl.store(row + p[None, :], round_bf16(y0).to(tl.bfloat16), mask=pm)
-        tl.store(row + P + p[None, :], round_bf16(y1).to(tl.bfloat16), mask=pm)
+        yt = tl.zeros([R, TP], dtype=tl.float32)
         if TAIL > 0:  # dims past the rotated prefix: normed, not rotated
             t = tl.arange(0, TP)
-            tm = ok[:, None] & (t < TAIL)[None, :]
-            xt = tl.load(row + 2 * P + t[None, :], mask=tm, other=0.0).to(tl.float32)
-            tl.store(row + 2 * P + t[None, :], round_bf16(xt * rrms * w_tail[None, :]).to(tl.bfloat16), mask=tm)
+            xt = tl.load(row + 2 * P + t[None, :], mask=ok[:, None] & (t < TAIL)[None, :], other=0.0)
+            yt = xt.to(tl.float32) * rrms * w_tail[None, :]
+        return row, round_bf16(y0), round_bf16(y1), round_bf16(yt)
+
+    @triton.jit
+    def _norm_rope_store(row, y0, y1, yt, ok, P: tl.constexpr, PP: tl.constexpr, TAIL: tl.constexpr,
+                         TP: tl.constexpr):
+        p = tl.arange(0, PP)
+        pm = ok[:, None] & (p < P)[None, :]
+        tl.store(row + p[None, :], y0.to(tl.bfloat16), mask=pm)
+        tl.store(row + P + p[None, :], y1.to(tl.bfloat16), mask=pm)
+        if TAIL > 0:
+            t = tl.arange(0, TP)
+            tl.store(row + 2 * P + t[None, :], yt.to(tl.bfloat16), mask=ok[:, None] & (t < TAIL)[None, :])
 
     @triton.jit
     def _norm_rope_kernel(Q, K, T, QW, KW, S, H, sqs, sqh, sks, skh, sts, stp, str_, stc, eps,
                           D: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, TAIL: tl.constexpr,
                           TP: tl.constexpr, R: tl.constexpr, HG: tl.constexpr, UNROLL: tl.constexpr,
-                          EMULATE: tl.constexpr):
+                          QK_FIRST: tl.constexpr, EMULATE: tl.constexpr):
         # One program: R tokens, HG heads of Q and of K; the tokens' rotations are loaded once. UNROLL:
-        # the heads unrolled, so one head's loads can be issued before the previous head's stores.
+        # the heads unrolled. QK_FIRST: a head's Q and K are both read and computed before either is
+        # stored (a store keeps later loads behind it: the views may overlap for all the compiler knows).
         rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
         ok = rows < S
         p = tl.arange(0, PP)
@@ -134,21 +146,27 @@ if triton is not None:
         if UNROLL:
             for g in tl.static_range(HG):
                 _norm_rope_qk(Q, K, rows, ok, h0 + g, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi,
-                              kw_tail, f00, f01, f10, f11, eps, R, D, P, PP, TAIL, TP, EMULATE)
+                              kw_tail, f00, f01, f10, f11, eps, R, D, P, PP, TAIL, TP, QK_FIRST, EMULATE)
         else:
             for g in range(HG):
                 _norm_rope_qk(Q, K, rows, ok, h0 + g, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi,
-                              kw_tail, f00, f01, f10, f11, eps, R, D, P, PP, TAIL, TP, EMULATE)
+                              kw_tail, f00, f01, f10, f11, eps, R, D, P, PP, TAIL, TP, QK_FIRST, EMULATE)
 
     @triton.jit
     def _norm_rope_qk(Q, K, rows, ok, h, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi, kw_tail,
                       f00, f01, f10, f11, eps, R: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                      PP: tl.constexpr, TAIL: tl.constexpr, TP: tl.constexpr, EMULATE: tl.constexpr):
+                      PP: tl.constexpr, TAIL: tl.constexpr, TP: tl.constexpr, QK_FIRST: tl.constexpr,
+                      EMULATE: tl.constexpr):
         hok = ok & (h < H)
-        _norm_rope_head(Q, rows, hok, h, sqs, sqh, qw_lo, qw_hi, qw_tail, f00, f01, f10, f11, eps,
-                        R, D, P, PP, TAIL, TP, EMULATE)
-        _norm_rope_head(K, rows, hok, h, sks, skh, kw_lo, kw_hi, kw_tail, f00, f01, f10, f11, eps,
-                        R, D, P, PP, TAIL, TP, EMULATE)
+        q = _norm_rope_values(Q, rows, hok, h, sqs, sqh, qw_lo, qw_hi, qw_tail, f00, f01, f10, f11, eps,
+                              R, D, P, PP, TAIL, TP, EMULATE)
+        if not QK_FIRST:
+            _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
+        k = _norm_rope_values(K, rows, hok, h, sks, skh, kw_lo, kw_hi, kw_tail, f00, f01, f10, f11, eps,
+                              R, D, P, PP, TAIL, TP, EMULATE)
+        if QK_FIRST:
+            _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
+        _norm_rope_store(k[0], k[1], k[2], k[3], hok, P, PP, TAIL, TP)
 
 
 def own_pass_takes(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,
@@ -183,13 +201,13 @@ def norm_rope_pass(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q
     s, h, d = q.shape[1:]
     p = rope_rot_dim(rope_table) // 2
     tail = d - 2 * p
-    tokens, heads, warps, unroll = config
+    tokens, heads, warps, unroll, qk_first = config
     grid = (triton.cdiv(s, tokens), triton.cdiv(h, heads))
     st = rope_table.stride()
     _norm_rope_kernel[grid](q, k, rope_table, q_weight, k_weight, s, h, q.stride(1), q.stride(2), k.stride(1),
                             k.stride(2), st[1], st[3], st[4], st[5], float(eps), D=d, P=p, PP=triton.next_power_of_2(max(p, 1)),
                             TAIL=tail, TP=triton.next_power_of_2(max(tail, 1)), R=tokens, HG=heads, UNROLL=unroll,
-                            EMULATE=interpreting(), num_warps=warps)
+                            QK_FIRST=qk_first, EMULATE=interpreting(), num_warps=warps)
 
 
 def norm_rope(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,
