@@ -46,6 +46,40 @@ INTERPRETED = r"""
             want[3:3 + rows].addcmul_(other, gate)
             h3_block.gated_residual_(got[3:3 + rows], other, gate)
             out[f"residual-{rows}x{cols}-{kind}"] = [bool(torch.equal(got, want)), int((got != want).sum())]
+    # NaN and infinity pass through as stock's passes pass them (the integer rounding step would turn
+    # the GPU's NaN, 0x7FFFFFFF, into -0.0)
+    def same(a, b):
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    full = (torch.randn(4, 64, generator=g) * 4).bfloat16()
+    nan = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32).bfloat16()  # NaN as the GPU makes it
+    full[0, 3], full[1, 5], full[2, 7] = nan, float("inf"), float("-inf")
+    scale1, shift = (1.0 + torch.randn(64, generator=g)).bfloat16(), torch.randn(64, generator=g).bfloat16()
+    got = full.clone()
+    h3_block.scale_shift_(got, scale1, shift)
+    nonfinite = {"scale_shift": same(got, full.clone().mul_(scale1).add_(shift))}
+    other, gate = torch.randn(4, 64, generator=g).bfloat16(), torch.randn(64, generator=g).bfloat16()
+    got = full.clone()
+    h3_block.gated_residual_(got, other, gate)
+    nonfinite["residual"] = same(got, full.clone().addcmul_(other, gate))
+    u = torch.cat([full, full], dim=1)
+    nonfinite["swiglu"] = same(h3_block.swiglu(u).isnan(), torch.nn.functional.silu(full).mul_(full).isnan())
+    # the rounding helper itself, on fp32 NaNs as a GPU makes them (0x7FFFFFFF) and others
+    import triton
+    import triton.language as tl
+    from comfyui_sage_strided_nhd.kernels.triton_support import round_bf16
+
+    @triton.jit
+    def rounded(X, Y, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(Y + i, round_bf16(tl.load(X + i)))
+
+    bits = torch.tensor([0x7FFFFFFF, 0x7F800001, 0xFFFFFFFF - 2**32, 0x7FC00000, 0x7F800000, 0x3F808000, 0x3F818000,
+                         0x477FF000, 0x7F7FFFFF], dtype=torch.int64).to(torch.int32)
+    x = torch.cat([bits, torch.zeros(16 - bits.numel(), dtype=torch.int32)]).view(torch.float32)
+    y = torch.empty_like(x)
+    rounded[(1,)](x, y, N=16)
+    nonfinite["round_bf16"] = same(y, x.bfloat16().float())
+    out["nonfinite"] = nonfinite
     # SwiGLU in one pass: stock's two roundings (silu, then the product), on a strided fc1 output view.
     # The interpreter has no libdevice: its exp is numpy's, so the reference takes numpy's exp too
     # (the GPU test checks torch's CUDA bits).
@@ -68,8 +102,12 @@ def interpreted():
     return run_interpreted(INTERPRETED)
 
 
+def test_nan_and_infinity_pass_through_as_in_stocks_passes(interpreted):
+    assert interpreted["nonfinite"] == {"scale_shift": True, "residual": True, "swiglu": True, "round_bf16": True}
+
+
 def test_scale_shift_kernel_gives_stock_bits(interpreted):
-    cases = {k: v for k, v in interpreted.items() if not k.startswith(("swiglu", "residual"))}
+    cases = {k: v for k, v in interpreted.items() if not k.startswith(("swiglu", "residual", "nonfinite"))}
     assert len(cases) == 6
     for case, (equal, differing) in cases.items():
         assert equal, f"{case}: {differing} elements differ from h.mul_(scale1).add_(shift)"
