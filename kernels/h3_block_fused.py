@@ -45,7 +45,7 @@ def norm_modulate_warps(block: int) -> int:
 SWIGLU_COLS, SWIGLU_ROWS = 1024, 4
 
 if triton is not None:
-    from .h3_block import swiglu_halves
+    from .h3_block import _modulation, swiglu_halves
 
     @triton.jit
     def _rounded(y, ptr):
@@ -97,7 +97,7 @@ if triton is not None:
             x = tl.load(xp, mask=ok, other=0.0)
             if RESIDUAL:  # stock's addcmul_, written back (the second sweep reads it again)
                 o = tl.load(other_ptr + r[:, None] * stride_o + c[None, :], mask=ok, other=0.0).to(tl.float32)
-                x = _rounded(x.to(tl.float32) + o * _parameter(gate_ptr, r, c, cols, ok, PER_ROW), x_ptr)
+                x = _rounded(x.to(tl.float32) + o * _modulation(gate_ptr, r, c, cols, c < cols, ok, PER_ROW), x_ptr)
                 tl.store(xp, x, mask=ok)
             xf = x.to(tl.float32)
             acc += xf * xf
@@ -109,16 +109,9 @@ if triton is not None:
             y = y * inv_rms[:, None]
             if WEIGHT:
                 y = y * tl.load(w_ptr + c, mask=c < cols, other=0.0).to(tl.float32)[None, :]
-            s1 = 1.0 + _parameter(scale_ptr, r, c, cols, ok, PER_ROW)
-            b = _parameter(shift_ptr, r, c, cols, ok, PER_ROW)
+            s1 = 1.0 + _modulation(scale_ptr, r, c, cols, c < cols, ok, PER_ROW)
+            b = _modulation(shift_ptr, r, c, cols, c < cols, ok, PER_ROW)
             tl.store(h_ptr + r[:, None] * stride_h + c[None, :], _rounded(y * s1 + b, h_ptr), mask=ok)
-
-    @triton.jit
-    def _parameter(ptr, r, c, cols, ok, PER_ROW: tl.constexpr):
-        """A modulation parameter over an [R, BLOCK_C] tile, fp32: one row per token or one for all."""
-        if PER_ROW:
-            return tl.load(ptr + r[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        return tl.load(ptr + c, mask=c < cols, other=0.0).to(tl.float32)[None, :]
 
     @triton.jit
     def _swiglu_kernel(u_ptr, y_ptr, rows, half, stride_u, stride_y,
