@@ -56,13 +56,13 @@ HEADS, D, ROT, EPS = 56, 128, 96, 1e-5
 HIDDEN, FFN = 5376, 14336  # H3's block width and MLP width (fc1 gives 2 * FFN)
 # RMSNorm + RoPE tilings: registers (sm90, Triton 3.8) limit the default to 3 programs an SM; the
 # others keep more bytes in flight per SM (smaller programs, or Q and K read before either is stored)
-TILINGS = ("16,8,4,0,0", "16,8,4,0,1", "8,8,4,0,1", "8,8,2,0,1", "4,8,1,0,1", "4,8,1,0,0", "8,16,2,0,1")
+TILINGS = ("16,8,4,0", "16,8,4,1", "8,8,4,1", "8,8,2,1", "4,8,1,1", "4,8,1,0", "8,16,2,1")
 VMAX_TILINGS = ("256,8,1024,4", "256,16,1024,8", "512,32,512,8", "128,8,1024,4", "256,4,2048,4")
 
 
 def tiling(text: str) -> tuple:
-    tokens, heads, warps, unroll, qk_first = (int(x) for x in text.split(","))
-    return tokens, heads, warps, bool(unroll), bool(qk_first)
+    tokens, heads, warps, qk_first = (int(x) for x in text.split(","))
+    return tokens, heads, warps, bool(qk_first)
 
 
 def norm_rope_bits_agree(qkv, table, qw, kw, tilings) -> dict:
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 37810])
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--norm-rope", nargs="+", default=list(TILINGS), metavar="TOKENS,HEADS,WARPS,UNROLL,QK_FIRST",
+    p.add_argument("--norm-rope", nargs="+", default=list(TILINGS), metavar="TOKENS,HEADS,WARPS,QK_FIRST",
                    help="tilings of the RMSNorm+RoPE pass to time")
     p.add_argument("--vmax", nargs="*", default=list(VMAX_TILINGS), metavar="ROWS,TILE_ROWS,COLS,WARPS",
                    help="tilings of the V absmax pass to time")

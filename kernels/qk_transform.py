@@ -48,9 +48,9 @@ def check_rope_table(rope_table: torch.Tensor, seq_len: int, head_dim: int) -> N
 
 # the comfy-kitchen implementation whose bits the pack's pass reproduces
 KITCHEN_BACKEND = "cuda"
-# the pass's tiling: (tokens per program, heads per program, warps, heads unrolled, a head's Q and K read
-# before either is stored); every tiling gives the same bits (benchmarks/prep_passes.py times them)
-NORM_ROPE_CONFIG = (16, 8, 4, False, False)
+# the pass's tiling: (tokens per program, heads per program, warps, a head's Q and K read before either
+# is stored); every tiling gives the same bits (benchmarks/prep_passes.py times them)
+NORM_ROPE_CONFIG = (16, 8, 4, False)
 LANES = 32  # comfy-kitchen's kernel: one warp per (token, head) row
 
 
@@ -121,11 +121,11 @@ if triton is not None:
     @triton.jit
     def _norm_rope_kernel(Q, K, T, QW, KW, S, H, sqs, sqh, sks, skh, sts, stp, str_, stc, eps,
                           D: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, TAIL: tl.constexpr,
-                          TP: tl.constexpr, R: tl.constexpr, HG: tl.constexpr, UNROLL: tl.constexpr,
-                          QK_FIRST: tl.constexpr, EMULATE: tl.constexpr):
-        # One program: R tokens, HG heads of Q and of K; the tokens' rotations are loaded once. UNROLL:
-        # the heads unrolled. QK_FIRST: a head's Q and K are both read and computed before either is
-        # stored (a store keeps later loads behind it: the views may overlap for all the compiler knows).
+                          TP: tl.constexpr, R: tl.constexpr, HG: tl.constexpr, QK_FIRST: tl.constexpr,
+                          EMULATE: tl.constexpr):
+        # One program: R tokens, HG heads of Q and of K; the tokens' rotations are loaded once. QK_FIRST:
+        # a head's Q and K are both read and computed before either is stored (a store keeps later loads
+        # behind it: the views may overlap for all the compiler knows).
         rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
         ok = rows < S
         p = tl.arange(0, PP)
@@ -143,14 +143,9 @@ if triton is not None:
         kw_hi = tl.load(KW + P + p, mask=p < P, other=0.0).to(tl.float32)
         kw_tail = tl.load(KW + 2 * P + t, mask=t < TAIL, other=0.0).to(tl.float32)
         h0 = tl.program_id(1).to(tl.int64) * HG
-        if UNROLL:
-            for g in tl.static_range(HG):
-                _norm_rope_qk(Q, K, rows, ok, h0 + g, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi,
-                              kw_tail, f00, f01, f10, f11, eps, R, D, P, PP, TAIL, TP, QK_FIRST, EMULATE)
-        else:
-            for g in range(HG):
-                _norm_rope_qk(Q, K, rows, ok, h0 + g, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi,
-                              kw_tail, f00, f01, f10, f11, eps, R, D, P, PP, TAIL, TP, QK_FIRST, EMULATE)
+        for g in range(HG):
+            _norm_rope_qk(Q, K, rows, ok, h0 + g, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi,
+                          kw_tail, f00, f01, f10, f11, eps, R, D, P, PP, TAIL, TP, QK_FIRST, EMULATE)
 
     @triton.jit
     def _norm_rope_qk(Q, K, rows, ok, h, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi, kw_tail,
@@ -201,13 +196,13 @@ def norm_rope_pass(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q
     s, h, d = q.shape[1:]
     p = rope_rot_dim(rope_table) // 2
     tail = d - 2 * p
-    tokens, heads, warps, unroll, qk_first = config
+    tokens, heads, warps, qk_first = config
     grid = (triton.cdiv(s, tokens), triton.cdiv(h, heads))
     st = rope_table.stride()
     _norm_rope_kernel[grid](q, k, rope_table, q_weight, k_weight, s, h, q.stride(1), q.stride(2), k.stride(1),
                             k.stride(2), st[1], st[3], st[4], st[5], float(eps), D=d, P=p, PP=triton.next_power_of_2(max(p, 1)),
-                            TAIL=tail, TP=triton.next_power_of_2(max(tail, 1)), R=tokens, HG=heads, UNROLL=unroll,
-                            QK_FIRST=qk_first, EMULATE=interpreting(), num_warps=warps)
+                            TAIL=tail, TP=triton.next_power_of_2(max(tail, 1)), R=tokens, HG=heads, QK_FIRST=qk_first,
+                            EMULATE=interpreting(), num_warps=warps)
 
 
 def norm_rope(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,

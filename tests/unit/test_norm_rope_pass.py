@@ -23,14 +23,14 @@ INTERPRETED = r"""
     from devkit.rope import kitchen_cuda_norm_rope, make_rope_table
     g = torch.Generator().manual_seed(0)
     out = {}
-    # the last two tile the pass differently: 32 tokens and 4 heads a program, heads unrolled; then a
-    # head's Q and K both computed before either is stored
+    # the last two tile the pass differently: 32 tokens and 4 heads a program on 8 warps; then a head's
+    # Q and K both computed before either is stored
     for seq, heads, d, rot, tdtype, start, config in (
             (37, 3, 128, 96, torch.bfloat16, 0, qk_transform.NORM_ROPE_CONFIG),
             (21, 9, 64, 64, torch.float32, 0, qk_transform.NORM_ROPE_CONFIG),
             (18, 2, 32, 16, torch.bfloat16, 5, qk_transform.NORM_ROPE_CONFIG),
-            (45, 6, 128, 96, torch.bfloat16, 0, (32, 4, 8, True, False)),
-            (37, 3, 128, 96, torch.float32, 0, (16, 2, 4, False, True))):
+            (45, 6, 128, 96, torch.bfloat16, 0, (32, 4, 8, False)),
+            (37, 3, 128, 96, torch.float32, 0, (16, 2, 4, True))):
         qkv = (3 * torch.randn(seq, 3 * heads * d, generator=g)).bfloat16()
         table = make_rope_table(seq + start, rot, dtype=tdtype, generator=g)[:, start:]
         qw = (1 + 0.3 * torch.randn(d, generator=g)).bfloat16()
