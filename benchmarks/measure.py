@@ -67,22 +67,25 @@ def queued_timed(fn: Callable[[], object]) -> Callable[[], tuple[float, float]]:
 class DeviceSampler:
     """SM clock and board power sampled every ``period`` seconds in a background thread (NVML through
     ``pynvml``, nvidia-ml-py); ``mean_over(windows)`` averages the samples inside host time windows.
-    ``available`` is False without pynvml or an NVML device: the tables then leave the columns out."""
+    ``available`` is False without pynvml or an NVML device, or with no ``device_index``: the tables
+    then leave the columns out."""
 
-    def __init__(self, device_index: int = 0, period: float = 0.002):
+    def __init__(self, device_index: int | None, period: float = 0.002):
         import threading
         self.samples: list[tuple[float, float, float]] = []  # (perf_counter, MHz, W)
         self._stop = threading.Event()
         self._thread = None
         self.period = period
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(device_index)
-            self.available = True
-        except Exception:
-            self._nvml = self._handle = None
-            self.available = False
+        self._nvml = self._handle = None
+        self.available = False
+        if device_index is not None:
+            try:
+                import pynvml
+                pynvml.nvmlInit()
+                self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(device_index)
+                self.available = True
+            except Exception:
+                pass  # no pynvml or no NVML device: not available
         if self.available:
             self._thread = threading.Thread(target=self._poll, daemon=True)
 

@@ -319,12 +319,9 @@ def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool, compiled
 
 def device_sampler(bench: Bench) -> measure.DeviceSampler:
     """SM clock and power sampling for the timed reps (a sampler that is not ``available`` off CUDA)."""
-    index = bench.device.index if bench.device.index is not None else torch.cuda.current_device() \
-        if bench.device.type == "cuda" else 0
-    sampler = measure.DeviceSampler(index)
     if bench.device.type != "cuda":
-        sampler.available = False
-    return sampler
+        return measure.DeviceSampler(None)
+    return measure.DeviceSampler(bench.device.index if bench.device.index is not None else torch.cuda.current_device())
 
 
 def queued_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool) -> dict:

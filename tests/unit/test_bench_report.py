@@ -418,3 +418,9 @@ def test_windowed_runner_records_each_calls_host_window():
     run = measure.windowed(lambda: 7, windows)
     assert run() == 7 and run() == 7
     assert len(windows) == 2 and all(a <= b for a, b in windows) and windows[0][1] <= windows[1][0]
+
+
+def test_device_sampler_without_a_device_is_unavailable_and_samples_nothing():
+    with measure.DeviceSampler(None) as sampler:
+        pass
+    assert not sampler.available and sampler.samples == [] and sampler.mean_over([(0.0, 1e12)]) is None
