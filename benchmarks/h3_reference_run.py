@@ -72,6 +72,8 @@ from devkit.pack import kernels as pack_kernels
 from devkit.pack import submodule
 
 from . import peer, schema
+from .prep_passes import norm_modulate_tiling
+from .prep_passes import tiling as norm_rope_tiling
 from . import sections as sec
 from .report import LAYOUTS, Report, correctness_table, equality_verdict, text_table
 
@@ -146,6 +148,12 @@ def parse_args(argv=None):
     p.add_argument("--prep", default="exact", help="prepared-path mode of the layout variants "
                    "(exact, fused, rotated, fused_rotated; only where a back-end has a prepared path)")
     add_model_options(p)
+    p.add_argument("--norm-rope-tiling", type=norm_rope_tiling, metavar="TOKENS,HEADS,WARPS,QK_FIRST",
+                   help="run the pack's RMSNorm+RoPE pass with this tiling instead of qk_transform.NORM_ROPE_CONFIG "
+                        "(every tiling gives the same bits; benchmarks/prep_passes.py times them)")
+    p.add_argument("--norm-modulate-tiling", type=norm_modulate_tiling, metavar="WARPS|ROWS,COLS,WARPS",
+                   help="run fused mode's norm + modulation passes with this tiling instead of "
+                        "h3_block_fused.NORM_MODULATE_TILING")
     p.add_argument("--compile-blocks", action="store_true",
                    help="also time block 0 of stock, strided_nhd and the fused_block variants under torch.compile "
                         "(inductor), interleaved")
@@ -373,6 +381,16 @@ def backends_that_ran(patches: dict) -> tuple[str, list, dict]:
     return "+".join(ran) or "none", fallbacks, by_layout
 
 
+def set_tilings(args) -> dict:
+    """Apply --norm-rope-tiling / --norm-modulate-tiling to the pack's modules; the tilings that run."""
+    qk_transform, fused = submodule("kernels.qk_transform"), submodule("kernels.h3_block_fused")
+    if args.norm_rope_tiling is not None:
+        qk_transform.NORM_ROPE_CONFIG = args.norm_rope_tiling
+    if args.norm_modulate_tiling is not None:
+        fused.NORM_MODULATE_TILING = args.norm_modulate_tiling
+    return {"norm_rope": list(qk_transform.NORM_ROPE_CONFIG), "norm_modulate": fused.NORM_MODULATE_TILING}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -383,6 +401,7 @@ def main(argv=None) -> int:
     backend_first = resolve_backend(kernels, args.backend, device)
     out = args.out or default_out(facts, backend_first)
     report = Report(out)
+    report.update(tilings=set_tilings(args))
     layouts = list(LAYOUTS) if args.layout == "ab" else [args.layout]
     report.update(**facts, torch=str(torch.__version__), attention=backend_first, attention_requested=args.backend,
                   resolution=[args.width, args.height], frames=args.frames, packed_tokens=None,

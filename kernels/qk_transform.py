@@ -190,13 +190,13 @@ def kitchen_backend(q, k, rope_table, q_weight, k_weight, eps: float, rot: int) 
 
 
 def norm_rope_pass(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,
-                   k_weight: torch.Tensor, eps: float, config: tuple = NORM_ROPE_CONFIG) -> None:
+                   k_weight: torch.Tensor, eps: float, config: tuple | None = None) -> None:
     """The pack's in-place pass (``own_pass_takes`` must hold): comfy-kitchen's CUDA bits. ``config``:
-    the tiling (``NORM_ROPE_CONFIG``'s fields)."""
+    the tiling (``NORM_ROPE_CONFIG``'s fields; None: ``NORM_ROPE_CONFIG`` as it is at the call)."""
     s, h, d = q.shape[1:]
     p = rope_rot_dim(rope_table) // 2
     tail = d - 2 * p
-    tokens, heads, warps, qk_first = config
+    tokens, heads, warps, qk_first = config or NORM_ROPE_CONFIG
     grid = (triton.cdiv(s, tokens), triton.cdiv(h, heads))
     st = rope_table.stride()
     _norm_rope_kernel[grid](q, k, rope_table, q_weight, k_weight, s, h, q.stride(1), q.stride(2), k.stride(1),
