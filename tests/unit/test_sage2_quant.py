@@ -258,6 +258,137 @@ def test_backend_prepare_projected_gives_prepare_bits_on_the_whole_projection(in
         assert got["rows_taken"] == [128, 72], got["rows_taken"]
 
 
+FOLD_CHECKS = r"""
+    from comfyui_sage_strided_nhd.kernels import qk_transform, sage2_quant as sq
+    from devkit import sage2_oracle as ref
+    from devkit.rope import make_rope_table
+
+    differing = ref.operand_mismatches
+    results = {"operands": {}, "rows": {}, "control": None, "compile": None}
+
+    def views(buf, heads):
+        return buf.unflatten(1, (3, heads, 128)).unsqueeze(0).unbind(2)
+
+    def inputs(seq, heads, rot, tdtype, start, eps=1e-5):
+        g = torch.Generator().manual_seed(seq + rot)
+        qkv = (3 * torch.randn(seq, 3 * heads * 128, generator=g)).bfloat16()
+        if eps:
+            qkv[3] = 0  # a zero row: eps alone under the root
+        table = make_rope_table(seq + start, rot, dtype=tdtype, generator=g)[:, start:]  # a cut table: strided rows
+        qw = (1 + 0.3 * torch.randn(128, generator=g)).bfloat16()
+        kw = (1 + 0.3 * torch.randn(128, generator=g)).float()
+        return qkv, table, qw, kw
+
+    def today(qkv, heads, table, qw, kw, eps, mode="exact"):
+        # the sequence the fold replaces: the pass on Q and K in place, then the unfused mode
+        a = qkv.clone()
+        qa, ka, va = views(a, heads)
+        qk_transform.norm_rope_pass(qa, ka, table, qw, kw, eps)
+        return sq.quantize_operands(qa, ka, va, mode=mode), qa, ka
+
+    # H3's split (rot 96: 48 pairs, 32 tail dims); no tail; 45 pairs (odd) and a tail of 38; 8 pairs and a
+    # tail of 112. Sequences no multiple of 64 (200, 300, 150) and one of 128 (256); bf16 and fp32 tables;
+    # eps 0 (rows past the sequence, which share scales with rows in it, must still count as 0).
+    for seq, heads, rot, tdtype, start, eps in ((200, 2, 96, torch.bfloat16, 0, 1e-5),
+                                                (300, 2, 128, torch.float32, 0, 1e-6),
+                                                (150, 1, 90, torch.bfloat16, 7, 0.0),
+                                                (256, 1, 16, torch.float32, 3, 1e-5)):
+        qkv, table, qw, kw = inputs(seq, heads, rot, tdtype, start, eps)
+        raw_q, _, raw_v = views(qkv, heads)
+        want, qa, ka = today(qkv, heads, table, qw, kw, eps)
+        name = f"S={seq}/H={heads}/rot={rot}"
+        b = qkv.clone()
+        qb, kb, vb = views(b, heads)
+        qk_transform.norm_rope_pass(qb, kb, table, qw, kw, eps, do_q=False)
+        got = sq.quantize_operands(qb, kb, vb, mode="exact", q_norm_rope=(table, qw, eps))
+        results["operands"][name] = {"diffs": differing(got, want), "k": bool(torch.equal(kb, ka)),
+                                     "q_raw": bool(torch.equal(qb, raw_q)), "v": bool(torch.equal(vb, raw_v))}
+        if results["control"] is None:  # the raw Q quantised: what a fold that formed nothing would give
+            results["control"] = differing(sq.quantize_operands(qb, kb, vb, mode="exact"), want)
+        # Q a token chunk at a time (rows from 128, 256, ...), K alone by the same rows
+        for step in (128, 256):
+            c = qkv.clone()
+            qc, kc, vc = views(c, heads)
+            by_rows = sq.RowOperands(seq, heads, qc.device)
+            for r in range(0, seq, step):
+                qk_transform.norm_rope_pass(qc[:, r:r + step], kc[:, r:r + step], table[:, r:r + step], qw, kw, eps,
+                                            do_q=False)
+                by_rows.add_q_rows(qc[:, r:r + step], (table, qw, eps))
+            results["rows"][f"{name}/by {step}"] = {
+                "diffs": differing(by_rows.finish(kc, vc), want), "k": bool(torch.equal(kc, ka)),
+                "q_raw": bool(torch.equal(qc, raw_q)), "v": True}
+
+    # torch.compile traces the custom op with Q's table (dynamo, no inductor, no graph breaks)
+    qkv, table, qw, kw = inputs(130, 1, 96, torch.bfloat16, 0)
+    q, k, v = views(qkv, 1)
+    def f(q, k, v):
+        ops = sq.quantize_operands(q, k, v, mode="exact", q_norm_rope=(table, qw, 1e-5))
+        return ops["q_int8"], ops["q_scale"], ops["k_int8"]
+    try:
+        eager = f(q, k, v)
+        traced = torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
+        results["compile"] = all(bool(torch.equal(a, b)) for a, b in zip(eager, traced))
+    except Exception as exc:
+        results["compile"] = f"{type(exc).__name__}: {exc}"
+    report(results)
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted_fold():
+    return run_interpreted(FOLD_CHECKS)
+
+
+def _fold_cases(results: dict) -> None:
+    for name, got in results.items():
+        assert {k: n for k, n in got["diffs"].items() if n != 0} == {}, f"{name}: {got['diffs']}"
+        assert got["k"], f"{name}: K in memory differs from K after the pass on Q and K"
+        assert got["q_raw"], f"{name}: Q in memory was written"
+        assert got["v"], f"{name}: V in memory was written"
+
+
+@pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
+def test_exact_mode_forming_q_norm_rope_gives_todays_operands(interpreted_fold):
+    """The pass on K alone, then the exact quantisation forming Q's RMSNorm+RoPE from the raw Q, against
+    the pass on Q and K then the exact quantisation: every operand, K and V in memory, Q left raw."""
+    assert len(interpreted_fold["operands"]) == 4
+    _fold_cases(interpreted_fold["operands"])
+
+
+@pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
+def test_exact_mode_forming_q_norm_rope_by_token_chunks_gives_todays_operands(interpreted_fold):
+    """RowOperands with Q in chunks of 128 and 256 tokens (the table read from each chunk's first row)."""
+    assert len(interpreted_fold["rows"]) == 8
+    _fold_cases(interpreted_fold["rows"])
+
+
+@pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
+def test_the_fold_comparison_sees_a_q_left_unnormalised(interpreted_fold):
+    control = interpreted_fold["control"]
+    assert control["q_int8"] > 0 and control["q_scale"] > 0, control
+    assert (control["k_int8"], control["v_fp8"]) == (0, 0), control
+
+
+@pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
+def test_torch_compile_traces_the_quantisation_with_q_norm_rope(interpreted_fold):
+    assert interpreted_fold["compile"] is True, interpreted_fold["compile"]
+
+
+def test_q_norm_rope_is_refused_outside_the_exact_mode_and_checked():
+    q, k, v = _views()
+    pending = (torch.zeros(1, 64, 1, 48, 2, 2), torch.ones(128), 1e-6)
+    for mode in ("rotated", "fused"):
+        params = dict(q_weight=torch.ones(128), k_weight=torch.ones(128), eps=1e-6) if mode == "fused" else {}
+        with pytest.raises(ValueError, match=r"formed in the exact mode only"):
+            sage2_quant.quantize_operands(q, k, v, mode=mode, q_norm_rope=pending, **params)
+    with pytest.raises(ValueError, match=r"q_norm_rope's weight must be \[128\], got \[64\]"):
+        sage2_quant.quantize_operands(q, k, v, q_norm_rope=(pending[0], torch.ones(64), 1e-6))
+    with pytest.raises(ValueError, match="rope table covers 63 tokens but the sequence has 64"):
+        sage2_quant.quantize_operands(q, k, v, q_norm_rope=(torch.zeros(1, 63, 1, 48, 2, 2), torch.ones(128), 1e-6))
+    with pytest.raises(ValueError, match=r"formed in the exact mode only"):
+        sage2_quant.RowOperands(64, 2, q.device, mode="rotated").add_q_rows(q, pending)
+
+
 def sylvester(n):
     h = torch.ones(1, 1)
     while h.shape[0] < n:
