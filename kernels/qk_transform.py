@@ -8,10 +8,8 @@ shuffles; ``rsqrtf``; the normed value rounded to bf16 before the rotation; the 
 products in one fused multiply-add). The pass handles a tile of tokens over a group of heads, so the
 rotation table is read once per token tile instead of once per head: on an H200 at 37,810 tokens
 0.96 ms against comfy-kitchen's 2.77 ms, where reading and writing Q and K once at 4.8 TB/s takes
-0.45 ms. Elsewhere (other dtypes or layouts, no CUDA implementation) comfy-kitchen runs. Where the
-pass would run, sage2's exact quantisation may form Q's values itself from the raw Q (the same jit
-steps, ``_norm_rope_values``) while the pass normalises K alone: Q's normed bf16 copy is never
-written. Offsets are int64."""
+0.45 ms. Elsewhere (other dtypes or layouts, no CUDA implementation) comfy-kitchen runs. Offsets are
+int64."""
 
 from __future__ import annotations
 
@@ -254,9 +252,7 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weig
 class QKNorm:
     """The normalisation one attention call owes Q and K, applied at most once: RMSNorm + split-half
     RoPE through comfy-kitchen (in place unless ``inplace`` is False), or the module's q_norm/k_norm. A
-    prepared path may fold a ``foldable`` one into its passes (``mark_folded``); else ``apply`` it. An
-    exact preparation may form Q's normed values itself where the pack's pass would run
-    (``q_foldable``): K alone is then normalised in place (``apply_k``, ``apply_k_rows``)."""
+    prepared path may fold a ``foldable`` one into its passes (``mark_folded``); else ``apply`` it."""
 
     def __init__(self, *, rope_table=None, q_weight=None, k_weight=None, eps: float = 1e-6, q_norm=None,
                  k_norm=None, inplace: bool = True):
@@ -267,7 +263,6 @@ class QKNorm:
         self.rope_table, self.q_weight, self.k_weight, self.eps = rope_table, q_weight, k_weight, eps
         self.q_norm, self.k_norm, self.inplace = q_norm, k_norm, inplace
         self.applied = False
-        self.k_applied = False  # K normalised in place by ``apply_k``, Q still owed
 
     def check(self, seq_len: int, head_dim: int) -> None:
         if self.rope_table is not None:
@@ -276,23 +271,8 @@ class QKNorm:
     @property
     def foldable(self) -> bool:
         """Could a prepared path apply it inside its own passes, or a token range at a time (``apply_rows``)?
-        In place, with a rope table, not yet applied (not even to K)."""
-        return self.rope_table is not None and self.inplace and not self.applied and not self.k_applied
-
-    def q_foldable(self, q: torch.Tensor, k: torch.Tensor, start: int = 0) -> bool:
-        """Would the in-place call on these Q and K (the rows from token ``start``) run the pack's pass?
-        Then Q's values are ``_norm_rope_values``' on the raw Q: a pass that reads raw Q may form them
-        (``q_norm_rope``) while K alone is normalised (``apply_k`` / ``apply_k_rows``), same bits."""
-        if not self.foldable:
-            return False
-        table = self.rope_table[:, start:start + q.shape[1]]
-        return own_pass_takes(q, k, table, self.q_weight, self.k_weight) and kitchen_backend(
-            q, k, table, self.q_weight, self.k_weight, self.eps, rope_rot_dim(table)) == KITCHEN_BACKEND
-
-    @property
-    def q_norm_rope(self) -> tuple:
-        """Q's pending normalisation, as a pass that forms it takes it: (rope table, q weight, eps)."""
-        return self.rope_table, self.q_weight, self.eps
+        In place, with a rope table, not yet applied."""
+        return self.rope_table is not None and self.inplace and not self.applied
 
     def mark_folded(self) -> None:
         """The whole call's Q and K are normalised: inside a preparation, or row range by row range."""
@@ -307,28 +287,11 @@ class QKNorm:
         table = self.rope_table[:, start:start + q.shape[1]]
         norm_rope(q, k, table, self.q_weight, self.k_weight, self.eps, inplace=True)
 
-    def apply_k_rows(self, q: torch.Tensor, k: torch.Tensor, start: int) -> None:
-        """``apply_rows`` on K alone (``q_foldable(q, k, start)`` must hold): Q's rows are left raw for a
-        pass that forms their values; K's bits are those of the pass on both."""
-        if not self.q_foldable(q, k, start):
-            raise RuntimeError("Q's normalisation cannot be left to a preparation here (the pack's pass would not run)")
-        table = self.rope_table[:, start:start + q.shape[1]]
-        check_rope_table(table, q.shape[1], q.shape[-1])
-        norm_rope_pass(q, k, table, self.q_weight, self.k_weight, self.eps, do_q=False)
-
-    def apply_k(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Normalise K alone, in place (``q_foldable(q, k)`` must hold); Q stays owed: to a preparation
-        that forms its values (then ``mark_folded``), or to ``apply``, which normalises Q alone."""
-        self.apply_k_rows(q, k, 0)
-        self.k_applied = True
-
     def apply(self, q: torch.Tensor, k: torch.Tensor):
         """Normalise q, k [1, S, H, D] (once; later calls return them unchanged)."""
         if self.applied:
             return q, k
-        if self.k_applied:  # after ``apply_k``: the pack's pass, on Q alone
-            norm_rope_pass(q, k, self.rope_table, self.q_weight, self.k_weight, self.eps, do_k=False)
-        elif self.rope_table is not None:
+        if self.rope_table is not None:
             q, k = norm_rope(q, k, self.rope_table, self.q_weight, self.k_weight, self.eps, inplace=self.inplace)
         else:
             q, k = self.q_norm(q[0]).unsqueeze(0), self.k_norm(k[0]).unsqueeze(0)

@@ -84,23 +84,17 @@ class Sage2Backend(AttentionBackend):
     def prepare(self, q, k, v, *, mode="exact", scale=None, norm=None) -> Prepared:
         """int8 Q/K + fp8 V from NHD [1, S, H, 128] views. The policy: a fused mode folds the pending
         RMSNorm+RoPE into the passes when it can (in place, with a rope table); otherwise the norm is
-        applied first (comfy-kitchen, in place) and the unfused twin of the mode runs. The exact mode
-        leaves Q's norm to its pass where the in-place call would run the pack's own pass
-        (``norm.q_foldable``: same bits; K alone is normalised first, Q is never written)."""
+        applied first (comfy-kitchen, in place) and the unfused twin of the mode runs."""
         fused, rotate = sage2_quant.mode_flags(mode)
         fold = fused and norm is not None and norm.foldable
-        q_fold = False
         if not fold:
-            mode = "rotated" if rotate else "exact"
-            q_fold = mode == "exact" and norm is not None and norm.q_foldable(q, k)
-            if q_fold:
-                norm.apply_k(q, k)  # should the passes raise, ``norm.apply`` then normalises Q alone
-            elif norm is not None:
+            if norm is not None:
                 q, k = norm.apply(q, k)
+            mode = "rotated" if rotate else "exact"
         params = dict(rope_table=norm.rope_table, q_weight=norm.q_weight, k_weight=norm.k_weight,
-                      eps=norm.eps) if fold else dict(q_norm_rope=norm.q_norm_rope) if q_fold else {}
+                      eps=norm.eps) if fold else {}
         ops = sage2_quant.quantize_operands(q, k, v, mode=mode, **params)
-        if fold or q_fold:
+        if fold:
             norm.mark_folded()
         _, s, h, d = q.shape
         return Prepared(self.name, mode, ops, float(d ** -0.5 if scale is None else scale), q.dtype, s, h, d,
@@ -113,8 +107,7 @@ class Sage2Backend(AttentionBackend):
         row, and Q goes by chunks of 3x the rows: the same bytes as a chunk of whole rows); K and V are
         quantised once every token is in. The bits are ``prepare``'s on the whole projection. A fused
         mode folds a foldable norm as ``prepare`` does; otherwise the norm is applied row range by row
-        range (it must allow that: ``norm.foldable``), in the exact mode to K alone where ``prepare``
-        would leave Q's to its pass (decided chunk by chunk, as the norm's implementation is)."""
+        range (it must allow that: ``norm.foldable``)."""
         fused, rotate = sage2_quant.mode_flags(mode)
         fold = fused and norm is not None and norm.foldable
         if not fold:
@@ -140,12 +133,9 @@ class Sage2Backend(AttentionBackend):
             else:
                 rows = projection.rows(a, b)
                 q, k = rows.unflatten(1, (3, heads, d)).unsqueeze(0).unbind(2)[:2]  # no view left to hold the chunk
-            q_fold = mode == "exact" and norm is not None and norm.q_foldable(q, k, a)
-            if q_fold:
-                norm.apply_k_rows(q, k, a)
-            elif norm is not None and not fold:
+            if norm is not None and not fold:
                 norm.apply_rows(q, k, a)
-            ops.add_q_rows(q, norm.q_norm_rope if q_fold else None)
+            ops.add_q_rows(q)
             if not by_columns:
                 kv[a:b].copy_(rows[:, inner:])
             del rows, q, k

@@ -3,9 +3,7 @@
 The Triton kernels run under ``TRITON_INTERPRET=1`` in a subprocess (the flag must be set before
 the kernels are decorated, and other tests in this process must keep compiled Triton), on small
 shapes, and must equal the pure-PyTorch oracle (devkit/sage2_oracle.py) bit for bit in every
-mode, directly and through ``Sage2Backend.prepare``; and the exact mode forming Q's pending
-RMSNorm+RoPE (the pack's pass on K alone) must give the operands of the pass on Q and K then the
-exact mode, whole, by token chunks and through the back-end. The rest runs here: the rotation is an
+mode, directly and through ``Sage2Backend.prepare``. The rest runs here: the rotation is an
 orthogonal Hadamard matrix, bad inputs give clear errors with a reason code, the back-end says
 why the prepared path is off and which mode its preparation runs.
 """
@@ -261,14 +259,12 @@ def test_backend_prepare_projected_gives_prepare_bits_on_the_whole_projection(in
 
 
 FOLD_CHECKS = r"""
-    from comfyui_sage_strided_nhd import kernels
     from comfyui_sage_strided_nhd.kernels import qk_transform, sage2_quant as sq
-    from comfyui_sage_strided_nhd.kernels.backends.sage2 import Sage2Backend
     from devkit import sage2_oracle as ref
     from devkit.rope import make_rope_table
 
     differing = ref.operand_mismatches
-    results = {"operands": {}, "rows": {}, "control": None, "prepare": {}, "compile": None}
+    results = {"operands": {}, "rows": {}, "control": None, "compile": None}
 
     def views(buf, heads):
         return buf.unflatten(1, (3, heads, 128)).unsqueeze(0).unbind(2)
@@ -322,58 +318,6 @@ FOLD_CHECKS = r"""
                 "diffs": differing(by_rows.finish(kc, vc), want), "k": bool(torch.equal(kc, ka)),
                 "q_raw": bool(torch.equal(qc, raw_q)), "v": True}
 
-    # Through the back-end and QKNorm. On the CPU comfy-kitchen would not run its CUDA kernel, so the
-    # in-place call would not run the pack's pass (no fold); then as on a GPU where it would.
-    seq, heads, eps = 300, 1, 1e-5
-    qkv, table, qw, kw = inputs(seq, heads, 96, torch.bfloat16, 0)
-    raw_q, _, _ = views(qkv, heads)
-    norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=eps)
-    results["prepare"]["cpu_q_foldable"] = norm.q_foldable(*views(qkv, heads)[:2])
-    qk_transform.kitchen_backend = lambda *a, **kw: qk_transform.KITCHEN_BACKEND
-    want, qa, ka = today(qkv, heads, table, qw, kw, eps)
-    b = qkv.clone()
-    qb, kb, vb = views(b, heads)
-    norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=eps)
-    foldable = norm.q_foldable(qb, kb)
-    p = Sage2Backend().prepare(qb, kb, vb, mode="exact", norm=norm)
-    results["prepare"]["exact"] = {
-        "q_foldable": foldable, "mode": p.mode, "norm_folded": p.norm_folded, "applied": norm.applied,
-        "diffs": differing(p.operands, want), "k": bool(torch.equal(kb, ka)), "q_raw": bool(torch.equal(qb, raw_q))}
-    # the fallback after a failed preparation: K normalised alone, then ``apply`` owes Q alone
-    b = qkv.clone()
-    qb, kb, _ = views(b, heads)
-    norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=eps)
-    norm.apply_k(qb, kb)
-    after_k = [bool(torch.equal(kb, ka)), bool(torch.equal(qb, raw_q)), norm.foldable, norm.applied]
-    norm.apply(qb, kb)
-    results["prepare"]["fallback"] = after_k + [bool(torch.equal(qb, qa)), bool(torch.equal(kb, ka)), norm.applied]
-    # the rotated mode keeps today's sequence (Q normalised in place)
-    b = qkv.clone()
-    qb, kb, vb = views(b, heads)
-    norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=eps)
-    p = Sage2Backend().prepare(qb, kb, vb, mode="rotated", norm=norm)
-    results["prepare"]["rotated"] = {"diffs": differing(p.operands, today(qkv, heads, table, qw, kw, eps, "rotated")[0]),
-                                     "q": bool(torch.equal(qb, qa)), "applied": norm.applied}
-    # the projection by token chunks: rows of 128 tokens (chunk 150 rounds down), or by columns (3 * 50)
-    inner = heads * 128
-    for how in ("projected", "columns"):
-        taken = []  # the Q rows each chunk held: raw after the preparation
-        if how == "projected":
-            projection = kernels.RowProjection(lambda rows: taken.append(rows.clone()) or taken[-1], qkv.clone())
-            kv = torch.empty(seq, 2 * inner, dtype=qkv.dtype)
-        else:
-            columns = (lambda rows: taken.append(rows[:, :inner].clone()) or taken[-1], lambda x: x[:, inner:].clone())
-            projection = kernels.RowProjection(None, qkv.clone(), columns=columns)
-            kv = projection.kv
-        norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=eps)
-        p = Sage2Backend().prepare_projected(projection, kv, heads=heads, mode="exact", norm=norm,
-                                             chunk=150 if how == "projected" else 50)
-        q_rows = torch.cat([t[:, :inner] for t in taken])
-        results["prepare"][how] = {
-            "mode": p.mode, "chunks": p.projected_chunks, "applied": norm.applied, "norm_folded": p.norm_folded,
-            "diffs": differing(p.operands, want), "q_raw": bool(torch.equal(q_rows, qkv[:, :inner])),
-            "k": bool(torch.equal(kv[:, :inner], ka.flatten(2)[0]))}
-
     # torch.compile traces the custom op with Q's table (dynamo, no inductor, no graph breaks)
     qkv, table, qw, kw = inputs(130, 1, 96, torch.bfloat16, 0)
     q, k, v = views(qkv, 1)
@@ -423,37 +367,6 @@ def test_the_fold_comparison_sees_a_q_left_unnormalised(interpreted_fold):
     control = interpreted_fold["control"]
     assert control["q_int8"] > 0 and control["q_scale"] > 0, control
     assert (control["k_int8"], control["v_fp8"]) == (0, 0), control
-
-
-@pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
-def test_backend_exact_prepare_leaves_q_norm_to_its_pass_where_the_packs_pass_would_run(interpreted_fold):
-    got = interpreted_fold["prepare"]
-    assert got["cpu_q_foldable"] is False, "on the CPU comfy-kitchen's eager code would run: no fold"
-    exact = got["exact"]
-    assert {k: n for k, n in exact["diffs"].items() if n != 0} == {}, exact["diffs"]
-    assert exact["q_foldable"] and exact["k"] and exact["q_raw"]
-    assert (exact["mode"], exact["norm_folded"], exact["applied"]) == ("exact", False, True)
-    rotated = got["rotated"]
-    assert {k: n for k, n in rotated["diffs"].items() if n != 0} == {}, rotated["diffs"]
-    assert rotated["q"] and rotated["applied"], "the rotated mode normalises Q in place as before"
-
-
-@pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
-def test_after_k_alone_the_norm_owes_q_alone(interpreted_fold):
-    """A preparation that raised after ``apply_k``: the fallback's ``apply`` gives the pass's Q and K."""
-    k_done, q_raw, foldable, applied, q_after, k_after, applied_after = interpreted_fold["prepare"]["fallback"]
-    assert k_done and q_raw and not foldable and not applied
-    assert q_after and k_after and applied_after
-
-
-@pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
-@pytest.mark.parametrize("how", ["projected", "columns"])
-def test_backend_exact_prepare_projected_leaves_q_norm_to_its_pass(interpreted_fold, how):
-    got = interpreted_fold["prepare"][how]
-    assert {k: n for k, n in got["diffs"].items() if n != 0} == {}, got["diffs"]
-    assert (got["mode"], got["chunks"], got["applied"], got["norm_folded"]) == ("exact", 3, True, False)
-    assert got["q_raw"], "a chunk's Q rows were written"
-    assert got["k"], "K in the buffer differs from K after the pass on Q and K"
 
 
 @pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
@@ -651,23 +564,15 @@ def test_the_prepared_path_needs_cuda_tensors(monkeypatch):
 
 
 class FakeNorm:
-    """A QKNorm stand-in for the back-end's policy: records what the back-end does with it.
-    ``q_foldable``: whether the in-place call would run the pack's pass (an exact Q fold)."""
+    """A QKNorm stand-in for the back-end's policy: records what the back-end does with it."""
 
-    def __init__(self, foldable, q_foldable=False):
+    def __init__(self, foldable):
         self.foldable, self.rope_table, self.q_weight, self.k_weight, self.eps = foldable, "table", "qw", "kw", 1e-5
-        self.q_fold, self.q_norm_rope = q_foldable and foldable, ("table", "qw", 1e-5)
-        self.applied = self.folded = self.k_applied = 0
-
-    def q_foldable(self, q, k, start=0):
-        return self.q_fold
+        self.applied = self.folded = 0
 
     def apply(self, q, k):
         self.applied += 1
         return q, k
-
-    def apply_k(self, q, k):
-        self.k_applied += 1
 
     def mark_folded(self):
         self.folded += 1
@@ -679,12 +584,9 @@ class FakeNorm:
     ("fused", False, "exact", False), ("fused_rotated", False, "rotated", False),
     ("fused", None, "exact", False), ("fused_rotated", None, "rotated", False), ("exact", None, "exact", False),
 ])
-@pytest.mark.parametrize("q_foldable", [False, True])
 def test_prepare_folds_a_foldable_norm_or_applies_it_and_runs_the_unfused_twin(mode, foldable, ran, folded,
-                                                                              q_foldable, monkeypatch):
-    """The policy only (the passes themselves are checked bit for bit under the interpreter above).
-    Where the pack's pass would run (``q_foldable``), the exact mode normalises K alone and hands Q's
-    norm to its pass; the rotated mode and the fused folds are as they were."""
+                                                                              monkeypatch):
+    """The policy only (the passes themselves are checked bit for bit under the interpreter above)."""
     calls = []
 
     def quantize(q, k, v, *, mode, **params):
@@ -692,32 +594,27 @@ def test_prepare_folds_a_foldable_norm_or_applies_it_and_runs_the_unfused_twin(m
         return {"q_int8": "ops"}
 
     monkeypatch.setattr(sage2.sage2_quant, "quantize_operands", quantize)
-    norm = None if foldable is None else FakeNorm(foldable, q_foldable)
+    norm = None if foldable is None else FakeNorm(foldable)
     q, k, v = _views(seq=300, heads=3)
     p = sage2.Sage2Backend().prepare(q, k, v, mode=mode, scale=None, norm=norm)
-    q_fold = norm is not None and norm.q_fold and ran == "exact"
-    params = (dict(rope_table="table", q_weight="qw", k_weight="kw", eps=1e-5) if folded
-              else dict(q_norm_rope=("table", "qw", 1e-5)) if q_fold else {})
+    params = dict(rope_table="table", q_weight="qw", k_weight="kw", eps=1e-5) if folded else {}
     assert calls == [(ran, params)]
     assert p.mode == ran and p.norm_folded is folded and p.backend == "sage2" and p.operands == {"q_int8": "ops"}
     assert (p.seq, p.heads, p.head_dim, p.out_dtype) == (300, 3, 128, torch.bfloat16)
     assert p.sm_scale == 128**-0.5 and p.head_chunks == sage2.head_chunks(300, 3, 128)
     if norm is not None:
-        want = (1, 0, 0) if folded else (1, 0, 1) if q_fold else (0, 1, 0)
-        assert (norm.folded, norm.applied, norm.k_applied) == want, "the norm runs exactly once"
+        assert (norm.folded, norm.applied) == ((1, 0) if folded else (0, 1)), "the norm runs exactly once"
 
 
-@pytest.mark.parametrize("mode, q_foldable", [("fused", False), ("exact", True)])
-def test_prepare_does_not_mark_a_norm_folded_when_the_passes_raise(monkeypatch, mode, q_foldable):
+def test_prepare_does_not_mark_a_norm_folded_when_the_passes_raise(monkeypatch):
     def quantize(*a, **kw):
         raise RuntimeError("passes failed in this test")
 
     monkeypatch.setattr(sage2.sage2_quant, "quantize_operands", quantize)
-    norm = FakeNorm(True, q_foldable)
+    norm = FakeNorm(True)
     with pytest.raises(RuntimeError, match="passes failed"):
-        sage2.Sage2Backend().prepare(*_views(), mode=mode, norm=norm)
+        sage2.Sage2Backend().prepare(*_views(), mode="fused", norm=norm)
     assert norm.folded == 0 and norm.applied == 0, "the norm is still owed to the fallback"
-    assert norm.k_applied == int(q_foldable), "an exact Q fold normalised K alone: QKNorm.apply owes Q alone"
 
 
 def test_head_chunks_keep_every_span_below_2_31():
