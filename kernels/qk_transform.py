@@ -168,16 +168,13 @@ if triton is not None:
         if DO_Q:
             q = _norm_rope_values(Q, rows, hok, h, sqs, sqh, qw_lo, qw_hi, qw_tail, f00, f01, f10, f11, eps,
                                   R, D, P, PP, TAIL, TP, EMULATE)
-            if not QK_FIRST:
-                _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
-            elif not DO_K:
+            if not (QK_FIRST and DO_K):  # else Q is stored once K has been read
                 _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
         if DO_K:
             k = _norm_rope_values(K, rows, hok, h, sks, skh, kw_lo, kw_hi, kw_tail, f00, f01, f10, f11, eps,
                                   R, D, P, PP, TAIL, TP, EMULATE)
-            if QK_FIRST:
-                if DO_Q:
-                    _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
+            if QK_FIRST and DO_Q:
+                _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
             _norm_rope_store(k[0], k[1], k[2], k[3], hok, P, PP, TAIL, TP)
 
 
