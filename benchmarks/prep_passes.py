@@ -113,8 +113,7 @@ def passes(seq: int, reps: int, warmup: int, tilings, vmax_tilings=()) -> dict:
         "v_absmax": (v_absmax, mib),
         **{"v_absmax " + t: ((lambda t=t: v_absmax(*(int(x) for x in t.split(",")))), mib) for t in vmax_tilings},
         "reduce_exact": (lambda: sage2_quant._reduce_impl(k, v, None, None, 0.0, False), 2 * mib),
-        "quantize": (lambda: sage2_quant._quantize_impl(q, k, v, kmean, vrecp, None, None, None, None, 0.0, False,
-                                                        False),
+        "quantize": (lambda: sage2_quant._quantize_impl(q, k, v, kmean, vrecp, None, None, None, 0.0, False, False),
                      3 * mib + 3 * element),
     })
     has_kernel = kernels.backends.sage2._sm90_attention_op()[0] is not None

@@ -119,8 +119,15 @@ if triton is not None:
             tl.store(row + 2 * P + t[None, :], yt.to(tl.bfloat16), mask=ok[:, None] & (t < TAIL)[None, :])
 
     @triton.jit
-    def _rope_factors(T, rows, ok, sts, stp, str_, stc, P: tl.constexpr, PP: tl.constexpr):
-        """The rows' 2x2 rotations (f00, f01, f10, f11 [R, PP] fp32, 0 past P) from the table's strides."""
+    def _norm_rope_kernel(Q, K, T, QW, KW, S, H, sqs, sqh, sks, skh, sts, stp, str_, stc, eps,
+                          D: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, TAIL: tl.constexpr,
+                          TP: tl.constexpr, R: tl.constexpr, HG: tl.constexpr, QK_FIRST: tl.constexpr,
+                          EMULATE: tl.constexpr):
+        # One program: R tokens, HG heads of Q and of K; the tokens' rotations are loaded once. QK_FIRST:
+        # a head's Q and K are both read and computed before either is stored (a store keeps later loads
+        # behind it: the views may overlap for all the compiler knows).
+        rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
+        ok = rows < S
         p = tl.arange(0, PP)
         pm = ok[:, None] & (p < P)[None, :]
         f = T + rows[:, None] * sts + p[None, :] * stp
@@ -128,62 +135,33 @@ if triton is not None:
         f01 = tl.load(f + stc, mask=pm, other=0.0).to(tl.float32)
         f10 = tl.load(f + str_, mask=pm, other=0.0).to(tl.float32)
         f11 = tl.load(f + str_ + stc, mask=pm, other=0.0).to(tl.float32)
-        return f00, f01, f10, f11
-
-    @triton.jit
-    def _norm_weights(W, P: tl.constexpr, PP: tl.constexpr, TAIL: tl.constexpr, TP: tl.constexpr):
-        """The RMSNorm weight in ``_norm_rope_values``' pieces: (lo [PP], hi [PP], tail [TP]) fp32."""
-        p = tl.arange(0, PP)
         t = tl.arange(0, TP)
-        w_lo = tl.load(W + p, mask=p < P, other=0.0).to(tl.float32)
-        w_hi = tl.load(W + P + p, mask=p < P, other=0.0).to(tl.float32)
-        w_tail = tl.load(W + 2 * P + t, mask=t < TAIL, other=0.0).to(tl.float32)
-        return w_lo, w_hi, w_tail
-
-    @triton.jit
-    def _norm_rope_kernel(Q, K, T, QW, KW, S, H, sqs, sqh, sks, skh, sts, stp, str_, stc, eps,
-                          D: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, TAIL: tl.constexpr,
-                          TP: tl.constexpr, R: tl.constexpr, HG: tl.constexpr, QK_FIRST: tl.constexpr,
-                          DO_Q: tl.constexpr, DO_K: tl.constexpr, EMULATE: tl.constexpr):
-        # One program: R tokens, HG heads of Q and of K; the tokens' rotations are loaded once. QK_FIRST:
-        # a head's Q and K are both read and computed before either is stored (a store keeps later loads
-        # behind it: the views may overlap for all the compiler knows). DO_Q / DO_K: which of Q and K
-        # this launch normalises (the other is neither read nor written).
-        rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
-        ok = rows < S
-        f00, f01, f10, f11 = _rope_factors(T, rows, ok, sts, stp, str_, stc, P, PP)
-        qw_lo, qw_hi, qw_tail = _norm_weights(QW, P, PP, TAIL, TP)
-        kw_lo, kw_hi, kw_tail = _norm_weights(KW, P, PP, TAIL, TP)
+        qw_lo = tl.load(QW + p, mask=p < P, other=0.0).to(tl.float32)
+        qw_hi = tl.load(QW + P + p, mask=p < P, other=0.0).to(tl.float32)
+        qw_tail = tl.load(QW + 2 * P + t, mask=t < TAIL, other=0.0).to(tl.float32)
+        kw_lo = tl.load(KW + p, mask=p < P, other=0.0).to(tl.float32)
+        kw_hi = tl.load(KW + P + p, mask=p < P, other=0.0).to(tl.float32)
+        kw_tail = tl.load(KW + 2 * P + t, mask=t < TAIL, other=0.0).to(tl.float32)
         h0 = tl.program_id(1).to(tl.int64) * HG
         for g in range(HG):
             _norm_rope_qk(Q, K, rows, ok, h0 + g, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi,
-                          kw_tail, f00, f01, f10, f11, eps, R, D, P, PP, TAIL, TP, QK_FIRST, DO_Q, DO_K, EMULATE)
+                          kw_tail, f00, f01, f10, f11, eps, R, D, P, PP, TAIL, TP, QK_FIRST, EMULATE)
 
     @triton.jit
     def _norm_rope_qk(Q, K, rows, ok, h, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi, kw_tail,
                       f00, f01, f10, f11, eps, R: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                       PP: tl.constexpr, TAIL: tl.constexpr, TP: tl.constexpr, QK_FIRST: tl.constexpr,
-                      DO_Q: tl.constexpr, DO_K: tl.constexpr, EMULATE: tl.constexpr):
+                      EMULATE: tl.constexpr):
         hok = ok & (h < H)
-        if DO_Q:
-            q = _norm_rope_values(Q, rows, hok, h, sqs, sqh, qw_lo, qw_hi, qw_tail, f00, f01, f10, f11, eps,
-                                  R, D, P, PP, TAIL, TP, EMULATE)
-            if not (QK_FIRST and DO_K):  # else Q is stored once K has been read
-                _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
-        if DO_K:
-            k = _norm_rope_values(K, rows, hok, h, sks, skh, kw_lo, kw_hi, kw_tail, f00, f01, f10, f11, eps,
-                                  R, D, P, PP, TAIL, TP, EMULATE)
-            if QK_FIRST and DO_Q:
-                _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
-            _norm_rope_store(k[0], k[1], k[2], k[3], hok, P, PP, TAIL, TP)
-
-
-def head_pieces(rot: int, head_dim: int) -> dict:
-    """The constexpr split of a head for ``_norm_rope_values``: P rotated pairs, TAIL dims past them,
-    each padded to a power of two (PP, TP)."""
-    p = rot // 2
-    tail = head_dim - 2 * p
-    return dict(P=p, PP=triton.next_power_of_2(max(p, 1)), TAIL=tail, TP=triton.next_power_of_2(max(tail, 1)))
+        q = _norm_rope_values(Q, rows, hok, h, sqs, sqh, qw_lo, qw_hi, qw_tail, f00, f01, f10, f11, eps,
+                              R, D, P, PP, TAIL, TP, EMULATE)
+        if not QK_FIRST:
+            _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
+        k = _norm_rope_values(K, rows, hok, h, sks, skh, kw_lo, kw_hi, kw_tail, f00, f01, f10, f11, eps,
+                              R, D, P, PP, TAIL, TP, EMULATE)
+        if QK_FIRST:
+            _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
+        _norm_rope_store(k[0], k[1], k[2], k[3], hok, P, PP, TAIL, TP)
 
 
 def own_pass_takes(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,
@@ -212,20 +190,19 @@ def kitchen_backend(q, k, rope_table, q_weight, k_weight, eps: float, rot: int) 
 
 
 def norm_rope_pass(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,
-                   k_weight: torch.Tensor, eps: float, config: tuple | None = None, *, do_q: bool = True,
-                   do_k: bool = True) -> None:
+                   k_weight: torch.Tensor, eps: float, config: tuple | None = None) -> None:
     """The pack's in-place pass (``own_pass_takes`` must hold): comfy-kitchen's CUDA bits. ``config``:
-    the tiling (``NORM_ROPE_CONFIG``'s fields; None: ``NORM_ROPE_CONFIG`` as it is at the call).
-    ``do_q`` / ``do_k``: normalise only one of them (the other is left as it is; the bits of the one
-    normalised are those of the pass on both)."""
+    the tiling (``NORM_ROPE_CONFIG``'s fields; None: ``NORM_ROPE_CONFIG`` as it is at the call)."""
     s, h, d = q.shape[1:]
+    p = rope_rot_dim(rope_table) // 2
+    tail = d - 2 * p
     tokens, heads, warps, qk_first = config or NORM_ROPE_CONFIG
     grid = (triton.cdiv(s, tokens), triton.cdiv(h, heads))
     st = rope_table.stride()
     _norm_rope_kernel[grid](q, k, rope_table, q_weight, k_weight, s, h, q.stride(1), q.stride(2), k.stride(1),
-                            k.stride(2), st[1], st[3], st[4], st[5], float(eps), D=d,
-                            **head_pieces(rope_rot_dim(rope_table), d), R=tokens, HG=heads, QK_FIRST=qk_first,
-                            DO_Q=do_q, DO_K=do_k, EMULATE=interpreting(), num_warps=warps)
+                            k.stride(2), st[1], st[3], st[4], st[5], float(eps), D=d, P=p,
+                            PP=triton.next_power_of_2(max(p, 1)), TAIL=tail, TP=triton.next_power_of_2(max(tail, 1)),
+                            R=tokens, HG=heads, QK_FIRST=qk_first, EMULATE=interpreting(), num_warps=warps)
 
 
 def norm_rope(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,

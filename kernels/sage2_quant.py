@@ -5,10 +5,7 @@ fused, the normed+roped K sum (fp64, fixed order; else ``k.mean``, SageAttention
 ``sage2_quantize``: per (128-token block, head), int8 Q and K with the sm90 per-thread scales and
 fp8 V head-major ``[H, D, S_pad]``, permuted, zero pad. Both are torch.library custom ops with fake
 implementations; offsets are int64. ``MODES``: exact, fused (norm+rope inside), rotated and
-fused_rotated (an exact integer Hadamard product before int8). The exact mode may also take a raw Q
-that owes the pack's RMSNorm+RoPE pass (``q_norm_rope``): it forms Q's values with that pass's jit
-steps and quantises them, the bits of the pass then the quantisation, and Q's normed bf16 copy is
-never written (at 37,810 tokens x 56 heads its write and read back are 1.1 GB). Under ``TRITON_INTERPRET=1`` they
+fused_rotated (an exact integer Hadamard product before int8). Under ``TRITON_INTERPRET=1`` they
 match devkit/sage2_oracle.py bit for bit (the interpreter's truncating casts are rounded in integer
 arithmetic)."""
 
@@ -18,11 +15,8 @@ from typing import Optional
 
 import torch
 
-from .qk_transform import check_rope_table, head_pieces, rope_rot_dim
+from .qk_transform import check_rope_table
 from .triton_support import TRITON_ERROR, interpreting, tl, triton
-
-if triton is not None:
-    from .qk_transform import _norm_rope_values, _norm_weights, _rope_factors
 
 LIB = "sage_strided_nhd"
 HEAD_DIM = 128
@@ -196,71 +190,28 @@ if triton is not None:
         tl.store(VRECP + h * D + c, smax / vm)
 
     @triton.jit
-    def _q_scale(pair_absmax):
-        """A 2-row group's Q scale from its absmax."""
-        return pair_absmax / 127. + 0.0000001
-
-    @triton.jit
-    def _int8_pairs(x, scale, N: tl.constexpr):
-        """[32, N] rows, rows 2g and 2g+1 over scale g -> int8 (round half away from zero)."""
-        y = tl.reshape(x, [16, 2, N]) / scale[:, None, None]
-        y += 0.5 * tl.where(y >= 0, 1, -1)
-        return tl.reshape(y.to(tl.int8), [32, N])
-
-    @triton.jit
-    def _quant_q_normed(Q, QW, T, QO, rows, m, h, S, ROW0, sqs, sqh, sts, stp, str_, stc, eps,
-                        D: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, TAIL: tl.constexpr,
-                        TP: tl.constexpr, EMULATE: tl.constexpr):
-        """The exact mode's int8 Q of raw rows whose RMSNorm+RoPE is still owed: the norm+rope pass's
-        values (``_norm_rope_values``: the bf16 values it would store, in its pieces), quantised as the
-        stored rows would be (a max is exact in any order). -> the 16 scales."""
-        f00, f01, f10, f11 = _rope_factors(T, rows, m, sts, stp, str_, stc, P, PP)
-        w_lo, w_hi, w_tail = _norm_weights(QW, P, PP, TAIL, TP)
-        _, y0, y1, yt = _norm_rope_values(Q, rows, m, h, sqs, sqh, w_lo, w_hi, w_tail, f00, f01, f10, f11, eps,
-                                          32, D, P, PP, TAIL, TP, EMULATE)
-        y0 = tl.where(m[:, None], y0, 0.0)  # rows past the sequence are 0 (with eps = 0 they are NaN)
-        y1 = tl.where(m[:, None], y1, 0.0)
-        yt = tl.where(m[:, None], yt, 0.0)
-        amax = tl.maximum(tl.maximum(tl.max(tl.abs(y0), axis=1), tl.max(tl.abs(y1), axis=1)),
-                          tl.max(tl.abs(yt), axis=1))  # padding lanes are 0
-        scale = _q_scale(tl.max(tl.reshape(amax, [16, 2]), axis=1))
-        out = QO + h * S * D + (ROW0 + rows[:, None]) * D
-        p = tl.arange(0, PP)
-        pm = m[:, None] & (p < P)[None, :]
-        tl.store(out + p[None, :], _int8_pairs(y0, scale, PP), mask=pm)
-        tl.store(out + P + p[None, :], _int8_pairs(y1, scale, PP), mask=pm)
-        if TAIL > 0:
-            t = tl.arange(0, TP)
-            tl.store(out + 2 * P + t[None, :], _int8_pairs(yt, scale, TP), mask=m[:, None] & (t < TAIL)[None, :])
-        return scale
-
-    @triton.jit
-    def _quant_q_subtile(Q, QW, RC, T, QO, QS, b, qs, h, c, i, S, SQ, ROW0, NQB, sqs, sqh, sts, stp, str_, stc,
-                         eps, sylvester, D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr,
-                         ROTATE: tl.constexpr, NORM_Q: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
-                         TAIL: tl.constexpr, TP: tl.constexpr, EMULATE: tl.constexpr):
+    def _quant_q_subtile(Q, QW, RC, QO, QS, b, qs, h, c, i, S, SQ, ROW0, NQB, sqs, sqh, eps, sylvester,
+                         D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr, ROTATE: tl.constexpr):
         """Q sub-tile ``qs`` (of 4) of 128-token block ``b``: 64-row blocks, 2-row groups. Sub-tile row
         i holds sequence row 16w + 8u + t with w = 2*half + i//16, t = (i//2) % 8, u = i % 2: rows 2g
         and 2g+1 share scale 8w + t. ``Q`` holds the SQ rows that start at sequence row ROW0 (a
-        multiple of 128); RC and T start at ROW0 too, RC's second plane S rows further. NORM_Q: Q is raw,
-        its norm+rope (table T, weight QW) is formed here."""
+        multiple of 128); RC starts at ROW0 too, its second plane S rows further."""
         qblk = 2 * b + qs // 2
         rows = qblk * 64 + 16 * (2 * (qs % 2) + i // 16) + 8 * (i % 2) + (i // 2) % 8
         m = rows < SQ
-        if NORM_Q:
-            scale = _quant_q_normed(Q, QW, T, QO, rows, m, h, S, ROW0, sqs, sqh, sts, stp, str_, stc, eps,
-                                    D, P, PP, TAIL, TP, EMULATE)
+        if FUSED:
+            x = _norm_rope_rows(Q, QW, RC, rows, m, h, c, sqs, sqh, S, eps, D, HALF)
         else:
-            if FUSED:
-                x = _norm_rope_rows(Q, QW, RC, rows, m, h, c, sqs, sqh, S, eps, D, HALF)
-            else:
-                x = _load_rows(Q, rows, m, h, c, sqs, sqh).to(tl.float32)
-            x = tl.where(m[:, None], x, 0.0)
-            if ROTATE:
-                x = _hadamard_rows(x, sylvester)
-            scale = _q_scale(tl.max(tl.max(tl.abs(tl.reshape(x, [16, 2, D])), axis=2), axis=1))
-            y = _int8_pairs(x, scale, D)
-            tl.store(QO + h * S * D + (ROW0 + rows[:, None]) * D + c[None, :], y, mask=m[:, None])
+            x = _load_rows(Q, rows, m, h, c, sqs, sqh).to(tl.float32)
+        x = tl.where(m[:, None], x, 0.0)
+        if ROTATE:
+            x = _hadamard_rows(x, sylvester)
+        x3 = tl.reshape(x, [16, 2, D])
+        scale = tl.max(tl.max(tl.abs(x3), axis=2), axis=1) / 127. + 0.0000001
+        y = x3 / scale[:, None, None]
+        y += 0.5 * tl.where(y >= 0, 1, -1)
+        y = tl.reshape(y.to(tl.int8), [32, D])
+        tl.store(QO + h * S * D + (ROW0 + rows[:, None]) * D + c[None, :], y, mask=m[:, None])
         g = tl.arange(0, 16)
         qblk += ROW0 // 64
         tl.store(QS + h * NQB * 32 + qblk * 32 + (qs % 2) * 16 + g, scale, mask=(g < 16) & (qblk < NQB))
@@ -302,17 +253,13 @@ if triton is not None:
         tl.store(VO + h * D * LPAD + c[None, :] * LPAD + b * 128 + j[:, None], vq)
 
     @triton.jit
-    def _quant_kernel(Q, K, V, KM, VR, QW, KW, RC, T, QO, QS, KO, KS, VO,
-                      S, SQ, ROW0, H, NQB, NKB, LPAD, sqs, sqh, sks, skh, svs, svh, sts, stp, str_, stc, eps,
+    def _quant_kernel(Q, K, V, KM, VR, QW, KW, RC, QO, QS, KO, KS, VO,
+                      S, SQ, ROW0, H, NQB, NKB, LPAD, sqs, sqh, sks, skh, svs, svh, eps,
                       D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr, ROTATE: tl.constexpr,
-                      EMULATE_FP8: tl.constexpr, UNROLL: tl.constexpr, DO_Q: tl.constexpr, DO_KV: tl.constexpr,
-                      NORM_Q: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, TAIL: tl.constexpr,
-                      TP: tl.constexpr):
+                      EMULATE_FP8: tl.constexpr, UNROLL: tl.constexpr, DO_Q: tl.constexpr, DO_KV: tl.constexpr):
         # One program: one head, one 128-token block, in 32-row sub-tiles (register pressure).
         # EMULATE_FP8: under TRITON_INTERPRET, round to bf16/fp8 in integer arithmetic first.
         # DO_Q / DO_KV: which operands this launch writes (Q rows may come a token chunk at a time).
-        # NORM_Q (exact mode): Q is raw and owes the pack's RMSNorm+RoPE pass (rope table T with strides
-        # sts, stp, str_, stc; weight QW; a head split P, PP, TAIL, TP): its values are formed here.
         pid = tl.program_id(0).to(tl.int64)
         h = pid % H
         b = pid // H
@@ -321,8 +268,8 @@ if triton is not None:
         sylvester = _sylvester128()  # used by the rotated modes only (dead code otherwise)
         if DO_Q:
             for qs in tl.range(0, 4, loop_unroll_factor=UNROLL):
-                _quant_q_subtile(Q, QW, RC, T, QO, QS, b, qs, h, c, i, S, SQ, ROW0, NQB, sqs, sqh, sts, stp, str_,
-                                 stc, eps, sylvester, D, HALF, FUSED, ROTATE, NORM_Q, P, PP, TAIL, TP, EMULATE_FP8)
+                _quant_q_subtile(Q, QW, RC, QO, QS, b, qs, h, c, i, S, SQ, ROW0, NQB, sqs, sqh, eps, sylvester,
+                                 D, HALF, FUSED, ROTATE)
         if DO_KV:
             km = tl.load(KM + h * D + c)
             for t in tl.range(0, 4, loop_unroll_factor=UNROLL):
@@ -439,11 +386,9 @@ def _empty_operands(s, h, d, dev, parts="qkv"):
 
 
 def _quant_launch(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate, out, *,
-                  row0=0, do_q=True, do_kv=True, q_table=None):
+                  row0=0, do_q=True, do_kv=True):
     """One launch of the quantisation pass writing ``out`` = (qo, qs, ko, ks, vo): Q (``q``: the rows
-    that start at sequence row ``row0``, a multiple of 128), K and V (all rows), or both. ``q_table``
-    (exact mode): Q is raw and owes the pack's RMSNorm+RoPE pass with this rope table (all S rows),
-    ``q_weight`` and ``eps``; the Q written is that of the normalised Q."""
+    that start at sequence row ``row0``, a multiple of 128), K and V (all rows), or both."""
     _require_triton()
     qo, qs, ko, ks, vo = out
     h, s, d = qo.shape
@@ -451,13 +396,6 @@ def _quant_launch(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, f
     sq = q.shape[1] if do_q else 0
     if do_q and (row0 % K_BLOCK or row0 + sq > s):
         raise ValueError(f"Q rows {row0}:{row0 + sq} must start at a multiple of {K_BLOCK} within {s} rows")
-    norm_q = do_q and q_table is not None
-    if norm_q and (fused or rotate):
-        raise ValueError("Q's pending RMSNorm+RoPE is formed in the exact mode only")
-    # Q's rope rows from row0, as RC's; a head split the kernel compiles once when nothing is formed
-    table = q_table[:, row0:] if norm_q else None
-    split = head_pieces(rope_rot_dim(q_table), d) if norm_q else dict(P=0, PP=1, TAIL=0, TP=1)
-    st = table.stride() if norm_q else (0,) * 6
     blocks = nkb if do_kv else -(-sq // K_BLOCK)
     half = rope_coef.shape[-1] // 2 if rope_coef is not None else 0
     # operands a launch does not touch are dead code in the kernel; any tensor stands in for them
@@ -467,33 +405,30 @@ def _quant_launch(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, f
     kw = k_weight.contiguous() if k_weight is not None else qs
     rc = rope_coef[:, row0:] if rope_coef is not None else qs  # Q's rows; the kernel's RC planes stay S apart
     _quant_kernel[(blocks * h,)](
-        q, k, v, km, vr, qw, kw, rc, table if norm_q else qs, qo, qs, ko, ks, vo, s, sq, row0, h, nqb, nkb, lpad,
-        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), st[1], st[3], st[4], st[5],
-        float(eps), D=d, HALF=half, FUSED=fused, ROTATE=rotate, EMULATE_FP8=interpreting(),
-        UNROLL=QUANT_CONFIG[fused, rotate][0], num_warps=QUANT_CONFIG[fused, rotate][1], DO_Q=do_q, DO_KV=do_kv,
-        NORM_Q=norm_q, **split)
+        q, k, v, km, vr, qw, kw, rc, qo, qs, ko, ks, vo, s, sq, row0, h, nqb, nkb, lpad,
+        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), float(eps),
+        D=d, HALF=half, FUSED=fused, ROTATE=rotate, EMULATE_FP8=interpreting(),
+        UNROLL=QUANT_CONFIG[fused, rotate][0], num_warps=QUANT_CONFIG[fused, rotate][1], DO_Q=do_q, DO_KV=do_kv)
 
 
-def _quantize_impl(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, q_table, eps, fused, rotate):
+def _quantize_impl(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate):
     s, h, d, _, _, _ = _geometry(q)
     out = _empty_operands(s, h, d, q.device)
-    _quant_launch(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate, out, q_table=q_table)
+    _quant_launch(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate, out)
     return out
 
 
 @torch.library.custom_op(f"{LIB}::sage2_quantize", mutates_args=())
 def sage2_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor,
                    v_recp: torch.Tensor, q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor],
-                   rope_coef: Optional[torch.Tensor], q_table: Optional[torch.Tensor], eps: float, fused: bool,
-                   rotate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (q_int8 [H, S, D], q_scale [1, H, nq], k_int8 [H, S, D], k_scale [1, H, nk], v_fp8 [H, D, S_pad]).
-    ``q_table`` (exact mode): Q is raw, its pending RMSNorm+RoPE (this table, ``q_weight``, ``eps``) is
-    formed in the pass."""
-    return _quantize_impl(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, q_table, eps, fused, rotate)
+                   rope_coef: Optional[torch.Tensor], eps: float, fused: bool, rotate: bool,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (q_int8 [H, S, D], q_scale [1, H, nq], k_int8 [H, S, D], k_scale [1, H, nk], v_fp8 [H, D, S_pad])."""
+    return _quantize_impl(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate)
 
 
 @sage2_quantize.register_fake
-def _(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, q_table, eps, fused, rotate):
+def _(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate):
     _, s, h, d = q.shape
     nqb, nkb, lpad = -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
     return (q.new_empty(h, s, d, dtype=torch.int8), q.new_empty(1, h, nqb * 32, dtype=torch.float32),
@@ -501,24 +436,10 @@ def _(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, q_table, eps, fuse
             q.new_empty(h, d, lpad, dtype=torch.float8_e4m3fn))
 
 
-def _check_q_norm_rope(q_norm_rope, fused, rotate, seq):
-    """Q's pending norm for the exact mode: (rope table, q weight, eps), checked."""
-    if fused or rotate:
-        raise ValueError("Q's pending RMSNorm+RoPE (q_norm_rope) is formed in the exact mode only")
-    table, weight, eps = q_norm_rope
-    if tuple(weight.shape) != (HEAD_DIM,):
-        raise ValueError(f"q_norm_rope's weight must be [{HEAD_DIM}], got {list(weight.shape)}")
-    check_rope_table(table, seq, HEAD_DIM)
-    return table, weight, float(eps)
-
-
-def quantize_operands(q, k, v, *, mode="exact", rope_table=None, q_weight=None, k_weight=None, eps=None,
-                      q_norm_rope=None):
+def quantize_operands(q, k, v, *, mode="exact", rope_table=None, q_weight=None, k_weight=None, eps=None):
     """Both passes: a dict q_int8, q_scale, k_int8, k_scale, v_fp8, v_scale (the oracle's keys). Fused
     modes apply the norm parameters given; ValueError for inputs the passes cannot take. Eager calls
-    skip the dispatcher (its cost shows at short sequences); torch.compile traces the custom ops.
-    ``q_norm_rope`` (exact mode): Q is raw and owes the pack's RMSNorm+RoPE pass, (rope table, q weight,
-    eps) (``QKNorm.q_norm_rope``); the operands are those of the normalised Q, which is never written."""
+    skip the dispatcher (its cost shows at short sequences); torch.compile traces the custom ops."""
     fused, rotate = mode_flags(mode)
     problem = operand_problem(q, k, v)
     if problem:
@@ -528,15 +449,12 @@ def quantize_operands(q, k, v, *, mode="exact", rope_table=None, q_weight=None, 
     eps = 0.0 if eps is None else float(eps)
     coef = rope_coefficients(rope_table) if fused and rope_table is not None else None
     qw, kw = (q_weight, k_weight) if fused else (None, None)
-    q_table = None
-    if q_norm_rope is not None:
-        q_table, qw, eps = _check_q_norm_rope(q_norm_rope, fused, rotate, q.shape[1])
     if torch.compiler.is_compiling():
         reduce, quantize = torch.ops.sage_strided_nhd.sage2_reduce, torch.ops.sage_strided_nhd.sage2_quantize
     else:
         reduce, quantize = _reduce_impl, _quantize_impl
     kmean, vscale, vrecp = reduce(k, v, kw, coef, eps, fused)
-    qo, qs, ko, ks, vo = quantize(q, k, v, kmean, vrecp, qw, kw, coef, q_table, eps, fused, rotate)
+    qo, qs, ko, ks, vo = quantize(q, k, v, kmean, vrecp, qw, kw, coef, eps, fused, rotate)
     return {"q_int8": qo, "q_scale": qs, "k_int8": ko, "k_scale": ks, "v_fp8": vo, "v_scale": vscale}
 
 
@@ -565,18 +483,13 @@ class RowOperands:
         self.q_out = _empty_operands(seq, heads, HEAD_DIM, device, parts="q")
         self.rows_done = 0
 
-    def add_q_rows(self, q, q_norm_rope=None):
-        """Quantise Q's next rows: ``q`` [1, n, H, 128] (n a multiple of 128 but for the last chunk).
-        ``q_norm_rope`` (exact mode): these rows are raw and owe the pack's RMSNorm+RoPE pass,
-        (rope table of all the call's rows, q weight, eps), as ``quantize_operands`` takes it."""
+    def add_q_rows(self, q):
+        """Quantise Q's next rows: ``q`` [1, n, H, 128] (n a multiple of 128 but for the last chunk)."""
         problem = operand_problem(q, q, q)
         if problem:
             raise ValueError(f"sage2 preparation: {problem[1]}")
-        qw, eps, table = self.q_weight, self.eps, None
-        if q_norm_rope is not None:
-            table, qw, eps = _check_q_norm_rope(q_norm_rope, self.fused, self.rotate, self.seq)
-        _quant_launch(q, None, None, None, None, qw, None, self.coef, eps, self.fused, self.rotate, self.q_out,
-                      row0=self.rows_done, do_kv=False, q_table=table)
+        _quant_launch(q, None, None, None, None, self.q_weight, None, self.coef, self.eps, self.fused,
+                      self.rotate, self.q_out, row0=self.rows_done, do_kv=False)
         self.rows_done += q.shape[1]
 
     def finish(self, k, v) -> dict:
