@@ -125,10 +125,13 @@ def build_model(config: dict, device: torch.device, dtype: torch.dtype, seed: in
 
     groupsize = 256 if config["hidden_size"] % 256 == 0 else config["hidden_size"]
     with torch.inference_mode(False):  # loaded as a loader node loads: plain tensors, not inference ones
-        state = {k: v.clone() for k, v in patcher.model.diffusion_model.state_dict().items()}
+        # quantised where drawn, one tensor at a time, and copied to the CPU as a checkpoint file's
+        # tensors come: the device never holds a second copy of the model (38 GB in bf16)
+        state = {}
+        for key, value in patcher.model.diffusion_model.state_dict().items():
+            for name, tensor in int8_convrot_state_dict({key: value}, groupsize).items():
+                state[name] = tensor.to("cpu", copy=True)
         del patcher
-        # quantised where drawn, then handed over on the CPU as a checkpoint file's tensors are
-        state = {k: v.cpu() for k, v in int8_convrot_state_dict(state, groupsize).items()}
         # in ``dtype`` (the GPU's bf16; ComfyUI would pick fp32 on the CPU): the int8 layers' cast and
         # their int8 kernels depend on it
         quantised = comfy.sd.load_diffusion_model_state_dict(state, model_options={"dtype": dtype})
