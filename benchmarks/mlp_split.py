@@ -14,14 +14,13 @@ two linears is left out (it is elementwise: chunking does not change its cost pe
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.measure import event_timed, interleaved_times, summary, timed
-from benchmarks.projection_split import int8_projection
+from benchmarks.projection_split import int8_projection, split_parser
 from devkit.pack import submodule
 
 h3_block = submodule("kernels.h3_block")
@@ -86,13 +85,8 @@ def check(seq, chunks, reps, warmup, device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq", type=int, nargs="+", default=[37810, 8192])
-    parser.add_argument("--chunk", type=int, nargs="+", default=[8192])
-    parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser = split_parser(__doc__)
     parser.add_argument("--device", default="cuda", help="cuda (timings that mean something) or cpu (a smoke run)")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if any(c <= 0 for c in args.chunk):
         parser.error("--chunk sizes must be positive")

@@ -92,14 +92,19 @@ def check(seq, chunk, reps, warmup, device):
     return result
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def split_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of the split benchmarks (this one and ``mlp_split``): lengths, chunk sizes, reps."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[37810, 8192])
     parser.add_argument("--chunk", type=int, nargs="+", default=[8192])
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = split_parser(__doc__).parse_args(argv)
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     results = [check(s, c, args.reps, args.warmup, device) for s in args.seq for c in args.chunk]
