@@ -29,9 +29,14 @@ HIDDEN, FFN = 5376, 14336
 LINEARS = {"fc1": (HIDDEN, 2 * FFN), "fc2": (FFN, HIDDEN)}  # name: (in features, out features)
 
 
+def chunk_outputs(linear, x, chunk):
+    """The linear of each token chunk, as the block fast path splits the rows."""
+    return [linear(x[a:b]) for a, b in h3_block.token_chunks(x.shape[0], chunk)]
+
+
 def by_chunks(linear, x, chunk):
     """The linear of each token chunk, written into one [S, out] result."""
-    parts = [linear(x[a:b]) for a, b in h3_block.token_chunks(x.shape[0], chunk)]
+    parts = chunk_outputs(linear, x, chunk)
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
@@ -68,15 +73,13 @@ def check(seq, chunks, reps, warmup, device):
             same = {c: torch.equal(by_chunks(linear, x, c), whole) for c in chunks}
             del whole
             runners = {"whole": runner(lambda: linear(x), device)}
-            runners.update({f"chunk {c}": runner(lambda c=c: [linear(x[a:b]) for a, b in h3_block.token_chunks(seq, c)],
-                                                 device) for c in chunks})
+            runners.update({f"chunk {c}": runner(lambda c=c: chunk_outputs(linear, x, c), device) for c in chunks})
             times = interleaved_times(runners, reps, warmup)
             ms = {k: summary(v)["p50_seconds"] * 1e3 for k, v in times.items()}
+            rate = {k: tflops(seq, fan_in, fan_out, v) for k, v in ms.items()}
             per_format[fmt] = {"bit_identical": {str(c): same[c] for c in chunks}, "p50_ms": ms,
-                               "whole_over": {k: ms["whole"] / v for k, v in ms.items()},
-                               "tflops": {k: tflops(seq, fan_in, fan_out, v) for k, v in ms.items()}}
-            cells = ", ".join(f"{k} {v:.3f} ms ({ms['whole'] / v:.3f}x, {tflops(seq, fan_in, fan_out, v):.3g} TFLOP/s)"
-                              for k, v in ms.items())
+                               "whole_over": {k: ms["whole"] / v for k, v in ms.items()}, "tflops": rate}
+            cells = ", ".join(f"{k} {v:.3f} ms ({ms['whole'] / v:.3f}x, {rate[k]:.3g} TFLOP/s)" for k, v in ms.items())
             print(f"S={seq} {name} {fmt}: same bits as whole: "
                   f"{', '.join(f'{c}: {s}' for c, s in same.items())}; p50 {cells}", flush=True)
         result["linears"][name] = per_format
