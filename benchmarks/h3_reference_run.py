@@ -83,8 +83,10 @@ VARIANT_USAGE = ("NAME=LAYOUT:BACKEND:PREP[:noprepared][:whole_qkv][:stock_int8q
                  "[:attention_only|:fused_block]")
 # whole_qkv: the qkv projection always made whole (no token chunks), to measure what the chunks cost;
 # stock_int8q: int8 ConvRot linears on stock's activation quantiser, to measure the pack's beside it;
-# qkvN / mlpN: N rows per qkv-projection / MLP chunk (the settings' qkv_chunk_tokens, mlp_chunk_tokens)
+# qkvN / mlpN: N rows per qkv-projection / MLP chunk (the settings' qkv_chunk_tokens; mlp_chunk_tokens and
+# int8_mlp_chunk_tokens, whichever the weights use)
 CHUNK_FLAG = re.compile(r"(qkv|mlp)([1-9][0-9]*)")
+CHUNK_SETTINGS = {"qkv": ("qkv_chunk_tokens",), "mlp": ("mlp_chunk_tokens", "int8_mlp_chunk_tokens")}
 VARIANT_FLAGS = {"noprepared": ("prepared", False), "attention_only": ("block_path", "attention_only"),
                  "fused_block": ("block_path", "fused"), "whole_qkv": ("qkv_chunk_tokens", 2**62),
                  "stock_int8q": ("own_int8_quantizer", False)}
@@ -273,8 +275,12 @@ def parse_variant(parser, spec: str) -> dict:
                      + f"; flags: {', '.join(VARIANT_FLAGS)}")
     variant = {"name": name, "layout": parts[0], "backend": parts[1], "prep": parts[2], "prepared": True,
                "block_path": "exact"}
-    variant.update(VARIANT_FLAGS[f] if f in VARIANT_FLAGS else
-                   (f"{CHUNK_FLAG.fullmatch(f)[1]}_chunk_tokens", int(CHUNK_FLAG.fullmatch(f)[2])) for f in flags)
+    for f in flags:
+        if f in VARIANT_FLAGS:
+            variant.update([VARIANT_FLAGS[f]])
+        else:
+            what, rows = CHUNK_FLAG.fullmatch(f)[1], int(CHUNK_FLAG.fullmatch(f)[2])
+            variant.update({key: rows for key in CHUNK_SETTINGS[what]})
     return variant
 
 
@@ -339,7 +345,7 @@ def default_out(facts: dict, backend: str) -> Path:
 
 
 # Settings fields a variant may set (benchmark variants, not node inputs; absent: the default)
-SETTING_OVERRIDES = ("qkv_chunk_tokens", "mlp_chunk_tokens", "own_int8_quantizer")
+SETTING_OVERRIDES = ("qkv_chunk_tokens", "mlp_chunk_tokens", "int8_mlp_chunk_tokens", "own_int8_quantizer")
 
 
 def patch_model(model_patcher, layout: str, backend: str, prep_mode: str = "exact", prepared: bool = True,

@@ -125,6 +125,17 @@ def chunkable(x, *layers) -> bool:
         not replaced_forward(m) and rows_independent(m) and weight_stays_on_device(m, x.device) for m in layers)
 
 
+def int8_tensorwise(layer) -> bool:
+    weight = getattr(layer, "weight", None)
+    return (isinstance(weight, getattr(comfy.ops, "QuantizedTensor", ()))
+            and getattr(weight, "_layout_cls", None) == INT8_TENSORWISE)
+
+
+def mlp_chunk_setting(settings, mlp) -> int:
+    """The settings' rows per MLP chunk for this MLP's weight format (fc1's: the larger GEMM)."""
+    return settings.int8_mlp_chunk_tokens if int8_tensorwise(mlp.fc1) else settings.mlp_chunk_tokens
+
+
 def mlp_chunk_rows(mlp, x, chunk: int) -> int | None:
     """Rows per MLP chunk, or None when the MLP must run whole as the model has it (another node's MLP
     forward runs as it is)."""
@@ -187,10 +198,8 @@ def fused_norm_modulate(norm, x, shift, scale, segments, other=None, gate=None):
 def folds_swiglu(linear) -> bool:
     """``comfy.ops.linear_input_act`` folds the activation into this linear's int8 activation quantiser
     (its own conditions); otherwise it applies the eager SwiGLU and then the linear."""
-    weight = linear.weight
-    return (not comfy.model_management.in_training and isinstance(weight, getattr(comfy.ops, "QuantizedTensor", ()))
-            and getattr(weight, "_layout_cls", None) == INT8_TENSORWISE
-            and not getattr(getattr(weight, "_params", None), "transposed", False))
+    return (not comfy.model_management.in_training and int8_tensorwise(linear)
+            and not getattr(getattr(linear.weight, "_params", None), "transposed", False))
 
 
 def mlp_down(mlp, u, fused: bool, linear):
@@ -244,7 +253,7 @@ class H3BlockForward:
         """``x += mlp(mlp_input(a, b, segments of a:b)) * gate``, by token chunks where they give the same bits
         (``mlp_input``: the MLP's input, or its normed rows with the modulation still owed)."""
         blk = self.block
-        chunk = mlp_chunk_rows(blk.mlp, x, self.patch.settings.mlp_chunk_tokens)
+        chunk = mlp_chunk_rows(blk.mlp, x, mlp_chunk_setting(self.patch.settings, blk.mlp))
         linear = int8_layers.caller(self.patch.settings, self.patch.report)
         if chunk is None:
             h = mlp_input(0, x.shape[0], segments)

@@ -27,7 +27,11 @@ class Settings:
     prep_mode: str = "exact"
     patch_refiner: bool = True
     block_path: str = "exact"
-    mlp_chunk_tokens: int = 8192  # block fast path: rows per MLP chunk (not a node input)
+    # block fast path: rows per MLP chunk (not node inputs), by weight format. cuBLAS's bf16 fc1/fc2 lose
+    # 2-5 % in chunks under ~12k rows, comfy-kitchen's int8 fc1 runs ~8 % faster in 8k-row chunks than
+    # whole (benchmarks/mlp_split.py, H100); 12,800 gives three 12,608-row chunks at 37,810 tokens
+    mlp_chunk_tokens: int = 12800
+    int8_mlp_chunk_tokens: int = 8192
     qkv_chunk_tokens: int = 8192  # H3 attention: rows per qkv-projection chunk on a prepared path (not a node input)
     # block fast path: int8 ConvRot linears quantise their input with the pack's pass (stock's bits;
     # not a node input: False measures stock's quantiser beside it)
@@ -39,7 +43,7 @@ class Settings:
                                    ("sage2_prep mode", self.prep_mode, tuple(kernels.PREPARED_MODES))):
             if value not in valid:
                 raise ValueError(f"{NODE}: unknown {what} {value!r}; choose one of {', '.join(valid)}")
-        for name in ("mlp_chunk_tokens", "qkv_chunk_tokens"):
+        for name in ("mlp_chunk_tokens", "int8_mlp_chunk_tokens", "qkv_chunk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{NODE}: {name} must be a positive int, got {value!r}")

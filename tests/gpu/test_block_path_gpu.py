@@ -51,10 +51,13 @@ def model(request, pack):
 
 
 @pytest.mark.parametrize("one_pass_modulation", [True, False])
-@pytest.mark.parametrize("seq,chunk", [(8192, 3000), (37810, 8192)])
+@pytest.mark.parametrize("seq,chunk", [(8192, 3000), (37810, None)])  # None: the settings' defaults
 def test_full_width_block_gives_stock_bits(pack, model, seq, chunk, one_pass_modulation, monkeypatch):
     """Without the one-pass modulation: stock's mul_/add_ there (which piece differs, if one does)."""
     from devkit import h3 as dh
+
+    rows = {} if chunk is None else dict(mlp_chunk_tokens=chunk, int8_mlp_chunk_tokens=chunk, qkv_chunk_tokens=chunk)
+    settings = pack.nodes.patch.Settings(backend="sage2", **rows)
 
     if not one_pass_modulation:
         monkeypatch.setattr(pack.kernels.h3_block, "fusable", lambda h: False)
@@ -63,8 +66,7 @@ def test_full_width_block_gives_stock_bits(pack, model, seq, chunk, one_pass_mod
     x, t_emb, segments, rope = dh.random_block_inputs(block, seq, seed=seq, dtype=torch.bfloat16)
     with torch.inference_mode():
         want = block(x.clone(), t_emb, segments, rope, transformer_options={})
-        clone, patch = pack.nodes.h3_patch.patch_model(
-            model, pack.nodes.patch.Settings(backend="sage2", mlp_chunk_tokens=chunk, qkv_chunk_tokens=chunk))
+        clone, patch = pack.nodes.h3_patch.patch_model(model, settings)
         clone.patch_model(load_weights=False)
         try:
             assert isinstance(vars(block).get("forward"), pack.nodes.h3_block.H3BlockForward)
@@ -74,7 +76,8 @@ def test_full_width_block_gives_stock_bits(pack, model, seq, chunk, one_pass_mod
     assert patch.report.calls == 1 and patch.report.projected == 1  # the qkv projection came by token chunks
     import comfy.ops
     if isinstance(block.mlp.fc1.weight, comfy.ops.QuantizedTensor):  # int8: each linear on the pack's quantiser
-        n = -(-seq // chunk)  # MLP chunks; the qkv input is quantised once (by columns), out_proj's whole
+        # MLP chunks; the qkv input is quantised once (by columns), out_proj's whole
+        n = -(-seq // settings.int8_mlp_chunk_tokens)
         assert patch.report.int8_own == 2 * n + 2 and not patch.report.int8_stock, dict(patch.report.int8_stock)
     differ = int((got != want).sum())
     assert differ == 0, f"{differ} of {got.numel()} elements differ, max abs {(got.float() - want.float()).abs().max()}"
@@ -162,7 +165,8 @@ def test_fused_block_stays_near_stock(pack, model):
         want = block(x.clone(), t_emb, segments, rope, transformer_options={})
         stock_step = _rel(block(_one_step_up(x, 6), t_emb, segments, rope, transformer_options={}), want)
         clone, patch = pack.nodes.h3_patch.patch_model(
-            model, pack.nodes.patch.Settings(backend="sage2", block_path="fused", mlp_chunk_tokens=3000))
+            model, pack.nodes.patch.Settings(backend="sage2", block_path="fused", mlp_chunk_tokens=3000,
+                                            int8_mlp_chunk_tokens=3000))
         clone.patch_model(load_weights=False)
         try:
             got = block(x.clone(), t_emb, segments, rope, transformer_options={})

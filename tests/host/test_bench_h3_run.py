@@ -375,7 +375,7 @@ def test_variant_flags_come_after_prep_in_any_order():
     whole = parse_args(["--variant", "w=strided_nhd:sage2:exact:whole_qkv"]).variants[0]
     assert whole["qkv_chunk_tokens"] > 2**40 and z.get("qkv_chunk_tokens") is None  # never chunked / the default
     sized = parse_args(["--variant", "m=strided_nhd:sage2:exact:mlp16384:qkv4096"]).variants[0]
-    assert (sized["mlp_chunk_tokens"], sized["qkv_chunk_tokens"]) == (16384, 4096)
+    assert (sized["mlp_chunk_tokens"], sized["int8_mlp_chunk_tokens"], sized["qkv_chunk_tokens"]) == (16384, 16384, 4096)
     ckq = parse_args(["--variant", "c=strided_nhd:sage2:exact:stock_int8q"]).variants[0]
     assert ckq["own_int8_quantizer"] is False and z.get("own_int8_quantizer") is None  # None: the default
 

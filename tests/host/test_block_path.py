@@ -33,6 +33,8 @@ def model(request, pack):
 
 def patched_call(pack, base, index, inputs, **settings):
     """Block ``index`` of ``base`` with the node's patch applied: (output, the forward that ran, patch)."""
+    if "mlp_chunk_tokens" in settings:  # the same rows per MLP chunk whatever the weight format
+        settings.setdefault("int8_mlp_chunk_tokens", settings["mlp_chunk_tokens"])
     s = pack.nodes.patch.Settings(backend="sdpa", **settings)
     clone, patch = pack.nodes.h3_patch.patch_model(base, s)
     x, t_emb, segments, rope, *attention = inputs
@@ -142,6 +144,23 @@ def test_token_chunks_only_where_each_output_row_depends_on_its_own_input_row(pa
     assert h3.mlp_chunk_rows(SimpleNamespace(fc1=layer(fp8), fc2=layer(w)), x, 8) is None
 
 
+def test_mlp_chunk_rows_follow_the_weight_format(pack):
+    """int8 tensor-wise MLPs take int8_mlp_chunk_tokens, every other format mlp_chunk_tokens."""
+    from comfy.quant_ops import QuantizedTensor
+
+    w = torch.randn(8, 8).bfloat16()
+    settings = pack.nodes.patch.Settings(mlp_chunk_tokens=300, int8_mlp_chunk_tokens=200)
+    setting = pack.nodes.h3_block.mlp_chunk_setting
+    for weight, rows in ((w, 300), (QuantizedTensor.from_float(w, "TensorWiseINT8Layout"), 200),
+                         (QuantizedTensor.from_float(w, "TensorCoreFP8Layout"), 300)):
+        layer = SimpleNamespace(weight=weight)
+        assert setting(settings, SimpleNamespace(fc1=layer, fc2=layer)) == rows
+    defaults = pack.nodes.patch.Settings()
+    assert (defaults.mlp_chunk_tokens, defaults.int8_mlp_chunk_tokens) == (12800, 8192)
+    with pytest.raises(ValueError, match="int8_mlp_chunk_tokens must be a positive int"):
+        pack.nodes.patch.Settings(int8_mlp_chunk_tokens=0)
+
+
 def test_column_products_only_for_a_plain_product(pack, model):
     """K/V in one product and Q by rows only where the projection is ``x @ weight.T`` as it stands."""
     h3 = pack.nodes.h3_block
@@ -212,7 +231,8 @@ def test_fast_path_adds_no_graph_break_under_torch_compile(pack, model, masked):
     breaks = {}
     for path in ("exact", "fused", "attention_only"):
         clone, _ = pack.nodes.h3_patch.patch_model(
-            model, pack.nodes.patch.Settings(backend="sdpa", block_path=path, mlp_chunk_tokens=30))
+            model, pack.nodes.patch.Settings(backend="sdpa", block_path=path, mlp_chunk_tokens=30,
+                                                           int8_mlp_chunk_tokens=30))
         clone.patch_model(load_weights=False)
         try:
             torch._dynamo.reset()

@@ -77,7 +77,7 @@ SCRIPT = r"""
         declines.clear()
         declines.update(declined)
         settings = pack.nodes.patch.Settings(backend="sdpa", block_path=path, mlp_chunk_tokens=chunk,
-                                             qkv_chunk_tokens=qkv_chunk)
+                                             int8_mlp_chunk_tokens=chunk, qkv_chunk_tokens=qkv_chunk)
         clone, patch = pack.nodes.h3_patch.patch_model(model, settings)
         clone.patch_model(load_weights=False)
         try:
