@@ -434,32 +434,31 @@ def sampling_order(layouts: list[str], reps: int) -> list[str]:
     return order
 
 
-WARMUP_SHAPE = (64, 64, 5)  # width, height, frames: 32 video+audio rows, a fraction of a second per run
-
-
 def warm_sampling(bench: Bench, variants: dict) -> None:
-    """One untimed 1-step run per variant at a tiny shape, before the first timed run.
+    """One untimed 1-step run per variant at the run's own shape, before the first timed run.
 
-    The first sampling run in a process pays one-time costs (lazy imports in ComfyUI's sampling
-    code, first calls into each back-end) worth seconds: without this, whichever layout samples
-    first would carry them.
+    The first sampling run in a process pays one-time costs worth seconds: lazy imports in ComfyUI's
+    sampling code, first calls into each back-end, the caching allocator's first large blocks, and
+    Triton compiling each of the pack's kernels for the specialisations the full size takes (on a
+    fresh H100, 2026-12-05, a warm-up at a tiny shape left 3.2 s of them in the pack's first timed
+    step). Without this, whichever variant samples first would carry them.
     """
     if bench.sampling_warmed:
         return
     for name, patcher in variants.items():
         started = time.perf_counter()
-        run_sampling(bench, patcher, 1, f"warm-up {name}", shape=WARMUP_SHAPE, quiet=True)
+        run_sampling(bench, patcher, 1, f"warm-up {name}", quiet=True)
         bench.log(f"  warm-up {name}: {time.perf_counter() - started:.2f} s (not counted)")
     bench.sampling_warmed = True
 
 
-def run_sampling(bench: Bench, patcher, steps: int, label: str, shape=None, quiet=False) -> dict:
+def run_sampling(bench: Bench, patcher, steps: int, label: str, quiet=False) -> dict:
     """One sampling run through ComfyUI's nodes, as the bundled workflows wire them."""
     import comfy.model_management as mm
     import comfy.utils
     from comfy_extras import nodes_custom_sampler as ncs
 
-    latent = empty_av_latent(bench, shape)
+    latent = empty_av_latent(bench)
     noise = ncs.RandomNoise.execute(bench.seed)[0]
     sampler = ncs.KSamplerSelect.execute(SAMPLER)[0]
     sigmas = ncs.BasicScheduler.execute(patcher, SCHEDULER, steps, 1.0)[0]
