@@ -3,8 +3,8 @@
     python -m benchmarks.mlp_split --seq 37810 8192 --chunk 8192 12608 19008 --reps 9
 
 The block fast path runs fc1 (5376 -> 28672) and fc2 (14336 -> 5376) a token chunk at a time
-(``Settings.mlp_chunk_tokens`` rows, split by ``kernels.h3_block.token_chunks``) so the [S, 28672]
-intermediate never exists whole. Each chunk is a GEMM of another shape, for which cuBLAS may pick
+(``Settings.mlp_chunk_tokens`` rows, ``int8_mlp_chunk_tokens`` with int8 weights, split by
+``kernels.h3_block.token_chunks``) so the [S, 28672] intermediate never exists whole. Each chunk is a GEMM of another shape, for which cuBLAS may pick
 other tiles than for the whole one. This times each linear whole against the same linear by chunks,
 interleaved rep by rep, per chunk size, and checks that the chunks give the whole product's bits
 (bf16 ``F.linear``; with comfy-kitchen also its ``int8_linear`` on int8 tensor-wise weights with

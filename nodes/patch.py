@@ -28,7 +28,7 @@ class Settings:
     patch_refiner: bool = True
     block_path: str = "exact"
     # block fast path: rows per MLP chunk (not node inputs), by weight format. cuBLAS's bf16 fc1/fc2 lose
-    # 2-5 % in chunks under ~12k rows, comfy-kitchen's int8 fc1 runs ~8 % faster in 8k-row chunks than
+    # 2-6 % in chunks under ~12k rows, comfy-kitchen's int8 fc1 runs ~8 % faster in 8k-row chunks than
     # whole (benchmarks/mlp_split.py, H100); 12,800 gives three 12,608-row chunks at 37,810 tokens
     mlp_chunk_tokens: int = 12800
     int8_mlp_chunk_tokens: int = 8192

@@ -232,7 +232,7 @@ def test_fast_path_adds_no_graph_break_under_torch_compile(pack, model, masked):
     for path in ("exact", "fused", "attention_only"):
         clone, _ = pack.nodes.h3_patch.patch_model(
             model, pack.nodes.patch.Settings(backend="sdpa", block_path=path, mlp_chunk_tokens=30,
-                                                           int8_mlp_chunk_tokens=30))
+                                             int8_mlp_chunk_tokens=30))
         clone.patch_model(load_weights=False)
         try:
             torch._dynamo.reset()
