@@ -28,10 +28,13 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object
     return time.perf_counter() - start, result
 
 
-def event_timed(fn: Callable[[], object]) -> Callable[[], float]:
-    """A runner returning the seconds of one ``fn()`` between two CUDA events."""
+def event_timed(fn: Callable[[], object], before: Callable[[], object] | None = None) -> Callable[[], float]:
+    """A runner returning the seconds of one ``fn()`` between two CUDA events (``before()``, if given,
+    is enqueued ahead of the first event: what the device runs just before, untimed)."""
     def run():
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if before is not None:
+            before()
         start.record()
         fn()
         end.record()
@@ -304,6 +307,22 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
             "kernel_ms_by_name": ({n: round(us / 1e3 / calls, 3) for n, us in name_us.most_common()} if cuda else None),
             **(launch_waits(spans, call_starts) if cuda else {}),
             "kernels": {n: c // calls for n, c in sorted(kernels.items())}}
+
+
+def mean_profile(rounds: list[dict]) -> dict:
+    """One variant's ``profile_kernels`` results from several rounds as one: kernel times and idle time
+    averaged over the rounds (each family's per-round times kept in ``kernel_ms_rounds``); counts and
+    launch waits from the first round (the kernels launched do not change between rounds)."""
+    first = rounds[0]
+    if first["kernel_ms"] is None:
+        return dict(first)
+    names = {n for r in rounds for n in r["kernel_ms_by_name"]}
+    by_name = {n: round(sum(r["kernel_ms_by_name"].get(n, 0.0) for r in rounds) / len(rounds), 3) for n in names}
+    return {**first,
+            "kernel_ms": {f: round(sum(r["kernel_ms"][f] for r in rounds) / len(rounds), 3) for f in first["kernel_ms"]},
+            "kernel_ms_rounds": {f: [r["kernel_ms"][f] for r in rounds] for f in first["kernel_ms"]},
+            "gpu_idle_ms": round(sum(r["gpu_idle_ms"] for r in rounds) / len(rounds), 3),
+            "kernel_ms_by_name": dict(sorted(by_name.items(), key=lambda kv: -kv[1]))}
 
 
 def _numel(shape) -> int:

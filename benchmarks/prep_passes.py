@@ -17,6 +17,10 @@ its bytes moved are set beside it as a bandwidth:
   quantize           -- the quantisation pass (Q, K, V -> int8 / fp8 operands)
   kernel_out_<nhd|hnd> -- SageAttention's sm90 kernel on the prepared operands, its output token-major
                         (what the pack writes) or head-major (what ``sageattn(..., "HND")`` writes)
+  kernel_after_<idle|kernel> -- the token-major call again, enqueued behind ``--idle-ms`` of a one-thread
+                        busy wait (the device nearly idle) or behind an untimed call of the same kernel:
+                        whether the kernel's own time depends on what the GPU ran just before it (its
+                        clock under the power limit)
 
 Every norm_rope tiling must give the default tiling's bits, and both outputs of the kernel the
 same values; the run says so.
@@ -54,6 +58,7 @@ h3_block_fused = submodule("kernels.h3_block_fused")
 
 HEADS, D, ROT, EPS = 56, 128, 96, 1e-5
 HIDDEN, FFN = 5376, 14336  # H3's block width and MLP width (fc1 gives 2 * FFN)
+SLEEP_CYCLES_PER_MS = 1.98e6  # torch.cuda._sleep counts SM cycles; about a millisecond at sm90's top clock
 # RMSNorm + RoPE tilings: registers (sm90, Triton 3.8) limit the default to 3 programs an SM; the
 # others keep more bytes in flight per SM (smaller programs, or Q and K read before either is stored)
 TILINGS = ("16,8,4,0", "16,8,4,1", "8,8,4,1", "8,8,2,1", "4,8,1,1", "4,8,1,0", "8,16,2,1")
@@ -76,7 +81,7 @@ def norm_rope_bits_agree(qkv, table, qw, kw, tilings) -> dict:
     return {",".join(str(int(x)) for x in t): int((once(t) != want).sum()) for t in tilings}
 
 
-def passes(seq: int, reps: int, warmup: int, tilings, vmax_tilings=()) -> dict:
+def passes(seq: int, reps: int, warmup: int, tilings, vmax_tilings=(), idle_ms: float = 0.0) -> dict:
     qkv, table, qw, kw = fused_attention_inputs(seq, HEADS, D, ROT, seed=seq, weight_mean=1.0,
                                                 weight_spread=0.2, table_dtype=torch.bfloat16)
     q, k, v = qkv.unflatten(1, (3, HEADS, D)).unsqueeze(0).unbind(2)
@@ -121,7 +126,13 @@ def passes(seq: int, reps: int, warmup: int, tilings, vmax_tilings=()) -> dict:
         out_nhd = torch.empty(1, seq, HEADS, D, dtype=torch.bfloat16, device=qkv.device)
         fns["kernel_out_nhd"] = (lambda: kernel_to(out_nhd), None)
         fns["kernel_out_hnd"] = (lambda: kernel_to(out_hnd.transpose(1, 2)), None)
-    times = interleaved_times({n: event_timed(f) for n, (f, _) in fns.items()}, reps, warmup)
+    runners = {n: event_timed(f) for n, (f, _) in fns.items()}
+    if has_kernel and idle_ms:
+        cycles = int(idle_ms * SLEEP_CYCLES_PER_MS)
+        runners["kernel_after_idle"] = event_timed(lambda: kernel_to(out_nhd), before=lambda: torch.cuda._sleep(cycles))
+        runners["kernel_after_kernel"] = event_timed(lambda: kernel_to(out_nhd), before=lambda: kernel_to(out_hnd.transpose(1, 2)))
+        fns.update({"kernel_after_idle": (None, None), "kernel_after_kernel": (None, None)})
+    times = interleaved_times(runners, reps, warmup)
     rows = {}
     for name, (_, nbytes) in fns.items():
         p50 = summary(times[name])["p50_seconds"]
@@ -208,6 +219,8 @@ def main(argv=None) -> int:
     p.add_argument("--vmax", nargs="*", default=list(VMAX_TILINGS), metavar="ROWS,TILE_ROWS,COLS,WARPS",
                    help="tilings of the V absmax pass to time")
     p.add_argument("--part", choices=("attention", "block", "both"), default="both")
+    p.add_argument("--idle-ms", type=float, default=20.0,
+                   help="the near-idle wait ahead of kernel_after_idle (0: leave both kernel_after rows out)")
     p.add_argument("--norm-modulate", nargs="+", default=list(NORM_MODULATE_TILINGS), metavar="WARPS|ROWS,COLS,WARPS",
                    help="tilings of fused mode's norm + modulation pass to time")
     p.add_argument("--out", help="results JSON")
@@ -219,7 +232,7 @@ def main(argv=None) -> int:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
     for seq in args.seq:
         if args.part in ("attention", "both"):
-            results["runs"].append(passes(seq, args.reps, args.warmup, tilings, args.vmax))
+            results["runs"].append(passes(seq, args.reps, args.warmup, tilings, args.vmax, args.idle_ms))
             print_result(results["runs"][-1])
         if args.part in ("block", "both"):
             results["runs"].append(block_passes(seq, args.reps, args.warmup, args.norm_modulate))

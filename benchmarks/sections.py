@@ -363,6 +363,10 @@ def queued_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool) -> dic
 # --- kernel launches -----------------------------------------------------------------------------------
 
 PROFILED_CALLS = 3  # profiled block calls per variant: kernel times are their mean
+# rounds of the profiler section, each variant in each; the order rotates a place a round, so no variant
+# always runs first (the GPU's clock drifts with what ran before it: per-kernel times are compared across
+# variants only as the mean over the rounds)
+PROFILE_ROUNDS = 3
 TOP_KERNELS = 12  # kernels logged per variant, longest total time first
 
 
@@ -373,23 +377,31 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str, compiled
     x0, t_emb, segments, rope = bench.block_inputs[index]
     attn = bench.diffusion_model.blocks[index].attn
     large = x0.shape[0] * attn.heads * attn.head_dim
-    counts = {}
     variants, compiled = _variants_to_run(bench, with_stock, compiled_variants)
-    for name, patcher in variants.items():
-        transformer_options = patcher.model_options.get("transformer_options", {})
-        with object_patches_applied(patcher) as dm:
-            block = dm.blocks[index]
-            if compiled is not None:
-                block = _compiled_block(compiled, name, block)
-            inputs = [x0.clone() for _ in range(PROFILED_CALLS + 1)]  # the warm call's and the profiled calls'
-            counts[name] = measure.profile_kernels(
-                lambda: block(inputs.pop(), t_emb, segments, rope, transformer_options=transformer_options),
-                bench.device, large, calls=PROFILED_CALLS)
+    names = list(variants)
+    rounds = {name: [] for name in names}
+    for r in range(PROFILE_ROUNDS):
+        for name in measure.rotated(names, r):
+            patcher = variants[name]
+            transformer_options = patcher.model_options.get("transformer_options", {})
+            with object_patches_applied(patcher) as dm:
+                block = dm.blocks[index]
+                if compiled is not None:
+                    block = _compiled_block(compiled, name, block)
+                inputs = [x0.clone() for _ in range(PROFILED_CALLS + 1)]  # the warm call's and the profiled calls'
+                rounds[name].append(measure.profile_kernels(
+                    lambda: block(inputs.pop(), t_emb, segments, rope, transformer_options=transformer_options),
+                    bench.device, large, calls=PROFILED_CALLS))
+    counts = {name: measure.mean_profile(rounds[name]) for name in names}
+    for name in names:
         ms = counts[name]["kernel_ms"]
+        per_round = counts[name].get("kernel_ms_rounds", {}).get("attention", [])
         bench.log(f"  {name}: {counts[name]['kernel_launches']} kernels, "
                   f"{counts[name]['large_copy_ops']} large copies"
                   + (f", kernel ms attention {ms['attention']:.2f} gemm {ms['gemm']:.2f} other {ms['other']:.2f}"
-                     f", GPU idle between kernels {counts[name]['gpu_idle_ms']:.2f} ms" if ms else ""))
+                     f" (mean of {PROFILE_ROUNDS} rounds; attention by round "
+                     + " / ".join(f"{t:.2f}" for t in per_round)
+                     + f"), GPU idle between kernels {counts[name]['gpu_idle_ms']:.2f} ms" if ms else ""))
         if ms:
             top = list(counts[name]["kernel_ms_by_name"].items())[:TOP_KERNELS]
             bench.log("    " + "; ".join(f"{n[:60]} x{counts[name]['kernels'][n]} {t:.2f}" for n, t in top))
@@ -415,7 +427,9 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str, compiled
     result["kernels"] = {n: c["kernels"] for n, c in counts.items()}
     result["kernel_ms_by_family"] = {n: c["kernel_ms"] for n, c in counts.items()}
     result["kernel_ms_by_name"] = {n: c["kernel_ms_by_name"] for n, c in counts.items()}
+    result["kernel_ms_by_round"] = {n: c.get("kernel_ms_rounds") for n, c in counts.items()}
     result["profiled_calls"] = PROFILED_CALLS
+    result["profile_rounds"] = PROFILE_ROUNDS
     result["launch_waits"] = {n: {k: c.get(k) for k in ("first_kernel_after_ms", "largest_gaps")} for n, c in counts.items()}
     result["gpu_idle_ms"] = {n: c["gpu_idle_ms"] for n, c in counts.items()}
     return result

@@ -424,3 +424,19 @@ def test_device_sampler_without_a_device_is_unavailable_and_samples_nothing():
     with measure.DeviceSampler(None) as sampler:
         pass
     assert not sampler.available and sampler.samples == [] and sampler.mean_over([(0.0, 1e12)]) is None
+
+
+def test_mean_profile_averages_kernel_times_over_rounds_and_keeps_the_first_rounds_counts():
+    def round_(attention, gemm, idle, first_after):
+        return {"kernel_launches": 5, "memcpy_memset": 0, "large_copy_ops": 0, "gpu_idle_ms": idle,
+                "kernel_ms": {"attention": attention, "gemm": gemm, "other": 1.0},
+                "kernel_ms_by_name": {"attn": attention, "gemm": gemm}, "first_kernel_after_ms": first_after,
+                "kernels": {"attn": 1, "gemm": 4}}
+    merged = measure.mean_profile([round_(48.0, 36.0, 0.2, 2.0), round_(52.0, 37.0, 0.4, 3.0)])
+    assert merged["kernel_ms"] == {"attention": 50.0, "gemm": 36.5, "other": 1.0}
+    assert merged["kernel_ms_rounds"]["attention"] == [48.0, 52.0]
+    assert merged["kernel_ms_by_name"] == {"attn": 50.0, "gemm": 36.5}
+    assert merged["gpu_idle_ms"] == 0.3 and merged["first_kernel_after_ms"] == 2.0
+    assert merged["kernel_launches"] == 5 and merged["kernels"] == {"attn": 1, "gemm": 4}
+    cpu = {"kernel_launches": None, "kernel_ms": None, "gpu_idle_ms": None, "kernels": {}}
+    assert measure.mean_profile([cpu, cpu]) == cpu
