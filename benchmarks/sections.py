@@ -404,7 +404,7 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str, compiled
                      + f"), GPU idle between kernels {counts[name]['gpu_idle_ms']:.2f} ms" if ms else ""))
         if ms:
             top = list(counts[name]["kernel_ms_by_name"].items())[:TOP_KERNELS]
-            bench.log("    " + "; ".join(f"{n[:60]} x{counts[name]['kernels'][n]} {t:.2f}" for n, t in top))
+            bench.log("    " + "; ".join(f"{n[:60]} x{counts[name]['kernels'].get(n, 0)} {t:.2f}" for n, t in top))
             gaps = counts[name].get("largest_gaps", [])
             bench.log(f"    first kernel after {counts[name].get('first_kernel_after_ms')} ms; largest gaps: "
                       + "; ".join(f"{ms:.3f} ms {a[:40]} -> {b[:40]}" for ms, a, b in gaps))
