@@ -279,8 +279,8 @@ def parse_variant(parser, spec: str) -> dict:
         if f in VARIANT_FLAGS:
             variant.update([VARIANT_FLAGS[f]])
         else:
-            what, rows = CHUNK_FLAG.fullmatch(f)[1], int(CHUNK_FLAG.fullmatch(f)[2])
-            variant.update({key: rows for key in CHUNK_SETTINGS[what]})
+            what, rows = CHUNK_FLAG.fullmatch(f).groups()
+            variant.update({key: int(rows) for key in CHUNK_SETTINGS[what]})
     return variant
 
 

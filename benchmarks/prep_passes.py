@@ -129,12 +129,13 @@ def passes(seq: int, reps: int, warmup: int, tilings, vmax_tilings=(), idle_ms: 
     runners = {n: event_timed(f) for n, (f, _) in fns.items()}
     if has_kernel and idle_ms:
         cycles = int(idle_ms * SLEEP_CYCLES_PER_MS)
-        runners["kernel_after_idle"] = event_timed(lambda: kernel_to(out_nhd), before=lambda: torch.cuda._sleep(cycles))
-        runners["kernel_after_kernel"] = event_timed(lambda: kernel_to(out_nhd), before=lambda: kernel_to(out_hnd.transpose(1, 2)))
-        fns.update({"kernel_after_idle": (None, None), "kernel_after_kernel": (None, None)})
+        to_nhd, to_hnd = fns["kernel_out_nhd"][0], fns["kernel_out_hnd"][0]
+        runners["kernel_after_idle"] = event_timed(to_nhd, before=lambda: torch.cuda._sleep(cycles))
+        runners["kernel_after_kernel"] = event_timed(to_nhd, before=to_hnd)
     times = interleaved_times(runners, reps, warmup)
     rows = {}
-    for name, (_, nbytes) in fns.items():
+    for name in runners:
+        nbytes = fns[name][1] if name in fns else None  # the kernel_after rows move no counted bytes
         p50 = summary(times[name])["p50_seconds"]
         rows[name] = {"p50_ms": p50 * 1e3, "spread": summary(times[name])["spread"],
                       "gb_per_s": nbytes / p50 / 1e9 if nbytes else None}
