@@ -17,12 +17,9 @@ tests/gpu/test_int8_activation_gpu.py prints them beside comfy-kitchen's."""
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
-from pathlib import Path
 
-from benchmarks.sm90_static import SCHEDULERS, _run_tool, instructions, opcode, profiled_kernel, resources
+from benchmarks.sm90_static import SCHEDULERS, _run_tool, instructions, opcode, pass_reader_cli, resources
 
 ROWS = 37810
 HBM_BYTES_PER_S = 4.0e12
@@ -66,14 +63,10 @@ def analyse(width: int, swiglu: bool, warps: int, clock_hz: float, modulation: b
             "mix": dict(collections.Counter(opcode(i) for i in listing).most_common(10))}
 
 
-def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    args = parser.parse_args(argv)
+def table(clock: float) -> list[dict]:
     from devkit.pack import submodule
 
     row_warps = submodule("kernels.int8_activation").row_warps
-    clock = max(k["clock_hz"] for k in profiled_kernel().values())
     results = []
     print(f"| input | width | warps | registers | stack | shared | instr. a thread | floor at {ROWS:,} rows: issue / bytes |")
     print("|---|---|---|---|---|---|---|---|")
@@ -85,9 +78,11 @@ def main(argv=None) -> list[dict]:
             print(f"| {name} | {width:,} | {warps}{' (default)' if warps == default else ''} | {r['registers']} | "
                   f"{r['stack_bytes']} | {r['shared_bytes']:,} | {r['instructions_per_thread']} | "
                   f"{r['issue_floor_ms']:.3f} / {r['bytes_floor_ms']:.3f} ms |")
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
     return results
+
+
+def main(argv=None) -> list[dict]:
+    return pass_reader_cli(__doc__, argv, table)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,11 @@ one modulation row for all:
   swiglu_exact, swiglu_fused -- SwiGLU with stock's two roundings / one
 
 with each fused tiling's largest difference from the default's output.
+
+Passes that round to bf16 (norm_rope, scale_shift, residual, the two SwiGLUs) are also timed with
+``round_bf16``'s integer form (``<name> (integer rounding)``): the same bits as the conversion
+instruction a GPU of compute capability 8.0 or later now takes, which the run checks
+(``rounding_forms_agree``).
 """
 
 from __future__ import annotations
@@ -63,6 +68,31 @@ SLEEP_CYCLES_PER_MS = 1.98e6  # torch.cuda._sleep counts SM cycles; about a mill
 # others keep more bytes in flight per SM (smaller programs, or Q and K read before either is stored)
 TILINGS = ("16,8,4,0", "16,8,4,1", "8,8,4,1", "8,8,2,1", "4,8,1,1", "4,8,1,0", "8,16,2,1")
 VMAX_TILINGS = ("256,8,1024,4", "256,16,1024,8", "512,32,512,8", "128,8,1024,4", "256,4,2048,4")
+
+
+# the modules whose passes round to bf16 with ``round_bf16``; ``integer_rounding`` sets their form
+ROUNDING_MODULES = (qk_transform, h3_block, h3_block_fused)
+INTEGER = " (integer rounding)"  # suffix of a pass timed with round_bf16's integer form
+
+
+def integer_rounding(fn):
+    """``fn`` with every pass rounding to bf16 in integer operations (``round_bf16``'s form without the
+    conversion instruction): the same bits, more instructions."""
+    def run():
+        saved = [m.hardware_bf16 for m in ROUNDING_MODULES]
+        for m in ROUNDING_MODULES:
+            m.hardware_bf16 = lambda device: False
+        try:
+            return fn()
+        finally:
+            for m, f in zip(ROUNDING_MODULES, saved):
+                m.hardware_bf16 = f
+    return run
+
+
+def forms_agree(fn) -> bool:
+    """``fn()`` (a fresh output each call) gives the same bits with round_bf16's two forms."""
+    return bool(torch.equal(fn(), integer_rounding(fn)()))
 
 
 def tiling(text: str) -> tuple:
@@ -113,6 +143,13 @@ def passes(seq: int, reps: int, warmup: int, tilings, vmax_tilings=(), idle_ms: 
     for t in tilings:
         name = "norm_rope " + ",".join(str(int(x)) for x in t)
         fns[name] = ((lambda t=t: qk_transform.norm_rope_pass(q, k, table, qw, kw, EPS, config=t)), 4 * mib)
+    fns["norm_rope" + INTEGER] = (integer_rounding(lambda: qk_transform.norm_rope_pass(q, k, table, qw, kw, EPS)), 4 * mib)
+
+    def norm_rope_once():
+        buf = qkv.clone()
+        qb, kb, _ = buf.unflatten(1, (3, HEADS, D)).unsqueeze(0).unbind(2)
+        qk_transform.norm_rope_pass(qb, kb, table, qw, kw, EPS)
+        return buf
     fns.update({
         "k_mean": (lambda: k.mean(dim=1, keepdim=True), mib),
         "v_absmax": (v_absmax, mib),
@@ -141,6 +178,7 @@ def passes(seq: int, reps: int, warmup: int, tilings, vmax_tilings=(), idle_ms: 
                       "gb_per_s": nbytes / p50 / 1e9 if nbytes else None}
     result = {"seq": seq, "reps": reps, "passes": rows,
               "norm_rope_elements_differing_from_default": norm_rope_bits_agree(qkv, table, qw, kw, tilings),
+              "rounding_forms_agree": {"norm_rope": forms_agree(norm_rope_once)},
               "v_absmax_tilings_equal": all(torch.equal(v_absmax(*(int(x) for x in t.split(","))), v_absmax())
                                             for t in vmax_tilings)}
     if has_kernel:
@@ -173,6 +211,8 @@ def block_passes(seq: int, reps: int, warmup: int, tilings, device="cuda") -> di
         "swiglu_exact": (lambda: h3_block.swiglu(u), 3 * seq * FFN * 2),
         "swiglu_fused": (lambda: h3_block_fused.swiglu(u), 3 * seq * FFN * 2),
     }
+    for name in ("scale_shift", "residual", "swiglu_exact", "swiglu_fused"):
+        fns[name + INTEGER] = (integer_rounding(fns[name][0]), fns[name][1])
     for t in tilings:
         tiling = norm_modulate_tiling(t)
         fns[f"norm_modulate {t}"] = ((lambda tiling=tiling: h3_block_fused._norm_modulate_impl(
@@ -191,7 +231,15 @@ def block_passes(seq: int, reps: int, warmup: int, tilings, device="cuda") -> di
         return out
     default = normed("default")
     differs = {t: float((normed(norm_modulate_tiling(t)).float() - default.float()).abs().max()) for t in tilings}
-    return {"seq": seq, "reps": reps, "passes": rows, "norm_modulate_max_abs_from_default": differs}
+    fresh = {  # each pass on fresh copies of its inputs
+        "scale_shift": lambda: h3_block.scale_shift_(h.clone(), scale1, shift),
+        "residual": lambda: h3_block.gated_residual_(x.clone(), other, gate),
+        "swiglu_exact": lambda: h3_block.swiglu(u),
+        "swiglu_fused": lambda: h3_block_fused.swiglu(u),
+        "norm_modulate": lambda: normed("default"),
+    }
+    return {"seq": seq, "reps": reps, "passes": rows, "norm_modulate_max_abs_from_default": differs,
+            "rounding_forms_agree": {name: forms_agree(fn) for name, fn in fresh.items()}}
 
 
 def print_result(r: dict) -> None:
@@ -201,6 +249,7 @@ def print_result(r: dict) -> None:
     for name, row in r["passes"].items():
         bw = f"{row['gb_per_s']:.0f}" if row["gb_per_s"] else "-"
         print(f"| {name} | {row['p50_ms']:.3f} | {bw} | {row['spread']:.1%} |")
+    print(f"round_bf16's two forms give the same bits: {r['rounding_forms_agree']}")
     if "norm_modulate_max_abs_from_default" in r:
         print(f"norm_modulate, largest difference from the default tiling: {r['norm_modulate_max_abs_from_default']}")
         return

@@ -32,6 +32,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from benchmarks import sage2_prototype as proto
 from benchmarks.triton_aot import check_compilable
@@ -169,6 +170,29 @@ def profiled_kernel() -> dict:
         out[r["seq"]] = {"ms": r["duration_ms"], "registers": int(r["registers_per_thread"]),
                          "per_element": r["thread_instructions_per_score_element"], "issue": issue, "clock_hz": clock}
     return out
+
+
+def profile_clock_hz() -> float:
+    """The highest SM clock the committed profile implies: the clock the issue floors take."""
+    return max(k["clock_hz"] for k in profiled_kernel().values())
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    """A markdown table, as docs/BENCHMARKS.md holds it."""
+    for cells in (header, ["---"] * len(header), *rows):
+        print("| " + " | ".join(cells) + " |")
+
+
+def pass_reader_cli(doc: str, argv, table: Callable[[float], list[dict]]) -> list[dict]:
+    """The pass readers' command line (``--out``: the results as JSON): ``table(clock_hz)`` prints its
+    table and returns the results."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    results = table(profile_clock_hz())
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    return results
 
 
 def estimates(per_element: float, profile: dict) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import interpreting, round_bf16, tl, triton
+from .triton_support import hardware_bf16, interpreting, round_bf16, tl, triton
 
 if triton is not None:
     from triton.language.extra import libdevice
@@ -43,19 +43,19 @@ if triton is not None:
         return tl.load(ptr + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
 
     @triton.jit
-    def _scale_shift_kernel(h_ptr, scale_ptr, shift_ptr, rows, cols, stride_row,
-                            PER_ROW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _scale_shift_kernel(h_ptr, scale_ptr, shift_ptr, rows, cols, stride_row, PER_ROW: tl.constexpr,
+                            HW_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         r, c, col_ok, ok = _row_tile(rows, cols, BLOCK_R, BLOCK_C)
         s = _modulation(scale_ptr, r, c, cols, col_ok, ok, PER_ROW)
         b = _modulation(shift_ptr, r, c, cols, col_ok, ok, PER_ROW)
         ptr = h_ptr + r[:, None] * stride_row + c[None, :]
         h = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
-        scaled = round_bf16(h * s)  # stock's mul_: one rounding
-        tl.store(ptr, round_bf16(scaled + b).to(tl.bfloat16), mask=ok)  # add_: the second
+        scaled = round_bf16(h * s, HW_BF16)  # stock's mul_: one rounding
+        tl.store(ptr, round_bf16(scaled + b, HW_BF16).to(tl.bfloat16), mask=ok)  # add_: the second
 
     @triton.jit
-    def _gated_residual_kernel(x_ptr, y_ptr, gate_ptr, rows, cols, stride_x, stride_y,
-                               PER_ROW: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _gated_residual_kernel(x_ptr, y_ptr, gate_ptr, rows, cols, stride_x, stride_y, PER_ROW: tl.constexpr,
+                               HW_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         r, c, col_ok, ok = _row_tile(rows, cols, BLOCK_R, BLOCK_C)
         g = _modulation(gate_ptr, r, c, cols, col_ok, ok, PER_ROW)
         ptr = x_ptr + r[:, None] * stride_x + c[None, :]
@@ -63,7 +63,7 @@ if triton is not None:
         y = tl.load(y_ptr + r[:, None] * stride_y + c[None, :], mask=ok, other=0.0).to(tl.float32)
         # torch's addcmul: a + (b * c) in fp32, rounded to bf16. The bf16 product is exact in fp32, so a
         # fused multiply-add gives the same fp32 sum.
-        tl.store(ptr, round_bf16(x + y * g).to(tl.bfloat16), mask=ok)
+        tl.store(ptr, round_bf16(x + y * g, HW_BF16).to(tl.bfloat16), mask=ok)
 
     @triton.jit
     def swiglu_halves(u_ptr, rows, half, stride_u, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -76,7 +76,7 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_exact_kernel(u_ptr, y_ptr, rows, half, stride_u, stride_y, EMULATE: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                             HW_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         """``silu(gate).mul_(up)`` with torch's CUDA bits: silu as ``x / (1 + expf(-x))`` (libdevice's
         expf, an IEEE division) rounded to bf16, then the product rounded again. EMULATE (the
         interpreter, which has no libdevice): numpy's exp; the steps are the same."""
@@ -85,8 +85,8 @@ if triton is not None:
             e = tl.exp(-g)
         else:
             e = libdevice.exp(-g)
-        s = round_bf16(tl.math.div_rn(g, 1.0 + e))
-        tl.store(y_ptr + r[:, None] * stride_y + c[None, :], round_bf16(s * up).to(tl.bfloat16), mask=ok)
+        s = round_bf16(tl.math.div_rn(g, 1.0 + e), HW_BF16)
+        tl.store(y_ptr + r[:, None] * stride_y + c[None, :], round_bf16(s * up, HW_BF16).to(tl.bfloat16), mask=ok)
 
 
 def fusable(h: torch.Tensor) -> bool:
@@ -117,7 +117,8 @@ def _scale_shift_impl(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor
     rows, cols = h.shape
     grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
     _scale_shift_kernel[grid](h, scale1.contiguous(), shift.contiguous(), rows, cols, h.stride(0),
-                              PER_ROW=per_row, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
+                              PER_ROW=per_row, HW_BF16=hardware_bf16(h.device), BLOCK_R=BLOCK_ROWS,
+                              BLOCK_C=BLOCK_COLS, num_warps=4)
 
 
 def scale_shift_(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -141,7 +142,8 @@ def gated_residual_(x: torch.Tensor, other: torch.Tensor, gate: torch.Tensor) ->
     rows, cols = x.shape
     grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
     _gated_residual_kernel[grid](x, other, gate.contiguous(), rows, cols, x.stride(0), other.stride(0),
-                                 PER_ROW=per_row, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
+                                 PER_ROW=per_row, HW_BF16=hardware_bf16(x.device), BLOCK_R=BLOCK_ROWS,
+                                 BLOCK_C=BLOCK_COLS, num_warps=4)
     return x
 
 
@@ -156,7 +158,7 @@ def swiglu(u: torch.Tensor) -> torch.Tensor:
     y = torch.empty(rows, half, dtype=u.dtype, device=u.device)
     grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(half, BLOCK_COLS))
     _swiglu_exact_kernel[grid](u, y, rows, half, u.stride(0), y.stride(0), EMULATE=interpreting(),
-                               BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
+                               HW_BF16=hardware_bf16(u.device), BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS, num_warps=4)
     return y
 
 

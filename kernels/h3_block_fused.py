@@ -26,7 +26,7 @@ import torch
 
 from .h3_block import per_token_params
 from .sage2_quant import LIB
-from .triton_support import interpreting, round_bf16, tl, triton
+from .triton_support import hardware_bf16, interpreting, round_bf16, tl, triton
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_ROW = 16384  # widest row one program holds in registers (H3: 5120)
@@ -48,17 +48,17 @@ if triton is not None:
     from .h3_block import _modulation, swiglu_halves
 
     @triton.jit
-    def _rounded(y, ptr):
-        """fp32 -> ``ptr``'s dtype, to nearest (bf16 in integer operations: TRITON_INTERPRET's cast
-        truncates, and the GPU's gives the same bits)."""
+    def _rounded(y, ptr, HW_BF16: tl.constexpr):
+        """fp32 -> ``ptr``'s dtype, to nearest (bf16 by ``round_bf16``: TRITON_INTERPRET's cast truncates)."""
         if ptr.dtype.element_ty == tl.bfloat16:
-            y = round_bf16(y)
+            y = round_bf16(y, HW_BF16)
         return y.to(ptr.dtype.element_ty)
 
     @triton.jit
     def _norm_modulate_kernel(x_ptr, other_ptr, gate_ptr, w_ptr, scale_ptr, shift_ptr, h_ptr, cols,
                               stride_x, stride_o, stride_h, stride_p, eps,
-                              RESIDUAL: tl.constexpr, WEIGHT: tl.constexpr, BLOCK_C: tl.constexpr):
+                              RESIDUAL: tl.constexpr, WEIGHT: tl.constexpr, HW_BF16: tl.constexpr,
+                              BLOCK_C: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK_C).to(tl.int64)
         ok = c < cols
@@ -67,7 +67,7 @@ if triton is not None:
         if RESIDUAL:  # stock's addcmul_: x + other * gate, rounded to x's dtype, written back
             o = tl.load(other_ptr + row * stride_o + c, mask=ok, other=0.0).to(tl.float32)
             g = tl.load(gate_ptr + p, mask=ok, other=0.0).to(tl.float32)
-            x = _rounded(x.to(tl.float32) + o * g, x_ptr)
+            x = _rounded(x.to(tl.float32) + o * g, x_ptr, HW_BF16)
             tl.store(x_ptr + row * stride_x + c, x, mask=ok)
         xf = x.to(tl.float32)
         inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / cols + eps)
@@ -76,13 +76,13 @@ if triton is not None:
             y = y * tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
         s1 = 1.0 + tl.load(scale_ptr + p, mask=ok, other=0.0).to(tl.float32)
         b = tl.load(shift_ptr + p, mask=ok, other=0.0).to(tl.float32)
-        tl.store(h_ptr + row * stride_h + c, _rounded(y * s1 + b, h_ptr), mask=ok)
+        tl.store(h_ptr + row * stride_h + c, _rounded(y * s1 + b, h_ptr, HW_BF16), mask=ok)
 
     @triton.jit
     def _norm_modulate_rows_kernel(x_ptr, other_ptr, gate_ptr, w_ptr, scale_ptr, shift_ptr, h_ptr, rows, cols,
                                    stride_x, stride_o, stride_h, eps, RESIDUAL: tl.constexpr,
-                                   WEIGHT: tl.constexpr, PER_ROW: tl.constexpr, R: tl.constexpr,
-                                   BLOCK_C: tl.constexpr):
+                                   WEIGHT: tl.constexpr, PER_ROW: tl.constexpr, HW_BF16: tl.constexpr,
+                                   R: tl.constexpr, BLOCK_C: tl.constexpr):
         """``_norm_modulate_kernel``'s result, R rows a program, BLOCK_C columns at a time: one sweep
         sums the squares (writing the residual back), a second reads the rows again (from cache) and
         writes them normalised and modulated. Few registers a thread, so many rows are in flight; the
@@ -97,7 +97,8 @@ if triton is not None:
             x = tl.load(xp, mask=ok, other=0.0)
             if RESIDUAL:  # stock's addcmul_, written back (the second sweep reads it again)
                 o = tl.load(other_ptr + r[:, None] * stride_o + c[None, :], mask=ok, other=0.0).to(tl.float32)
-                x = _rounded(x.to(tl.float32) + o * _modulation(gate_ptr, r, c, cols, c < cols, ok, PER_ROW), x_ptr)
+                x = _rounded(x.to(tl.float32) + o * _modulation(gate_ptr, r, c, cols, c < cols, ok, PER_ROW), x_ptr,
+                             HW_BF16)
                 tl.store(xp, x, mask=ok)
             xf = x.to(tl.float32)
             acc += xf * xf
@@ -111,14 +112,14 @@ if triton is not None:
                 y = y * tl.load(w_ptr + c, mask=c < cols, other=0.0).to(tl.float32)[None, :]
             s1 = 1.0 + _modulation(scale_ptr, r, c, cols, c < cols, ok, PER_ROW)
             b = _modulation(shift_ptr, r, c, cols, c < cols, ok, PER_ROW)
-            tl.store(h_ptr + r[:, None] * stride_h + c[None, :], _rounded(y * s1 + b, h_ptr), mask=ok)
+            tl.store(h_ptr + r[:, None] * stride_h + c[None, :], _rounded(y * s1 + b, h_ptr, HW_BF16), mask=ok)
 
     @triton.jit
-    def _swiglu_kernel(u_ptr, y_ptr, rows, half, stride_u, stride_y,
+    def _swiglu_kernel(u_ptr, y_ptr, rows, half, stride_u, stride_y, HW_BF16: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         r, c, ok, g, up = swiglu_halves(u_ptr, rows, half, stride_u, BLOCK_R, BLOCK_C)
         y = g / (1.0 + tl.exp(-g)) * up
-        tl.store(y_ptr + r[:, None] * stride_y + c[None, :], _rounded(y, y_ptr), mask=ok)
+        tl.store(y_ptr + r[:, None] * stride_y + c[None, :], _rounded(y, y_ptr, HW_BF16), mask=ok)
 
 
 def _kernel_takes(*tensors) -> bool:
@@ -150,7 +151,7 @@ def _norm_modulate_impl(x, other, gate, weight, scale, shift, eps, h, tiling="de
     per_row = per_token_params(x, scale, shift, *(() if gate is None else (gate,)))
     tensors = (x, other if other is not None else x, gate.contiguous() if gate is not None else scale,
                weight.contiguous() if weight is not None else scale, scale.contiguous(), shift.contiguous(), h)
-    flags = dict(RESIDUAL=other is not None, WEIGHT=weight is not None)
+    flags = dict(RESIDUAL=other is not None, WEIGHT=weight is not None, HW_BF16=hardware_bf16(x.device))
     if isinstance(tiling, tuple):
         r, block_c, warps = tiling
         _norm_modulate_rows_kernel[(triton.cdiv(rows, r),)](
@@ -171,7 +172,7 @@ def _swiglu_impl(u):
         return (torch.nn.functional.silu(g) * up).to(u.dtype)
     y = torch.empty(rows, half, dtype=u.dtype, device=u.device)
     grid = (triton.cdiv(rows, SWIGLU_ROWS), triton.cdiv(half, SWIGLU_COLS))
-    _swiglu_kernel[grid](u, y, rows, half, u.stride(0), y.stride(0),
+    _swiglu_kernel[grid](u, y, rows, half, u.stride(0), y.stride(0), HW_BF16=hardware_bf16(u.device),
                          BLOCK_R=SWIGLU_ROWS, BLOCK_C=SWIGLU_COLS, num_warps=4)
     return y
 

@@ -91,15 +91,6 @@ if triton is not None:
         return tl.reshape(t, [G, 256])
 
     @triton.jit
-    def _bf16_rn(x, EMULATE: tl.constexpr):
-        """fp32 -> the nearest bf16 (ties to even), kept as fp32: one hardware conversion each way, which
-        the compiler cannot fold (under the interpreter: in integer operations)."""
-        if EMULATE:
-            return round_bf16(x)
-        return tl.inline_asm_elementwise("{ .reg .b16 h; cvt.rn.bf16.f32 h, $1; cvt.f32.bf16 $0, h; }", "=r,r",
-                                         [x], dtype=tl.float32, is_pure=True, pack=1)
-
-    @triton.jit
     def _load(ptr, ok, MASKED: tl.constexpr):
         """A tile as fp32; masked (zeros where ``ok`` is false) only for a tile that runs past the row."""
         if MASKED:
@@ -124,7 +115,7 @@ if triton is not None:
         if MOD:
             p = row * stride_p + col
             s1, b = _load(S1 + p, ok, MASKED), _load(B + p, ok, MASKED)
-            a = _bf16_rn(_bf16_rn(a * s1, EMULATE) + b, EMULATE)  # stock's mul_, then its add_
+            a = round_bf16(round_bf16(a * s1, not EMULATE) + b, not EMULATE)  # stock's mul_, then its add_
         a = _h4_stage(a, G, 1)
         a = _h4_stage(a, G, 4)
         a = _h4_stage(a, G, 16)
@@ -134,7 +125,7 @@ if triton is not None:
     @triton.jit
     def _store_quantized(Q, row, stride_q, col, ok, a, scale_t, MASKED: tl.constexpr, EMULATE: tl.constexpr):
         """Each rotated value (rounded to bf16) over the bf16 scale, rounded to bf16, to the nearest int8."""
-        q = _bf16_rn(_div_approx(_bf16_rn(a, EMULATE), scale_t, EMULATE), EMULATE)
+        q = round_bf16(_div_approx(round_bf16(a, not EMULATE), scale_t, EMULATE), not EMULATE)
         q = tl.minimum(tl.maximum(q, -128.0), 127.0)  # a NaN becomes -128, as fmaxf/fminf make it
         if EMULATE:
             q = (q + 12582912.0) - 12582912.0  # to the nearest integer, ties to even (|q| <= 128 < 2**22)
@@ -165,7 +156,7 @@ if triton is not None:
             absmax = tl.maximum(absmax, tl.max(tl.abs(a3)))
         scale = tl.maximum(tl.minimum(absmax, bf16_max) * inv_127, 1e-30)  # padding groups are zeros
         tl.store(SCALE + row, scale)
-        scale_t = _bf16_rn(scale, EMULATE)
+        scale_t = round_bf16(scale, not EMULATE)
         _store_quantized(Q, row, stride_q, c1, m1, a1, scale_t, G2 == 0, EMULATE)
         if G2 > 0:
             _store_quantized(Q, row, stride_q, c2, m2, a2, scale_t, G3 == 0, EMULATE)

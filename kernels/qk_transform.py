@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import interpreting, round_bf16, tl, triton
+from .triton_support import hardware_bf16, interpreting, round_bf16, tl, triton
 
 if triton is not None:
     from triton.language.extra import libdevice
@@ -72,7 +72,7 @@ if triton is not None:
     @triton.jit
     def _norm_rope_values(X, rows, ok, h, stride_s, stride_h, w_lo, w_hi, w_tail, f00, f01, f10, f11, eps,
                           R: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
-                          TAIL: tl.constexpr, TP: tl.constexpr, EMULATE: tl.constexpr):
+                          TAIL: tl.constexpr, TP: tl.constexpr, EMULATE: tl.constexpr, HW_BF16: tl.constexpr):
         """RMSNorm + split-half rope of head ``h`` of ``R`` token rows, comfy-kitchen's steps: (the rows'
         address, the rotated halves and the tail, bf16 values in fp32), nothing stored yet."""
         row = X + rows[:, None] * stride_s + h * stride_h
@@ -96,8 +96,8 @@ if triton is not None:
         pm = ok[:, None] & (p < P)[None, :]
         x0 = tl.load(row + p[None, :], mask=pm, other=0.0).to(tl.float32)
         x1 = tl.load(row + P + p[None, :], mask=pm, other=0.0).to(tl.float32)
-        n0 = round_bf16(x0 * rrms * w_lo[None, :])  # (x * rrms) * weight, then the bf16 value
-        n1 = round_bf16(x1 * rrms * w_hi[None, :])
+        n0 = round_bf16(x0 * rrms * w_lo[None, :], HW_BF16)  # (x * rrms) * weight, then the bf16 value
+        n1 = round_bf16(x1 * rrms * w_hi[None, :], HW_BF16)
         y0 = _fma(f00, n0, f01 * n1, EMULATE)  # f00*n0 + f01*n1, contracted as nvcc contracts it
         y1 = _fma(f10, n0, f11 * n1, EMULATE)
         yt = tl.zeros([R, TP], dtype=tl.float32)
@@ -105,7 +105,7 @@ if triton is not None:
             t = tl.arange(0, TP)
             xt = tl.load(row + 2 * P + t[None, :], mask=ok[:, None] & (t < TAIL)[None, :], other=0.0)
             yt = xt.to(tl.float32) * rrms * w_tail[None, :]
-        return row, round_bf16(y0), round_bf16(y1), round_bf16(yt)
+        return row, round_bf16(y0, HW_BF16), round_bf16(y1, HW_BF16), round_bf16(yt, HW_BF16)
 
     @triton.jit
     def _norm_rope_store(row, y0, y1, yt, ok, P: tl.constexpr, PP: tl.constexpr, TAIL: tl.constexpr,
@@ -122,7 +122,7 @@ if triton is not None:
     def _norm_rope_kernel(Q, K, T, QW, KW, S, H, sqs, sqh, sks, skh, sts, stp, str_, stc, eps,
                           D: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, TAIL: tl.constexpr,
                           TP: tl.constexpr, R: tl.constexpr, HG: tl.constexpr, QK_FIRST: tl.constexpr,
-                          EMULATE: tl.constexpr):
+                          EMULATE: tl.constexpr, HW_BF16: tl.constexpr):
         # One program: R tokens, HG heads of Q and of K; the tokens' rotations are loaded once. QK_FIRST:
         # a head's Q and K are both read and computed before either is stored (a store keeps later loads
         # behind it: the views may overlap for all the compiler knows).
@@ -145,20 +145,20 @@ if triton is not None:
         h0 = tl.program_id(1).to(tl.int64) * HG
         for g in range(HG):
             _norm_rope_qk(Q, K, rows, ok, h0 + g, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi,
-                          kw_tail, f00, f01, f10, f11, eps, R, D, P, PP, TAIL, TP, QK_FIRST, EMULATE)
+                          kw_tail, f00, f01, f10, f11, eps, R, D, P, PP, TAIL, TP, QK_FIRST, EMULATE, HW_BF16)
 
     @triton.jit
     def _norm_rope_qk(Q, K, rows, ok, h, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi, kw_tail,
                       f00, f01, f10, f11, eps, R: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                       PP: tl.constexpr, TAIL: tl.constexpr, TP: tl.constexpr, QK_FIRST: tl.constexpr,
-                      EMULATE: tl.constexpr):
+                      EMULATE: tl.constexpr, HW_BF16: tl.constexpr):
         hok = ok & (h < H)
         q = _norm_rope_values(Q, rows, hok, h, sqs, sqh, qw_lo, qw_hi, qw_tail, f00, f01, f10, f11, eps,
-                              R, D, P, PP, TAIL, TP, EMULATE)
+                              R, D, P, PP, TAIL, TP, EMULATE, HW_BF16)
         if not QK_FIRST:
             _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
         k = _norm_rope_values(K, rows, hok, h, sks, skh, kw_lo, kw_hi, kw_tail, f00, f01, f10, f11, eps,
-                              R, D, P, PP, TAIL, TP, EMULATE)
+                              R, D, P, PP, TAIL, TP, EMULATE, HW_BF16)
         if QK_FIRST:
             _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
         _norm_rope_store(k[0], k[1], k[2], k[3], hok, P, PP, TAIL, TP)
@@ -202,7 +202,8 @@ def norm_rope_pass(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q
     _norm_rope_kernel[grid](q, k, rope_table, q_weight, k_weight, s, h, q.stride(1), q.stride(2), k.stride(1),
                             k.stride(2), st[1], st[3], st[4], st[5], float(eps), D=d, P=p,
                             PP=triton.next_power_of_2(max(p, 1)), TAIL=tail, TP=triton.next_power_of_2(max(tail, 1)),
-                            R=tokens, HG=heads, QK_FIRST=qk_first, EMULATE=interpreting(), num_warps=warps)
+                            R=tokens, HG=heads, QK_FIRST=qk_first, EMULATE=interpreting(),
+                            HW_BF16=hardware_bf16(q.device), num_warps=warps)
 
 
 def norm_rope(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,

@@ -63,7 +63,8 @@ INTERPRETED = r"""
     nonfinite["residual"] = same(got, full.clone().addcmul_(other, gate))
     u = torch.cat([full, full], dim=1)
     nonfinite["swiglu"] = same(h3_block.swiglu(u).isnan(), torch.nn.functional.silu(full).mul_(full).isnan())
-    # the rounding helper itself, on fp32 NaNs as a GPU makes them (0x7FFFFFFF) and others
+    # the rounding helper's integer form (the interpreter's; a GPU of compute capability 8.0 or later takes
+    # its conversion instruction, tests/gpu) on fp32 NaNs as a GPU makes them (0x7FFFFFFF) and others
     import triton
     import triton.language as tl
     from comfyui_sage_strided_nhd.kernels.triton_support import round_bf16
@@ -71,7 +72,7 @@ INTERPRETED = r"""
     @triton.jit
     def rounded(X, Y, N: tl.constexpr):
         i = tl.arange(0, N)
-        tl.store(Y + i, round_bf16(tl.load(X + i)))
+        tl.store(Y + i, round_bf16(tl.load(X + i), False))
 
     bits = torch.tensor([0x7FFFFFFF, 0x7F800001, 0xFFFFFFFF - 2**32, 0x7FC00000, 0x7F800000, 0x3F808000, 0x3F818000,
                          0x477FF000, 0x7F7FFFFF], dtype=torch.int64).to(torch.int32)

@@ -142,13 +142,14 @@ def test_route_says_why_it_keeps_stocks_call(monkeypatch):
 def test_quantiser_compiles_for_sm90_with_the_fast_math_instructions(width, swiglu):
     """Compiled for sm90 here (no GPU needed): no spills, and the division and the exponential are the
     approximate hardware instructions comfy-kitchen's fast-math build uses (MUFU.RCP, MUFU.EX2), not an
-    IEEE division's subroutine; that choice decides the bits the GPU test compares."""
+    IEEE division's subroutine; that choice decides the bits the GPU test compares. Each bf16 rounding
+    is the one conversion instruction (``round_bf16``'s hardware form), no integer steps."""
     static = pytest.importorskip("benchmarks.int8_quant_static")
     r = static.analyse(width, swiglu, submodule("kernels.int8_activation").row_warps(width), clock_hz=1.8e9)
     assert r["stack_bytes"] == 0 and "CALL" not in r["mix"]
     kernel = static.compile_sm90(width, swiglu, 4)
     sass = static._run_tool("nvdisasm", ["-c"], kernel.asm["cubin"])
-    assert "MUFU.RCP" in sass and ("MUFU.EX2" in sass) == swiglu and "F2F.BF16.F32" in sass
+    assert "MUFU.RCP" in sass and ("MUFU.EX2" in sass) == swiglu and "F2FP.BF16.F32.PACK_AB" in sass
 
 
 def test_swiglu_product_is_rounded_before_the_rotation_adds_it():
