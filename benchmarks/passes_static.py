@@ -52,7 +52,11 @@ def block_passes() -> list[Pass]:
     tiles = -(-TOKENS // br) * -(-HIDDEN // bc)
     row = TOKENS * HIDDEN * 2  # one [S, hidden] bf16 tensor
     rows = dict(rows="i32", cols="i32")
-    norm_block = fused.triton.next_power_of_2(HIDDEN)
+    t1, t2, t3 = submodule("kernels.triton_support").row_tiles(HIDDEN)
+    norm_signature = dict(x_ptr=BF16, other_ptr=BF16, gate_ptr=BF16, w_ptr=BF16, scale_ptr=BF16, shift_ptr=BF16,
+                          h_ptr=BF16, cols="i32", stride_x="i64", stride_o="i64", stride_h="i64", stride_p="i64",
+                          eps="fp32")
+    norm_aligned = ("x_ptr", "other_ptr", "h_ptr", "stride_x", "stride_o", "stride_h")
     return [
         Pass("RMSNorm+RoPE on Q and K (exact)", "qk_transform._norm_rope_kernel",
              dict(Q=BF16, K=BF16, T="*fp32", QW=BF16, KW=BF16, S="i32", H="i32", sqs="i64", sqh="i64", sks="i64",
@@ -71,11 +75,12 @@ def block_passes() -> list[Pass]:
              dict(u_ptr=BF16, y_ptr=BF16, rows="i32", half="i32", stride_u="i64", stride_y="i64"),
              dict(EMULATE=False, BLOCK_R=br, BLOCK_C=bc), -(-TOKENS // br) * -(-FFN // bc), 1,
              3 * TOKENS * FFN * 2, 4, ("u_ptr", "y_ptr", "stride_u", "stride_y")),
-        Pass("norm + modulation (fused)", "h3_block_fused._norm_modulate_kernel",
-             dict(x_ptr=BF16, other_ptr=BF16, gate_ptr=BF16, w_ptr=BF16, scale_ptr=BF16, shift_ptr=BF16, h_ptr=BF16,
-                  cols="i32", stride_x="i64", stride_o="i64", stride_h="i64", stride_p="i64", eps="fp32"),
-             dict(RESIDUAL=False, WEIGHT=True, BLOCK_C=norm_block), TOKENS, 1, 2 * row,
-             fused.norm_modulate_warps(norm_block), ("x_ptr", "h_ptr", "stride_x", "stride_h")),
+        Pass("norm + modulation (fused)", "h3_block_fused._norm_modulate_kernel", norm_signature,
+             dict(RESIDUAL=False, WEIGHT=True, T1=t1, T2=t2, T3=t3), TOKENS, 1, 2 * row,
+             fused.norm_modulate_warps(HIDDEN), norm_aligned),
+        Pass("gated residual + norm + modulation (fused)", "h3_block_fused._norm_modulate_kernel", norm_signature,
+             dict(RESIDUAL=True, WEIGHT=True, T1=t1, T2=t2, T3=t3), TOKENS, 1, 4 * row,
+             fused.norm_modulate_warps(HIDDEN), norm_aligned),
         Pass("SwiGLU (fused)", "h3_block_fused._swiglu_kernel",
              dict(u_ptr=BF16, y_ptr=BF16, rows="i32", half="i32", stride_u="i64", stride_y="i64"),
              dict(BLOCK_R=fused.SWIGLU_ROWS, BLOCK_C=fused.SWIGLU_COLS),

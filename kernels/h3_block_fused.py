@@ -26,7 +26,7 @@ import torch
 
 from .h3_block import per_token_params
 from .sage2_quant import LIB
-from .triton_support import hardware_bf16, interpreting, round_bf16, tl, triton
+from .triton_support import hardware_bf16, interpreting, round_bf16, row_tiles, tl, triton
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_ROW = 16384  # widest row one program holds in registers (H3: 5120)
@@ -38,12 +38,13 @@ MAX_ROW = 16384  # widest row one program holds in registers (H3: 5120)
 NORM_MODULATE_TILING = None
 
 
-def norm_modulate_warps(block: int) -> int:
-    """Warps of the one-row program for a row block of ``block`` columns (a power of two): 32 columns a
-    thread, between 4 and 16 warps. H3's rows (8,192 columns) take 8: on an H100 at 37,810 tokens the norm
-    and the residual with its norm took 1.036 ms at 8 warps, 1.130 at 16 and 1.006 at 4 (prep_passes,
-    2026-12-05), and 4 spills with the residual once ``round_bf16`` is one instruction."""
-    return min(16, max(4, block // 1024))
+def norm_modulate_warps(cols: int) -> int:
+    """Warps of the one-row program for rows of ``cols`` columns: at most 48 columns a thread, between 4
+    and 16 warps. H3's rows (5,376 columns) take 4, the fewest instructions a row without spilling
+    (benchmarks/passes_static.py). On an H100 at 37,810 tokens, with the row held as one 8,192-column
+    block, the norm and the residual with its norm took 1.006 ms at 4 warps, 1.036 at 8 and 1.130 at 16
+    (prep_passes, 2026-12-05)."""
+    return min(16, max(4, triton.next_power_of_2(-(-cols // (32 * 48)))))
 SWIGLU_COLS, SWIGLU_ROWS = 1024, 4
 
 if triton is not None:
@@ -57,28 +58,60 @@ if triton is not None:
         return y.to(ptr.dtype.element_ty)
 
     @triton.jit
-    def _norm_modulate_kernel(x_ptr, other_ptr, gate_ptr, w_ptr, scale_ptr, shift_ptr, h_ptr, cols,
-                              stride_x, stride_o, stride_h, stride_p, eps,
-                              RESIDUAL: tl.constexpr, WEIGHT: tl.constexpr, HW_BF16: tl.constexpr,
-                              BLOCK_C: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.arange(0, BLOCK_C).to(tl.int64)
+    def _row_piece(x_ptr, other_ptr, gate_ptr, row, stride_x, stride_o, stride_p, cols, C0: tl.constexpr,
+                   T: tl.constexpr, RESIDUAL: tl.constexpr, HW_BF16: tl.constexpr):
+        """Columns C0 .. C0 + T of the row, fp32 (masked past ``cols``), after stock's ``addcmul_``
+        (RESIDUAL: x + other * gate rounded to x's dtype, written back): (values, columns, mask)."""
+        c = C0 + tl.arange(0, T).to(tl.int64)
         ok = c < cols
-        p = row * stride_p + c  # the modulation row: 0 stride for one row, cols for one per token
         x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
-        if RESIDUAL:  # stock's addcmul_: x + other * gate, rounded to x's dtype, written back
+        if RESIDUAL:
             o = tl.load(other_ptr + row * stride_o + c, mask=ok, other=0.0).to(tl.float32)
-            g = tl.load(gate_ptr + p, mask=ok, other=0.0).to(tl.float32)
+            g = tl.load(gate_ptr + row * stride_p + c, mask=ok, other=0.0).to(tl.float32)
             x = _rounded(x.to(tl.float32) + o * g, x_ptr, HW_BF16)
             tl.store(x_ptr + row * stride_x + c, x, mask=ok)
-        xf = x.to(tl.float32)
-        inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / cols + eps)
+        return x.to(tl.float32), c, ok
+
+    @triton.jit
+    def _store_normed(h_ptr, w_ptr, scale_ptr, shift_ptr, row, stride_h, stride_p, xf, c, ok, inv_rms,
+                      WEIGHT: tl.constexpr, HW_BF16: tl.constexpr):
+        """One piece of the row normalised (times the weight), modulated, rounded once, stored."""
         y = xf * inv_rms
         if WEIGHT:
             y = y * tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        p = row * stride_p + c  # the modulation row: 0 stride for one row, cols for one per token
         s1 = 1.0 + tl.load(scale_ptr + p, mask=ok, other=0.0).to(tl.float32)
         b = tl.load(shift_ptr + p, mask=ok, other=0.0).to(tl.float32)
         tl.store(h_ptr + row * stride_h + c, _rounded(y * s1 + b, h_ptr, HW_BF16), mask=ok)
+
+    @triton.jit
+    def _norm_modulate_kernel(x_ptr, other_ptr, gate_ptr, w_ptr, scale_ptr, shift_ptr, h_ptr, cols,
+                              stride_x, stride_o, stride_h, stride_p, eps,
+                              RESIDUAL: tl.constexpr, WEIGHT: tl.constexpr, HW_BF16: tl.constexpr,
+                              T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr):
+        # One row, whole, in registers, as up to three power-of-two pieces of T1, T2 and T3 columns
+        # (``row_tiles``: only the last runs past the row), so no lane of a power-of-two block idles.
+        row = tl.program_id(0).to(tl.int64)
+        x1, c1, ok1 = _row_piece(x_ptr, other_ptr, gate_ptr, row, stride_x, stride_o, stride_p, cols, 0, T1,
+                                 RESIDUAL, HW_BF16)
+        squares = tl.sum(x1 * x1, axis=0)
+        if T2 > 0:
+            x2, c2, ok2 = _row_piece(x_ptr, other_ptr, gate_ptr, row, stride_x, stride_o, stride_p, cols, T1, T2,
+                                     RESIDUAL, HW_BF16)
+            squares += tl.sum(x2 * x2, axis=0)
+        if T3 > 0:
+            x3, c3, ok3 = _row_piece(x_ptr, other_ptr, gate_ptr, row, stride_x, stride_o, stride_p, cols, T1 + T2,
+                                     T3, RESIDUAL, HW_BF16)
+            squares += tl.sum(x3 * x3, axis=0)
+        inv_rms = 1.0 / tl.sqrt(squares / cols + eps)
+        _store_normed(h_ptr, w_ptr, scale_ptr, shift_ptr, row, stride_h, stride_p, x1, c1, ok1, inv_rms, WEIGHT,
+                      HW_BF16)
+        if T2 > 0:
+            _store_normed(h_ptr, w_ptr, scale_ptr, shift_ptr, row, stride_h, stride_p, x2, c2, ok2, inv_rms, WEIGHT,
+                          HW_BF16)
+        if T3 > 0:
+            _store_normed(h_ptr, w_ptr, scale_ptr, shift_ptr, row, stride_h, stride_p, x3, c3, ok3, inv_rms, WEIGHT,
+                          HW_BF16)
 
     @triton.jit
     def _norm_modulate_rows_kernel(x_ptr, other_ptr, gate_ptr, w_ptr, scale_ptr, shift_ptr, h_ptr, rows, cols,
@@ -160,10 +193,11 @@ def _norm_modulate_impl(x, other, gate, weight, scale, shift, eps, h, tiling="de
             *tensors, rows, cols, x.stride(0), other.stride(0) if other is not None else 0, h.stride(0), float(eps),
             PER_ROW=per_row, R=r, BLOCK_C=block_c, num_warps=warps, **flags)
         return
-    block = triton.next_power_of_2(cols)
+    t1, t2, t3 = row_tiles(cols)
     _norm_modulate_kernel[(rows,)](
         *tensors, cols, x.stride(0), other.stride(0) if other is not None else 0, h.stride(0),
-        cols if per_row else 0, float(eps), BLOCK_C=block, num_warps=tiling or norm_modulate_warps(block), **flags)
+        cols if per_row else 0, float(eps), T1=t1, T2=t2, T3=t3, num_warps=tiling or norm_modulate_warps(cols),
+        **flags)
 
 
 def _swiglu_impl(u):

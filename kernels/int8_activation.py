@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .h3_block import per_token_params
-from .triton_support import interpreting, round_bf16, tl, triton
+from .triton_support import interpreting, round_bf16, row_tiles, tl, triton
 
 GROUP = 256            # ConvRot's rotation group (comfy-kitchen's fused kernels take only 256)
 MAX_COLS = 16384       # comfy-kitchen's fused ConvRot quantiser takes rows up to this width
@@ -162,16 +162,6 @@ if triton is not None:
             _store_quantized(Q, row, stride_q, c2, m2, a2, scale_t, G3 == 0, EMULATE)
         if G3 > 0:
             _store_quantized(Q, row, stride_q, c3, m3, a3, scale_t, True, EMULATE)
-
-
-def row_tiles(groups: int) -> tuple[int, int, int]:
-    """``groups`` as up to three power-of-two tiles (G1, G2, G3), largest first: the two largest powers
-    of two that fit, then the rest rounded up to a power of two (the only padding). 0: no tile."""
-    g1 = 1 << (groups.bit_length() - 1)
-    rest = groups - g1
-    g2 = 1 << (rest.bit_length() - 1) if rest else 0
-    rest -= g2
-    return g1, g2, triton.next_power_of_2(rest) if rest else 0
 
 
 def quantize_takes(x: torch.Tensor, input_act: str | None = None) -> bool:

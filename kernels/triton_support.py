@@ -35,6 +35,17 @@ def hardware_bf16(device: torch.device) -> bool:
     return _capability(torch.cuda.current_device() if device.index is None else device.index) >= (8, 0)
 
 
+def row_tiles(n: int) -> tuple[int, int, int]:
+    """``n`` (columns, or groups of them) as up to three power-of-two tiles, largest first: the two
+    largest powers of two that fit, then the rest rounded up to a power of two (the only padding). 0:
+    no tile. A pass that holds a whole row in registers takes it in these pieces."""
+    first = 1 << (n.bit_length() - 1)
+    rest = n - first
+    second = 1 << (rest.bit_length() - 1) if rest else 0
+    rest -= second
+    return first, second, 1 << (rest - 1).bit_length() if rest else 0
+
+
 round_bf16 = None  # a Triton function where Triton is importable
 if triton is not None:
     @triton.jit
