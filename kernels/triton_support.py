@@ -28,9 +28,9 @@ def _capability(index: int) -> tuple[int, int]:
 
 def hardware_bf16(device: torch.device) -> bool:
     """Whether a pass launched on ``device`` rounds to bf16 with the GPU's own conversion (``round_bf16``'s
-    ``HW``): a CUDA GPU of compute capability 8.0 or later (PTX's bf16 conversions), not the interpreter
-    (no inline assembly there)."""
-    if interpreting() or device.type != "cuda":
+    ``HW``): an NVIDIA GPU of compute capability 8.0 or later (PTX's bf16 conversions); not the
+    interpreter (no inline assembly there), not a ROCm build (its "cuda" devices take no PTX)."""
+    if interpreting() or device.type != "cuda" or torch.version.hip is not None:
         return False
     return _capability(torch.cuda.current_device() if device.index is None else device.index) >= (8, 0)
 

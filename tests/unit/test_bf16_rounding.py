@@ -23,12 +23,19 @@ static = pytest.importorskip("benchmarks.passes_static")
 def test_a_gpu_takes_the_conversion_instruction_from_compute_capability_8(monkeypatch, capability, expected):
     monkeypatch.setattr(triton_support, "_capability", lambda index: capability)
     monkeypatch.setattr(triton_support, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
     assert triton_support.hardware_bf16(torch.device("cuda", 0)) is expected
 
 
-def test_the_cpu_and_the_interpreter_take_the_integer_form(monkeypatch):
+def test_the_cpu_the_interpreter_and_rocm_take_the_integer_form(monkeypatch):
     monkeypatch.setattr(triton_support, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(triton_support, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert triton_support.hardware_bf16(torch.device("cuda", 0)) is True
     assert triton_support.hardware_bf16(torch.device("cpu")) is False
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")  # a ROCm build: its GPUs are "cuda" devices
+    assert triton_support.hardware_bf16(torch.device("cuda", 0)) is False
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(triton_support, "interpreting", lambda: True)
     assert triton_support.hardware_bf16(torch.device("cuda", 0)) is False
 
