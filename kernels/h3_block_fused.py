@@ -29,7 +29,7 @@ from .sage2_quant import LIB
 from .triton_support import hardware_bf16, interpreting, round_bf16, row_tiles, tl, triton
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
-MAX_ROW = 16384  # widest row one program holds in registers (H3: 5120)
+MAX_ROW = 16384  # widest row one program holds in registers (H3: 5,376)
 
 
 # The norm + modulation pass's tiling: None, one row a program held whole in registers
