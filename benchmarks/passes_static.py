@@ -9,8 +9,9 @@ norm+modulation and SwiGLU) this compiles the Triton kernel as a launch at H3's 
 thread issues (a loop's body counted once per trip). Two floors follow for 37,810 tokens: issue (every
 scheduler issuing one warp instruction a cycle, at the clock of the committed Nsight profile) and
 bytes moved at 4.0 TB/s; a pass takes at least the larger. A pass whose issue floor is near or above
-its bytes floor gains from fewer instructions; on the H100 (2026-12-05 profile, 37,810 tokens) the
-RMSNorm+RoPE pass moved 1.5 TB/s where the others moved 2.7-3.0. Static counts, not a timing:
+its bytes floor gains from fewer instructions (schedulers seldom issue every cycle); on the H100
+(2026-12-05 profile, 37,810 tokens) the RMSNorm+RoPE pass moved 2.1 TB/s where the others moved
+2.7-3.0. Static counts, not a timing:
 tests/gpu/test_norm_rope_gpu.py and tests/gpu/test_block_path_gpu.py check the bits on the GPU,
 ``benchmarks.prep_passes`` times the passes.
 """
@@ -57,13 +58,16 @@ def block_passes() -> list[Pass]:
                           h_ptr=BF16, cols="i32", stride_x="i64", stride_o="i64", stride_h="i64", stride_p="i64",
                           eps="fp32")
     norm_aligned = ("x_ptr", "other_ptr", "h_ptr", "stride_x", "stride_o", "stride_h")
+    swiglu_signature = dict(u_ptr=BF16, y_ptr=BF16, rows="i32", half="i32", stride_u="i64", stride_y="i64")
+    swiglu_aligned = ("u_ptr", "y_ptr", "stride_u", "stride_y")
+    swiglu_bytes = 3 * TOKENS * FFN * 2  # both halves read, the product written
     return [
         Pass("RMSNorm+RoPE on Q and K (exact)", "qk_transform._norm_rope_kernel",
              dict(Q=BF16, K=BF16, T="*fp32", QW=BF16, KW=BF16, S="i32", H="i32", sqs="i64", sqh="i64", sks="i64",
                   skh="i64", sts="i64", stp="i64", str_="i64", stc="i64", eps="fp32"),
              dict(D=HEAD_DIM, P=ROT_HALF, PP=64, TAIL=HEAD_DIM - 2 * ROT_HALF, TP=32, R=tokens, HG=heads,
                   QK_FIRST=qk.NORM_ROPE_CONFIG[3], EMULATE=False),
-             -(-TOKENS // tokens) * -(-HEADS // heads), heads, 4 * TOKENS * HEADS * HEAD_DIM, warps,
+             -(-TOKENS // tokens) * -(-HEADS // heads), heads, 4 * TOKENS * HEADS * HEAD_DIM * 2, warps,
              ("Q", "K", "T", "QW", "KW", "sqs", "sqh", "sks", "skh")),
         Pass("modulation (exact)", "h3_block._scale_shift_kernel",
              dict(h_ptr=BF16, scale_ptr=BF16, shift_ptr=BF16, **rows, stride_row="i64"),
@@ -71,21 +75,18 @@ def block_passes() -> list[Pass]:
         Pass("gated residual (exact)", "h3_block._gated_residual_kernel",
              dict(x_ptr=BF16, y_ptr=BF16, gate_ptr=BF16, **rows, stride_x="i64", stride_y="i64"),
              dict(PER_ROW=False, BLOCK_R=br, BLOCK_C=bc), tiles, 1, 3 * row, 4, ("x_ptr", "y_ptr", "stride_x", "stride_y")),
-        Pass("SwiGLU (exact)", "h3_block._swiglu_exact_kernel",
-             dict(u_ptr=BF16, y_ptr=BF16, rows="i32", half="i32", stride_u="i64", stride_y="i64"),
-             dict(EMULATE=False, BLOCK_R=br, BLOCK_C=bc), -(-TOKENS // br) * -(-FFN // bc), 1,
-             3 * TOKENS * FFN * 2, 4, ("u_ptr", "y_ptr", "stride_u", "stride_y")),
+        Pass("SwiGLU (exact)", "h3_block._swiglu_exact_kernel", swiglu_signature,
+             dict(EMULATE=False, BLOCK_R=br, BLOCK_C=bc), -(-TOKENS // br) * -(-FFN // bc), 1, swiglu_bytes, 4,
+             swiglu_aligned),
         Pass("norm + modulation (fused)", "h3_block_fused._norm_modulate_kernel", norm_signature,
              dict(RESIDUAL=False, WEIGHT=True, T1=t1, T2=t2, T3=t3), TOKENS, 1, 2 * row,
              fused.norm_modulate_warps(HIDDEN), norm_aligned),
         Pass("gated residual + norm + modulation (fused)", "h3_block_fused._norm_modulate_kernel", norm_signature,
              dict(RESIDUAL=True, WEIGHT=True, T1=t1, T2=t2, T3=t3), TOKENS, 1, 4 * row,
              fused.norm_modulate_warps(HIDDEN), norm_aligned),
-        Pass("SwiGLU (fused)", "h3_block_fused._swiglu_kernel",
-             dict(u_ptr=BF16, y_ptr=BF16, rows="i32", half="i32", stride_u="i64", stride_y="i64"),
+        Pass("SwiGLU (fused)", "h3_block_fused._swiglu_kernel", swiglu_signature,
              dict(BLOCK_R=fused.SWIGLU_ROWS, BLOCK_C=fused.SWIGLU_COLS),
-             -(-TOKENS // fused.SWIGLU_ROWS) * -(-FFN // fused.SWIGLU_COLS), 1, 3 * TOKENS * FFN * 2, 4,
-             ("u_ptr", "y_ptr", "stride_u", "stride_y")),
+             -(-TOKENS // fused.SWIGLU_ROWS) * -(-FFN // fused.SWIGLU_COLS), 1, swiglu_bytes, 4, swiglu_aligned),
     ]
 
 

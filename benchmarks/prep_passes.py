@@ -100,15 +100,18 @@ def tiling(text: str) -> tuple:
     return tokens, heads, warps, bool(qk_first)
 
 
+def norm_roped(qkv, table, qw, kw, config=None):
+    """A copy of the fused buffer after one RMSNorm+RoPE pass on its Q and K (``config``: the tiling)."""
+    buf = qkv.clone()
+    q, k, _ = buf.unflatten(1, (3, HEADS, D)).unsqueeze(0).unbind(2)
+    qk_transform.norm_rope_pass(q, k, table, qw, kw, EPS, config=config)
+    return buf
+
+
 def norm_rope_bits_agree(qkv, table, qw, kw, tilings) -> dict:
     """Each tiling's Q/K after one pass, against the default tiling's: elements that differ."""
-    def once(config):
-        buf = qkv.clone()
-        q, k, _ = buf.unflatten(1, (3, HEADS, D)).unsqueeze(0).unbind(2)
-        qk_transform.norm_rope_pass(q, k, table, qw, kw, EPS, config=config)
-        return buf
-    want = once(qk_transform.NORM_ROPE_CONFIG)
-    return {",".join(str(int(x)) for x in t): int((once(t) != want).sum()) for t in tilings}
+    want = norm_roped(qkv, table, qw, kw, qk_transform.NORM_ROPE_CONFIG)
+    return {",".join(str(int(x)) for x in t): int((norm_roped(qkv, table, qw, kw, t) != want).sum()) for t in tilings}
 
 
 def passes(seq: int, reps: int, warmup: int, tilings, vmax_tilings=(), idle_ms: float = 0.0) -> dict:
@@ -144,12 +147,6 @@ def passes(seq: int, reps: int, warmup: int, tilings, vmax_tilings=(), idle_ms: 
         name = "norm_rope " + ",".join(str(int(x)) for x in t)
         fns[name] = ((lambda t=t: qk_transform.norm_rope_pass(q, k, table, qw, kw, EPS, config=t)), 4 * mib)
     fns["norm_rope" + INTEGER] = (integer_rounding(lambda: qk_transform.norm_rope_pass(q, k, table, qw, kw, EPS)), 4 * mib)
-
-    def norm_rope_once():
-        buf = qkv.clone()
-        qb, kb, _ = buf.unflatten(1, (3, HEADS, D)).unsqueeze(0).unbind(2)
-        qk_transform.norm_rope_pass(qb, kb, table, qw, kw, EPS)
-        return buf
     fns.update({
         "k_mean": (lambda: k.mean(dim=1, keepdim=True), mib),
         "v_absmax": (v_absmax, mib),
@@ -178,7 +175,7 @@ def passes(seq: int, reps: int, warmup: int, tilings, vmax_tilings=(), idle_ms: 
                       "gb_per_s": nbytes / p50 / 1e9 if nbytes else None}
     result = {"seq": seq, "reps": reps, "passes": rows,
               "norm_rope_elements_differing_from_default": norm_rope_bits_agree(qkv, table, qw, kw, tilings),
-              "rounding_forms_agree": {"norm_rope": forms_agree(norm_rope_once)},
+              "rounding_forms_agree": {"norm_rope": forms_agree(lambda: norm_roped(qkv, table, qw, kw))},
               "v_absmax_tilings_equal": all(torch.equal(v_absmax(*(int(x) for x in t.split(","))), v_absmax())
                                             for t in vmax_tilings)}
     if has_kernel:
