@@ -95,10 +95,8 @@ def weight_stays_on_device(layer, device) -> bool:
     return getattr(layer.weight, "device", None) == device or hasattr(layer, "_v")
 
 
-# comfy-kitchen's int8 tensor-wise weights (the bundled checkpoint's): their activation quantiser works
-# row by row, and ``linear_input_act`` folds SwiGLU into it
-INT8_TENSORWISE = "TensorWiseINT8Layout"
-ROWWISE_LAYOUTS = (INT8_TENSORWISE,)
+# quantised layouts whose activation quantiser works row by row
+ROWWISE_LAYOUTS = (int8_layers.INT8_LAYOUT,)
 
 
 def rows_independent(layer) -> bool:
@@ -126,9 +124,7 @@ def chunkable(x, *layers) -> bool:
 
 
 def int8_tensorwise(layer) -> bool:
-    weight = getattr(layer, "weight", None)
-    return (isinstance(weight, getattr(comfy.ops, "QuantizedTensor", ()))
-            and getattr(weight, "_layout_cls", None) == INT8_TENSORWISE)
+    return int8_layers.is_int8_tensorwise(getattr(layer, "weight", None))
 
 
 def mlp_chunk_setting(settings, mlp) -> int:

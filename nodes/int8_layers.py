@@ -20,14 +20,20 @@ from ..kernels import h3_block as block_ops
 from ..kernels import int8_linear as route
 from . import conflicts
 
+# comfy-kitchen's int8 tensor-wise layout (the bundled checkpoint's): its activation quantiser works row
+# by row, and ``linear_input_act`` folds SwiGLU into it
 INT8_LAYOUT = "TensorWiseINT8Layout"
+
+
+def is_int8_tensorwise(weight) -> bool:
+    return (isinstance(weight, getattr(comfy.ops, "QuantizedTensor", ()))
+            and getattr(weight, "_layout_cls", None) == INT8_LAYOUT)
 
 
 def is_int8_convrot(weight) -> bool:
     """An int8 tensor-wise weight with ConvRot groups of 256, as stored (not transposed)."""
     params = getattr(weight, "_params", None)
-    return (isinstance(weight, getattr(comfy.ops, "QuantizedTensor", ()))
-            and getattr(weight, "_layout_cls", None) == INT8_LAYOUT and getattr(params, "convrot", False)
+    return (is_int8_tensorwise(weight) and getattr(params, "convrot", False)
             and getattr(params, "convrot_groupsize", None) == route.GROUP and not getattr(params, "transposed", False))
 
 
