@@ -67,7 +67,7 @@ SLEEP_CYCLES_PER_MS = 1.98e6  # torch.cuda._sleep counts SM cycles; about a mill
 # RMSNorm + RoPE tilings: registers (sm90, Triton 3.8) limit the default to 3 programs an SM; the
 # others keep more bytes in flight per SM (smaller programs, or Q and K read before either is stored)
 TILINGS = ("16,8,4,0", "16,8,4,1", "8,8,4,1", "8,8,2,1", "4,8,1,1", "4,8,1,0", "8,16,2,1")
-VMAX_TILINGS = ("256,8,1024,4", "256,16,1024,8", "512,32,512,8", "128,8,1024,4", "256,4,2048,4")
+VMAX_TILINGS = ("256,8,1024,4", "256,16,1024,8", "256,8,1024,8", "512,32,512,8", "128,8,1024,4", "256,4,2048,4")
 
 
 # the modules whose passes round to bf16 with ``round_bf16``; ``integer_rounding`` sets their form
