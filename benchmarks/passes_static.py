@@ -8,10 +8,9 @@ norm+modulation and SwiGLU) this compiles the Triton kernel as a launch at H3's 
 (benchmarks/sm90_static.py's tools) and reads the cubin: registers, spills, and the instructions one
 thread issues (a loop's body counted once per trip). Two floors follow for 37,810 tokens: issue (every
 scheduler issuing one warp instruction a cycle, at the clock of the committed Nsight profile) and
-bytes moved at 4.0 TB/s; a pass takes at least the larger. A pass whose issue floor is near or above
-its bytes floor gains from fewer instructions (schedulers seldom issue every cycle); on the H100
-(2026-12-05 profile, 37,810 tokens) the RMSNorm+RoPE pass moved 2.1 TB/s where the others moved
-2.7-3.0. Static counts, not a timing:
+bytes moved at 4.0 TB/s; a pass takes at least the larger. Static counts, not a timing: on an H100
+neither form was consistently faster (within 4% either way; docs/BENCHMARKS.md, 2026-12-05), the
+elementwise passes streaming 2.5-2.9 TB/s and RMSNorm+RoPE 2.1 TB/s in both forms.
 tests/gpu/test_norm_rope_gpu.py and tests/gpu/test_block_path_gpu.py check the bits on the GPU,
 ``benchmarks.prep_passes`` times the passes.
 """

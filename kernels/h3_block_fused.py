@@ -41,9 +41,9 @@ NORM_MODULATE_TILING = None
 def norm_modulate_warps(cols: int) -> int:
     """Warps of the one-row program for rows of ``cols`` columns: at most 48 columns a thread, between 4
     and 16 warps. H3's rows (5,376 columns) take 4, the fewest instructions a row without spilling
-    (benchmarks/passes_static.py). On an H100 at 37,810 tokens, with the row held as one 8,192-column
-    block, the norm and the residual with its norm took 1.006 ms at 4 warps, 1.036 at 8 and 1.130 at 16
-    (prep_passes, 2026-12-05)."""
+    (benchmarks/passes_static.py). On an H100 at 37,810 tokens the norm and the residual with its norm
+    took 0.344 + 0.570 ms at 4 warps, 0.368 + 0.608 at 8 and 0.413 + 0.674 at 16 (prep_passes,
+    2026-12-05)."""
     return min(16, max(4, triton.next_power_of_2(-(-cols // (32 * 48)))))
 SWIGLU_COLS, SWIGLU_ROWS = 1024, 4
 
