@@ -6,10 +6,11 @@ The block fast path runs fc1 (5376 -> 28672) and fc2 (14336 -> 5376) a token chu
 (``Settings.mlp_chunk_tokens`` rows, ``int8_mlp_chunk_tokens`` with int8 weights, split by
 ``kernels.h3_block.token_chunks``) so the [S, 28672] intermediate never exists whole. Each chunk is
 a GEMM of another shape, for which cuBLAS may pick other tiles than for the whole one. This times
-each linear whole against the same linear by chunks, interleaved rep by rep, per chunk size, and checks that the chunks give the whole product's bits
-(bf16 ``F.linear``; with comfy-kitchen also its ``int8_linear`` on int8 tensor-wise weights with
-convrot, as the bundled checkpoint stores them). Random data at H3's shapes; the SwiGLU between the
-two linears is left out (it is elementwise: chunking does not change its cost per row).
+each linear whole against the same linear by chunks, interleaved rep by rep, per chunk size, and
+checks that the chunks give the whole product's bits (bf16 ``F.linear``; with comfy-kitchen also
+its ``int8_linear`` on int8 tensor-wise weights with convrot, as the bundled checkpoint stores
+them). Random data at H3's shapes; the SwiGLU between the two linears is left out (it is
+elementwise: chunking does not change its cost per row).
 """
 
 from __future__ import annotations

@@ -127,12 +127,8 @@ def passes(seq: int, reps: int, warmup: int, tilings, vmax_tilings=(), idle_ms: 
     prepared = kernels.BACKENDS["sage2"].prepare(q, k, v, mode="exact")
     out_hnd = torch.empty(1, HEADS, seq, D, dtype=torch.bfloat16, device=qkv.device)
 
-    def v_absmax(rows=sage2_quant.VMAX_ROWS, tile=sage2_quant.VMAX_TILE_ROWS, cols=sage2_quant.VMAX_COLS,
-                 warps=sage2_quant.VMAX_WARPS):
-        out = torch.empty(-(-seq // rows), HEADS, D, dtype=torch.float32, device=qkv.device)
-        sage2_quant._vmax_kernel[(out.shape[0], -(-HEADS * D // cols))](
-            v, out, seq, HEADS * D, v.stride(1), v.stride(2), D=D, ROWS=rows, RB=tile, BC=cols, num_warps=warps)
-        return out.amax(0)
+    def v_absmax(*tiling):
+        return sage2_quant.v_absmax_partials(v, *tiling).amax(0)
 
     def kernel_to(out):
         op, reason = kernels.backends.sage2._sm90_attention_op()

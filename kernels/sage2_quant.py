@@ -331,15 +331,22 @@ def _geometry(q):
 # pass 1: reduction
 
 
+def v_absmax_partials(v, rows=VMAX_ROWS, tile_rows=VMAX_TILE_ROWS, cols=VMAX_COLS, warps=VMAX_WARPS):
+    """V's per-channel absmax of each ``rows``-token split: fp32 [splits, H, D] (the tiling changes no value)."""
+    s, h, d = v.shape[1:]
+    out = torch.empty(-(-s // rows), h, d, dtype=torch.float32, device=v.device)
+    _vmax_kernel[(out.shape[0], triton.cdiv(h * d, cols))](
+        v, out, s, h * d, v.stride(1), v.stride(2), D=d, ROWS=rows, RB=tile_rows, BC=cols, num_warps=warps)
+    return out
+
+
 def _reduce_impl(k, v, k_weight, rope_coef, eps, fused):
     _require_triton()
     s, h, d, _, _, _ = _geometry(k)
     dev = k.device
-    vsplit, ksplit = -(-s // VMAX_ROWS), -(-s // ROWS_PER_SPLIT)
-    vmax = torch.empty(vsplit, h, d, dtype=torch.float32, device=dev)
-    _vmax_kernel[(vsplit, triton.cdiv(h * d, VMAX_COLS))](
-        v, vmax, s, h * d, v.stride(1), v.stride(2), D=d, ROWS=VMAX_ROWS, RB=VMAX_TILE_ROWS, BC=VMAX_COLS,
-        num_warps=VMAX_WARPS)
+    ksplit = -(-s // ROWS_PER_SPLIT)
+    vmax = v_absmax_partials(v)
+    vsplit = vmax.shape[0]
     if fused:
         ksum = torch.empty(ksplit, h, d, dtype=torch.float64, device=dev)
         half = rope_coef.shape[-1] // 2 if rope_coef is not None else 0
