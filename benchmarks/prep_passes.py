@@ -64,8 +64,9 @@ h3_block_fused = submodule("kernels.h3_block_fused")
 HEADS, D, ROT, EPS = 56, 128, 96, 1e-5
 HIDDEN, FFN = 5376, 14336  # H3's block width and MLP width (fc1 gives 2 * FFN)
 SLEEP_CYCLES_PER_MS = 1.98e6  # torch.cuda._sleep counts SM cycles; about a millisecond at sm90's top clock
-# RMSNorm + RoPE tilings: registers (sm90, Triton 3.8) limit the default to 3 programs an SM; the
-# others keep more bytes in flight per SM (smaller programs, or Q and K read before either is stored)
+# RMSNorm + RoPE tilings: the default compiles for sm90 to 124 registers a thread, which leaves room for
+# 16 warps an SM (4 programs of 4), as 4,8,1,0 at 121 (16 programs of 1); the others differ in bytes in
+# flight per program (smaller programs, or Q and K read before either is stored)
 TILINGS = ("16,8,4,0", "16,8,4,1", "8,8,4,1", "8,8,2,1", "4,8,1,1", "4,8,1,0", "8,16,2,1")
 VMAX_TILINGS = ("256,8,1024,4", "256,16,1024,8", "256,8,1024,8", "512,32,512,8", "128,8,1024,4", "256,4,2048,4")
 
