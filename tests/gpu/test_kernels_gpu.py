@@ -99,19 +99,21 @@ def test_backend_layouts_agree_and_match_fp32(name, seq):
     needs_chunks = not fits(kernels.split_fused_qkv(qkv, HEADS, HEAD_DIM), 1, 128, 2**31 - 1)
     chain = kernels.BackendChain.for_choice(name)
     outs, recs = {}, {}
-    for layout in ("strided_nhd", "hnd"):
-        # handed over (a one-item list): the call may free its input before the kernel; the last layout
-        # takes the inputs themselves
-        handed = [qkv.clone() if layout == "strided_nhd" else qkv]
-        if layout == "hnd":
+    layouts = ("strided_nhd", "hnd")
+    for layout in layouts:
+        # handed over (a one-item list), so the call may free its input before the kernel; the last
+        # layout takes the inputs themselves: no third full-size buffer
+        last = layout == layouts[-1]
+        handed = [qkv if last else qkv.clone()]
+        if last:
             del qkv
         out, rec = kernels.attention_from_fused_qkv(handed, HEADS, HEAD_DIM, chain=chain, layout=layout,
                                                     norm=norm(table, qw, kw))
         assert rec.backend == name, skipped(rec)
         outs[layout], recs[layout] = out, rec
     max_abs, mean_abs = abs_difference(outs["strided_nhd"], outs["hnd"])
-    row = {"backend": name, "seq": seq, "nhd_vs_hnd_max_abs": max_abs, "nhd_vs_hnd_mean_abs": mean_abs, "chunks": recs["strided_nhd"].head_chunks,
-           "compacted": recs["strided_nhd"].compacted,
+    row = {"backend": name, "seq": seq, "nhd_vs_hnd_max_abs": max_abs, "nhd_vs_hnd_mean_abs": mean_abs,
+           "chunks": recs["strided_nhd"].head_chunks, "compacted": recs["strided_nhd"].compacted,
            "nhd_copies": recs["strided_nhd"].copies, "hnd_copies": recs["hnd"].copies,
            "nhd_prepared": recs["strided_nhd"].prepared}
     for layout, out in outs.items():
