@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.measure import max_abs_difference
 from devkit.inputs import fused_attention_inputs
 from comfyui_sage_strided_nhd import kernels
 from comfyui_sage_strided_nhd.kernels.backends import BACKENDS
@@ -62,16 +63,6 @@ def needs_memory_or_skip(seq):
         pytest.skip(f"{seq} tokens need about {need / 2**30:.1f} GiB; this card has {total / 2**30:.1f} GiB")
 
 
-def abs_difference(a, b, rows=8192):
-    """(max, mean) of |a - b| in fp32 over [S, ...] outputs, a block of rows at a time: no full-size
-    fp32 copies at long lengths."""
-    peak, total = 0.0, 0.0
-    for start in range(0, a.shape[0], rows):
-        d = (a[start:start + rows].float() - b[start:start + rows].float()).abs()
-        peak, total = max(peak, d.max().item()), total + d.sum(dtype=torch.float64).item()
-    return peak, total / a.numel()
-
-
 def norm(table, qw, kw):
     """A fresh QKNorm per call (one is applied at most once)."""
     return kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
@@ -111,8 +102,9 @@ def test_backend_layouts_agree_and_match_fp32(name, seq):
                                                     norm=norm(table, qw, kw))
         assert rec.backend == name, skipped(rec)
         outs[layout], recs[layout] = out, rec
-    max_abs, mean_abs = abs_difference(outs["strided_nhd"], outs["hnd"])
-    row = {"backend": name, "seq": seq, "nhd_vs_hnd_max_abs": max_abs, "nhd_vs_hnd_mean_abs": mean_abs,
+    diff = max_abs_difference(outs["strided_nhd"], outs["hnd"])
+    row = {"backend": name, "seq": seq, "nhd_vs_hnd_max_abs": diff["max_abs_difference"],
+           "nhd_vs_hnd_mean_abs": diff["mean_abs_difference"],
            "chunks": recs["strided_nhd"].head_chunks, "compacted": recs["strided_nhd"].compacted,
            "nhd_copies": recs["strided_nhd"].copies, "hnd_copies": recs["hnd"].copies,
            "nhd_prepared": recs["strided_nhd"].prepared}

@@ -370,6 +370,28 @@ def test_kernel_family_splits_a_block_into_attention_gemms_and_the_rest(name, fa
     assert measure.kernel_family(name) == family
 
 
+@pytest.mark.parametrize("shape, rows", [((37, 3, 8), 8), ((37, 3, 8), 100), ((1, 2, 5, 4), 1), ((), 8)])
+def test_max_abs_difference_by_row_blocks_equals_the_whole_tensor_figures(shape, rows):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    b = (a.float() + 0.125 + 0.01 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+    got = measure.max_abs_difference(a, b, rows=rows)
+    d = (a.float() - b.float()).abs()
+    assert got["max_abs_difference"] == float(d.max())  # a maximum is exact whatever the blocks
+    assert got["mean_abs_difference"] == pytest.approx(float(d.double().mean()), rel=1e-9)
+    assert got["relative_l2"] == pytest.approx(float(d.double().norm() / a.double().norm()), rel=1e-9)
+    assert got["bit_exact"] is False and measure.max_abs_difference(a, a.clone(), rows=rows)["bit_exact"] is True
+
+
+def test_max_abs_difference_refuses_outputs_of_different_shapes():
+    import torch
+
+    with pytest.raises(ValueError, match="shapes"):
+        measure.max_abs_difference(torch.zeros(4, 2), torch.zeros(2, 4))
+
+
 def test_idle_between_kernels_is_the_span_minus_the_busy_union():
     # kernels 0-10, 5-12 (overlaps), 20-30: busy 22 of a 30 us span -> 8 us idle
     assert measure.idle_between([(20.0, 30.0), (0.0, 10.0), (5.0, 12.0)]) == pytest.approx(0.008)
