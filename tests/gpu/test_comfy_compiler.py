@@ -2,11 +2,12 @@
 
 Current ComfyUI (0.34+) runs every sampling forward inside a comfy-aimdo allocation graph.
 ``devkit/aimdo_emulation.py`` drives it as ComfyUI does (its docstring has the sequence), for 4
-full-width H3 blocks x 4 steps at S = 12,000 (two MLP chunks): a warm-up sampling run, then the measured one, each a
-graph of its own, in a fresh process per variant (comfy-aimdo is initialised before torch): stock
-ComfyUI attention, and the node with sage2 (prepared path exact / fused / rotated / fused_rotated,
-and switched off), sdpa, layout hnd, all with block_path exact, and sage2 exact with block_path
-attention_only. Checked on each variant's JSON (not only its exit status):
+full-width H3 blocks x 4 steps at S = 14,000 (two chunks of the MLP and of the qkv projection in both
+formats): a warm-up sampling run, then the measured one, each a graph of its own, in a fresh process
+per variant (comfy-aimdo is initialised before torch): stock ComfyUI attention, and the node with
+sage2 (prepared path exact / fused / rotated / fused_rotated, and switched off), sdpa, layout hnd,
+all with block_path exact, and sage2 exact with block_path attention_only. Checked on each variant's
+JSON (not only its exit status):
 
 - no error, every stage done (a process that aborted, as comfy-aimdo makes one that frees a graph
   allocation in the wrong scope, leaves its last stage and the Python stack in the message);
@@ -38,11 +39,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from devkit.aimdo_emulation import VARIANTS, WEIGHT_FORMATS
+from devkit.aimdo_emulation import CHECK_SEQ, VARIANTS, WEIGHT_FORMATS
 from devkit.comfy import find_host
 
 ROOT = Path(__file__).resolve().parents[2]
-BLOCKS, STEPS, SEQ = 4, 4, 12000  # past one MLP chunk (8,192 rows): the block fast path chunks
+BLOCKS, STEPS, SEQ = 4, 4, CHECK_SEQ  # past every chunk size of the block fast path
 TIMEOUT_S = 300  # a variant takes well under a minute; a machine's first Triton compiles add to it
 WEIGHTS = [w.strip() for w in os.environ.get("COMFY_COMPILER_WEIGHTS", "bf16").split(",") if w.strip()]
 SAGE = importlib.util.find_spec("sageattention") is not None

@@ -53,6 +53,16 @@ def runs(tmp_path_factory):
     return {v: emulate(host, v, workdir / f"{v}.json") for v in VARIANTS}
 
 
+def test_the_gpu_check_length_takes_every_chunked_path_of_the_block():
+    """The GPU check (tests/gpu/test_comfy_compiler.py) runs at emu.CHECK_SEQ: it must pass every chunk
+    size the block fast path uses by default, or a chunk's allocations escape the malloc graph."""
+    from host_fixtures import import_pack
+
+    settings = import_pack(require_host()).nodes.patch.Settings()
+    for name in ("mlp_chunk_tokens", "int8_mlp_chunk_tokens", "qkv_chunk_tokens"):
+        assert emu.CHECK_SEQ > getattr(settings, name), (name, getattr(settings, name), emu.CHECK_SEQ)
+
+
 def failure_text(proc, data) -> str:
     return "\n".join([str(data.get("error")), *(e.get("traceback", "") for e in data.get("errors", [])),
                       proc.stderr[-3000:]])
