@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import measure, results_table, schema
 from devkit.h3 import FULL_H3, packed_token_count
@@ -372,8 +373,6 @@ def test_kernel_family_splits_a_block_into_attention_gemms_and_the_rest(name, fa
 
 @pytest.mark.parametrize("shape, rows", [((37, 3, 8), 8), ((37, 3, 8), 100), ((1, 2, 5, 4), 1), ((), 8)])
 def test_max_abs_difference_by_row_blocks_equals_the_whole_tensor_figures(shape, rows):
-    import torch
-
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(shape, generator=gen).to(torch.bfloat16)
     b = (a.float() + 0.125 + 0.01 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
@@ -386,8 +385,6 @@ def test_max_abs_difference_by_row_blocks_equals_the_whole_tensor_figures(shape,
 
 
 def test_max_abs_difference_refuses_outputs_of_different_shapes():
-    import torch
-
     with pytest.raises(ValueError, match="shapes"):
         measure.max_abs_difference(torch.zeros(4, 2), torch.zeros(2, 4))
 
