@@ -188,9 +188,10 @@ def max_abs_difference(a: torch.Tensor, b: torch.Tensor, rows: int = 8192) -> di
         raise ValueError(f"cannot compare outputs of shapes {tuple(a.shape)} and {tuple(b.shape)}")
     if a.numel() == 0:
         return {"max_abs_difference": 0.0, "mean_abs_difference": 0.0, "relative_l2": 0.0, "bit_exact": True}
+    a, b = torch.atleast_1d(a), torch.atleast_1d(b)  # a 0-dim tensor as one row
     peak, abs_sum, diff_sq, ref_sq = 0.0, 0.0, 0.0, 0.0
-    for start in range(0, a.shape[0] if a.dim() else 1, rows):
-        ai, bi = (a[start:start + rows], b[start:start + rows]) if a.dim() else (a, b)
+    for start in range(0, a.shape[0], rows):
+        ai, bi = a[start:start + rows], b[start:start + rows]
         d = (ai.float() - bi.float()).abs()
         peak = max(peak, float(d.max()))
         abs_sum += float(d.sum(dtype=torch.float64))

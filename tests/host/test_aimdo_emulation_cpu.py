@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from devkit import aimdo_emulation as emu
-from host_fixtures import require_host
+from host_fixtures import import_pack, require_host
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS, STEPS, SEQ = 3, 3, 64
@@ -56,8 +56,6 @@ def runs(tmp_path_factory):
 def test_the_gpu_check_length_takes_every_chunked_path_of_the_block():
     """The GPU check (tests/gpu/test_comfy_compiler.py) runs at emu.CHECK_SEQ: it must pass every chunk
     size the block fast path uses by default, or a chunk's allocations escape the malloc graph."""
-    from host_fixtures import import_pack
-
     settings = import_pack(require_host()).nodes.patch.Settings()
     for name in ("mlp_chunk_tokens", "int8_mlp_chunk_tokens", "qkv_chunk_tokens"):
         assert emu.CHECK_SEQ > getattr(settings, name), (name, getattr(settings, name), emu.CHECK_SEQ)
