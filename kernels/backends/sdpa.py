@@ -14,17 +14,28 @@ import torch.nn.functional as F
 from .base import YES, AttentionBackend
 
 
-@functools.cache
-def _hopper_priority():
-    """A context manager factory that prefers cuDNN attention, or None where PyTorch cannot set priorities."""
+# SDPBackend names, first asked first, on Hopper and newer. Stock ComfyUI (comfy/ops.py, 0.33 to current)
+# asks FLASH_ATTENTION first: from about 12,000 tokens the two pick different kernels whose outputs
+# differ by rounding (benchmarks/sdpa_priority.py).
+HOPPER_PRIORITY = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+def priority(names):
+    """A context manager factory asking SDPA for ``names`` (SDPBackend names) in that order, or None
+    where PyTorch cannot set priorities."""
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return None
     if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
         return None
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    order = [getattr(SDPBackend, name) for name in names]
     return lambda: sdpa_kernel(order, set_priority=True)
+
+
+@functools.cache
+def _hopper_priority():
+    return priority(HOPPER_PRIORITY)
 
 
 def _kernel_priority(q: torch.Tensor):
