@@ -43,6 +43,12 @@ def event_timed(fn: Callable[[], object], before: Callable[[], object] | None = 
     return run
 
 
+def device_timed(fn: Callable[[], object], device: torch.device) -> Callable[[], float]:
+    """A runner returning the seconds of one ``fn()``: CUDA events on a GPU, elsewhere the wall clock
+    with the device drained (``timed``)."""
+    return event_timed(fn) if device.type == "cuda" else (lambda: timed(fn, device)[0])
+
+
 # GPU cycles the queued timing holds the device for before the measured call (~0.1 s at 2 GHz): far
 # longer than any block takes to enqueue, so the host is done before the GPU reaches the call
 QUEUE_HEAD_START_CYCLES = 200_000_000

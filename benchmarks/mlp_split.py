@@ -20,7 +20,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from benchmarks.measure import event_timed, interleaved_times, summary, timed
+from benchmarks.measure import device_timed, interleaved_times, summary
 from benchmarks.projection_split import int8_projection, split_parser
 from devkit.pack import submodule
 
@@ -52,11 +52,6 @@ def linear_formats(w):
     return formats
 
 
-def runner(fn, device):
-    """Seconds of one ``fn()``: CUDA events on a GPU, the wall clock with the device drained elsewhere."""
-    return event_timed(fn) if device.type == "cuda" else (lambda: timed(fn, device)[0])
-
-
 def tflops(rows, fan_in, fan_out, ms):
     return 2 * rows * fan_in * fan_out / (ms * 1e-3) / 1e12
 
@@ -73,8 +68,9 @@ def check(seq, chunks, reps, warmup, device):
             whole = linear(x)
             same = {c: torch.equal(by_chunks(linear, x, c), whole) for c in chunks}
             del whole
-            runners = {"whole": runner(lambda: linear(x), device)}
-            runners.update({f"chunk {c}": runner(lambda c=c: chunk_outputs(linear, x, c), device) for c in chunks})
+            runners = {"whole": device_timed(lambda: linear(x), device)}
+            runners.update({f"chunk {c}": device_timed(lambda c=c: chunk_outputs(linear, x, c), device)
+                            for c in chunks})
             times = interleaved_times(runners, reps, warmup)
             ms = {k: summary(v)["p50_seconds"] * 1e3 for k, v in times.items()}
             rate = {k: tflops(seq, fan_in, fan_out, v) for k, v in ms.items()}

@@ -21,7 +21,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from benchmarks.measure import event_timed, interleaved_times, max_abs_difference, summary, timed
+from benchmarks.measure import device_timed, interleaved_times, max_abs_difference, summary
 from devkit.pack import submodule
 
 sdpa_backend = submodule("kernels.backends.sdpa")
@@ -66,12 +66,9 @@ def compare(seq: int, heads: int, head_dim: int, device, reps: int, warmup: int)
            "ran": {order: reproduced(out, lone) for order, out in outputs.items()},
            "stock_vs_pack": max_abs_difference(outputs["stock"], outputs["pack"])}
     del lone, outputs
-    if device.type == "cuda":
-        runners = {order: event_timed(lambda names=names: attend(names, q, k, v)) for order, names in ORDERS.items()}
-        times = interleaved_times(runners, reps, warmup)
-    else:
-        times = {order: [timed(lambda names=names: attend(names, q, k, v), device)[0] for _ in range(reps)]
-                 for order, names in ORDERS.items()}
+    runners = {order: device_timed(lambda names=names: attend(names, q, k, v), device)
+               for order, names in ORDERS.items()}
+    times = interleaved_times(runners, reps, warmup)
     row["times"] = {order: summary(t) for order, t in times.items()}
     return row
 
