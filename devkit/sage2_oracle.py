@@ -19,10 +19,8 @@ accumulation), not from its code:
   sequence, ``S_pad`` a multiple of 128, zero padding), tokens permuted inside every group of 16 so
   that token ``16g + m`` sits at ``16g + p(m)``, ``p(m) = 2*(m // 8) + 4*((m // 2) % 4) + m % 2``.
 
-The ``fused`` variants also apply per-head RMSNorm (whole head_dim, fp64 statistics) and the
-split-half partial RoPE in fp32, the ``rotated`` variants multiply Q and the smoothed K by a
-normalised 128-point Walsh-Hadamard matrix (an exact integer product on fixed-point rows) before
-the int8 step. The order of
+The ``rotated`` mode multiplies Q and the smoothed K by a normalised 128-point Walsh-Hadamard matrix
+(an exact integer product on fixed-point rows) before the int8 step. The order of
 every floating-point operation mirrors the Triton kernels in ``kernels/sage2_quant.py``, so under
 ``TRITON_INTERPRET=1`` the two agree bit for bit.
 """
@@ -37,7 +35,7 @@ from .pack import submodule
 
 _kernel = submodule("kernels.sage2_quant")  # the geometry and the modes are the kernel module's own
 Q_BLOCK, K_BLOCK, FP8_MAX, ROT_MIN_EXPONENT = _kernel.Q_BLOCK, _kernel.K_BLOCK, _kernel.FP8_MAX, _kernel.ROT_MIN_EXPONENT
-MODES, mode_flags, padded_len = _kernel.MODES, _kernel.mode_flags, _kernel.padded_len
+MODES, rotates, padded_len = _kernel.MODES, _kernel.rotates, _kernel.padded_len
 INV_SQRT_128 = 1.0 / math.sqrt(128.0)
 
 
@@ -81,26 +79,6 @@ def hadamard_rows(x: torch.Tensor) -> torch.Tensor:
     h = sylvester_hadamard(128).to(device=x.device, dtype=torch.float64)
     y = (fixed.double() @ h).float()
     return y * from_fixed * torch.tensor(INV_SQRT_128, dtype=torch.float32)
-
-
-def norm_rope_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float, rope_table: torch.Tensor | None):
-    """RMSNorm over the head dim (fp64 statistics) then split-half partial RoPE, fp32, [1, S, H, D]."""
-    xf = x.float()
-    eps32 = float(torch.tensor(eps, dtype=torch.float32))  # the kernels take eps as an fp32 scalar
-    ms = (xf.double() * xf.double()).sum(-1, keepdim=True) / xf.shape[-1]
-    rstd = (1.0 / torch.sqrt(ms + eps32)).float()
-    xn = (xf * rstd) * weight.float()
-    if rope_table is None:
-        return xn
-    half = rope_table.shape[-3]
-    rot = 2 * half
-    f = rope_table.float()[0, :, 0]  # [S, half, 2, 2]
-    a, b = xn[..., :half], xn[..., half:rot]
-    f00, f01 = f[:, None, :, 0, 0], f[:, None, :, 0, 1]
-    f10, f11 = f[:, None, :, 1, 0], f[:, None, :, 1, 1]
-    first = f00 * a + f01 * b
-    second = f11 * b + f10 * a
-    return torch.cat((first, second, xn[..., rot:]), dim=-1)
 
 
 def _int8_groups(x: torch.Tensor):
@@ -153,23 +131,17 @@ def quant_v_per_channel(v: torch.Tensor):
     return out, scale[None]
 
 
-def prepare_reference(q, k, v, *, mode="exact", rope_table=None, q_weight=None, k_weight=None, eps=None):
-    """All operands the sm90 kernel takes, from NHD [1, S, H, 128] views. CPU or GPU, any strides.
+def prepare_reference(q, k, v, *, mode="exact"):
+    """All operands the sm90 kernel takes, from NHD [1, S, H, 128] views of normalised Q and K. CPU or
+    GPU, any strides.
 
     Returns a dict: q_int8 / k_int8 [H, S, D] int8, q_scale [1, H, nq], k_scale [1, H, nk],
     v_fp8 [H, D, S_pad] float8_e4m3fn, v_scale [1, H, D].
     """
-    fused, rotated = mode_flags(mode)
-    if fused:
-        qf = norm_rope_fp32(q, q_weight, eps, rope_table)
-        kf = norm_rope_fp32(k, k_weight, eps, rope_table)
-        km = kf.double().sum(1, keepdim=True).div(kf.shape[1]).float()
-        ks = kf - km
-    else:
-        qf = q.float()
-        km = k.mean(dim=1, keepdim=True)  # in k's dtype, as SageAttention takes it
-        ks = (k.float() - km.float()).to(k.dtype).float()
-    if rotated:
+    qf = q.float()
+    km = k.mean(dim=1, keepdim=True)  # in k's dtype, as SageAttention takes it
+    ks = (k.float() - km.float()).to(k.dtype).float()
+    if rotates(mode):
         qf, ks = hadamard_rows(qf), hadamard_rows(ks)
     q_i8, q_scale = quant_q_per_thread(qf[0].permute(1, 0, 2))
     k_i8, k_scale = quant_k_per_thread(ks[0].permute(1, 0, 2))

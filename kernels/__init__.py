@@ -1,14 +1,21 @@
-"""Strided NHD attention for fused-QKV transformers, with no ComfyUI import (docs/ARCHITECTURE.md)."""
+"""Strided NHD attention, the H3 block's passes, the int8 ConvRot route; no ComfyUI import. nodes/ imports only it."""
 
 from .backends import AUTO_ORDER, BACKENDS
 from .backends.base import REASON_CODES
 from .chain import BACKEND_CHOICES, BackendChain, CallRecord, NoBackendError, Skip
 from .dataflow import (LAYOUTS, RowProjection, attention_from_fused_qkv, attention_from_projection, attention_nhd,
                        split_fused_qkv, token_major)
+from .h3_block import PendingModulation, clip_segments, gated_residual_, settled, swiglu
+from .int8_linear import GROUP as CONVROT_GROUP
+from .int8_linear import (GemmDeclined, int8_call_problem, int8_column_products, int8_linear_routed,
+                          int8_quantized_rows, int8_weight_problem, stock_int8_linear)
+from .offsets import token_chunks
 from .qk_transform import QKNorm, norm_rope, rope_rot_dim
 from .sage2_quant import MODES as PREPARED_MODES
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "BACKEND_CHOICES", "LAYOUTS", "PREPARED_MODES", "REASON_CODES", "BackendChain",
-           "CallRecord", "NoBackendError", "QKNorm", "RowProjection", "Skip", "attention_from_fused_qkv",
-           "attention_from_projection", "attention_nhd", "norm_rope",
-           "rope_rot_dim", "split_fused_qkv", "token_major"]
+__all__ = ["AUTO_ORDER", "BACKENDS", "BACKEND_CHOICES", "CONVROT_GROUP", "LAYOUTS", "PREPARED_MODES", "REASON_CODES",
+           "BackendChain", "CallRecord", "GemmDeclined", "NoBackendError", "PendingModulation", "QKNorm",
+           "RowProjection", "Skip", "attention_from_fused_qkv", "attention_from_projection", "attention_nhd",
+           "clip_segments", "gated_residual_", "int8_call_problem", "int8_column_products", "int8_linear_routed",
+           "int8_quantized_rows", "int8_weight_problem", "norm_rope", "rope_rot_dim", "settled", "split_fused_qkv",
+           "stock_int8_linear", "swiglu", "token_chunks", "token_major"]

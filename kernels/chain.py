@@ -1,14 +1,10 @@
-"""The back-end chain: the first back-end that can take a call runs it; every skip is recorded.
-
-One scan per call: available, then supports, then the back-end's prepared path when the call
-asks for one and the chain allows it, else its plain call; one that raises is skipped. The
-:class:`CallRecord` says what ran and why; each distinct fallback is logged once.
-"""
+"""The back-end chain: per call, the first back-end available for and supporting it runs it (its prepared path
+when asked for and allowed, else its plain call); one that raises is skipped; every skip is recorded."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -25,8 +21,7 @@ _logged: set[tuple[str, str, str]] = set()
 
 @dataclass(frozen=True)
 class Skip:
-    """A back-end (or its prepared path) passed over for one call. ``code``: a key of REASON_CODES;
-    ``kind``: ``unavailable`` (not on this machine), ``unsupported`` (not this call) or ``raised``."""
+    """A back-end or prepared path passed over: ``code`` in REASON_CODES, ``kind`` unavailable/unsupported/raised."""
 
     backend: str
     code: str
@@ -60,13 +55,16 @@ class NoBackendError(RuntimeError):
                          + "; ".join(f"{s.backend}: {s.reason}" for s in self.skipped) + ")")
 
 
-@dataclass
+@dataclass(frozen=True)
 class BackendChain:
     """The back-ends one call may use, in order. ``prepared=False`` switches every prepared path off."""
 
     requested: str
-    backends: list[AttentionBackend] = field(default_factory=list)
+    backends: tuple[AttentionBackend, ...] = ()
     prepared: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "backends", tuple(self.backends))
 
     @classmethod
     def for_choice(cls, choice: str, *, prepared: bool = True) -> "BackendChain":
@@ -77,7 +75,7 @@ class BackendChain:
         if choice != "auto":
             order.remove(choice)
             order.insert(0, choice)
-        return cls(choice, [BACKENDS[name] for name in order], prepared)
+        return cls(choice, tuple(BACKENDS[name] for name in order), prepared)
 
     def run(self, q, k, v, **kwargs):
         """Attention on q, k, v (keywords of ``run_handed``); returns (output, CallRecord)."""
@@ -85,10 +83,7 @@ class BackendChain:
 
     def run_handed(self, views: list, *, layout: str, scale: float | None = None, mask=None, norm=None,
                    prepared_mode: str | None = None):
-        """``run`` on ``views = [q, k, v]``, which it empties: a prepared path can then free them.
-
-        ``norm``: the ``QKNorm`` still owed (applied once, or handed to a prepared path);
-        ``prepared_mode``: ask for the prepared path (NHD, unmasked calls)."""
+        """``run`` on ``views = [q, k, v]``, emptied so a prepared path can free them; ``norm``: still owed."""
         if layout not in TENSOR_LAYOUTS:
             raise ValueError(f"tensor layout must be one of {TENSOR_LAYOUTS}, got {layout!r}")
         _check_shapes(*views)
@@ -121,11 +116,8 @@ class BackendChain:
 
     def run_projected(self, projection, heads: int, head_dim: int, *, norm, prepared_mode: str, chunk: int,
                       scale: float | None = None):
-        """The prepared path on a fused qkv projection taken by token chunks (``projection``: see
-        ``AttentionBackend.prepare_projected``), when the back-end that would take the call offers it;
-        returns (NHD output, CallRecord), or (None, None): then the caller projects whole and calls
-        ``run_handed``. The scan is ``run_handed``'s, on K and V views of the buffer K and V go to."""
-        if not self.prepared or norm is None or not norm.foldable:
+        """The prepared path on a projection by token chunks, or (None, None): the caller projects whole."""
+        if not self.prepared or norm is None or not norm.by_rows:
             return None, None
         kv = projection.kv  # K/V projected ahead (a projection that splits by columns), or a buffer for them
         if kv is None:
@@ -159,8 +151,7 @@ class BackendChain:
         return None, None
 
     def _candidates(self, views: list, layout: str, mask, skipped: list):
-        """The back-ends, in order, that are available and support the call on ``views`` (read anew for
-        each: a norm may replace Q and K); each one passed over is appended to ``skipped``."""
+        """The back-ends, in order, that take the call on ``views`` (read anew: a norm may replace Q/K)."""
         for backend in self.backends:
             verdict, kind = backend.available(), "unavailable"
             if verdict:
@@ -171,8 +162,7 @@ class BackendChain:
                 skipped.append(Skip(backend.name, verdict.code, verdict.reason, kind))
 
     def _run_prepared(self, backend, views: list, mode: str, scale, norm):
-        """(output, Prepared), or (None, Skip: why the prepared path did not run). On success ``views``
-        is emptied before the kernel runs, so an error of the kernel itself has no fallback."""
+        """(output, Prepared) or (None, Skip). ``views`` is emptied before the kernel: its error has no fallback."""
         if not self.prepared:
             return None, Skip(backend.name, "switched_off", f"{backend.name} prepared path switched off", "unsupported")
         if mode not in backend.prepared_modes:
@@ -180,12 +170,10 @@ class BackendChain:
         verdict = backend.prepared_verdict(*views)
         if not verdict:
             return None, Skip(backend.name, verdict.code, verdict.reason, "unsupported")
-        if norm is not None and not norm.foldable:
-            # only a norm the back-end may fold is its to apply: this one returns new tensors (or
-            # is applied already), and a fallback after a failed preparation must see them
+        if norm is not None:  # applied here, once: a fallback after a failed preparation sees it done
             views[0], views[1] = norm.apply(views[0], views[1])
         try:
-            prepared = backend.prepare(*views, mode=mode, scale=scale, norm=norm)
+            prepared = backend.prepare(*views, mode=mode, scale=scale)
         except Exception as exc:
             raise_if_context_lost(exc)
             return None, Skip(backend.name, "raised", f"prepared path raised {type(exc).__name__}: {exc}", "raised")
@@ -214,9 +202,7 @@ def raise_if_context_lost(exc: Exception) -> None:
 
 
 def _run_within_offsets(backend: AttentionBackend, q, k, v, layout, scale, mask):
-    """(output, head chunks, compacted): the back-end called directly, or on compact copies of head
-    chunks (offsets bounded by their own size, outputs copied into one tensor) when its int32
-    offsets would overflow; a sequence whose compact copy fits whole runs as one compacted chunk."""
+    """(output, head chunks, compacted): direct, or on compact head-chunk copies where int32 would overflow."""
     limit = backend.max_element_offset
     seq_dim, head_dim_index = (1, 2) if layout == "NHD" else (2, 1)
     if limit is None or fits((q, k, v), seq_dim, backend.row_block, limit):
@@ -238,8 +224,7 @@ def _run_within_offsets(backend: AttentionBackend, q, k, v, layout, scale, mask)
 
 
 def _log_skips(requested: str, used: str, skipped) -> None:
-    """Log each distinct skip once: info for auto passing over what is not installed here, warning
-    for a requested back-end missing, a call it cannot take, or one that raised."""
+    """Log each distinct skip once: info for auto passing over what is not installed, else a warning."""
     for s in skipped:
         key = (requested, s.backend, s.reason)
         if key in _logged:
@@ -247,4 +232,5 @@ def _log_skips(requested: str, used: str, skipped) -> None:
         _logged.add(key)
         quiet = requested == "auto" and s.kind == "unavailable"
         log.log(logging.INFO if quiet else logging.WARNING,
-                "attention back-end %s skipped (%s); %s ran instead (requested: %s)", s.backend, s.reason, used, requested)
+                "[Sage Strided NHD] attention back-end %s skipped (%s); %s ran instead (requested: %s)",
+                s.backend, s.reason, used, requested)

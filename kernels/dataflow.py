@@ -1,5 +1,4 @@
-"""The attention dataflow around the back-ends: ``strided_nhd`` (views of the fused buffer, no copies)
-and the ``hnd`` reference baseline (contiguous head-major copies); docs/ARCHITECTURE.md has the picture."""
+"""The attention dataflow: ``strided_nhd`` (views of the fused buffer, no copies) and the ``hnd`` copy baseline."""
 
 from __future__ import annotations
 
@@ -40,10 +39,8 @@ def _check_layout(layout: str) -> None:
 def attention_from_fused_qkv(handed, heads: int, head_dim: int, *, chain: BackendChain, norm: QKNorm,
                              layout: str = "strided_nhd", scale: float | None = None,
                              prepared_mode: str = "exact") -> tuple[torch.Tensor, CallRecord]:
-    """Attention of one fused qkv projection; returns ([S, heads*head_dim], CallRecord).
-
-    ``handed``: the projection, or a one-element list holding it (handed over: a prepared path then
-    frees it before its kernel). ``norm`` overwrites the buffer's Q and K in place by design."""
+    """Attention of one fused qkv projection -> ([S, heads*head_dim], CallRecord). ``handed``: it, or a
+    one-element list holding it (a prepared path then frees it). ``norm`` overwrites its Q and K in place."""
     _check_layout(layout)
     views = list(split_fused_qkv(handed.pop() if isinstance(handed, list) else handed, heads, head_dim))
     return _attention_from_views(views, head_dim, chain=chain, norm=norm, layout=layout, scale=scale,
@@ -52,8 +49,7 @@ def attention_from_fused_qkv(handed, heads: int, head_dim: int, *, chain: Backen
 
 def _attention_from_views(views: list, head_dim: int, *, chain: BackendChain, norm: QKNorm, layout: str,
                           scale: float | None, prepared_mode: str) -> tuple[torch.Tensor, CallRecord]:
-    """``attention_from_fused_qkv`` on ``views = [q, k, v]`` ([1, S, H, D] each), which it empties: the
-    chain then holds the only references to them (and so to the buffers under them)."""
+    """On ``views = [q, k, v]`` ([1, S, H, D]), which it empties: the chain holds the only references."""
     norm.check(views[0].shape[1], head_dim)
     if layout == "hnd":
         q, k, v = views
@@ -68,23 +64,16 @@ def _attention_from_views(views: list, head_dim: int, *, chain: BackendChain, no
 
 
 def _token_major_result(out: torch.Tensor, record: CallRecord) -> tuple[torch.Tensor, CallRecord]:
-    """The H3 call's result: the NHD output as [S, H*D] (``token_major``), a copy counted if one was made."""
+    """The NHD output as [S, H*D] (``token_major``), a copy counted if one was made."""
     flat, copies = token_major(out)
     record.copies += copies
     return flat, record
 
 
 class RowProjection:
-    """The fused qkv projection of one attention call, taken on demand a token range at a time:
-    ``rows(a, b)`` = ``project(x[a:b])``, [b - a, 3*H*D]. ``release()`` drops ``x`` (the call's input)
-    once every row is taken, so it is freed before the attention kernel runs.
-
-    ``columns``: ``(project_q, project_kv)`` when the projection is a plain matrix product whose column
-    blocks give its bits (``project_q(x rows)`` -> Q rows [n, H*D]; ``project_kv(x)`` -> K and V of
-    every row, [S, 2*H*D]). K/V are then projected at once, here: the GPU computes them while the
-    call is planned (the host's work before the first product measured 0.5 ms a block), and Q goes
-    by rows (``q_rows``), with no copy; where no back-end takes the projection by chunks, Q is projected
-    whole beside them (``whole``). ``kv`` holds them until ``release``."""
+    """The fused qkv projection of one call, taken by token ranges (``rows(a, b)`` = ``project(x[a:b])``), its
+    input freed (``release``) before the kernel. ``columns``: ``(project_q, project_kv)`` where column blocks give the
+    product's bits: K/V of every row at once (``kv``, while the call is planned), Q by rows or ``whole``."""
 
     def __init__(self, project, x: torch.Tensor, columns=None):
         self._project, self._x = project, [x]
@@ -105,13 +94,11 @@ class RowProjection:
         return self._project(self._input()[start:stop])
 
     def q_rows(self, start: int, stop: int) -> torch.Tensor:
-        """Q rows [n, H*D] alone (a projection that splits by columns: ``kv`` holds K and V)."""
+        """Q rows [n, H*D] alone (``kv`` holds K and V)."""
         return self._project_q(self._input()[start:stop])
 
     def whole(self, heads: int, head_dim: int) -> list[torch.Tensor]:
-        """Every row, as ``[q, k, v]`` [1, S, H, D] views, and ``release``: with K/V taken ahead, Q
-        projected whole beside them (their column blocks give the fused product's bits; nothing is
-        projected twice); else views of the whole projection."""
+        """Every row as ``[q, k, v]`` [1, S, H, D] views, then ``release``; nothing is projected twice."""
         if self.kv is None:
             views = list(split_fused_qkv(self.rows(0, self.seq), heads, head_dim))
         else:
@@ -128,9 +115,7 @@ class RowProjection:
 def attention_from_projection(projection: RowProjection, heads: int, head_dim: int, *, chain: BackendChain,
                               norm: QKNorm, chunk: int, layout: str = "strided_nhd", scale: float | None = None,
                               prepared_mode: str = "exact") -> tuple[torch.Tensor, CallRecord]:
-    """``attention_from_fused_qkv`` on a projection that need not be made whole: a prepared path that
-    takes it by token chunks of ``chunk`` rows runs when the chain's back-end for the call offers one
-    (the [S, 3*H*D] buffer then never exists); otherwise it is projected whole and handed over."""
+    """``attention_from_fused_qkv``, by token chunks of ``chunk`` rows where the chain's back-end offers it."""
     _check_layout(layout)
     norm.check(projection.seq, head_dim)
     if layout == "strided_nhd" and norm.inplace and projection.seq > chunk:
@@ -145,8 +130,7 @@ def attention_from_projection(projection: RowProjection, heads: int, head_dim: i
 
 def attention_nhd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chain: BackendChain,
                   layout: str = "strided_nhd", mask=None, scale: float | None = None):
-    """Attention on NHD [B, S, H, D] views of any strides; returns (NHD output, CallRecord). ``hnd``
-    copies to contiguous [B, H, S, D] first and returns the HND output as an NHD view."""
+    """NHD [B, S, H, D] views of any strides -> (NHD output, CallRecord); ``hnd`` attends contiguous copies."""
     _check_layout(layout)
     if layout == "strided_nhd":
         out, record = chain.run(q, k, v, layout="NHD", scale=scale, mask=mask)

@@ -1,32 +1,14 @@
-"""The int8 activation quantiser of int8 tensor-wise ConvRot linears (the bundled workflows' checkpoint),
-with comfy-kitchen's CUDA bits, in one Triton pass.
-
-Stock's int8 linear quantises its input row by row before the int8 GEMM, with comfy-kitchen's
-``quantize_int8_rowwise_convrot64`` kernel: each 256-wide group of a row rotated by a fast Hadamard
-transform (four radix-4 butterflies), the row's absmax over the rotated values gives its scale, each
-value is divided by that scale (both rounded to bf16 first) and rounded to int8. For fc2 the SwiGLU of
-fc1's output is computed inside it (``input_act="swiglu"``). One H200 profile at 37,810 tokens: 3.18 ms
-for the three 5,376- and 7,168-wide calls of a block (about 1.06 ms each) and 2.56 ms for the SwiGLU
-call, where reading and writing the bytes once takes about 0.15-0.2 and 0.68 ms (the CUDA kernel
-stages each row in shared memory behind a barrier per butterfly).
-
-``quantize_rows`` computes the same steps in the same order: one program holds a whole row in registers
-(its groups as the rows of up to three [groups, 256] tiles of power-of-two sizes), applies the
-butterflies by reshaping those tiles, and reads the input once (benchmarks/int8_quant_static.py reads
-its sm90 machine code). It can also apply the block's modulation to the rows first, with stock's two
-bf16 roundings (``modulation=``), so fc1's modulated input is never written. comfy-kitchen's kernels are built
-with ``--use_fast_math``: its divisions are ``div.approx.ftz`` and its ``expf`` is ``ex2.approx.ftz``
-of ``x * log2(e)``; the pass issues those instructions (under the interpreter: the IEEE reciprocal and
-a correctly rounded exp2, which devkit/int8_oracle.py writes in torch). Fast math also flushes fp32
-subnormals to zero in comfy-kitchen's additions, which the butterflies here do not: inputs below
-about 1e-38 in magnitude (never seen in activations) may quantise differently. Offsets are int64."""
+"""The int8 activation quantiser of int8 tensor-wise ConvRot linears, with the bits of comfy-kitchen's CUDA
+``quantize_int8_rowwise_convrot64`` (its steps in its order): each 256-wide group rotated by four radix-4 Hadamard
+butterflies, the row's absmax as scale, each value over it (both rounded to bf16) rounded to int8; optionally after
+fc1's SwiGLU or the block's modulation. comfy-kitchen builds with fast math, so the pass issues ``div.approx.ftz``
+and ``ex2.approx.ftz`` too, but does not flush subnormal sums (inputs below ~1e-38 may differ). Offsets are int64."""
 
 from __future__ import annotations
 
 import torch
 
-from .h3_block import per_token_params
-from .triton_support import interpreting, round_bf16, row_tiles, tl, triton
+from .triton_support import interpreting, per_token_params, round_bf16, row_tiles, tl, triton
 
 GROUP = 256            # ConvRot's rotation group (comfy-kitchen's fused kernels take only 256)
 MAX_COLS = 16384       # comfy-kitchen's fused ConvRot quantiser takes rows up to this width
@@ -71,9 +53,8 @@ if triton is not None:
 
     @triton.jit
     def _h4_stage(x, G: tl.constexpr, S: tl.constexpr):
-        """One radix-4 butterfly over the base-4 digit of stride ``S`` of each 256-wide row of ``x``
-        [G, 256]: output d of a quadruple is 0.5 * (row d of H4 . (x0, x1, x2, x3)), summed left to
-        right as comfy-kitchen's source writes it (H4's rows: + + + -, + + - +, + - + +, - + + +)."""
+        """One radix-4 butterfly over the base-4 digit of stride ``S``: output d of a quadruple is 0.5 * H4[d] .
+        (x0, x1, x2, x3), summed left to right as comfy-kitchen's source does (+ + + -, + + - +, + - + +, - + + +)."""
         A: tl.constexpr = 256 // (4 * S)
         t = tl.permute(tl.reshape(x, [G, A, 4, S]), [0, 1, 3, 2])   # the quadruple's index last
         t = tl.reshape(t, [G, A * S, 2, 2])                          # index d = 2e + f
@@ -100,10 +81,7 @@ if triton is not None:
     @triton.jit
     def _rotated_tile(X, S1, B, row, stride_x, stride_p, K, NG, G0: tl.constexpr, G: tl.constexpr,
                       MASKED: tl.constexpr, SWIGLU: tl.constexpr, MOD: tl.constexpr, EMULATE: tl.constexpr):
-        """Groups ``G0 .. G0 + G`` of the row (``MASKED``: those past ``NG`` are zeros), the SwiGLU applied
-        (``SWIGLU``: the row is [gate | up], 2K wide; fp32, never rounded) or the modulation (``MOD``:
-        ``x * scale1 + shift`` with stock's two bf16 roundings; the parameter row at ``row * stride_p``),
-        rotated: ([G, 256] fp32, their columns, the mask)."""
+        """Groups ``G0 .. G0 + G`` after the SwiGLU (fp32) or modulation (stock's roundings), rotated; cols, mask."""
         g = tl.arange(0, G).to(tl.int64) + G0
         col = g[:, None] * 256 + tl.arange(0, 256).to(tl.int64)[None, :]
         ok = (g < NG)[:, None] & (col >= 0)  # [G, 256]
@@ -140,8 +118,7 @@ if triton is not None:
     def _quantize_rows_kernel(X, S1, B, Q, SCALE, K, stride_x, stride_p, stride_q, inv_127, bf16_max,
                               SWIGLU: tl.constexpr, MOD: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr,
                               G3: tl.constexpr, EMULATE: tl.constexpr):
-        # One row, whole, in registers: its K / 256 groups as up to three tiles of G1, G2 and G3 groups
-        # (powers of two; only the last may run past the row, masked).
+        # One row in registers: its K / 256 groups as tiles of G1, G2, G3 groups (only the last masked).
         row = tl.program_id(0).to(tl.int64)
         ng = K // 256
         a1, c1, m1 = _rotated_tile(X, S1, B, row, stride_x, stride_p, K, ng, 0, G1, G2 == 0, SWIGLU, MOD, EMULATE)
@@ -165,9 +142,7 @@ if triton is not None:
 
 
 def quantize_takes(x: torch.Tensor, input_act: str | None = None) -> bool:
-    """The pass can take ``x``: 2-D bf16 rows with a contiguous last dim, on a GPU (or on the CPU under
-    the interpreter), whose quantised width (half of it with SwiGLU) is a multiple of 256 within
-    comfy-kitchen's fused limit, Triton importable."""
+    """The pass takes ``x``: 2-D bf16 rows on a GPU (or interpreted), quantised width 256 * n <= 16,384."""
     if triton is None or input_act not in INPUT_ACTS or x.dim() != 2 or x.dtype != torch.bfloat16:
         return False
     on_device = x.is_cuda or (interpreting() and x.device.type == "cpu")
@@ -176,15 +151,10 @@ def quantize_takes(x: torch.Tensor, input_act: str | None = None) -> bool:
             and width % GROUP == 0 and GROUP <= width <= MAX_COLS)
 
 
-def quantize_rows(x: torch.Tensor, input_act: str | None = None, *, modulation=None, out=None,
-                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [m, k], fp32 row scales [m, 1]) of bf16 rows ``x`` [m, k] (``input_act="swiglu"``: [m, 2k]),
-    comfy-kitchen's CUDA convrot64 quantiser's bits. ``quantize_takes(x, input_act)`` must hold.
-
-    ``modulation``: ``(scale1, shift)`` in x's dtype, one row ([k]) or one per row ([m, k]): the rows
-    quantised are ``x * scale1 + shift`` as stock's ``mul_`` and ``add_`` make them (no SwiGLU then).
-    ``out``: the (int8, scales) to write into (row slices of a larger pair). ``num_warps``: the program's
-    warps (default ``row_warps``; other values only to measure them)."""
+def quantize_rows(x: torch.Tensor, input_act: str | None = None, *, modulation=None,
+                  out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [m, k], fp32 scales [m, 1]) of bf16 rows ``x`` ([m, 2k] with SwiGLU); ``quantize_takes`` must hold.
+    ``modulation``: ``(scale1, shift)``, [k] or [m, k], applied as stock does; ``out``: the pair to write into."""
     if not quantize_takes(x, input_act) or (modulation is not None and input_act is not None):
         raise ValueError(f"the int8 quantiser cannot take a {x.dtype} {tuple(x.shape)} input with act {input_act!r}"
                          + (" and a modulation" if modulation is not None else ""))
@@ -202,14 +172,11 @@ def quantize_rows(x: torch.Tensor, input_act: str | None = None, *, modulation=N
     g1, g2, g3 = row_tiles(k // GROUP)
     _quantize_rows_kernel[(m,)](x, scale1, shift, q, scale, k, x.stride(0), k if per_row else 0, q.stride(0),
                                 INV_127, BF16_MAX, SWIGLU=input_act == "swiglu", MOD=modulation is not None,
-                                G1=g1, G2=g2, G3=g3, EMULATE=interpreting(), num_warps=num_warps or row_warps(k))
+                                G1=g1, G2=g2, G3=g3, EMULATE=interpreting(), num_warps=row_warps(k))
     return q, scale
 
 
 def row_warps(width: int) -> int:
-    """Warps of one row's program: at most 112 of the row's values a thread, so every H3 width (5,376,
-    7,168 and fc2's SwiGLU 14,336) takes 4 warps. Fewer warps issue fewer instructions a row (the
-    butterflies' data movement is per warp): on the H200 the SwiGLU row at 4 warps (167 registers, no
-    local memory) ran in 1.59 ms at 37,810 rows against 1.74 ms at 8 (2026-12-05). 128 values a thread
-    (16,384 wide at 4 warps) spill, so those rows take 8."""
+    """Warps of one row's program: the fewest, at least 4, that hold 112 values a thread or fewer (fewer warps
+    issue fewer instructions a row; 128 values a thread spill): 4 for every H3 width."""
     return min(16, max(4, triton.next_power_of_2(-(-width // (32 * 112)))))

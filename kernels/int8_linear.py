@@ -1,20 +1,6 @@
-"""int8 tensor-wise ConvRot linears with the pack's activation quantiser (kernels/int8_activation.py) and
-comfy-kitchen's own int8 GEMM: the bits of stock's call, with the quantiser's time cut.
-
-Stock's call, ``comfy_kitchen.int8_linear`` on CUDA, runs two kernels for the shapes of an H3 block
-(more than one row, a ConvRot weight, a quantised width that is a multiple of 256 up to 16,384, on a
-GPU of compute capability 8.0 or later): the fused ConvRot quantiser, then a CUTLASS int8 GEMM whose
-epilogue dequantises. ``int8_linear`` runs the pack's quantiser with that kernel's bits and then the
-same GEMM. That GEMM has no public entry point, so this module calls comfy-kitchen's CUDA extension
-as its ``int8_linear`` does, for the releases it was written against (``KITCHEN_VERSIONS``); any other
-release, and every call stock would run differently (``route_problem`` says why), keeps stock's call.
-
-``column_products`` splits one such linear by output columns on activations quantised once
-(``QuantizedRows``): the GEMM's int32 sums are exact and its epilogue scales each element alone, so
-column blocks of the product are the whole product's bits (benchmarks/projection_split.py measured it
-for stock's int8 linear on the GPU). The fused qkv projection then runs as the bf16 one does: K and V of
-every token first, Q by token chunks, no K/V copy out of whole rows.
-"""
+"""int8 tensor-wise ConvRot linears as stock's CUDA ``int8_linear`` runs them (fused quantiser, then comfy-kitchen's
+CUTLASS int8 GEMM), with the pack's quantiser: same bits. The GEMM has no public entry point, so the route is taken
+only for ``KITCHEN_VERSIONS``. Column blocks of the product are its bits (exact int32 sums, a per-element epilogue)."""
 
 from __future__ import annotations
 
@@ -26,8 +12,7 @@ import torch
 
 from . import int8_activation
 
-# comfy-kitchen releases whose CUDA int8_linear this module mirrors (the GEMM call and the conditions
-# under which stock runs the fused ConvRot quantiser and the CUTLASS GEMM)
+# comfy-kitchen releases whose CUDA int8_linear this module mirrors (its GEMM call and its dispatch)
 KITCHEN_VERSIONS = ("0.2.31",)
 GROUP = int8_activation.GROUP
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # comfy-kitchen's output dtype codes
@@ -61,7 +46,7 @@ def _stock_kwargs(x, qdata, w_scale, bias, input_act):
             "convrot": True, "convrot_groupsize": GROUP, "input_act": input_act}
 
 
-def call_problem(x: torch.Tensor, *, input_act: str | None = None) -> str | None:
+def int8_call_problem(x: torch.Tensor, *, input_act: str | None = None) -> str | None:
     """What about the call itself (not its weight) keeps stock's: None when nothing does."""
     if torch.compiler.is_compiling():
         return "traced by torch.compile"
@@ -74,16 +59,16 @@ def call_problem(x: torch.Tensor, *, input_act: str | None = None) -> str | None
     return kitchen_cuda()[1]
 
 
-def route_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias, *,
+def int8_route_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias, *,
                   input_act: str | None = None) -> str | None:
-    """Why stock's ``int8_linear(x, qdata, w_scale, bias, convrot=True, input_act=...)`` would not run
-    the fused ConvRot quantiser and the CUTLASS GEMM that ``int8_linear`` reproduces; None: it would."""
-    return call_problem(x, input_act=input_act) or weight_problem(x, qdata, w_scale, bias, input_act=input_act)
+    """Why stock's ConvRot ``int8_linear`` would not run the two kernels ``int8_linear`` reproduces; None: it would."""
+    return (int8_call_problem(x, input_act=input_act)
+            or int8_weight_problem(x, qdata, w_scale, bias, input_act=input_act))
 
 
-def weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias, *,
+def int8_weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias, *,
                    input_act: str | None = None) -> str | None:
-    """``route_problem`` for a call whose ``call_problem`` is already known to be None."""
+    """``int8_route_problem`` for a call whose ``int8_call_problem`` is already known to be None."""
     cuda = kitchen_cuda()[0]
     k = x.shape[1] // (2 if input_act == "swiglu" else 1)
     if qdata.dtype != torch.int8 or qdata.dim() != 2 or qdata.shape[1] != k:
@@ -105,8 +90,7 @@ def weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, 
 
 def gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias,
          out_dtype: torch.dtype) -> torch.Tensor | None:
-    """comfy-kitchen's CUTLASS int8 GEMM with its dequantising epilogue, called with the arguments its
-    ``int8_linear`` passes; None where CUTLASS declines the shape (stock would then take cuBLAS)."""
+    """comfy-kitchen's CUTLASS int8 GEMM as its ``int8_linear`` calls it; None where CUTLASS declines the shape."""
     cuda, why = kitchen_cuda()
     if cuda is None:
         raise RuntimeError(why)
@@ -127,19 +111,16 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: 
 
 def int8_linear(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
                 input_act: str | None = None, modulation: list | None = None) -> torch.Tensor | None:
-    """Stock's ``int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, input_act=...)``, with the
-    pack's quantiser; None where ``route_problem`` names a reason or CUTLASS declines the shape (the
-    caller then makes stock's call). ``modulation``: ``x`` is owed stock's modulation, segments
-    ``(a, b, scale1, shift)`` tiling its rows in order (``kernels.h3_block.PendingModulation.foldable``):
-    each segment's rows are modulated inside the quantiser, never written out."""
-    if route_problem(x, qdata, w_scale, bias, input_act=input_act) is not None:
+    """Stock's ``int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, input_act=...)`` with the pack's
+    quantiser; None where the route objects or CUTLASS declines. ``modulation``: foldable segments, applied inside."""
+    if int8_route_problem(x, qdata, w_scale, bias, input_act=input_act) is not None:
         return None
-    return routed(x, qdata, w_scale, bias, input_act=input_act, modulation=modulation)
+    return int8_linear_routed(x, qdata, w_scale, bias, input_act=input_act, modulation=modulation)
 
 
-def routed(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
+def int8_linear_routed(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
            input_act: str | None = None, modulation: list | None = None) -> torch.Tensor | None:
-    """``int8_linear`` for a call whose ``route_problem`` is already known to be None."""
+    """``int8_linear`` for a call whose ``int8_route_problem`` is already known to be None."""
     xq, x_scale = _quantize(x, input_act, modulation)
     return gemm(xq, x_scale, qdata, w_scale, bias, x.dtype)
 
@@ -166,8 +147,7 @@ class GemmDeclined(RuntimeError):
 
 
 class QuantizedRows:
-    """int8 rows with their fp32 scales, sliced by rows as the bf16 rows they were quantised from
-    (``dtype``: theirs, the product's): what ``kernels.RowProjection`` takes rows of."""
+    """int8 rows, their fp32 scales and the bf16 ``dtype``, sliced by rows (for ``kernels.RowProjection``)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
         self.q, self.scale, self.dtype = q, scale, dtype
@@ -184,16 +164,13 @@ class QuantizedRows:
         return QuantizedRows(self.q[rows], self.scale[rows], self.dtype)
 
 
-def quantized_rows(x: torch.Tensor, modulation: list | None = None) -> QuantizedRows:
-    """``x`` quantised as stock's int8 ConvRot linear quantises it (``route_problem`` must be None);
-    ``modulation`` as ``int8_linear``'s."""
+def int8_quantized_rows(x: torch.Tensor, modulation: list | None = None) -> QuantizedRows:
+    """``x`` quantised as stock's route would (``int8_route_problem`` None); ``modulation`` as ``int8_linear``'s."""
     return QuantizedRows(*_quantize(x, None, modulation), x.dtype)
 
 
-def column_products(qdata: torch.Tensor, w_scale: torch.Tensor, inner: int):
-    """``(project_q, project_kv)`` on ``QuantizedRows``: the GEMM on the weight's first ``inner`` output
-    rows and on the rest (a per-channel scale is split with them). Each raises ``GemmDeclined`` where
-    CUTLASS declines the shape."""
+def int8_column_products(qdata: torch.Tensor, w_scale: torch.Tensor, inner: int):
+    """``(project_q, project_kv)``: the GEMM on the first ``inner`` weight rows, then the rest (``GemmDeclined``)."""
     def block(a: int, b: int | None):
         w = qdata[a:b]
         ws = w_scale if w_scale.numel() == 1 else w_scale.reshape(-1)[a:b]

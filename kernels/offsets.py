@@ -1,6 +1,5 @@
-"""Keeping int32-indexed kernels inside their offset range (past 2**31 they silently read and write
-the wrong memory: H3's fused-buffer views at S > 99,864): the largest offset a call would form, and
-head chunks whose compact copies fit."""
+"""How calls are split: head chunks that keep int32-indexed kernels in range (past 2**31 they silently touch
+the wrong memory: H3's fused-buffer views at S > 99,864), and even token chunks."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ def _round_up(n: int, block: int) -> int:
 
 
 def largest_offset(t: torch.Tensor, seq_dim: int, row_block: int) -> int:
-    """Largest element offset from t's data pointer a kernel may form (the sequence extent rounded
-    up to the kernel's row tile: tiled kernels form tile offsets before masking the tail)."""
+    """Largest element offset a kernel may form: tiled kernels address whole row tiles before masking."""
     extent = 0
     for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
         if dim == seq_dim:
@@ -43,3 +41,13 @@ def heads_per_chunk(q: torch.Tensor, k: torch.Tensor, head_dim_index: int, seq_d
     """Most heads whose compact copies (of q and of k/v) keep every offset <= limit; 0 if not even one."""
     per_head = max(compact_numel(t, seq_dim, row_block) // t.shape[head_dim_index] for t in (q, k))
     return min(q.shape[head_dim_index], (limit + 1) // per_head)
+
+
+def token_chunks(rows: int, chunk: int, align: int = 64) -> list[tuple[int, int]]:
+    """``[(start, stop)]``: the fewest chunks of at most ``chunk`` rows, equal, rounded up to ``align`` where
+    that fits (no small last GEMM); with ``chunk`` a multiple of ``align`` each starts on one."""
+    if chunk <= 0:
+        raise ValueError(f"chunk must be positive, got {chunk}")
+    size = -(-rows // -(-rows // chunk)) if rows else chunk
+    size = min(-(-size // align) * align, chunk)
+    return [(a, min(a + size, rows)) for a in range(0, rows, size)]

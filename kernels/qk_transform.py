@@ -1,15 +1,7 @@
-"""Per-head RMSNorm + split-half partial RoPE on Q and K, in place on the strided views: no Q/K copies.
-
-Stock H3 calls comfy-kitchen's ``rms_rope_split_half_``, which picks its CUDA, Triton or eager
-implementation per call. Where it would pick CUDA, the pack's own Triton pass runs instead with that
-kernel's bits (tests/gpu/test_norm_rope_gpu.py compares them on an H200): the same arithmetic in the
-same order (per head, a warp's lane-strided fused-multiply-add squares summed by a butterfly of
-shuffles; ``rsqrtf``; the normed value rounded to bf16 before the rotation; the rotation's two
-products in one fused multiply-add). The pass handles a tile of tokens over a group of heads, so the
-rotation table is read once per token tile instead of once per head: on an H200 at 37,810 tokens
-0.96 ms against comfy-kitchen's 2.77 ms, where reading and writing Q and K once at 4.8 TB/s takes
-0.45 ms. Elsewhere (other dtypes or layouts, no CUDA implementation) comfy-kitchen runs. Offsets are
-int64."""
+"""Per-head RMSNorm + split-half partial RoPE on Q and K, in place on the strided views. Where comfy-kitchen's
+``rms_rope_split_half_`` would pick CUDA, the pack's Triton pass runs with that kernel's bits (its arithmetic in its
+order: lane-strided fma squares, a shuffle butterfly, ``rsqrtf``, bf16 normed values, an fma rotation), reading
+the rotations once per group of heads. Elsewhere comfy-kitchen runs. Offsets are int64."""
 
 from __future__ import annotations
 
@@ -48,9 +40,8 @@ def check_rope_table(rope_table: torch.Tensor, seq_len: int, head_dim: int) -> N
 
 # the comfy-kitchen implementation whose bits the pack's pass reproduces
 KITCHEN_BACKEND = "cuda"
-# the pass's tiling: (tokens per program, heads per program, warps, a head's Q and K read before either
-# is stored); every tiling gives the same bits (benchmarks/prep_passes.py times them)
-NORM_ROPE_CONFIG = (16, 8, 4, False)
+# the pass's tiling: tokens per program, heads per program (the rotations are read once for them), warps
+NORM_ROPE_TOKENS, NORM_ROPE_HEADS, NORM_ROPE_WARPS = 16, 8, 4
 LANES = 32  # comfy-kitchen's kernel: one warp per (token, head) row
 
 
@@ -73,8 +64,7 @@ if triton is not None:
     def _norm_rope_values(X, rows, ok, h, stride_s, stride_h, w_lo, w_hi, w_tail, f00, f01, f10, f11, eps,
                           R: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
                           TAIL: tl.constexpr, TP: tl.constexpr, EMULATE: tl.constexpr, HW_BF16: tl.constexpr):
-        """RMSNorm + split-half rope of head ``h`` of ``R`` token rows, comfy-kitchen's steps: (the rows'
-        address, the rotated halves and the tail, bf16 values in fp32), nothing stored yet."""
+        """Norm + rope of head ``h`` of ``R`` rows in comfy-kitchen's steps: (row address, halves, tail), unstored."""
         row = X + rows[:, None] * stride_s + h * stride_h
         lane = tl.arange(0, 32)
         acc = tl.zeros([R, 32], dtype=tl.float32)
@@ -121,11 +111,8 @@ if triton is not None:
     @triton.jit
     def _norm_rope_kernel(Q, K, T, QW, KW, S, H, sqs, sqh, sks, skh, sts, stp, str_, stc, eps,
                           D: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, TAIL: tl.constexpr,
-                          TP: tl.constexpr, R: tl.constexpr, HG: tl.constexpr, QK_FIRST: tl.constexpr,
-                          EMULATE: tl.constexpr, HW_BF16: tl.constexpr):
-        # One program: R tokens, HG heads of Q and of K; the tokens' rotations are loaded once. QK_FIRST:
-        # a head's Q and K are both read and computed before either is stored (a store keeps later loads
-        # behind it: the views may overlap for all the compiler knows).
+                          TP: tl.constexpr, R: tl.constexpr, HG: tl.constexpr, EMULATE: tl.constexpr,
+                          HW_BF16: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
         ok = rows < S
         p = tl.arange(0, PP)
@@ -145,30 +132,25 @@ if triton is not None:
         h0 = tl.program_id(1).to(tl.int64) * HG
         for g in range(HG):
             _norm_rope_qk(Q, K, rows, ok, h0 + g, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi,
-                          kw_tail, f00, f01, f10, f11, eps, R, D, P, PP, TAIL, TP, QK_FIRST, EMULATE, HW_BF16)
+                          kw_tail, f00, f01, f10, f11, eps, R, D, P, PP, TAIL, TP, EMULATE, HW_BF16)
 
     @triton.jit
     def _norm_rope_qk(Q, K, rows, ok, h, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi, kw_tail,
                       f00, f01, f10, f11, eps, R: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                      PP: tl.constexpr, TAIL: tl.constexpr, TP: tl.constexpr, QK_FIRST: tl.constexpr,
-                      EMULATE: tl.constexpr, HW_BF16: tl.constexpr):
+                      PP: tl.constexpr, TAIL: tl.constexpr, TP: tl.constexpr, EMULATE: tl.constexpr,
+                      HW_BF16: tl.constexpr):
         hok = ok & (h < H)
         q = _norm_rope_values(Q, rows, hok, h, sqs, sqh, qw_lo, qw_hi, qw_tail, f00, f01, f10, f11, eps,
                               R, D, P, PP, TAIL, TP, EMULATE, HW_BF16)
-        if not QK_FIRST:
-            _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
+        _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
         k = _norm_rope_values(K, rows, hok, h, sks, skh, kw_lo, kw_hi, kw_tail, f00, f01, f10, f11, eps,
                               R, D, P, PP, TAIL, TP, EMULATE, HW_BF16)
-        if QK_FIRST:
-            _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
         _norm_rope_store(k[0], k[1], k[2], k[3], hok, P, PP, TAIL, TP)
 
 
 def own_pass_takes(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,
                    k_weight: torch.Tensor) -> bool:
-    """The pack's pass can take this in-place call: bf16 Q/K of one shape with contiguous heads whose
-    head_dim is a multiple of 32 (comfy-kitchen's CUDA condition), a bf16/fp32 table, 1-D weights of
-    head_dim, all on one GPU (or on the CPU under the interpreter), Triton importable."""
+    """Whether the pack's pass takes this in-place call (bf16, head_dim % 32 == 0 as comfy-kitchen's CUDA)."""
     on_device = q.is_cuda or (interpreting() and q.device.type == "cpu")
     d = q.shape[-1]
     return (triton is not None and on_device and q.dtype == torch.bfloat16 and k.dtype == q.dtype
@@ -190,27 +172,23 @@ def kitchen_backend(q, k, rope_table, q_weight, k_weight, eps: float, rot: int) 
 
 
 def norm_rope_pass(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,
-                   k_weight: torch.Tensor, eps: float, config: tuple | None = None) -> None:
-    """The pack's in-place pass (``own_pass_takes`` must hold): comfy-kitchen's CUDA bits. ``config``:
-    the tiling (``NORM_ROPE_CONFIG``'s fields; None: ``NORM_ROPE_CONFIG`` as it is at the call)."""
+                   k_weight: torch.Tensor, eps: float) -> None:
+    """The pack's in-place pass (``own_pass_takes`` must hold): comfy-kitchen's CUDA bits."""
     s, h, d = q.shape[1:]
     p = rope_rot_dim(rope_table) // 2
     tail = d - 2 * p
-    tokens, heads, warps, qk_first = config or NORM_ROPE_CONFIG
-    grid = (triton.cdiv(s, tokens), triton.cdiv(h, heads))
+    grid = (triton.cdiv(s, NORM_ROPE_TOKENS), triton.cdiv(h, NORM_ROPE_HEADS))
     st = rope_table.stride()
     _norm_rope_kernel[grid](q, k, rope_table, q_weight, k_weight, s, h, q.stride(1), q.stride(2), k.stride(1),
                             k.stride(2), st[1], st[3], st[4], st[5], float(eps), D=d, P=p,
                             PP=triton.next_power_of_2(max(p, 1)), TAIL=tail, TP=triton.next_power_of_2(max(tail, 1)),
-                            R=tokens, HG=heads, QK_FIRST=qk_first, EMULATE=interpreting(),
-                            HW_BF16=hardware_bf16(q.device), num_warps=warps)
+                            R=NORM_ROPE_TOKENS, HG=NORM_ROPE_HEADS, EMULATE=interpreting(),
+                            HW_BF16=hardware_bf16(q.device), num_warps=NORM_ROPE_WARPS)
 
 
 def norm_rope(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,
               k_weight: torch.Tensor, eps: float, *, inplace: bool = True):
-    """RMSNorm over each head (whole head_dim), then rotate the first rot_dim dims (pairs i, i+rot/2).
-    q, k: [1, S, H, D] views with a contiguous last dim; in place, or new tensors (``inplace=False``).
-    In place, the pack's pass runs where comfy-kitchen would run its CUDA kernel (same bits)."""
+    """RMSNorm per head, then rotate the first rot_dim dims (pairs i, i+rot/2); in place (the pack's pass) or not."""
     check_rope_table(rope_table, q.shape[1], q.shape[-1])
     rot = rope_rot_dim(rope_table)
     if inplace and own_pass_takes(q, k, rope_table, q_weight, k_weight) and (
@@ -225,9 +203,8 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weig
 
 
 class QKNorm:
-    """The normalisation one attention call owes Q and K, applied at most once: RMSNorm + split-half
-    RoPE through comfy-kitchen (in place unless ``inplace`` is False), or the module's q_norm/k_norm. A
-    prepared path may fold a ``foldable`` one into its passes (``mark_folded``); else ``apply`` it."""
+    """The normalisation one call owes Q and K, applied at most once: RMSNorm + split-half RoPE or the module's
+    q_norm/k_norm; whole (``apply``) or, where ``by_rows``, by token ranges (``apply_rows``, ``mark_applied``)."""
 
     def __init__(self, *, rope_table=None, q_weight=None, k_weight=None, eps: float = 1e-6, q_norm=None,
                  k_norm=None, inplace: bool = True):
@@ -244,20 +221,17 @@ class QKNorm:
             check_rope_table(self.rope_table, seq_len, head_dim)
 
     @property
-    def foldable(self) -> bool:
-        """Could a prepared path apply it inside its own passes, or a token range at a time (``apply_rows``)?
-        In place, with a rope table, not yet applied."""
+    def by_rows(self) -> bool:
+        """Can it be applied a token range at a time? In place, with a rope table, not yet applied."""
         return self.rope_table is not None and self.inplace and not self.applied
 
-    def mark_folded(self) -> None:
-        """The whole call's Q and K are normalised: inside a preparation, or row range by row range."""
+    def mark_applied(self) -> None:
+        """Every row range of the call's Q and K is normalised."""
         self.applied = True
 
     def apply_rows(self, q: torch.Tensor, k: torch.Tensor, start: int) -> None:
-        """Normalise, in place, the rows of Q and K that start at token ``start`` (``q``, ``k``: those
-        rows, [1, n, H, D]); rows are independent, so the bits are those of one call on every row.
-        The caller marks the call done (``mark_folded``) once every row is."""
-        if not self.foldable:
+        """Normalise in place Q/K rows from token ``start``: rows are independent, so the bits are one call's."""
+        if not self.by_rows:
             raise RuntimeError("this normalisation cannot be applied by rows (no rope table, not in place, or done)")
         table = self.rope_table[:, start:start + q.shape[1]]
         norm_rope(q, k, table, self.q_weight, self.k_weight, self.eps, inplace=True)

@@ -1,46 +1,32 @@
-"""Triton passes that turn strided NHD Q/K/V views into SageAttention 2's sm90 operands.
-
-``sage2_reduce``: V's per-channel absmax (token tiles over every head's channels, streamed) and,
-fused, the normed+roped K sum (fp64, fixed order; else ``k.mean``, SageAttention's own call).
-``sage2_quantize``: per (128-token block, head), int8 Q and K with the sm90 per-thread scales and
-fp8 V head-major ``[H, D, S_pad]``, permuted, zero pad. Both are torch.library custom ops with fake
-implementations; offsets are int64. ``MODES``: exact, fused (norm+rope inside), rotated and
-fused_rotated (an exact integer Hadamard product before int8). Under ``TRITON_INTERPRET=1`` they
-match devkit/sage2_oracle.py bit for bit (the interpreter's truncating casts are rounded in integer
-arithmetic)."""
+"""Triton passes that turn strided NHD Q/K/V views (Q and K normalised) into SageAttention 2's sm90 operands:
+``sage2_reduce`` (V's channel absmax, the K mean by SageAttention's own ``k.mean``) and ``sage2_quantize`` (int8 Q/K
+with the sm90 per-thread scales, fp8 V [H, D, S_pad] permuted). Custom ops, int64 offsets. Interpreted they match
+devkit/sage2_oracle.py bit for bit (the interpreter's truncating casts are rounded in integer arithmetic)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from .qk_transform import check_rope_table
 from .triton_support import TRITON_ERROR, interpreting, tl, triton
 
 LIB = "sage_strided_nhd"
 HEAD_DIM = 128
-# SageAttention 2's sm90 operand geometry: Q scales per 64-row block, K per 128-row block, V padded
-# to 128 rows; fp8 e4m3's largest finite value.
+# SageAttention 2's sm90 geometry: Q scales per 64 rows, K per 128, V padded to 128; fp8 e4m3's largest.
 Q_BLOCK, K_BLOCK, V_PAD = 64, 128, 128
 FP8_MAX = 448.0
-# Rotation: rows whose absmax is below 2^(ROT_MIN_EXPONENT - 127) are treated as if it were that
-# (keeps every power-of-two factor of the rotation a normal fp32; such rows quantise to 0 anyway).
+# Rotation: an absmax below 2^(ROT_MIN_EXPONENT - 127) counts as that, so every factor stays a normal fp32.
 ROT_MIN_EXPONENT = 32
-ROWS_PER_SPLIT = 512  # K sum (fused modes): rows of one head per program
-# V absmax: rows per program, rows per loaded tile, channels per program, warps (a tile is 16 x 1024
-# bf16): 1.4x faster than 8 x 1024 tiles at 4 warps on an H100 (benchmarks/prep_passes.py --vmax)
+# V absmax: rows per program, rows per loaded tile, channels per program, warps
 VMAX_ROWS, VMAX_TILE_ROWS, VMAX_COLS, VMAX_WARPS = 256, 16, 1024, 8
 
-# The preparation modes: name -> (RMSNorm+RoPE folded into the passes, Hadamard rotation of Q/K).
-MODES = {"exact": (False, False), "fused": (True, False), "rotated": (False, True), "fused_rotated": (True, True)}
-# Quantisation pass tuning per mode flags: (unroll factor of the 32-row sub-tile loops, warps per
-# program); benchmarks/results/sage2-fast-notes.md has the measurements.
-QUANT_CONFIG = {(False, False): (1, 8), (False, True): (1, 4), (True, False): (1, 8), (True, True): (1, 8)}
+# The preparation modes: name -> whether Q and K are rotated (an exact integer Hadamard product) before int8.
+MODES = {"exact": False, "rotated": True}
+# Warps per quantisation program, by rotation (the fastest per mode on an H200)
+QUANT_WARPS = {False: 8, True: 4}
 
 
-def mode_flags(mode: str) -> tuple[bool, bool]:
-    """(fused norm+rope, Hadamard rotation) for a mode name."""
+def rotates(mode: str) -> bool:
+    """Whether ``mode`` rotates Q and K before int8."""
     if mode not in MODES:
         raise ValueError(f"unknown sage2 preparation mode {mode!r}; expected one of {list(MODES)}")
     return MODES[mode]
@@ -87,10 +73,8 @@ if triton is not None:
 
     @triton.jit
     def _hadamard_rows(x, sylvester):
-        """Normalised Walsh-Hadamard transform of each row of an [R, 128] fp32 tile (R >= 16): the row
-        in 14-bit fixed point under the power of two above its absmax, as two 7-bit int8 digits, each
-        times the +-1 Sylvester matrix on the int8 tensor cores (int32: exact in any order). The
-        oracle's ``hadamard_rows`` takes the same steps, so the two agree bit for bit."""
+        """Exact normalised Walsh-Hadamard transform of each row of an [R, 128] tile (R >= 16), as the oracle's:
+        14-bit fixed point as two 7-bit int8 digits, each times the +-1 Sylvester matrix (int32 sums: any order)."""
         e = (tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
         e = tl.maximum(e, _ROT_MIN_EXPONENT)
         to_fixed = ((267 - e) << 23).to(tl.float32, bitcast=True)  # 2^14 / s, s = 2^(e - 126)
@@ -110,54 +94,9 @@ if triton is not None:
         return tl.load(ptr, mask=m[:, None], other=0.0)
 
     @triton.jit
-    def _norm_rope_rows(X, W, RC, rows, m, h, c, stride_s, stride_h, S, eps,
-                        D: tl.constexpr, HALF: tl.constexpr):
-        """RMSNorm (fp64 statistics) then split-half RoPE on the first 2*HALF dims, fp32 [R, D]. RC:
-        ``rope_coefficients``, per token and channel the factor on itself and on its partner."""
-        base = X + rows[:, None] * stride_s + h * stride_h
-        x = tl.load(base + c[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        x64 = x.to(tl.float64)
-        ms = tl.sum(x64 * x64, axis=1) / D
-        rstd = (1.0 / tl.sqrt(ms + eps)).to(tl.float32)
-        w = tl.load(W + c).to(tl.float32)
-        xn = (x * rstd[:, None]) * w[None, :]
-        if HALF > 0:
-            in_rot = c < 2 * HALF
-            p = tl.where(c < HALF, c + HALF, tl.where(in_rot, c - HALF, c))
-            xp = tl.load(base + p[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-            wp = tl.load(W + p).to(tl.float32)
-            xpn = (xp * rstd[:, None]) * wp[None, :]
-            cb = RC + rows[:, None] * (2 * HALF) + c[None, :]
-            tm = m[:, None] & in_rot[None, :]
-            f_self = tl.load(cb, mask=tm, other=1.0)
-            f_part = tl.load(cb + S * (2 * HALF), mask=tm, other=0.0)
-            y = f_self * xn + f_part * xpn
-            xn = tl.where(in_rot[None, :], y, xn)
-        return xn
-
-    @triton.jit
-    def _ksum_kernel(K, KW, RC, KSUM, S, H, sks, skh, eps,
-                     D: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr, RB: tl.constexpr):
-        """Fused modes: the normed+roped K summed over ROWS rows of one head (fp64, fixed order)."""
-        pid = tl.program_id(0).to(tl.int64)
-        h = pid % H
-        split = pid // H
-        c = tl.arange(0, D)
-        ksum = tl.zeros([D], dtype=tl.float64)
-        for r0 in range(0, ROWS, RB):
-            rows = split * ROWS + r0 + tl.arange(0, RB)
-            m = rows < S
-            kk = _norm_rope_rows(K, KW, RC, rows, m, h, c, sks, skh, S, eps, D, HALF)
-            kk = tl.where(m[:, None], kk, 0.0)
-            ksum += tl.sum(kk.to(tl.float64), axis=0)
-        tl.store(KSUM + (split * H + h) * D + c, ksum)
-
-    @triton.jit
     def _vmax_kernel(V, VMAX, S, HD, svs, svh, D: tl.constexpr, ROWS: tl.constexpr, RB: tl.constexpr,
                      BC: tl.constexpr):
-        """V's absmax over ROWS rows, for BC of the H*D channels (column c: head c // D, dim c % D). The
-        running max is kept per element and reduced over the rows once at the end: no cross-warp
-        reduction per tile, so the loads stream (a max is exact in any order)."""
+        """V's absmax over ROWS rows, BC channels: kept per element, reduced once at the end so the loads stream."""
         split = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC).to(tl.int64)
         cm = c < HD
@@ -171,40 +110,26 @@ if triton is not None:
         tl.store(VMAX + split * HD + c, tl.max(acc, axis=0), mask=cm)
 
     @triton.jit
-    def _finalize_kernel(KSUM, VMAX, KMEAN_IN, KMEAN, VSCALE, VRECP, KSPLIT, VSPLIT, H, S, scale_max,
-                         D: tl.constexpr, FUSED: tl.constexpr):
+    def _finalize_kernel(VMAX, KMEAN_IN, KMEAN, VSCALE, VRECP, VSPLIT, H, scale_max, D: tl.constexpr):
         h = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, D)
         vm = tl.zeros([D], dtype=tl.float32)
         for sp in range(0, VSPLIT):
             vm = tl.maximum(vm, tl.load(VMAX + (sp * H + h) * D + c))
-        if FUSED:
-            acc = tl.zeros([D], dtype=tl.float64)
-            for sp in range(0, KSPLIT):
-                acc += tl.load(KSUM + (sp * H + h) * D + c)
-            km = (acc / S).to(tl.float32)
-        else:
-            km = tl.load(KMEAN_IN + h * D + c).to(tl.float32)
-        tl.store(KMEAN + h * D + c, km)
+        tl.store(KMEAN + h * D + c, tl.load(KMEAN_IN + h * D + c).to(tl.float32))
         smax = tl.zeros([D], dtype=tl.float32) + scale_max
         tl.store(VSCALE + h * D + c, vm / smax)
         tl.store(VRECP + h * D + c, smax / vm)
 
     @triton.jit
-    def _quant_q_subtile(Q, QW, RC, QO, QS, b, qs, h, c, i, S, SQ, ROW0, NQB, sqs, sqh, eps, sylvester,
-                         D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr, ROTATE: tl.constexpr):
-        """Q sub-tile ``qs`` (of 4) of 128-token block ``b``: 64-row blocks, 2-row groups. Sub-tile row
-        i holds sequence row 16w + 8u + t with w = 2*half + i//16, t = (i//2) % 8, u = i % 2: rows 2g
-        and 2g+1 share scale 8w + t. ``Q`` holds the SQ rows that start at sequence row ROW0 (a
-        multiple of 128); RC starts at ROW0 too, its second plane S rows further."""
+    def _quant_q_subtile(Q, QO, QS, b, qs, h, c, i, S, SQ, ROW0, NQB, sqs, sqh, sylvester,
+                         D: tl.constexpr, ROTATE: tl.constexpr):
+        """Q sub-tile ``qs`` (of 4) of block ``b``: row i is sequence row 16w + 8u + t (w = 2*half + i//16,
+        t = (i//2) % 8, u = i % 2): rows 2g, 2g+1 share scale 8w + t. ``Q``: rows from ROW0 (a multiple of 128)."""
         qblk = 2 * b + qs // 2
         rows = qblk * 64 + 16 * (2 * (qs % 2) + i // 16) + 8 * (i % 2) + (i // 2) % 8
         m = rows < SQ
-        if FUSED:
-            x = _norm_rope_rows(Q, QW, RC, rows, m, h, c, sqs, sqh, S, eps, D, HALF)
-        else:
-            x = _load_rows(Q, rows, m, h, c, sqs, sqh).to(tl.float32)
-        x = tl.where(m[:, None], x, 0.0)
+        x = tl.where(m[:, None], _load_rows(Q, rows, m, h, c, sqs, sqh).to(tl.float32), 0.0)
         if ROTATE:
             x = _hadamard_rows(x, sylvester)
         x3 = tl.reshape(x, [16, 2, D])
@@ -218,19 +143,13 @@ if triton is not None:
         tl.store(QS + h * NQB * 32 + qblk * 32 + (qs % 2) * 16 + g, scale, mask=(g < 16) & (qblk < NQB))
 
     @triton.jit
-    def _quant_k_subtile(K, KW, RC, KO, KS, km, b, t, h, c, i, S, NKB, sks, skh, eps, sylvester,
-                         D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr, ROTATE: tl.constexpr,
-                         EMULATE_FP8: tl.constexpr):
+    def _quant_k_subtile(K, KO, KS, km, b, t, h, c, i, S, NKB, sks, skh, sylvester,
+                         D: tl.constexpr, ROTATE: tl.constexpr, EMULATE_FP8: tl.constexpr):
         """Smoothed K sub-tile ``t`` (of 4): rows 8j + 2t + e (j = i//2, e = i%2), one scale."""
         rows = b * 128 + 8 * (i // 2) + 2 * t + i % 2
         m = rows < S
-        if FUSED:
-            x = _norm_rope_rows(K, KW, RC, rows, m, h, c, sks, skh, S, eps, D, HALF)
-            x = x - km[None, :]
-        else:
-            xin = _load_rows(K, rows, m, h, c, sks, skh)
-            x = _round_like(xin.to(tl.float32) - km[None, :], xin.dtype, EMULATE_FP8)
-        x = tl.where(m[:, None], x, 0.0)
+        xin = _load_rows(K, rows, m, h, c, sks, skh)
+        x = tl.where(m[:, None], _round_like(xin.to(tl.float32) - km[None, :], xin.dtype, EMULATE_FP8), 0.0)
         if ROTATE:
             x = _hadamard_rows(x, sylvester)
         scale = tl.max(tl.abs(x)) / 127. + 0.0000001
@@ -242,9 +161,7 @@ if triton is not None:
     @triton.jit
     def _quant_v_subtile(V, VO, recp, b, part, h, c, i, S, LPAD, svs, svh,
                          D: tl.constexpr, EMULATE_FP8: tl.constexpr):
-        """V sub-tile ``part``: row jj is output position j = 32*part + jj of the block; it reads token
-        16(j//16) + pinv(j%16) (the inverse of SageAttention's fp8-mma permutation); rows past S are
-        the zero pad."""
+        """V sub-tile ``part``: position j holds token 16(j//16) + pinv(j%16), fp8-mma's order; past S, zeros."""
         j = part * 32 + i
         qq = j % 16
         src = b * 128 + (j // 16) * 16 + ((qq // 2) % 2) * 8 + (qq // 4) * 2 + qq % 2
@@ -254,13 +171,10 @@ if triton is not None:
         tl.store(VO + h * D * LPAD + c[None, :] * LPAD + b * 128 + j[:, None], vq)
 
     @triton.jit
-    def _quant_kernel(Q, K, V, KM, VR, QW, KW, RC, QO, QS, KO, KS, VO,
-                      S, SQ, ROW0, H, NQB, NKB, LPAD, sqs, sqh, sks, skh, svs, svh, eps,
-                      D: tl.constexpr, HALF: tl.constexpr, FUSED: tl.constexpr, ROTATE: tl.constexpr,
-                      EMULATE_FP8: tl.constexpr, UNROLL: tl.constexpr, DO_Q: tl.constexpr, DO_KV: tl.constexpr):
-        # One program: one head, one 128-token block, in 32-row sub-tiles (register pressure).
-        # EMULATE_FP8: under TRITON_INTERPRET, round to bf16/fp8 in integer arithmetic first.
-        # DO_Q / DO_KV: which operands this launch writes (Q rows may come a token chunk at a time).
+    def _quant_kernel(Q, K, V, KM, VR, QO, QS, KO, KS, VO, S, SQ, ROW0, H, NQB, NKB, LPAD, sqs, sqh, sks, skh,
+                      svs, svh, D: tl.constexpr, ROTATE: tl.constexpr, EMULATE_FP8: tl.constexpr,
+                      DO_Q: tl.constexpr, DO_KV: tl.constexpr):
+        # One head, one 128-token block, in 32-row sub-tiles (register pressure); DO_Q / DO_KV: what it writes.
         pid = tl.program_id(0).to(tl.int64)
         h = pid % H
         b = pid // H
@@ -268,16 +182,14 @@ if triton is not None:
         i = tl.arange(0, 32)
         sylvester = _sylvester128()  # used by the rotated modes only (dead code otherwise)
         if DO_Q:
-            for qs in tl.range(0, 4, loop_unroll_factor=UNROLL):
-                _quant_q_subtile(Q, QW, RC, QO, QS, b, qs, h, c, i, S, SQ, ROW0, NQB, sqs, sqh, eps, sylvester,
-                                 D, HALF, FUSED, ROTATE)
+            for qs in tl.range(0, 4):
+                _quant_q_subtile(Q, QO, QS, b, qs, h, c, i, S, SQ, ROW0, NQB, sqs, sqh, sylvester, D, ROTATE)
         if DO_KV:
             km = tl.load(KM + h * D + c)
-            for t in tl.range(0, 4, loop_unroll_factor=UNROLL):
-                _quant_k_subtile(K, KW, RC, KO, KS, km, b, t, h, c, i, S, NKB, sks, skh, eps, sylvester,
-                                 D, HALF, FUSED, ROTATE, EMULATE_FP8)
+            for t in tl.range(0, 4):
+                _quant_k_subtile(K, KO, KS, km, b, t, h, c, i, S, NKB, sks, skh, sylvester, D, ROTATE, EMULATE_FP8)
             recp = tl.load(VR + h * D + c)
-            for part in tl.range(0, 4, loop_unroll_factor=UNROLL):
+            for part in tl.range(0, 4):
                 _quant_v_subtile(V, VO, recp, b, part, h, c, i, S, LPAD, svs, svh, D, EMULATE_FP8)
 
 
@@ -286,16 +198,8 @@ def _require_triton():
         raise RuntimeError(f"the sage2 prepared path needs Triton: {TRITON_ERROR}")
 
 
-def rope_coefficients(rope_table: torch.Tensor) -> torch.Tensor:
-    """[1, S, 1, rot/2, 2, 2] rotation table -> [2, S, rot] fp32, coalesced: the factor on each channel
-    itself (f00 below rot/2, f11 above) and on its partner (f01, f10)."""
-    f = rope_table[0, :, 0].to(torch.float32)
-    return torch.stack((torch.cat((f[..., 0, 0], f[..., 1, 1]), -1), torch.cat((f[..., 0, 1], f[..., 1, 0]), -1)))
-
-
 def operand_problem(q, k, v) -> tuple[str, str] | None:
-    """(reason code, reason) when the passes cannot take these views, else None: the one input check
-    (the prepared-path verdict and :func:`quantize_operands` use it)."""
+    """(reason code, reason) when the passes cannot take these views, else None: the one input check."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "shape", "q, k and v must be tensors"
     if not (q.dim() == 4 and q.shape[0] == 1 and q.shape[-1] == HEAD_DIM and q.shape == k.shape == v.shape):
@@ -312,74 +216,49 @@ def operand_problem(q, k, v) -> tuple[str, str] | None:
     return None
 
 
-def _check_norm(q, rope_table, q_weight, k_weight, eps):
-    if q_weight is None or k_weight is None or eps is None:
-        raise ValueError("fused modes need q_weight, k_weight and eps (the RMSNorm parameters)")
-    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if tuple(w.shape) != (HEAD_DIM,):
-            raise ValueError(f"{name} must be [{HEAD_DIM}], got {list(w.shape)}")
-    if rope_table is not None:
-        check_rope_table(rope_table, q.shape[1], HEAD_DIM)
-
-
 def _geometry(q):
     _, s, h, d = q.shape
     return s, h, d, -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
 
 
-# ---------------------------------------------------------------------------------------------
 # pass 1: reduction
 
 
-def v_absmax_partials(v, rows=VMAX_ROWS, tile_rows=VMAX_TILE_ROWS, cols=VMAX_COLS, warps=VMAX_WARPS):
-    """V's per-channel absmax of each ``rows``-token split: fp32 [splits, H, D] (the tiling changes no value)."""
+def v_absmax_partials(v):
+    """V's per-channel absmax of each ``VMAX_ROWS``-token split: fp32 [splits, H, D]."""
     s, h, d = v.shape[1:]
-    out = torch.empty(-(-s // rows), h, d, dtype=torch.float32, device=v.device)
-    _vmax_kernel[(out.shape[0], triton.cdiv(h * d, cols))](
-        v, out, s, h * d, v.stride(1), v.stride(2), D=d, ROWS=rows, RB=tile_rows, BC=cols, num_warps=warps)
+    out = torch.empty(-(-s // VMAX_ROWS), h, d, dtype=torch.float32, device=v.device)
+    _vmax_kernel[(out.shape[0], triton.cdiv(h * d, VMAX_COLS))](
+        v, out, s, h * d, v.stride(1), v.stride(2), D=d, ROWS=VMAX_ROWS, RB=VMAX_TILE_ROWS, BC=VMAX_COLS,
+        num_warps=VMAX_WARPS)
     return out
 
 
-def _reduce_impl(k, v, k_weight, rope_coef, eps, fused):
+def _reduce_impl(k, v):
     _require_triton()
     s, h, d, _, _, _ = _geometry(k)
-    dev = k.device
-    ksplit = -(-s // ROWS_PER_SPLIT)
     vmax = v_absmax_partials(v)
-    vsplit = vmax.shape[0]
-    if fused:
-        ksum = torch.empty(ksplit, h, d, dtype=torch.float64, device=dev)
-        half = rope_coef.shape[-1] // 2 if rope_coef is not None else 0
-        _ksum_kernel[(ksplit * h,)](
-            k, k_weight.contiguous(), rope_coef if rope_coef is not None else vmax, ksum, s, h, k.stride(1),
-            k.stride(2), float(eps), D=d, HALF=half, ROWS=ROWS_PER_SPLIT, RB=32, num_warps=8)
-        kmean_in = vmax  # unused
-    else:
-        ksum, kmean_in = vmax, k.mean(dim=1, keepdim=True)  # SageAttention's own call, same bits
-    kmean = torch.empty(h, d, dtype=torch.float32, device=dev)
-    vscale = torch.empty(1, h, d, dtype=torch.float32, device=dev)
-    vrecp = torch.empty(h, d, dtype=torch.float32, device=dev)
-    _finalize_kernel[(h,)](ksum, vmax, kmean_in, kmean, vscale, vrecp, ksplit, vsplit, h, s, FP8_MAX,
-                           D=d, FUSED=fused, num_warps=1)
+    kmean_in = k.mean(dim=1, keepdim=True)  # SageAttention's own call, same bits
+    kmean = torch.empty(h, d, dtype=torch.float32, device=k.device)
+    vscale = torch.empty(1, h, d, dtype=torch.float32, device=k.device)
+    vrecp = torch.empty(h, d, dtype=torch.float32, device=k.device)
+    _finalize_kernel[(h,)](vmax, kmean_in, kmean, vscale, vrecp, vmax.shape[0], h, FP8_MAX, D=d, num_warps=1)
     return kmean, vscale, vrecp
 
 
 @torch.library.custom_op(f"{LIB}::sage2_reduce", mutates_args=())
-def sage2_reduce(k: torch.Tensor, v: torch.Tensor, k_weight: Optional[torch.Tensor],
-                 rope_coef: Optional[torch.Tensor], eps: float, fused: bool,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sage2_reduce(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (k_mean [H, D] fp32, v_scale [1, H, D] fp32, v_recp [H, D] fp32)."""
-    return _reduce_impl(k, v, k_weight, rope_coef, eps, fused)
+    return _reduce_impl(k, v)
 
 
 @sage2_reduce.register_fake
-def _(k, v, k_weight, rope_coef, eps, fused):
+def _(k, v):
     _, _, h, d = k.shape
     return (k.new_empty(h, d, dtype=torch.float32), k.new_empty(1, h, d, dtype=torch.float32),
             k.new_empty(h, d, dtype=torch.float32))
 
 
-# ---------------------------------------------------------------------------------------------
 # pass 2: quantisation
 
 
@@ -393,10 +272,8 @@ def _empty_operands(s, h, d, dev, parts="qkv"):
     return q + kv
 
 
-def _quant_launch(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate, out, *,
-                  row0=0, do_q=True, do_kv=True):
-    """One launch of the quantisation pass writing ``out`` = (qo, qs, ko, ks, vo): Q (``q``: the rows
-    that start at sequence row ``row0``, a multiple of 128), K and V (all rows), or both."""
+def _quant_launch(q, k, v, k_mean, v_recp, rotate, out, *, row0=0, do_q=True, do_kv=True):
+    """One quantisation launch into ``out``: Q (rows from ``row0``, a multiple of 128), K and V, or both."""
     _require_triton()
     qo, qs, ko, ks, vo = out
     h, s, d = qo.shape
@@ -405,38 +282,32 @@ def _quant_launch(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, f
     if do_q and (row0 % K_BLOCK or row0 + sq > s):
         raise ValueError(f"Q rows {row0}:{row0 + sq} must start at a multiple of {K_BLOCK} within {s} rows")
     blocks = nkb if do_kv else -(-sq // K_BLOCK)
-    half = rope_coef.shape[-1] // 2 if rope_coef is not None else 0
     # operands a launch does not touch are dead code in the kernel; any tensor stands in for them
     q, k, v, ko, vo = (t if t is not None else qo for t in (q, k, v, ko, vo))
     km, vr, ks = (t if t is not None else qs for t in (k_mean, v_recp, ks))
-    qw = q_weight.contiguous() if q_weight is not None else qs
-    kw = k_weight.contiguous() if k_weight is not None else qs
-    rc = rope_coef[:, row0:] if rope_coef is not None else qs  # Q's rows; the kernel's RC planes stay S apart
     _quant_kernel[(blocks * h,)](
-        q, k, v, km, vr, qw, kw, rc, qo, qs, ko, ks, vo, s, sq, row0, h, nqb, nkb, lpad,
-        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), float(eps),
-        D=d, HALF=half, FUSED=fused, ROTATE=rotate, EMULATE_FP8=interpreting(),
-        UNROLL=QUANT_CONFIG[fused, rotate][0], num_warps=QUANT_CONFIG[fused, rotate][1], DO_Q=do_q, DO_KV=do_kv)
+        q, k, v, km, vr, qo, qs, ko, ks, vo, s, sq, row0, h, nqb, nkb, lpad,
+        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
+        D=d, ROTATE=rotate, EMULATE_FP8=interpreting(), DO_Q=do_q, DO_KV=do_kv, num_warps=QUANT_WARPS[rotate])
 
 
-def _quantize_impl(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate):
+def _quantize_impl(q, k, v, k_mean, v_recp, rotate):
     s, h, d, _, _, _ = _geometry(q)
     out = _empty_operands(s, h, d, q.device)
-    _quant_launch(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate, out)
+    _quant_launch(q, k, v, k_mean, v_recp, rotate, out)
     return out
 
 
 @torch.library.custom_op(f"{LIB}::sage2_quantize", mutates_args=())
 def sage2_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor,
-                   v_recp: torch.Tensor, q_weight: Optional[torch.Tensor], k_weight: Optional[torch.Tensor],
-                   rope_coef: Optional[torch.Tensor], eps: float, fused: bool, rotate: bool,
+                   v_recp: torch.Tensor, rotate: bool,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (q_int8 [H, S, D], q_scale [1, H, nq], k_int8 [H, S, D], k_scale [1, H, nk], v_fp8 [H, D, S_pad])."""
-    return _quantize_impl(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate)
+    return _quantize_impl(q, k, v, k_mean, v_recp, rotate)
 
 
 @sage2_quantize.register_fake
-def _(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate):
+def _(q, k, v, k_mean, v_recp, rotate):
     _, s, h, d = q.shape
     nqb, nkb, lpad = -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
     return (q.new_empty(h, s, d, dtype=torch.int8), q.new_empty(1, h, nqb * 32, dtype=torch.float32),
@@ -444,48 +315,32 @@ def _(q, k, v, k_mean, v_recp, q_weight, k_weight, rope_coef, eps, fused, rotate
             q.new_empty(h, d, lpad, dtype=torch.float8_e4m3fn))
 
 
-def quantize_operands(q, k, v, *, mode="exact", rope_table=None, q_weight=None, k_weight=None, eps=None):
-    """Both passes: a dict q_int8, q_scale, k_int8, k_scale, v_fp8, v_scale (the oracle's keys). Fused
-    modes apply the norm parameters given; ValueError for inputs the passes cannot take. Eager calls
-    skip the dispatcher (its cost shows at short sequences); torch.compile traces the custom ops."""
-    fused, rotate = mode_flags(mode)
+def _operand_dict(qo, qs, ko, ks, vo, vscale) -> dict:
+    return {"q_int8": qo, "q_scale": qs, "k_int8": ko, "k_scale": ks, "v_fp8": vo, "v_scale": vscale}
+
+
+def quantize_operands(q, k, v, *, mode="exact"):
+    """Both passes -> the oracle's operand dict; eager calls skip the dispatcher (costly at short sequences)."""
+    rotate = rotates(mode)
     problem = operand_problem(q, k, v)
     if problem:
         raise ValueError(f"sage2 preparation: {problem[1]}")
-    if fused:
-        _check_norm(q, rope_table, q_weight, k_weight, eps)
-    eps = 0.0 if eps is None else float(eps)
-    coef = rope_coefficients(rope_table) if fused and rope_table is not None else None
-    qw, kw = (q_weight, k_weight) if fused else (None, None)
     if torch.compiler.is_compiling():
         reduce, quantize = torch.ops.sage_strided_nhd.sage2_reduce, torch.ops.sage_strided_nhd.sage2_quantize
     else:
         reduce, quantize = _reduce_impl, _quantize_impl
-    kmean, vscale, vrecp = reduce(k, v, kw, coef, eps, fused)
-    qo, qs, ko, ks, vo = quantize(q, k, v, kmean, vrecp, qw, kw, coef, eps, fused, rotate)
-    return {"q_int8": qo, "q_scale": qs, "k_int8": ko, "k_scale": ks, "v_fp8": vo, "v_scale": vscale}
+    kmean, vscale, vrecp = reduce(k, v)
+    return _operand_dict(*quantize(q, k, v, kmean, vrecp, rotate), vscale)
 
 
-# ---------------------------------------------------------------------------------------------
 # the same operands, Q a token chunk at a time (the projection need not exist whole)
 
 
 class RowOperands:
-    """The operands of one call built in two steps: Q rows as each token chunk arrives
-    (``add_q_rows``), then K and V once every token is in (``finish``: both passes on all rows).
-    The bits are :func:`quantize_operands`' bits for the same mode and inputs."""
+    """``quantize_operands``' bits in two steps: Q rows per token chunk (``add_q_rows``), then K/V (``finish``)."""
 
-    def __init__(self, seq, heads, device, *, mode="exact", rope_table=None, q_weight=None, k_weight=None,
-                 eps=None):
-        self.fused, self.rotate = mode_flags(mode)
-        if self.fused:
-            if q_weight is None or k_weight is None or eps is None:
-                raise ValueError("fused modes need q_weight, k_weight and eps (the RMSNorm parameters)")
-            if rope_table is not None:
-                check_rope_table(rope_table, seq, HEAD_DIM)
-        self.coef = rope_coefficients(rope_table) if self.fused and rope_table is not None else None
-        self.q_weight, self.k_weight = (q_weight, k_weight) if self.fused else (None, None)
-        self.eps = 0.0 if eps is None else float(eps)
+    def __init__(self, seq, heads, device, *, mode="exact"):
+        self.rotate = rotates(mode)
         self.seq, self.heads, self.device = seq, heads, device
         # Q's outputs now, K's and V's only in finish: they would sit unused beside every chunk
         self.q_out = _empty_operands(seq, heads, HEAD_DIM, device, parts="q")
@@ -496,8 +351,7 @@ class RowOperands:
         problem = operand_problem(q, q, q)
         if problem:
             raise ValueError(f"sage2 preparation: {problem[1]}")
-        _quant_launch(q, None, None, None, None, self.q_weight, None, self.coef, self.eps, self.fused,
-                      self.rotate, self.q_out, row0=self.rows_done, do_kv=False)
+        _quant_launch(q, None, None, None, None, self.rotate, self.q_out, row0=self.rows_done, do_kv=False)
         self.rows_done += q.shape[1]
 
     def finish(self, k, v) -> dict:
@@ -507,10 +361,8 @@ class RowOperands:
         problem = operand_problem(k, k, v)
         if problem or k.shape[1] != self.seq:
             raise ValueError(f"sage2 preparation: {problem[1] if problem else f'K/V have {k.shape[1]} rows, Q {self.seq}'}")
-        kmean, vscale, vrecp = _reduce_impl(k, v, self.k_weight, self.coef, self.eps, self.fused)
+        kmean, vscale, vrecp = _reduce_impl(k, v)
         qo, qs, _, _, _ = self.q_out
         out = (qo, qs, *_empty_operands(self.seq, self.heads, HEAD_DIM, self.device, parts="kv")[2:])
-        _quant_launch(None, k, v, kmean, vrecp, None, self.k_weight, self.coef, self.eps, self.fused, self.rotate,
-                      out, do_q=False)
-        _, _, ko, ks, vo = out
-        return {"q_int8": qo, "q_scale": qs, "k_int8": ko, "k_scale": ks, "v_fp8": vo, "v_scale": vscale}
+        _quant_launch(None, k, v, kmean, vrecp, self.rotate, out, do_q=False)
+        return _operand_dict(*out, vscale)

@@ -1,5 +1,4 @@
-"""Triton, where it can be imported, and what the pack's Triton passes share: whether they run under
-the CPU interpreter (``TRITON_INTERPRET=1``) and rounding to bf16 that the compiler cannot fold."""
+"""Triton where it imports, and what the pack's passes share: interpreter flag, bf16 rounding, row tiles, params."""
 
 from __future__ import annotations
 
@@ -27,18 +26,25 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def hardware_bf16(device: torch.device) -> bool:
-    """Whether a pass launched on ``device`` rounds to bf16 with the GPU's own conversion (``round_bf16``'s
-    ``HW``): an NVIDIA GPU of compute capability 8.0 or later (PTX's bf16 conversions); not the
-    interpreter (no inline assembly there), not a ROCm build (its "cuda" devices take no PTX)."""
+    """Whether ``round_bf16`` may use the GPU's conversion (PTX, sm80+): not interpreted, not on ROCm."""
     if interpreting() or device.type != "cuda" or torch.version.hip is not None:
         return False
     return _capability(torch.cuda.current_device() if device.index is None else device.index) >= (8, 0)
 
 
+def per_token_params(h: torch.Tensor, *params: torch.Tensor) -> bool:
+    """Whether ``params`` are one row per token ([rows, cols]), not one row ([cols]); other shapes raise."""
+    shapes = {tuple(p.shape) for p in params}
+    if shapes == {tuple(h.shape[-1:])}:
+        return False
+    if shapes == {tuple(h.shape)} and h.dim() == 2:
+        return True
+    raise ValueError(f"modulation parameters must be [cols] or [rows, cols] for a {tuple(h.shape)} row block, "
+                     f"got {sorted(shapes)}")
+
+
 def row_tiles(n: int) -> tuple[int, int, int]:
-    """``n`` (columns, or groups of them) as up to three power-of-two tiles, largest first: the two
-    largest powers of two that fit, then the rest rounded up to a power of two (the only padding). 0:
-    no tile. A pass that holds a whole row in registers takes it in these pieces."""
+    """``n`` as up to three power-of-two tiles, largest first (the rest rounded up: the only padding; 0: none)."""
     first = 1 << (n.bit_length() - 1)
     rest = n - first
     second = 1 << (rest.bit_length() - 1) if rest else 0
@@ -50,13 +56,9 @@ round_bf16 = None  # a Triton function where Triton is importable
 if triton is not None:
     @triton.jit
     def round_bf16(x, HW: tl.constexpr):
-        """fp32 -> the nearest bf16 (ties to even), kept as fp32, in steps the compiler cannot fold (a plain
-        cast round trip was measured to change 27% of the results on an H200 against stock's two passes:
-        the compiler may fold it or contract the multiply and add around it). HW (``hardware_bf16``): one
-        conversion instruction, ``cvt.rn.bf16x2.f32`` of x and 0 (bf16(x) in the upper half, zeros below:
-        the bits of bf16(x) as fp32), opaque to the compiler. Else integer operations, the same bits
-        (the interpreter's casts truncate); a NaN stays NaN (the integer step would carry the GPU's
-        NaN, 0x7FFFFFFF, over into -0.0)."""
+        """fp32 -> the nearest bf16 (ties to even) as fp32, in steps the compiler cannot fold or contract with the
+        multiply and add around it (a plain cast round trip did, changing stock's bits). HW: ``cvt.rn.bf16x2.f32`` of
+        x and 0; else integer steps, same bits (the interpreter's casts truncate), a NaN kept (not carried to -0.0)."""
         if HW:
             return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,r,r", [x, tl.zeros_like(x)],
                                              dtype=tl.float32, is_pure=True, pack=1)

@@ -1,7 +1,5 @@
-"""The stack rules (1-9, written out once in docs/ARCHITECTURE.md): what the node does when something
-else patches attention on the same model. Checked when the node executes and again when sampling
-starts (:func:`plan_h3`, :func:`plan_override`: the run's Plan, or PatchConflictError). Ownership:
-the ``sage_strided_nhd`` attribute on every callable this pack installs."""
+"""The stack rules (1-9, written out in docs/ARCHITECTURE.md), checked when the node executes and again when
+sampling starts (:func:`plan_h3`, :func:`plan_override`: the run's Plan, or PatchConflictError)."""
 
 from __future__ import annotations
 
@@ -9,9 +7,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .. import kernels
+from .ownership import describe, is_own, plain_function
 from .patch import Note, Plan
 
-OWN_MARK = "sage_strided_nhd"
 SPARSE_CALLBACK_KEY = "block_sparse_attention"   # core Model Sparse Attention's ON_PREPARE_STATE key
 SPARSE_OVERRIDE_QUALNAME = "make_attention_override.<locals>.override"
 # Attention forwards of other packs that compute stock's result; this node takes their place (rule 8)
@@ -25,31 +23,8 @@ class PatchConflictError(RuntimeError):
     """The model carries another node's patch on what this node replaces."""
 
 
-def is_own(obj) -> bool:
-    return bool(getattr(obj, OWN_MARK, False))
-
-
 def existing_override(model_options):
     return model_options.get("transformer_options", {}).get("optimized_attention_override")
-
-
-def plain_function(obj):
-    """The plain function behind a bound method (object patches are often ``types.MethodType``)."""
-    return getattr(obj, "__func__", obj)
-
-
-def replaced_forward(module) -> bool:
-    """Another node's forward is on ``module`` (ComfyUI restores an object patch by setting the
-    original bound method back, so a ``forward`` attribute alone proves nothing)."""
-    fwd = vars(module).get("forward")
-    return fwd is not None and plain_function(fwd) is not getattr(type(module), "forward", None)
-
-
-def describe(obj) -> str:
-    fn = plain_function(obj)
-    module = getattr(fn, "__module__", None) or type(obj).__module__
-    name = getattr(fn, "__qualname__", None) or type(obj).__qualname__
-    return f"{module}.{name}"
 
 
 def sparse_node_present(model_patcher) -> bool:
@@ -247,9 +222,8 @@ def _preference_plan(model_patcher, keys, backend: str, default):
 
 def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default, taken_over=None,
             blocks: "BlockPath | None" = None) -> Plan:
-    """The H3 forward patch's plan for one sampling run (rules 2-9); ``forwards``: object-patch key -> ours;
-    ``taken_over``: key -> node of the stock-equal forwards this node replaced when it executed;
-    ``blocks``: the block fast path as installed."""
+    """The H3 patch's plan for one sampling run (rules 2-9): ``forwards`` key -> ours, ``taken_over`` key -> node
+    of a stock-equal forward replaced when the node executed, ``blocks`` the fast path as installed."""
     blocks = blocks or BlockPath()
     fast, block_notes = _block_path_notes(model_patcher, blocks)
     notes = check_override_at_sampling(model_patcher, model_options, "h3_forward_patch") + _block_notes(
@@ -294,9 +268,8 @@ class BlockPath:
 
 
 def check_block_forwards(model_patcher, keys) -> tuple[list[str], dict[str, str]]:
-    """Rule 9 when the node executes: (block forward keys the fast path may take, key -> node of the
-    stock-equal block forwards among them). Another node's unknown block forward keeps its block:
-    it calls the block's attention, which is this node's (rule 8)."""
+    """Rule 9 when the node executes: (block forward keys the fast path may take, key -> node of the stock-equal
+    block forwards among them); another node's unknown block forward keeps its block (rule 8)."""
     patches = model_patcher.object_patches
     names = {k: getattr(plain_function(patches.get(k)), "__name__", "") for k in keys}
     taken_over = {k: node for k in keys if (node := STOCK_EQUAL_BLOCK_FORWARDS.get(names[k]))}

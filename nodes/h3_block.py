@@ -1,22 +1,8 @@
-"""MiniMax H3: the block fast path. Each DiT block's forward is replaced, on the clone, by one that
-computes what stock's computes, in stock's order and with stock's bits:
-
-- modulation (``h.mul_(1 + scale).add_(shift)``) in one pass per segment (kernels.h3_block),
-- the normed block input handed to this pack's attention in a list, so it is freed after the qkv
-  projection; an ``attention=`` passed by a block replace (core Model Sparse Attention) runs instead,
-- the MLP half (norm2, modulation, fc1, SwiGLU, fc2, gated residual) in token chunks, so fc1's
-  [S, 2*ffn] output never exists whole. Rows are independent there (RMSNorm and the int8
-  activation quantiser are per row), so chunking changes no bit. Not chunked when each chunk would
-  transfer the MLP weights again (offloaded to the CPU outside DynamicVRAM) or when another node
-  replaced the MLP forward (KJNodes' Chunk FeedForward): that forward runs as it is.
-- int8 ConvRot linears (the bundled checkpoint's qkv, out, fc1 and fc2): their input quantised by
-  the pack's pass with comfy-kitchen's bits, then comfy-kitchen's GEMM (nodes/int8_layers.py).
-
-``block_path="fused"`` merges more than stock's bits allow (kernels.h3_block_fused): each RMSNorm
-with its modulation in one pass, the attention half's gated residual with the MLP half's norm, and
-(bf16 weights) SwiGLU in one pass. A norm the kernels cannot take (weights cast on the fly, LoRA
-weight functions, another node's forward) runs as the exact path runs it.
-"""
+"""MiniMax H3: the block fast path, each DiT block's forward replaced on the clone by stock's computation in
+stock's order with stock's bits: one-pass modulation, the normed input handed to this pack's attention (freed
+after the qkv projection), the MLP half in token chunks where rows are independent and no weight would be
+transferred twice (fc1's [S, 2*ffn] output never exists whole), int8 ConvRot linears on the pack's quantiser
+(int8_layers.py). docs/ARCHITECTURE.md has the details."""
 
 from __future__ import annotations
 
@@ -27,21 +13,18 @@ import comfy.model_management
 import comfy.ops
 import torch
 
-from ..kernels import h3_block as ops
-from ..kernels import h3_block_fused as fused_ops
-from . import conflicts, int8_layers
-from .conflicts import replaced_forward
+from .. import kernels
+from . import int8_layers
+from .ownership import is_own, replaced_forward
 
 BLOCK_PARAMS = ("self", "x", "t_emb", "mod_segments", "rope_freqs", "transformer_options")
 # the module-level helpers stock's block forward uses, whose semantics the fast path reproduces
 STOCK_HELPERS = ("_mod_scale_shift", "_mod_gate")
-# activation dtypes whose MLP GEMMs give the same bits split by rows (int8 weights: per-row
-# quantiser, integer GEMM; bf16: tests/gpu/test_block_path_gpu.py checks it on the GPU; fp16 is
-# taken to behave as bf16 there, not measured)
+# activation dtypes whose MLP GEMMs give the same bits split by rows (int8: per-row quantiser, integer
+# GEMM; bf16: checked by tests/gpu; fp16 taken to behave as bf16)
 CHUNKED_DTYPES = (torch.bfloat16, torch.float16)
-# devices whose GEMMs give each output row from its own input row whatever the number of rows: CUDA's
-# (the GPU test above). oneDNN's CPU GEMMs do not (bf16 on an AMX Xeon: rows change with the row
-# count), so on the CPU the MLP and the qkv projection run whole, as stock runs them.
+# devices whose GEMMs give each output row from its own input row whatever the row count: CUDA's.
+# oneDNN's CPU GEMMs do not (bf16 on AMX), so on the CPU the MLP and the qkv projection run whole.
 CHUNKED_DEVICES = ("cuda",)
 
 
@@ -66,44 +49,33 @@ def structure_problems(block) -> list[str]:
     return problems
 
 
-def pending_modulation(h, shift, scale, segments) -> ops.PendingModulation:
+def pending_modulation(h, shift, scale, segments) -> kernels.PendingModulation:
     """Stock's ``_mod_scale_shift`` of ``h`` (same expressions), owed: its parameters per segment."""
-    return ops.PendingModulation(h, [(a, b, 1.0 + scale[row].to(h.dtype), shift[row].to(h.dtype))
+    return kernels.PendingModulation(h, [(a, b, 1.0 + scale[row].to(h.dtype), shift[row].to(h.dtype))
                                      for a, b, row in segments])
 
 
-def modulate(h, shift, scale, segments):
-    """Stock's ``_mod_scale_shift`` (same expressions, same bits), one pass per segment."""
-    return pending_modulation(h, shift, scale, segments).apply()
-
-
 def gated_residual(x, gate, other, segments):
-    """Stock's ``_mod_gate``: ``x += other * gate`` per segment, in place (one vectorised pass each,
-    stock's bits)."""
+    """Stock's ``_mod_gate``: ``x += other * gate`` per segment, in place, one pass each (stock's bits)."""
     for a, b, row in segments:
-        ops.gated_residual_(x[a:b], other[a:b], gate[row].to(x.dtype))
+        kernels.gated_residual_(x[a:b], other[a:b], gate[row].to(x.dtype))
     return x
 
 
 def weight_stays_on_device(layer, device) -> bool:
-    """Calling ``layer`` again within one block costs no second weight transfer: its weight lies on
-    ``device``, or it is a DynamicVRAM layer (current ComfyUI with comfy-aimdo: ``_v`` is its slot in
-    the VRAM buffer, its ``weight`` stays on the CPU, and a repeat call finds the pages the first call
-    faulted in still resident and copies nothing). A weight function (LoRA hook) would run per call."""
+    """Calling ``layer`` again within one block transfers no weight again: its weight lies on ``device``, or
+    it is a DynamicVRAM layer (``_v``: its pages stay resident between calls). Not with a weight function."""
     if getattr(layer, "weight_function", None):
         return False
     return getattr(layer.weight, "device", None) == device or hasattr(layer, "_v")
 
 
-# quantised layouts whose activation quantiser works row by row
-ROWWISE_LAYOUTS = (int8_layers.INT8_LAYOUT,)
+ROWWISE_LAYOUTS = (int8_layers.INT8_LAYOUT,)  # quantised layouts whose activation quantiser works row by row
 
 
 def rows_independent(layer) -> bool:
-    """Each output row of ``layer`` depends on its own input row only: float weights, int8 tensor-wise
-    weights (a per-row activation quantiser), weight-only quantisation, or a fixed activation scale
-    (``input_scale``). A per-tensor scale taken from the whole input (fp8 or nvfp4 without
-    ``input_scale``) depends on every row, so token chunks would change its bits."""
+    """Each output row of ``layer`` depends on its own input row only: float, int8 tensor-wise (per-row
+    quantiser), weight-only or fixed-``input_scale`` weights; not a scale taken from the whole input."""
     weight = getattr(layer, "weight", None)
     quantized = getattr(comfy.ops, "QuantizedTensor", None)
     if quantized is None or not isinstance(weight, quantized):
@@ -115,10 +87,8 @@ def rows_independent(layer) -> bool:
 
 
 def chunkable(x, *layers) -> bool:
-    """Calling ``layers`` on token chunks of ``x`` gives the whole call's bits at no extra cost: fp16/bf16
-    activations (fp32 GEMMs split by rows need not give the same bits: measured on the CPU) on a device
-    of ``CHUNKED_DEVICES``, every output row from its own input row, weights that stay on the device
-    (no transfer per chunk)."""
+    """Calling ``layers`` on token chunks of ``x`` gives the whole call's bits at no extra cost (fp16/bf16 on
+    ``CHUNKED_DEVICES``, rows independent, weights that stay on the device)."""
     return x.dtype in CHUNKED_DTYPES and x.device.type in CHUNKED_DEVICES and all(
         not replaced_forward(m) and rows_independent(m) and weight_stays_on_device(m, x.device) for m in layers)
 
@@ -133,18 +103,15 @@ def mlp_chunk_setting(settings, mlp) -> int:
 
 
 def mlp_chunk_rows(mlp, x, chunk: int) -> int | None:
-    """Rows per MLP chunk, or None when the MLP must run whole as the model has it (another node's MLP
-    forward runs as it is)."""
+    """Rows per MLP chunk, or None: the MLP runs whole (or another node's MLP forward runs as it is)."""
     if replaced_forward(mlp) or not chunkable(x, mlp.fc1, mlp.fc2):
         return None
     return chunk if x.shape[0] > chunk else None
 
 
 def column_products(linear, x, inner: int):
-    """``(project_q, project_kv)`` for ``kernels.RowProjection`` when ``linear``'s output is the
-    plain product ``x @ weight.T`` (a float weight of x's dtype on x's device, no bias, nothing cast or
-    patched per call): Q is its first ``inner`` output columns, K and V the rest. Column blocks of
-    that product give its bits (benchmarks/projection_split.py checks it on the GPU). Else None."""
+    """``(project_q, project_kv)`` for ``kernels.RowProjection`` when ``linear`` is the plain product
+    ``x @ weight.T`` (nothing cast or patched per call), whose column blocks give its bits; else None."""
     w = getattr(linear, "weight", None)
     if (type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dtype != x.dtype or w.device != x.device
             or w.dim() != 2 or w.shape[0] != 3 * inner or getattr(linear, "bias", None) is not None
@@ -156,67 +123,31 @@ def column_products(linear, x, inner: int):
 
 
 def projection_chunk_rows(linear, x, chunk: int) -> int | None:
-    """Rows per chunk of the attention's qkv projection, or None: project whole (under torch.compile,
-    which traces the projection; when chunks could change its bits; within one chunk)."""
+    """Rows per qkv-projection chunk, or None: project whole (torch.compile, bits at risk, one chunk)."""
     if torch.compiler.is_compiling() or not chunkable(x, linear):
         return None
     return chunk if x.shape[0] > chunk else None
 
 
-def fused_norm_takes(norm, x) -> bool:
-    """The fused passes can stand in for ``norm``: stock's RMSNorm forward, its weight (if any, any
-    float dtype: the passes read it in fp32) resident on x's device, nothing patched onto it."""
-    w = getattr(norm, "weight", None)
-    return (not replaced_forward(norm) and not getattr(norm, "weight_function", None)
-            and not getattr(norm, "bias_function", None) and getattr(norm, "bias", None) is None
-            and len(getattr(norm, "normalized_shape", ())) == 1 and x.dtype in fused_ops.FUSED_DTYPES
-            and (w is None or (w.device == x.device and w.dtype.is_floating_point
-                               and type(w) in (torch.Tensor, torch.nn.Parameter))))
-
-
-def norm_eps(norm, x) -> float:
-    return norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps  # torch's rms_norm default
-
-
-def fused_norm_modulate(norm, x, shift, scale, segments, other=None, gate=None):
-    """``modulate(norm(x))`` (after ``x += other * gate`` when given) by the fused passes, per segment."""
-    h = torch.empty_like(x)
-    eps = norm_eps(norm, x)
-    for a, b, row in segments:
-        params = (norm.weight, scale[row].to(x.dtype), shift[row].to(x.dtype), eps, h[a:b])
-        if other is None:
-            fused_ops.norm_modulate(x[a:b], *params)
-        else:
-            fused_ops.residual_norm_modulate_(x[a:b], other[a:b], gate[row].to(x.dtype), *params)
-    return h
-
-
 def folds_swiglu(linear) -> bool:
-    """``comfy.ops.linear_input_act`` folds the activation into this linear's int8 activation quantiser
-    (its own conditions); otherwise it applies the eager SwiGLU and then the linear."""
+    """``comfy.ops.linear_input_act`` folds SwiGLU into this linear's int8 activation quantiser (its conditions)."""
     return (not comfy.model_management.in_training and int8_tensorwise(linear)
             and not getattr(getattr(linear.weight, "_params", None), "transposed", False))
 
 
-def mlp_down(mlp, u, fused: bool, linear):
-    """fc2(SwiGLU(u)) as stock's MLP.forward: ``linear_input_act`` where it folds SwiGLU into fc2's int8
-    activation quantiser; else SwiGLU in one pass (stock's bits, or one rounding in fused mode), then
-    fc2. ``linear(layer, x, input_act=None)`` makes the linear calls (int8_layers.caller)."""
+def mlp_forward(mlp, h, linear):
+    """Stock's ``MLP.forward(h)``: fc1, SwiGLU (folded into fc2's quantiser, or one pass with stock's
+    bits), fc2; each linear through ``linear(layer, x, input_act=None)`` (int8_layers.caller)."""
+    u = linear(mlp.fc1, h)
     if folds_swiglu(mlp.fc2):
         return linear(mlp.fc2, u, "swiglu")
-    return linear(mlp.fc2, fused_ops.swiglu(u) if fused else ops.swiglu(u))
-
-
-def mlp_forward(mlp, h, fused: bool, linear):
-    """Stock's ``MLP.forward(h)``: fc1, SwiGLU, fc2, each linear through ``linear``."""
-    return mlp_down(mlp, linear(mlp.fc1, h), fused, linear)
+    return linear(mlp.fc2, kernels.swiglu(u))
 
 
 class H3BlockForward:
-    """Replacement for one H3 ``DiTBlock.forward`` (0.33's arguments and current upstream's
-    ``attention=``); the installed patch's settings give the MLP chunk size."""
+    """Replacement for one H3 ``DiTBlock.forward`` (0.33's arguments and current upstream's ``attention=``)."""
 
-    sage_strided_nhd = True  # ownership mark (see conflicts.py)
+    sage_strided_nhd = True  # ownership mark (see ownership.py)
 
     def __init__(self, block, patch):
         self.block = block
@@ -225,40 +156,31 @@ class H3BlockForward:
     def __call__(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, attention=None):
         blk = self.block
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = blk.adaln_proj(t_emb)
-        fused = self.patch.settings.block_path == "fused"
-        if fused and fused_norm_takes(blk.norm1, x):
-            handed = [fused_norm_modulate(blk.norm1, x, shift_msa, scale_msa, mod_segments)]
-        else:  # the modulation owed: the qkv projection's int8 quantiser applies it where it takes the call
-            handed = [pending_modulation(blk.norm1(x), shift_msa, scale_msa, mod_segments)]
-        if attention is None and conflicts.is_own(vars(blk.attn).get("forward")):
+        # the modulation owed: the qkv projection's int8 quantiser applies it where it takes the call
+        handed = [pending_modulation(blk.norm1(x), shift_msa, scale_msa, mod_segments)]
+        if attention is None and is_own(vars(blk.attn).get("forward")):
             out = blk.attn(handed, rope_freqs=rope_freqs, transformer_options=transformer_options)
         else:  # a block replace's attention, or another node's attention forward: a tensor, as stock hands it
-            out = (attention or blk.attn)(ops.settled(handed.pop()), rope_freqs=rope_freqs,
+            out = (attention or blk.attn)(kernels.settled(handed.pop()), rope_freqs=rope_freqs,
                                           transformer_options=transformer_options)
-        if fused and fused_norm_takes(blk.norm2, x) and out.shape == x.shape and out.stride(-1) == 1:
-            h = fused_norm_modulate(blk.norm2, x, shift_mlp, scale_mlp, mod_segments, other=out, gate=gate_msa)
-            del out
-            return self._mlp_half(x, gate_mlp, mod_segments, lambda a, b, segs: h[a:b], fused=True)
         x = gated_residual(x, gate_msa, out, mod_segments)
         del out
-        # the modulation owed: fc1's int8 quantiser applies it where it takes the call
-        return self._mlp_half(x, gate_mlp, mod_segments, lambda a, b, segs: pending_modulation(
-            blk.norm2(x[a:b]), shift_mlp, scale_mlp, segs), fused)
+        return self._mlp_half(x, shift_mlp, scale_mlp, gate_mlp, mod_segments)
 
-    def _mlp_half(self, x, gate, segments, mlp_input, fused: bool):
-        """``x += mlp(mlp_input(a, b, segments of a:b)) * gate``, by token chunks where they give the same bits
-        (``mlp_input``: the MLP's input, or its normed rows with the modulation still owed)."""
+    def _mlp_half(self, x, shift, scale, gate, segments):
+        """``x += mlp(modulate(norm2(x))) * gate``, by token chunks where they give the same bits. The MLP's
+        input goes as its normed rows with the modulation still owed (fc1's int8 quantiser applies it)."""
         blk = self.block
         chunk = mlp_chunk_rows(blk.mlp, x, mlp_chunk_setting(self.patch.settings, blk.mlp))
         linear = int8_layers.caller(self.patch.settings, self.patch.report)
         if chunk is None:
-            h = mlp_input(0, x.shape[0], segments)
-            y = blk.mlp(ops.settled(h)) if replaced_forward(blk.mlp) else mlp_forward(blk.mlp, h, fused, linear)
+            h = pending_modulation(blk.norm2(x), shift, scale, segments)
+            y = blk.mlp(kernels.settled(h)) if replaced_forward(blk.mlp) else mlp_forward(blk.mlp, h, linear)
             return gated_residual(x, gate, y, segments)
-        for a, b in ops.token_chunks(x.shape[0], chunk):
-            segs = ops.clip_segments(segments, a, b)
-            h = mlp_input(a, b, segs)
-            y = mlp_forward(blk.mlp, h, fused, linear)
+        for a, b in kernels.token_chunks(x.shape[0], chunk):
+            segs = kernels.clip_segments(segments, a, b)
+            h = pending_modulation(blk.norm2(x[a:b]), shift, scale, segs)
+            y = mlp_forward(blk.mlp, h, linear)
             del h
             gated_residual(x[a:b], gate, y, segs)
         return x

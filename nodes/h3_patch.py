@@ -1,6 +1,5 @@
-"""MiniMax H3: each attention forward replaced, on a ModelPatcher.clone(), by one that keeps its
-inputs, outputs and cases and hands the fused qkv buffer to ``kernels.attention_from_fused_qkv``.
-torch.compile traces only the projections; ``_attend`` (the attention, its bookkeeping) is skipped."""
+"""MiniMax H3: each attention forward replaced on a clone by one that hands the fused qkv buffer to the kernels'
+dataflow; torch.compile traces only the projections (``_attend`` is skipped)."""
 
 from __future__ import annotations
 
@@ -11,9 +10,8 @@ import comfy.model_management
 import torch
 
 from .. import kernels
-from ..kernels.h3_block import PendingModulation, settled
-from ..kernels.int8_linear import GemmDeclined
 from . import conflicts, h3_block, int8_layers
+from .ownership import is_own
 from .patch import NODE, InstalledPatch, Plan, Settings
 from .report import RunReport
 
@@ -69,7 +67,7 @@ class H3AttentionForward:
     """Replacement for one H3 ``Attention.forward``: same arguments, same output. Its calls use the
     chain the current sampling run's plan gives its object-patch ``key``."""
 
-    sage_strided_nhd = True  # ownership mark (see conflicts.py)
+    sage_strided_nhd = True  # ownership mark (see ownership.py)
 
     def __init__(self, attn, key: str, patch: InstalledPatch):
         self.attn = attn
@@ -79,7 +77,7 @@ class H3AttentionForward:
     def __call__(self, x, rope_freqs=None, transformer_options={}):
         if isinstance(x, list):  # a block forward handed its input over (KJNodes' Low VRAM Attention; ours)
             x = x.pop()
-        rows = x.rows if isinstance(x, PendingModulation) else x  # ours: with the modulation still owed
+        rows = x.rows if isinstance(x, kernels.PendingModulation) else x  # ours: with the modulation still owed
         device = rows.device
         qkv_proj = self._linear(self.attn.qkv_proj)
         chunk = h3_block.projection_chunk_rows(self.attn.qkv_proj, rows, self.patch.settings.qkv_chunk_tokens)
@@ -89,7 +87,7 @@ class H3AttentionForward:
             inner = self.attn.heads * self.attn.head_dim
             source = self._int8_projection(x, inner)
             if source is None:
-                x = settled(x)
+                x = kernels.settled(x)
                 source = kernels.RowProjection(qkv_proj, x, columns=h3_block.column_products(self.attn.qkv_proj, x,
                                                                                             inner))
         else:
@@ -98,9 +96,8 @@ class H3AttentionForward:
         return self._linear(self.attn.out_proj)(_attend(self, source, device, rope_freqs, chunk))
 
     def _int8_projection(self, x, inner):
-        """An int8 ConvRot qkv projection by columns on its input quantised once (K/V of every token at
-        once, Q by chunks; ``int8_layers.quantized_columns``; a modulation owed applied by the quantiser),
-        where the route takes it; else None."""
+        """The int8 ConvRot qkv projection by columns on its input quantised once
+        (``int8_layers.quantized_columns``), where the route takes it; else None."""
         if not int8_layers.route_on(self.patch.settings):
             return None
         form = int8_layers.quantized_columns(self.attn.qkv_proj, x, inner, record=self.patch.report.record_int8)
@@ -110,7 +107,7 @@ class H3AttentionForward:
         del form
         try:
             return kernels.RowProjection(project, rows, columns=columns)  # K/V projected here
-        except GemmDeclined as exc:
+        except kernels.GemmDeclined as exc:
             self.patch.report.record_int8(str(exc))
             return None  # by rows, each chunk as stock computes it
 
@@ -152,7 +149,7 @@ def _check_structure(model_patcher, prefixes) -> None:
             "This ComfyUI's H3 code has changed: update the pack, or run without this node.")
 
 
-def patch_model(model_patcher, settings: Settings, node_id=None):
+def patch_model(model_patcher, settings: Settings, node_id=None, notes=()):
     """Patch a clone of an H3 ModelPatcher as the node does; returns ``(clone, patch)``. Raises
     ValueError (not H3), H3StructureError, or conflicts.PatchConflictError (the stack rules)."""
     diffusion_model = model_patcher.get_model_object("diffusion_model")
@@ -167,13 +164,13 @@ def patch_model(model_patcher, settings: Settings, node_id=None):
 
     clone = model_patcher.clone()
     if replaced_own:  # rule 1; our earlier patch may have covered the refiner when this one does not
-        for key in [k for k, v in clone.object_patches.items() if conflicts.is_own(v)]:
+        for key in [k for k, v in clone.object_patches.items() if is_own(v)]:
             del clone.object_patches[key]
     n_refiner = sum(1 for p in prefixes if ".token_refiner." in p)
     report = RunReport(node_id=node_id, model_family=type(model_patcher.model).__name__, path="h3_forward_patch",
                        settings=settings, blocks_patched=len(prefixes) - n_refiner,
-                       refiner_blocks_patched=n_refiner, replaced_own_patch=replaced_own)
-    default = kernels.BackendChain.for_choice(settings.backend)
+                       refiner_blocks_patched=n_refiner, replaced_own_patch=replaced_own, notes=notes)
+    default = kernels.BackendChain.for_choice(settings.backend, prepared=settings.prepared)
     forwards = {}
     patch = InstalledPatch(settings, report, lambda patcher, options: conflicts.plan_h3(
         patcher, options, forwards, settings.backend, default, taken_over, blocks), Plan(default))

@@ -1,7 +1,5 @@
-"""Models other than H3: a per-clone ``optimized_attention_override`` (called by ComfyUI's
-``wrap_attn`` as ``override(func, q, k, v, heads, ...)``). It hands the back-end NHD views of what
-the model passed and returns views of its NHD output, so stock's transposed output copy is avoided;
-calls the back-ends cannot take go to ``func`` unchanged and are counted."""
+"""Models other than H3: a per-clone ``optimized_attention_override`` that hands the back-end NHD views and
+returns views of its output (no transposed copy); calls the back-ends cannot take go to ``func``, counted."""
 
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ def _mask_4d(mask):
 class AttentionOverride:
     """``optimized_attention_override`` for one patched clone."""
 
-    sage_strided_nhd = True  # ownership mark (see conflicts.py)
+    sage_strided_nhd = True  # ownership mark (see ownership.py)
 
     def __init__(self, patch: InstalledPatch):
         self.patch = patch
@@ -79,13 +77,13 @@ def _override_call(patch: InstalledPatch, func, q, k, v, heads, mask=None, attn_
     return result
 
 
-def patch_model(model_patcher, settings: Settings, node_id=None):
+def patch_model(model_patcher, settings: Settings, node_id=None, notes=()):
     """Install the override on a clone; returns ``(clone, patch)``. No fused buffer: no prepared path."""
     replaced_own = conflicts.check_override_at_patch(model_patcher, "attention_override")
     clone = model_patcher.clone()
     report = RunReport(node_id=node_id, model_family=type(model_patcher.model).__name__, path="attention_override",
-                       settings=settings, replaced_own_patch=replaced_own)
-    default = kernels.BackendChain.for_choice(settings.backend)
+                       settings=settings, replaced_own_patch=replaced_own, notes=notes)
+    default = kernels.BackendChain.for_choice(settings.backend, prepared=settings.prepared)
     patch = InstalledPatch(settings, report, None, Plan(default))
     ours = AttentionOverride(patch)
     patch.planner = lambda patcher, options: conflicts.plan_override(patcher, options, ours, default)

@@ -1,10 +1,10 @@
-"""What the node installs on one ``ModelPatcher.clone()``: its settings, the run report, and the
-plan of the sampling run in progress: a value decided once when sampling starts (conflicts.py, on
-the patch stack actually sampled) and read by the patched forwards. The report only records."""
+"""What the node installs on one ``ModelPatcher.clone()``: its settings, the run report, and the plan of the
+sampling run in progress (decided once when sampling starts, read by the patched forwards)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from comfy.patcher_extension import WrappersMP
 
@@ -13,9 +13,11 @@ from .report import RunReport
 
 NODE = "Sage Strided NHD Attention"
 WRAPPER_KEY = "sage_strided_nhd"
-# MiniMax H3 block forward: the block fast path with stock's bits (exact) or with more passes merged
-# (fused, not bit-identical), or the attention-only patch
-BLOCK_PATHS = ("exact", "fused", "attention_only")
+# MiniMax H3 block forward: the block fast path with stock's bits (exact), or the attention-only patch
+BLOCK_PATHS = ("exact", "attention_only")
+# Node input values that earlier releases offered: a saved workflow that carries one still runs, on the
+# nearest value offered now (the report notes it). input name -> {removed value: value that runs}
+REMOVED_VALUES = {"block_path": {"fused": "exact"}, "sage2_prep": {"fused": "exact", "fused_rotated": "rotated"}}
 
 
 @dataclass(frozen=True)
@@ -27,15 +29,14 @@ class Settings:
     prep_mode: str = "exact"
     patch_refiner: bool = True
     block_path: str = "exact"
-    # block fast path: rows per MLP chunk (not node inputs), by weight format. cuBLAS's bf16 fc1/fc2 lose
-    # 2-6 % in chunks under ~12k rows, comfy-kitchen's int8 fc1 runs ~8 % faster in 8k-row chunks than
-    # whole (benchmarks/mlp_split.py, H100); 12,800 gives three 12,608-row chunks at 37,810 tokens
+    # Not node inputs (benchmarks set them): rows per MLP chunk by weight format (cuBLAS's bf16 GEMMs lose
+    # speed under ~12k rows; comfy-kitchen's int8 fc1 is fastest in 8k-row chunks), rows per qkv-projection
+    # chunk, the pack's int8 quantiser (False: stock's), the back-ends' prepared paths (False: plain calls).
     mlp_chunk_tokens: int = 12800
     int8_mlp_chunk_tokens: int = 8192
-    qkv_chunk_tokens: int = 8192  # H3 attention: rows per qkv-projection chunk on a prepared path (not a node input)
-    # block fast path: int8 ConvRot linears quantise their input with the pack's pass (stock's bits;
-    # not a node input: False measures stock's quantiser beside it)
+    qkv_chunk_tokens: int = 8192
     own_int8_quantizer: bool = True
+    prepared: bool = True
 
     def __post_init__(self):
         for what, value, valid in (("layout", self.layout, kernels.LAYOUTS), ("block path", self.block_path, BLOCK_PATHS),
@@ -57,16 +58,27 @@ class Note:
     text: str
 
 
+def current_value(name: str, value: str) -> tuple[str, Note | None]:
+    """A node input's value as it runs now: a removed value mapped to its replacement, with the note."""
+    runs = REMOVED_VALUES.get(name, {}).get(value)
+    if runs is None:
+        return value, None
+    return runs, Note("removed_value", f"{name} {value!r} was removed from the node: this workflow runs {runs!r}")
+
+
 @dataclass(frozen=True)
 class Plan:
     """One sampling run's decisions: the chain each patched module's calls use, and the notes."""
 
     default: kernels.BackendChain
-    chains: dict = field(default_factory=dict)   # module key -> BackendChain, where it differs from default
+    chains: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # key -> chain, where not default
     notes: tuple[Note, ...] = ()
     blocks_patched: int = 0
     refiner_blocks_patched: int = 0
     block_path_blocks: int = 0   # H3 blocks whose forward is the block fast path (the rest: attention only)
+
+    def __post_init__(self):
+        object.__setattr__(self, "chains", MappingProxyType(dict(self.chains)))
 
     def chain_for(self, key: str) -> kernels.BackendChain:
         return self.chains.get(key, self.default)

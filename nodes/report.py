@@ -16,10 +16,10 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "path": "h3_forward_patch" | "attention_override",
       "layout": "strided_nhd" | "hnd",
       "backend_requested": "auto" | "sage2" | "fa4" | "sdpa" | "comfy_kitchen_int8" | "sage1",
-      "prep_mode": "exact" | "fused" | "rotated" | "fused_rotated",   # the node's sage2_prep
+      "prep_mode": "exact" | "rotated",    # the node's sage2_prep
       "blocks_patched": 50,                # H3 DiT blocks running this node's forward (0 on the override path)
       "refiner_blocks_patched": 2,         # H3 text refiner blocks, the same way
-      "block_path": "exact" | "fused" | "attention_only",   # the node's block_path
+      "block_path": "exact" | "attention_only",   # the node's block_path
       "block_path_blocks": 50,              # H3 DiT blocks whose whole forward ran the block fast path
       "replaced_own_patch": false,         # the input model already carried this node's patch; it was replaced
       "status": "ok" | "no_attention_calls" | "interrupted" | "failed",
@@ -27,19 +27,17 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "attention_calls": 100,              # calls through the pack's attention this run
       "backends_ran": {"sdpa": 100},       # back-end that actually ran -> number of calls
       "stock_calls": 0,                    # override path: calls handed back to ComfyUI's own attention
-      "fallbacks": [{"backend": "sage2", "code": "not_installed", "reason": "...", "count": 100}],
-                                           # requested/preferred back-ends that could not take calls ("stock": ComfyUI's)
+      "fallbacks": [{"backend": "sage2", "code": "not_installed", "reason": "...", "count": 100}],  # asked, not run
       "skipped_unavailable": [{"backend": "sage2", "code": "not_installed", "reason": "..."}],  # auto: normal skips
       "prepared": [{"backend": "sage2", "mode": "exact", "calls": 100}],   # calls on a back-end's prepared path
-      "prepared_skipped": [{"backend": "sage2", "code": "gpu_arch", "reason": "...", "count": 100}],
-                                           # calls whose back-end's prepared path did not run, and why
+      "prepared_skipped": [{"backend": "sage2", "code": "gpu_arch", "reason": "...", "count": 100}],  # and why
       "head_chunks_max": 1,                # >1: a call was split over heads to stay within int32 offsets
       "projected_by_chunks": 100,          # calls whose qkv projection a prepared path took by token chunks
       "copies_per_call": 0.0,              # tensor copies the pack's dataflow made, mean per call
       "compile_events": [{"backend": "fa4", "key": "...", "seconds": 1.5}],   # JIT compiles the run triggered
       "int8_own_quantizer_calls": 800,     # int8 ConvRot linear calls whose input the pack's pass quantised
       "int8_stock_quantizer": [{"reason": "...", "count": 8}],   # int8 ConvRot linear calls left to stock's, and why
-      "notes": [{"code": "sparse_composed", "text": "..."}],   # decisions taken when sampling started
+      "notes": [{"code": "sparse_composed", "text": "..."}],   # decisions taken at patching or sampling start
       "messages": ["..."]                  # human-readable lines (also logged)
     }
 """
@@ -62,12 +60,13 @@ class RunReport:
     reports; it never decides anything (the plan does, see patch.py)."""
 
     def __init__(self, *, node_id, model_family, path, settings, blocks_patched=0, refiner_blocks_patched=0,
-                 replaced_own_patch=False):
+                 replaced_own_patch=False, notes=()):
         self.static = {"node_id": None if node_id is None else str(node_id), "model_family": model_family,
                        "path": path, "layout": settings.layout, "backend_requested": settings.backend,
                        "prep_mode": settings.prep_mode, "block_path": settings.block_path,
                        "blocks_patched": blocks_patched,
                        "refiner_blocks_patched": refiner_blocks_patched, "replaced_own_patch": replaced_own_patch}
+        self.patch_notes = [{"code": n.code, "text": n.text} for n in notes]  # decided when the node executed
         self.last: dict | None = None  # the last payload built
         self.begin_run()
 
@@ -80,9 +79,9 @@ class RunReport:
         self.prepared_skipped = Counter()    # (backend, code, reason) -> calls
         self.compile_events: list[dict] = []
         self.int8_own = 0
-        self.int8_stock = Counter()          # reason -> int8 ConvRot linear calls on stock's quantiser
+        self.int8_stock = Counter()          # (reason,) -> int8 ConvRot linear calls on stock's quantiser
         self.run = {k: self.static[k] for k in ("blocks_patched", "refiner_blocks_patched")} | {"block_path_blocks": 0}
-        self.notes: list[dict] = []
+        self.notes: list[dict] = list(self.patch_notes)
         self.status: str | None = None
         self.error: dict | None = None
 
@@ -109,7 +108,7 @@ class RunReport:
         if problem is None:
             self.int8_own += 1
         else:
-            self.int8_stock[problem] += 1
+            self.int8_stock[(problem,)] += 1
 
     def record_stock(self, code: str, reason: str) -> None:
         """One call handed back to ComfyUI's own attention function (override path)."""
@@ -118,7 +117,7 @@ class RunReport:
 
     def planned(self, plan) -> None:
         """The sampling run's plan (patch.Plan): its notes and block counts go into the report."""
-        self.notes = [{"code": n.code, "text": n.text} for n in plan.notes]
+        self.notes = self.patch_notes + [{"code": n.code, "text": n.text} for n in plan.notes]
         if self.static["path"] == "h3_forward_patch":
             self.run = {"blocks_patched": plan.blocks_patched, "refiner_blocks_patched": plan.refiner_blocks_patched,
                         "block_path_blocks": plan.block_path_blocks}

@@ -135,6 +135,19 @@ class ComfyServer:
         except urllib.error.HTTPError as e:
             raise AssertionError(f"POST {path} -> {e.code}: {e.read().decode(errors='replace')}") from None
 
+    def refused(self, graph: dict) -> dict:
+        """POST ``graph`` (API format) to /prompt where ComfyUI's validation must refuse it: the body of its
+        400 answer (``error`` and ``node_errors``). Nothing is queued."""
+        req = urllib.request.Request(self.url + "/prompt", data=json.dumps({"prompt": graph}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                raise AssertionError(f"the graph was queued, not refused: {r.read().decode(errors='replace')}")
+        except urllib.error.HTTPError as e:
+            body = e.read().decode(errors="replace")
+            assert e.code == 400, f"POST /prompt -> {e.code}: {body}"
+            return json.loads(body)
+
     def run_graph(self, graph: dict, timeout: float = 300) -> "GraphRun":
         """Queue ``graph`` (API format), wait for it, return the history entry and our report events."""
         client_id = uuid.uuid4().hex

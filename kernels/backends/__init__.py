@@ -14,8 +14,7 @@ BACKENDS: dict[str, AttentionBackend] = {
     b.name: b for b in (Sage2Backend(), Fa4Backend(), SdpaBackend(), ComfyKitchenInt8Backend(), Sage1Backend())
 }
 
-# Fastest first, as measured on an H200 at S = 37,810 (docs/BENCHMARKS.md): sage2 53 ms < fa4 60 ms
-# (the fastest exact one) < sdpa 71 ms < comfy_kitchen_int8 89 ms < sage1 93 ms.
+# Fastest first at H3's shape (docs/BENCHMARKS.md); fa4 is the fastest exact one.
 AUTO_ORDER = ("sage2", "fa4", "sdpa", "comfy_kitchen_int8", "sage1")
 
 __all__ = ["AUTO_ORDER", "BACKENDS", "INT32_MAX_OFFSET", "AttentionBackend", "Verdict"]

@@ -1,5 +1,4 @@
-"""The contract every attention back-end follows, and the optional prepared-path capability
-(docs/ARCHITECTURE.md). Capabilities are declared as class attributes; reasons are data."""
+"""The contract every attention back-end follows, and the optional prepared-path capability; reasons are data."""
 
 from __future__ import annotations
 
@@ -9,17 +8,13 @@ from typing import Protocol
 
 import torch
 
-# Kernels that compute element offsets in 32-bit integers wrap silently past this.
 INT32_MAX_OFFSET = 2**31 - 1
 
-# How a back-end is handed q/k/v: [B, S, H, D] or [B, H, S, D] (SageAttention's tensor_layout).
-# Not to be confused with the dataflow layouts (kernels.LAYOUTS: strided_nhd, hnd).
+# How a back-end is handed q/k/v, [B, S, H, D] or [B, H, S, D]; not the dataflow's layouts (kernels.LAYOUTS).
 TENSOR_LAYOUTS = ("NHD", "HND")
 
 
-# Why a back-end (or its prepared path) did not take a call: a short code, the UI's short label.
-# Every Verdict/Skip carries one of these codes beside its full sentence; web/report_text.js keeps
-# the same table (tests/unit/test_web_extension.py checks that they agree).
+# Why a back-end did not take a call: code -> the UI's label (web/report_text.js keeps the same table).
 REASON_CODES = {
     "not_installed": "not installed", "wrong_version": "other version installed",
     "no_cuda": "needs CUDA", "gpu_arch": "no kernel for this GPU",
@@ -56,7 +51,7 @@ class Prepared:
     """One call's operands in a back-end's own format; the q/k/v views and their buffer may be freed."""
 
     backend: str
-    mode: str                         # the mode that ran (a fused mode runs unfused when nothing can be folded)
+    mode: str                         # the preparation mode that ran
     operands: dict                    # name -> tensor, the back-end's own layout
     sm_scale: float
     out_dtype: torch.dtype
@@ -64,7 +59,6 @@ class Prepared:
     heads: int
     head_dim: int
     head_chunks: tuple = ((0, 0),)    # (first head, end head) per kernel launch
-    norm_folded: bool = False         # the pending Q/K normalisation ran inside the preparation
     projected_chunks: int = 0         # token chunks of a projection taken by rows (0: handed whole)
 
 
@@ -76,26 +70,20 @@ class PreparedPath(Protocol):
     def prepared_verdict(self, q, k, v) -> "Verdict":
         """Can ``prepare`` take these NHD views (no mask)? Checked after ``available``/``supports``."""
 
-    def prepare(self, q, k, v, *, mode: str, scale: float | None, norm) -> Prepared:
-        """The operands for ``attend``. ``norm`` is the ``QKNorm`` the call still owes Q and K (or None):
-        the back-end folds it into its preparation or applies it first (``norm.apply``)."""
+    def prepare(self, q, k, v, *, mode: str, scale: float | None) -> Prepared:
+        """The operands for ``attend``, from q, k, v as the call will attend them (normalised)."""
 
     def attend(self, prepared: Prepared) -> torch.Tensor:
         """The kernel on prepared operands -> contiguous NHD [1, S, H, D]."""
 
-    # Optional (declared by ``prepares_projected = True``): operands straight from a fused qkv
-    # projection taken a token chunk at a time, so its [S, 3*H*D] output never exists whole.
     def prepare_projected(self, projection, kv, *, heads: int, mode: str, scale: float | None, norm,
                           chunk: int) -> Prepared:
-        """``projection.rows(a, b)`` -> qkv rows [b - a, 3*H*D], ``projection.release()`` once every
-        row is taken; ``kv`` [S, 2*H*D] is the caller's buffer for K and V (filled here, free after)."""
+        """Optional (``prepares_projected``): from a projection taken by token chunks (``rows(a, b)``, then
+        ``release()``), never whole; ``kv`` [S, 2*H*D]: the caller's K/V buffer; ``norm``: applied by row ranges."""
 
 
 class AttentionBackend:
-    """Base class: subclasses declare the class attributes and implement the hooks.
-
-    ``max_element_offset``: the largest element offset it indexes safely (``None``: 64-bit);
-    ``row_block``: its row tile; ``prepared_modes`` non-empty: it implements :class:`PreparedPath`."""
+    """Base class: subclasses declare capabilities as class attributes (``max_element_offset`` None: 64-bit)."""
 
     name: str = ""
     max_element_offset: int | None = None

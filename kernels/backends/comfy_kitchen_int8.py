@@ -1,6 +1,4 @@
-"""comfy-kitchen ``int8_attention`` (CUDA, rotated INT8 Q/K/V): takes ``[B, H, S, D]`` views of any
-strides (NHD goes in transposed) but returns contiguous HND, so one output copy remains; it raises
-rather than wrap past int32 offsets (the chain chunks before that)."""
+"""comfy-kitchen ``int8_attention`` (CUDA, rotated INT8): [B, H, S, D] views of any strides in, contiguous HND out."""
 
 from __future__ import annotations
 

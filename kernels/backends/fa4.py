@@ -1,9 +1,5 @@
-"""FlashAttention-4 (PyPI ``flash-attn-4``: ``flash_attn.cute``, CuTe DSL, compiled at first call).
-
-It takes the strided NHD views as they are (HND as transposed views) and returns contiguous NHD.
-Indexing is 64-bit (verified on sm90 to 320,000 tokens; other arches keep the int32 rule). Each
-JIT compile (~1.7 s, keyed by dtype/head dims/arch, not S) lands in ``compile_events``; importing
-``flash_attn.cute`` takes 6-7 s, once, in ``available()``."""
+"""FlashAttention-4 (``flash-attn-4``'s ``flash_attn.cute``): strided views in, contiguous NHD out, 64-bit
+indexing where verified. JIT compiles (keyed by dtype, head dims, arch; not S) land in ``compile_events``."""
 
 from __future__ import annotations
 

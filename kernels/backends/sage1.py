@@ -1,6 +1,4 @@
-"""PyPI ``sageattention==1.0.6``: Triton kernels, head_dim 64/96/128. It casts V to fp16 and subtracts
-the key mean from K **in place** (``smooth_k``; softmax is shift-invariant, so the result holds): in
-the fused dataflow K is a view of the qkv buffer that nothing reads afterwards."""
+"""PyPI ``sageattention==1.0.6`` (Triton). Its ``smooth_k`` subtracts K's mean in place: nothing reads K afterwards."""
 
 from __future__ import annotations
 
@@ -33,5 +31,4 @@ class Sage1Backend(AttentionBackend):
         return YES
 
     def __call__(self, q, k, v, *, layout, scale=None, mask=None):
-        # smooth_k mutates k in place (see module docstring).
         return self._sageattn(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, smooth_k=True)

@@ -1,6 +1,4 @@
-"""thu-ml SageAttention 2.x (CUDA kernels, built from source or community wheels). ``sageattn``
-dispatches on the GPU arch, takes any strides with a contiguous last dim, returns contiguous NHD for
-``tensor_layout="NHD"`` and forms offsets in int32 (the chain keeps them below 2**31)."""
+"""SageAttention 2.x ``sageattn`` (CUDA): any strides with a contiguous last dim, contiguous NHD out, int32 offsets."""
 
 from __future__ import annotations
 
@@ -9,14 +7,11 @@ import importlib
 import torch
 
 from .. import sage2_quant
-from ..h3_block import token_chunks
+from ..offsets import token_chunks
 from .base import INT32_MAX_OFFSET, YES, AttentionBackend, Prepared, Verdict, cuda_capability, no
 
-# Arches sageattn() has a kernel for (it raises on others).
 SUPPORTED_CAPABILITIES = {(8, 0), (8, 6), (8, 9), (9, 0), (12, 0), (12, 1)}
-# The sm90 kernel builds TMA descriptors from int32 strides: a contiguous NHD batch stride S*H*D
-# passes 2**31 at S = 299,593 (56x128 heads) and aborts the process. The prepared operands are
-# head-major, so the largest stride is one head chunk's span: chunks keep it below 2**31.
+# sm90's TMA descriptors take int32 strides (past 2**31 the process aborts): head chunks keep them below.
 TMA_MAX_SPAN = 2**31 - 1
 # The kernel writes its bf16 output through uint32 element offsets (row * stride_seq + head * D).
 OUTPUT_MAX_OFFSET = 2**32 - 1
@@ -34,8 +29,7 @@ def installed_sageattention():
 
 
 class Sage2Backend(AttentionBackend):
-    """``sageattn`` for every call it supports; on sm90 also the prepared path (kernels/sage2_quant.py's
-    passes make the int8/fp8 operands, SageAttention's compiled sm90 kernel runs on them)."""
+    """``sageattn`` for every call it supports; on sm90 also the prepared path."""
 
     name = "sage2"
     max_element_offset = INT32_MAX_OFFSET
@@ -81,46 +75,21 @@ class Sage2Backend(AttentionBackend):
         op, reason = _sm90_attention_op()
         return YES if op is not None else no("not_installed", reason)
 
-    def prepare(self, q, k, v, *, mode="exact", scale=None, norm=None) -> Prepared:
-        """int8 Q/K + fp8 V from NHD [1, S, H, 128] views. The policy: a fused mode folds the pending
-        RMSNorm+RoPE into the passes when it can (in place, with a rope table); otherwise the norm is
-        applied first (comfy-kitchen, in place) and the unfused twin of the mode runs."""
-        fused, rotate = sage2_quant.mode_flags(mode)
-        fold = fused and norm is not None and norm.foldable
-        if not fold:
-            if norm is not None:
-                q, k = norm.apply(q, k)
-            mode = "rotated" if rotate else "exact"
-        params = dict(rope_table=norm.rope_table, q_weight=norm.q_weight, k_weight=norm.k_weight,
-                      eps=norm.eps) if fold else {}
-        ops = sage2_quant.quantize_operands(q, k, v, mode=mode, **params)
-        if fold:
-            norm.mark_folded()
+    def prepare(self, q, k, v, *, mode="exact", scale=None) -> Prepared:
+        """int8 Q/K + fp8 V from NHD [1, S, H, 128] views of normalised Q and K."""
         _, s, h, d = q.shape
-        return Prepared(self.name, mode, ops, float(d ** -0.5 if scale is None else scale), q.dtype, s, h, d,
-                        head_chunks(s, h, d), norm_folded=fold)
+        return Prepared(self.name, mode, sage2_quant.quantize_operands(q, k, v, mode=mode),
+                        float(d ** -0.5 if scale is None else scale), q.dtype, s, h, d, head_chunks(s, h, d))
 
     def prepare_projected(self, projection, kv, *, heads, mode="exact", scale=None, norm=None, chunk=8192) -> Prepared:
-        """The operands of ``prepare`` from a fused qkv projection taken a token chunk at a time: each
-        chunk's Q is normalised and quantised at once, its K and V rows copied into ``kv`` [S, 2*H*D]
-        (or, for a projection that splits by columns, ``kv`` is its ``projection.kv``, K and V of every
-        row, and Q goes by chunks of 3x the rows: the same bytes as a chunk of whole rows); K and V are
-        quantised once every token is in. The bits are ``prepare``'s on the whole projection. A fused
-        mode folds a foldable norm as ``prepare`` does; otherwise the norm is applied row range by row
-        range (it must allow that: ``norm.foldable``)."""
-        fused, rotate = sage2_quant.mode_flags(mode)
-        fold = fused and norm is not None and norm.foldable
-        if not fold:
-            mode = "rotated" if rotate else "exact"
-            if norm is not None and not norm.foldable:
-                raise ValueError("the pending Q/K normalisation cannot be applied by token chunks")
+        """``prepare``'s operands and bits from a projection taken by token chunks (Q normalised per chunk)."""
+        if norm is not None and not norm.by_rows:
+            raise ValueError("the pending Q/K normalisation cannot be applied by token chunks")
         seq, d = kv.shape[0], sage2_quant.HEAD_DIM
         inner = heads * d
         if kv.shape[1] != 2 * inner:
             raise ValueError(f"kv buffer has {kv.shape[1]} columns, expected 2*{heads}*{d}")
-        params = dict(rope_table=norm.rope_table, q_weight=norm.q_weight, k_weight=norm.k_weight,
-                      eps=norm.eps) if fold else {}
-        ops = sage2_quant.RowOperands(seq, heads, kv.device, mode=mode, **params)
+        ops = sage2_quant.RowOperands(seq, heads, kv.device, mode=mode)
         k_all, v = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)
         by_columns = kv is projection.kv  # K/V in one product, Q by rows; else whole rows, K/V copied
         rows_per_chunk = chunk * 3 if by_columns else chunk  # Q rows are a third of a whole row
@@ -133,7 +102,7 @@ class Sage2Backend(AttentionBackend):
             else:
                 rows = projection.rows(a, b)
                 q, k = rows.unflatten(1, (3, heads, d)).unsqueeze(0).unbind(2)[:2]  # no view left to hold the chunk
-            if norm is not None and not fold:
+            if norm is not None:
                 norm.apply_rows(q, k, a)
             ops.add_q_rows(q)
             if not by_columns:
@@ -141,9 +110,9 @@ class Sage2Backend(AttentionBackend):
             del rows, q, k
         projection.release()
         if norm is not None:
-            norm.mark_folded()
+            norm.mark_applied()
         return Prepared(self.name, mode, ops.finish(k_all, v), float(d ** -0.5 if scale is None else scale), kv.dtype,
-                        seq, heads, d, head_chunks(seq, heads, d), norm_folded=fold, projected_chunks=len(chunks))
+                        seq, heads, d, head_chunks(seq, heads, d), projected_chunks=len(chunks))
 
     def attend(self, prepared: Prepared) -> torch.Tensor:
         """SageAttention 2's sm90 kernel on prepared operands -> contiguous NHD [1, S, H, 128]."""
@@ -153,8 +122,7 @@ class Sage2Backend(AttentionBackend):
         p, s, h, d = prepared.operands, prepared.seq, prepared.heads, prepared.head_dim
         out = torch.empty(1, s, h, d, dtype=prepared.out_dtype, device=p["q_int8"].device)
         for h0, h1 in prepared.head_chunks:
-            # [hc, S, D] head-major -> NHD-shaped views [1, S, hc, D]; the batch stride is one chunk's
-            # span (< 2**31), the only stride the kernel would otherwise overflow.
+            # head-major [hc, S, D] as NHD views [1, S, hc, D]: the batch stride is one chunk's span (< 2**31)
             qv = p["q_int8"][h0:h1].permute(1, 0, 2).unsqueeze(0)
             kv = p["k_int8"][h0:h1].permute(1, 0, 2).unsqueeze(0)
             vv = p["v_fp8"][h0:h1].permute(1, 0, 2).unsqueeze(0)  # [1, D, hc, S_pad]

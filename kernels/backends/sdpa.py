@@ -1,6 +1,4 @@
-"""PyTorch scaled_dot_product_attention: always there, CPU included, 64-bit indexing. On Hopper and
-newer it asks for cuDNN's fused attention first (72 ms at H3's shape on an H200 vs 114 ms for
-FlashAttention-2), explicitly, so that an ambient priority (ComfyUI's) does not decide."""
+"""PyTorch scaled_dot_product_attention (CPU too, 64-bit); on Hopper+ cuDNN first (faster), whatever ComfyUI asks."""
 
 from __future__ import annotations
 
@@ -14,15 +12,12 @@ import torch.nn.functional as F
 from .base import YES, AttentionBackend
 
 
-# SDPBackend names, first asked first, on Hopper and newer. Stock ComfyUI (comfy/ops.py, 0.33 to current)
-# asks FLASH_ATTENTION first: from about 12,000 tokens the two pick different kernels whose outputs
-# differ by rounding (benchmarks/sdpa_priority.py).
+# Stock ComfyUI asks FLASH_ATTENTION first: from about 12,000 tokens the outputs differ by rounding.
 HOPPER_PRIORITY = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
 def priority(names):
-    """A context manager factory asking SDPA for ``names`` (SDPBackend names) in that order, or None
-    where PyTorch cannot set priorities."""
+    """A context manager factory asking SDPA for ``names`` in order; None where PyTorch cannot set priorities."""
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
@@ -56,8 +51,7 @@ class SdpaBackend(AttentionBackend):
     def __call__(self, q, k, v, *, layout, scale=None, mask=None):
         with _kernel_priority(q):
             if layout == "NHD":
-                # SDPA wants [B,H,S,D]: transposed views, no copies. Its fused paths allocate the
-                # output token-major, so the transposed-back result is usually contiguous NHD.
+                # transposed views, no copies; fused paths allocate token-major: usually contiguous NHD
                 out = F.scaled_dot_product_attention(
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
                 return out.transpose(1, 2)

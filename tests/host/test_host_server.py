@@ -46,10 +46,11 @@ def test_node_is_listed_in_object_info(comfy_server):
     assert all(spec[1].get("tooltip") for spec in req.values()), "every input needs a tooltip"
     opt = info["input"].get("optional", {})
     assert list(opt) == ["sage2_prep", "block_path"], "optional: API graphs saved without them still validate"
-    modes = ["exact", "fused", "rotated", "fused_rotated"]
-    assert opt["sage2_prep"][0] == modes or opt["sage2_prep"][1].get("options") == modes
-    assert opt["sage2_prep"][1].get("advanced") is True and req["layout"][1].get("advanced") is True
-    assert opt["sage2_prep"][1]["default"] == "exact" and opt["sage2_prep"][1].get("tooltip")
+    for name, values in (("sage2_prep", ["exact", "rotated"]), ("block_path", ["exact", "attention_only"])):
+        spec = opt[name]
+        assert spec[0] == values or spec[1].get("options") == values, (name, spec)  # no removed value offered
+        assert spec[1].get("advanced") is True and spec[1]["default"] == "exact" and spec[1].get("tooltip")
+    assert req["layout"][1].get("advanced") is True
 
 
 def test_h3_latents_bit_identical_across_layouts_and_stock_and_patch_reverts(comfy_server):
@@ -153,3 +154,46 @@ def test_cpu_device_with_sage_requested_falls_back_to_sdpa_and_says_why(comfy_se
     assert any(m.startswith("fallback from sage2") for m in r["messages"])
     stock = comfy_server.run_graph(h3_graph(patch=None, name="h3_cpu_stock"))
     assert_latents_equal(run.latent("9"), stock.latent("9"), "sage2 requested on CPU vs stock")
+
+
+def removed_value_notes(report: dict) -> list[str]:
+    return [n["text"] for n in report["notes"] if n["code"] == "removed_value"]
+
+
+def test_workflow_saved_with_removed_values_validates_runs_and_says_so(comfy_server):
+    """An old workflow's node carries block_path "fused" and sage2_prep "fused_rotated" (values the node
+    no longer offers): ComfyUI validates it (the node's validate_inputs, not the options list), it runs
+    on exact / rotated with stock's bits, and the report (payload and log) says what was mapped, also in
+    a later sampling run that reuses the cached node."""
+    old = dict(patch_inputs(), block_path="fused", sage2_prep="fused_rotated")
+    run = comfy_server.run_graph(h3_graph(patch=old, name="h3_removed_values"))
+    r = only_report(run)
+    assert r["block_path"] == "exact" and r["prep_mode"] == "rotated", r
+    assert r["block_path_blocks"] == r["blocks_patched"] == 2
+    notes = removed_value_notes(r)
+    assert len(notes) == 2, r["notes"]
+    assert any("block_path 'fused'" in n and "'exact'" in n for n in notes), notes
+    assert any("sage2_prep 'fused_rotated'" in n and "'rotated'" in n for n in notes), notes
+    assert all(n in r["messages"] for n in notes), r["messages"]
+    log = comfy_server.log_path.read_text(errors="replace")
+    assert all(f"[Sage Strided NHD] {n}" in log for n in notes), comfy_server.log_tail()
+    # the next prompt (only the conditioning's nonce differs) takes the node's output from ComfyUI's cache
+    again = comfy_server.run_graph(h3_graph(patch=old, name="h3_removed_values_again"))
+    assert "3" in again.cached_nodes(), again.cached_nodes()  # the node did not run again: its patch did
+    assert removed_value_notes(only_report(again)) == notes
+    stock = comfy_server.run_graph(h3_graph(patch=None, name="h3_removed_values_stock"))
+    assert_latents_equal(run.latent("9"), stock.latent("9"), "a removed block_path mapped to exact vs stock")
+
+    current = only_report(comfy_server.run_graph(h3_graph(patch=dict(patch_inputs(), block_path="exact",
+                                                                     sage2_prep="rotated"), name="h3_current_values")))
+    assert removed_value_notes(current) == [], current["notes"]
+
+
+def test_unknown_input_values_are_refused_at_validation(comfy_server):
+    for name, value, offered in (("block_path", "bogus", "exact, attention_only"),
+                                 ("sage2_prep", "fused_bogus", "exact, rotated")):
+        body = comfy_server.refused(h3_graph(patch=dict(patch_inputs(), **{name: value}), name=f"h3_bad_{name}"))
+        errors = body["node_errors"]["3"]["errors"]
+        details = [e["details"] for e in errors if e["type"] == "custom_validation_failed"]
+        assert any(f"{name} {value!r} is not one of {offered}" in d for d in details), body
+        assert body["node_errors"]["3"]["class_type"] == "SageStridedNHDAttention"

@@ -75,8 +75,8 @@ def test_a_cast_that_dequantises_runs_the_float_linear(pack, blocks, monkeypatch
     another dtype), the call is stock's float linear on it, for both call forms, with the reason recorded."""
     import comfy.ops
 
-    route = pack.kernels.int8_linear
-    monkeypatch.setattr(route, "call_problem", lambda x, input_act=None: None)  # past the CPU's own reason
+    # past the CPU's own reason (nodes/ reach the route's checks through the kernels package's face)
+    monkeypatch.setattr(pack.kernels, "int8_call_problem", lambda x, input_act=None: None)
     fc2 = blocks["int8_convrot"].mlp.fc2
     dequantised = fc2.weight.dequantize().to(torch.bfloat16)
 
@@ -97,3 +97,28 @@ def test_a_cast_that_dequantises_runs_the_float_linear(pack, blocks, monkeypatch
         want_in = comfy.ops.INPUT_ACT_EAGER[act](x) if act else x
         assert torch.equal(out, torch.nn.functional.linear(want_in, dequantised))
         assert reasons == ["the cast gave a weight that is not int8 ConvRot"]
+
+
+def test_one_function_says_whose_quantiser_a_call_uses(pack, blocks, monkeypatch):
+    """``stock_quantizer_reason``: before the cast what the layer and the call show, after it (``cast``)
+    what the cast weight shows; None where the pack's quantiser runs."""
+    import comfy.model_management
+
+    reason = pack.nodes.int8_layers.stock_quantizer_reason
+    fc1 = blocks["int8_convrot"].mlp.fc1
+    x = torch.randn(5, CONFIG["hidden_size"]).bfloat16()
+    assert reason(fc1, x) == "not on a CUDA device"
+    monkeypatch.setattr(pack.kernels, "int8_call_problem", lambda x, input_act=None: None)
+    assert reason(fc1, x) is None
+    assert reason(fc1, x.requires_grad_()) == "training"
+    with monkeypatch.context() as m:
+        m.setattr(comfy.model_management, "in_training", True)
+        assert reason(fc1, x.detach()) == "training"
+    x = x.detach()
+    with monkeypatch.context() as m:
+        m.setattr(fc1, "weight_function", [lambda w: w])
+        assert "would not run the int8 GEMM" in reason(fc1, x)
+    dequantised = fc1.weight.dequantize().to(torch.bfloat16)
+    assert reason(fc1, x, cast=(dequantised, None)) == "the cast gave a weight that is not int8 ConvRot"
+    monkeypatch.setattr(pack.kernels, "int8_weight_problem", lambda *args, input_act=None: None)
+    assert reason(fc1, x, cast=(fc1.weight, None)) is None

@@ -173,19 +173,35 @@ def test_patch_model_patches_a_clone_only(pack):
 
 def test_bad_settings_are_refused(pack):
     mp = patcher_for(tiny_h3_model())
+    Settings = pack.nodes.patch.Settings
     with pytest.raises(ValueError, match="unknown layout 'nhd'"):
-        pack.nodes.patch_any_model(mp, "nhd", "auto")
+        pack.nodes.patch_any_model(mp, Settings(layout="nhd"))
     with pytest.raises(ValueError, match="unknown back-end 'sage3'"):
-        pack.nodes.patch_any_model(mp, "strided_nhd", "sage3")
-    with pytest.raises(ValueError, match="unknown sage2_prep mode 'fast'"):
-        pack.nodes.patch_any_model(mp, "strided_nhd", "auto", prep_mode="fast")
+        Settings(backend="sage3")
+    with pytest.raises(ValueError, match="unknown sage2_prep mode 'fused'"):  # removed values: the node maps them
+        Settings(prep_mode="fused")
+    with pytest.raises(ValueError, match="unknown block path 'fused'"):
+        Settings(block_path="fused")
     with pytest.raises(ValueError, match="unknown layout 'NHD'"):  # one vocabulary, validated in one place
-        pack.nodes.patch.Settings(layout="NHD")
+        Settings(layout="NHD")
+
+
+@pytest.mark.parametrize("name, value, runs", [("sage2_prep", "fused", "exact"), ("sage2_prep", "fused_rotated", "rotated"),
+                                               ("block_path", "fused", "exact")])
+def test_a_removed_value_of_an_old_workflow_runs_its_replacement_and_says_so(pack, name, value, runs):
+    node = pack.nodes.SageStridedNHDAttention
+    assert node.validate_inputs(**{name: value}) is True
+    assert "bogus" in node.validate_inputs(**{name: "bogus"})
+    assert pack.nodes.patch.current_value(name, runs) == (runs, None)
+    got, note = pack.nodes.patch.current_value(name, value)
+    assert got == runs and note.code == "removed_value" and repr(value) in note.text and repr(runs) in note.text
+    clone, patch = pack.nodes.patch_any_model(patcher_for(tiny_h3_model()), notes=(note,))
+    assert {"code": "removed_value", "text": note.text} in patch.report.payload()["notes"]
 
 
 def test_non_h3_model_takes_the_override_path(pack):
     mp = patcher_for(tiny_wan_model())
-    clone, patch = pack.nodes.patch_any_model(mp, "strided_nhd", "auto")
+    clone, patch = pack.nodes.patch_any_model(mp, settings(pack, "strided_nhd", "auto"))
     assert patch.report.static["path"] == "attention_override" and clone.object_patches == {}
     assert pack.nodes.conflicts.is_own(clone.model_options["transformer_options"]["optimized_attention_override"])
     assert "optimized_attention_override" not in mp.model_options["transformer_options"]
@@ -204,8 +220,8 @@ def test_own_patch_applied_twice_is_replaced_and_reported(pack):
     assert len(second.get_wrappers(WrappersMP.OUTER_SAMPLE, pack.nodes.patch.WRAPPER_KEY)) == 1
 
     wan = patcher_for(tiny_wan_model())
-    o1, _ = pack.nodes.patch_any_model(wan, "hnd", "sdpa")
-    o2, p2 = pack.nodes.patch_any_model(o1, "strided_nhd", "sdpa")
+    o1, _ = pack.nodes.patch_any_model(wan, settings(pack, "hnd", "sdpa"))
+    o2, p2 = pack.nodes.patch_any_model(o1, settings(pack, "strided_nhd", "sdpa"))
     assert p2.report.static["replaced_own_patch"] is True
     assert o2.model_options["transformer_options"]["optimized_attention_override"].patch.settings.layout == "strided_nhd"
 
@@ -231,7 +247,7 @@ def test_foreign_attention_override_is_refused(pack, family):
 
     mp.model_options["transformer_options"]["optimized_attention_override"] = kj_style_override
     with pytest.raises(pack.nodes.conflicts.PatchConflictError, match="another node's attention override .*kj_style_override"):
-        pack.nodes.patch_any_model(mp, "strided_nhd", "auto")
+        pack.nodes.patch_any_model(mp, settings(pack, "strided_nhd", "auto"))
 
 
 # --- the generic override ------------------------------------------------------------------------
@@ -336,7 +352,7 @@ def test_model_without_optimized_attention_calls_reports_that_nothing_changed(pa
             return torch.softmax(x @ x.T, -1) @ x
 
     mp = patcher_for(NoAttention())
-    clone, patch = pack.nodes.patch_any_model(mp, "strided_nhd", "auto")
+    clone, patch = pack.nodes.patch_any_model(mp, settings(pack, "strided_nhd", "auto"))
     wrapper = outer_sample_wrapper(pack, clone)
     with caplog.at_level("WARNING", logger="sage_strided_nhd"):
         wrapper(lambda: mp.model.diffusion_model(torch.randn(4, 4)))
@@ -356,7 +372,7 @@ def test_node_schema_has_tooltips_and_defaults(pack):
     assert defaults["layout"] == "strided_nhd" and defaults["backend"] == "auto" and defaults["patch_text_refiner"] is True
     prep, block = schema.inputs[-2:]
     assert defaults["sage2_prep"] == "exact" and prep.optional and list(prep.options) == list(pack.kernels.PREPARED_MODES)
-    assert defaults["block_path"] == "exact" and block.optional and list(block.options) == ["exact", "fused", "attention_only"]
+    assert defaults["block_path"] == "exact" and block.optional and list(block.options) == ["exact", "attention_only"]
     advanced = {i.id for i in schema.inputs if getattr(i, "advanced", None)}
     assert advanced == {"layout", "sage2_prep", "block_path"}  # most users should not touch them
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from comfyui_sage_strided_nhd import kernels
 from comfyui_sage_strided_nhd.kernels import h3_block
 from devkit.interpreted import run_interpreted
 
@@ -160,14 +161,14 @@ def test_inputs_the_kernel_does_not_take_get_stocks_passes(gen):
 
 
 def test_token_chunks_and_clipped_segments():
-    assert h3_block.token_chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert h3_block.token_chunks(4, 8) == [(0, 4)]
-    assert h3_block.token_chunks(37810, 8192) == [(a, min(a + 7616, 37810)) for a in range(0, 37810, 7616)]
-    assert h3_block.token_chunks(16384, 8192) == [(0, 8192), (8192, 16384)]
-    assert h3_block.token_chunks(200, 128, align=128) == [(0, 128), (128, 200)]  # chunk starts stay aligned
-    assert h3_block.token_chunks(37810, 8192, align=128) == [(a, min(a + 7680, 37810)) for a in range(0, 37810, 7680)]
+    assert kernels.token_chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert kernels.token_chunks(4, 8) == [(0, 4)]
+    assert kernels.token_chunks(37810, 8192) == [(a, min(a + 7616, 37810)) for a in range(0, 37810, 7616)]
+    assert kernels.token_chunks(16384, 8192) == [(0, 8192), (8192, 16384)]
+    assert kernels.token_chunks(200, 128, align=128) == [(0, 128), (128, 200)]  # chunk starts stay aligned
+    assert kernels.token_chunks(37810, 8192, align=128) == [(a, min(a + 7680, 37810)) for a in range(0, 37810, 7680)]
     with pytest.raises(ValueError, match="positive"):
-        h3_block.token_chunks(4, 0)
+        kernels.token_chunks(4, 0)
     segments = [(0, 3, 1), (3, 9, 2), (9, 10, 0)]
     assert h3_block.clip_segments(segments, 4, 8) == [(0, 4, 2)]
     assert h3_block.clip_segments(segments, 8, 10) == [(0, 1, 2), (1, 2, 0)]

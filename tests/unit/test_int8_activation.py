@@ -126,7 +126,7 @@ def test_route_says_why_it_keeps_stocks_call(monkeypatch):
     route = submodule("kernels.int8_linear")
     x = torch.zeros(16, 512, dtype=torch.bfloat16)
     w = torch.zeros(32, 512, dtype=torch.int8)
-    problem = route.route_problem(x, w, torch.ones(()), None)
+    problem = route.int8_route_problem(x, w, torch.ones(()), None)
     assert problem is not None and ("CUDA" in problem or "quantiser does not take" in problem)
     assert route.int8_linear(x, w, torch.ones(()), None) is None
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9")
@@ -136,40 +136,3 @@ def test_route_says_why_it_keeps_stocks_call(monkeypatch):
     finally:
         route.kitchen_cuda.cache_clear()  # the next caller asks the real release again
     assert module is None and "9.9.9" in why and "0.2.31" in why
-
-
-@pytest.mark.parametrize("width,swiglu", [(5376, False), (14336, True)])
-def test_quantiser_compiles_for_sm90_with_the_fast_math_instructions(width, swiglu):
-    """Compiled for sm90 here (no GPU needed): no spills, and the division and the exponential are the
-    approximate hardware instructions comfy-kitchen's fast-math build uses (MUFU.RCP, MUFU.EX2), not an
-    IEEE division's subroutine; that choice decides the bits the GPU test compares. Each bf16 rounding
-    is the one conversion instruction (``round_bf16``'s hardware form), no integer steps."""
-    static = pytest.importorskip("benchmarks.int8_quant_static")
-    r = static.analyse(width, swiglu, submodule("kernels.int8_activation").row_warps(width), clock_hz=1.8e9)
-    assert r["stack_bytes"] == 0 and "CALL" not in r["mix"]
-    kernel = static.compile_sm90(width, swiglu, 4)
-    sass = static._run_tool("nvdisasm", ["-c"], kernel.asm["cubin"])
-    assert "MUFU.RCP" in sass and ("MUFU.EX2" in sass) == swiglu and "F2FP.BF16.F32.PACK_AB" in sass
-
-
-def test_swiglu_product_is_rounded_before_the_rotation_adds_it():
-    """comfy-kitchen's CUDA code rounds silu(gate) * up (FMUL) before the first butterfly adds it; an
-    FMA contracted from that product and the addition rounds once instead of twice and moves a tenth
-    of the rows' scales (seen on the H200). The SwiGLU kernel may fuse no more than the plain one of
-    the same width does (its FMAs are the butterflies' exact 0.5 * x + y)."""
-    import re
-
-    static = pytest.importorskip("benchmarks.int8_quant_static")
-    for warps in (4, 8):
-        fmas = {swiglu: len(re.findall(r"\bfma\.rn(\.ftz)?\.f32", static.compile_sm90(14336, swiglu, warps).asm["ptx"]))
-                for swiglu in (False, True)}
-        assert fmas[True] == fmas[False], (warps, fmas)
-
-
-def test_quantiser_compiles_for_every_arch_the_route_takes():
-    """The route runs on compute capability 8.0 and later (comfy-kitchen's CUTLASS int8 GEMM): the
-    kernel's instructions (bf16 conversions, approximate division and exponential) must exist there."""
-    static = pytest.importorskip("benchmarks.int8_quant_static")
-    for arch in (80, 86, 89, 120):
-        for width, swiglu in ((5376, False), (14336, True)):
-            assert static.compile_sm90(width, swiglu, 4, arch=arch).asm["cubin"]

@@ -280,13 +280,12 @@ def rope_norm(q):
 
 
 class FakePrepared(AttentionBackend):
-    """A CPU back-end with a prepared path: ``prepare`` stashes normalised copies of q/k/v (folding a
-    foldable norm in ``fused`` mode, applying it otherwise and running ``exact``), ``attend`` runs SDPA on
-    them. Every hook counts its calls; ``raises`` makes ``prepare`` fail before or after the norm."""
+    """A CPU back-end with a prepared path: ``prepare`` stashes copies of the (normalised) q/k/v,
+    ``attend`` runs SDPA on them. Every hook counts its calls; ``raises`` makes ``prepare`` fail."""
 
     name = "fake_prepared"
     needs_cuda = False
-    prepared_modes = ("exact", "fused")
+    prepared_modes = ("exact", "rotated")
 
     def __init__(self, verdict=YES, raises=None, watch=None):
         self.verdict, self.raises, self.watch = verdict, raises, watch
@@ -309,23 +308,13 @@ class FakePrepared(AttentionBackend):
         self.counts["prepared_verdict"] += 1
         return self.verdict
 
-    def prepare(self, q, k, v, *, mode, scale, norm):
+    def prepare(self, q, k, v, *, mode, scale):
         self.counts["prepare"] += 1
-        if self.raises == "before_norm":
-            raise RuntimeError("preparation failed in this test")
-        fold = mode == "fused" and norm is not None and norm.foldable
-        if fold:
-            q, k = kernels.norm_rope(q, k, norm.rope_table, norm.q_weight, norm.k_weight, norm.eps, inplace=False)
-            norm.mark_folded()
-        else:
-            if norm is not None:
-                q, k = norm.apply(q, k)
-            mode = "exact"
-        if self.raises == "after_norm":
+        if self.raises:
             raise RuntimeError("preparation failed in this test")
         _, s, h, d = q.shape
         return Prepared(self.name, mode, {"q": q.clone(), "k": k.clone(), "v": v.clone()}, scale, q.dtype, s, h, d,
-                        head_chunks=((0, h // 2), (h // 2, h)), norm_folded=fold)
+                        head_chunks=((0, h // 2), (h // 2, h)))
 
     def attend(self, prepared):
         self.counts["attend"] += 1
@@ -352,16 +341,15 @@ def normed_reference(q, k, v, norm_kind):
     return SdpaBackend()(qn, kn, v, layout="NHD", scale=SCALE)
 
 
-@pytest.mark.parametrize("asked,norm_kind,ran", [("exact", "counting", "exact"), ("fused", "rope", "fused"),
-                                                 ("fused", "counting", "exact")])
-def test_the_prepared_path_runs_when_asked_and_the_verdict_says_yes(asked, norm_kind, ran, gen):
+@pytest.mark.parametrize("asked,norm_kind", [("exact", "counting"), ("rotated", "rope"), ("exact", "rope")])
+def test_the_prepared_path_runs_when_asked_and_the_verdict_says_yes(asked, norm_kind, gen):
     q, k, v = nhd_inputs(gen)
     expect = normed_reference(q, k, v, norm_kind)
     norm = counting_norm() if norm_kind == "counting" else rope_norm(q)
     fake = FakePrepared()
     out, rec = BackendChain("fake_prepared", [fake]).run(q, k, v, layout="NHD", scale=SCALE, norm=norm,
                                                          prepared_mode=asked)
-    assert rec.backend == "fake_prepared" and rec.prepared == ran  # the mode that ran, not the one asked
+    assert rec.backend == "fake_prepared" and rec.prepared == asked
     assert rec.prepared_skipped is None and rec.skipped == ()
     assert rec.head_chunks == 2 and not rec.compacted and rec.copies == 0
     assert fake.counts["call"] == 0, "the plain call must not run when the prepared path did"
@@ -419,11 +407,10 @@ def test_the_prepared_path_is_only_asked_for_unmasked_nhd_calls_that_request_it(
     assert fake.counts["prepared_verdict"] == fake.counts["prepare"] == 0 and fake.counts["call"] == 1
 
 
-@pytest.mark.parametrize("where", ["before_norm", "after_norm"])
-def test_a_prepared_path_that_raises_falls_to_the_plain_call_and_the_norm_runs_once(where, gen, caplog, monkeypatch):
+def test_a_prepared_path_that_raises_falls_to_the_plain_call_and_the_norm_runs_once(gen, caplog, monkeypatch):
     monkeypatch.setattr(chain_module, "_logged", set())
     q, k, v = nhd_inputs(gen)
-    norm, fake = counting_norm(), FakePrepared(raises=where)
+    norm, fake = counting_norm(), FakePrepared(raises=True)
     with caplog.at_level(logging.WARNING, logger="sage_strided_nhd"):
         out, rec = BackendChain("fake_prepared", [fake]).run(q, k, v, layout="NHD", scale=SCALE, norm=norm,
                                                              prepared_mode="exact")
@@ -433,18 +420,14 @@ def test_a_prepared_path_that_raises_falls_to_the_plain_call_and_the_norm_runs_o
     assert fake.counts["prepare"] == 1 and fake.counts["attend"] == 0 and fake.counts["call"] == 1
     assert norm.q_norm.calls == 1 and norm.k_norm.calls == 1, "the norm must run exactly once in total"
     assert norm.applied
-    assert any(f"fake_prepared skipped ({reason})" in r.getMessage() for r in caplog.records)
-    if where == "before_norm":
-        assert torch.equal(out, normed_reference(q, k, v, "counting"))
+    assert any(f"[Sage Strided NHD] attention back-end fake_prepared skipped ({reason})" in r.getMessage()
+               for r in caplog.records)
+    assert torch.equal(out, normed_reference(q, k, v, "counting"))
 
 
-@pytest.mark.parametrize("where", [
-    "before_norm",
-    "after_norm",
-])
-def test_after_a_prepared_path_raised_the_plain_call_gets_normalised_q_and_k(where, gen):
+def test_after_a_prepared_path_raised_the_plain_call_gets_normalised_q_and_k(gen):
     q, k, v = nhd_inputs(gen)
-    norm, fake = counting_norm(), FakePrepared(raises=where)
+    norm, fake = counting_norm(), FakePrepared(raises=True)
     out, _ = BackendChain("fake_prepared", [fake]).run(q, k, v, layout="NHD", scale=SCALE, norm=norm,
                                                        prepared_mode="exact")
     assert torch.equal(fake.plain_qk[0], q * 2.0) and torch.equal(fake.plain_qk[1], k * 0.5)

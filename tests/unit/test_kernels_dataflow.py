@@ -84,16 +84,15 @@ def test_norm_rope_writes_into_the_fused_buffer_in_place(gen):
 def test_strided_nhd_output_is_a_view_of_the_kernel_output(gen, monkeypatch):
     heads, head_dim, seq = 4, 32, 33
     qkv, table, qw, kw = fused_inputs(seq, heads, head_dim, 16, gen)
-    chain = kernels.BackendChain.for_choice("sdpa")
     seen = {}
-    original = chain.run_handed
 
-    def spy(*args, **kwargs):
-        out, rec = original(*args, **kwargs)
-        seen["out"] = out
-        return out, rec
+    class Spy(kernels.BackendChain):
+        def run_handed(self, *args, **kwargs):
+            out, rec = super().run_handed(*args, **kwargs)
+            seen["out"] = out
+            return out, rec
 
-    monkeypatch.setattr(chain, "run_handed", spy)
+    chain = Spy("sdpa", kernels.BackendChain.for_choice("sdpa").backends)
     flat, rec = kernels.attention_from_fused_qkv(
         qkv, heads, head_dim, chain=chain, norm=kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5))
     assert seen["out"].is_contiguous(), "sdpa on NHD views should hand back token-major memory"
@@ -144,12 +143,12 @@ def test_training_mode_rope_leaves_the_fused_buffer_alone(gen):
 
 
 class FakePrepared(AttentionBackend):
-    """A CPU back-end with a prepared path: ``prepare`` folds a foldable norm in ``fused`` mode (out of
-    place) or applies it, and stashes copies; ``attend`` runs SDPA on them and calls ``on_attend``."""
+    """A CPU back-end with a prepared path: ``prepare`` stashes copies of the normalised views; ``attend``
+    runs SDPA on them and calls ``on_attend``."""
 
     name = "fake_prepared"
     needs_cuda = False
-    prepared_modes = ("exact", "fused")
+    prepared_modes = ("exact", "rotated")
 
     def __init__(self, on_attend=None):
         self.modes, self.calls, self.on_attend = [], 0, on_attend
@@ -160,17 +159,10 @@ class FakePrepared(AttentionBackend):
     def prepared_verdict(self, q, k, v):
         return YES
 
-    def prepare(self, q, k, v, *, mode, scale, norm):
+    def prepare(self, q, k, v, *, mode, scale):
         self.modes.append(mode)
-        if mode == "fused" and norm.foldable:
-            q, k = kernels.norm_rope(q, k, norm.rope_table, norm.q_weight, norm.k_weight, norm.eps, inplace=False)
-            norm.mark_folded()
-        else:
-            q, k = norm.apply(q, k)
-            mode = "exact"
         _, s, h, d = q.shape
-        return Prepared(self.name, mode, {"q": q.clone(), "k": k.clone(), "v": v.clone()}, 0.25, q.dtype, s, h, d,
-                        norm_folded=mode == "fused")
+        return Prepared(self.name, mode, {"q": q.clone(), "k": k.clone(), "v": v.clone()}, 0.25, q.dtype, s, h, d)
 
     def attend(self, prepared):
         if self.on_attend:
@@ -183,7 +175,7 @@ class FakePrepared(AttentionBackend):
         return SdpaBackend()(q, k, v, layout=layout, scale=scale)
 
 
-@pytest.mark.parametrize("layout,inplace,asked", [("strided_nhd", True, ["fused"]), ("hnd", True, []),
+@pytest.mark.parametrize("layout,inplace,asked", [("strided_nhd", True, ["rotated"]), ("hnd", True, []),
                                                   ("strided_nhd", False, [])])
 def test_the_prepared_path_is_asked_for_on_strided_nhd_with_an_in_place_norm_only(layout, inplace, asked, gen):
     heads, head_dim = 2, 32
@@ -192,12 +184,12 @@ def test_the_prepared_path_is_asked_for_on_strided_nhd_with_an_in_place_norm_onl
     fake = FakePrepared()
     norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5, inplace=inplace)
     out, rec = kernels.attention_from_fused_qkv(qkv, heads, head_dim, chain=kernels.BackendChain("x", [fake]),
-                                                norm=norm, layout=layout, scale=0.25, prepared_mode="fused")
+                                                norm=norm, layout=layout, scale=0.25, prepared_mode="rotated")
     assert fake.modes == asked
-    assert rec.prepared == ("fused" if asked else "") and rec.layout == layout
+    assert rec.prepared == ("rotated" if asked else "") and rec.layout == layout
     assert fake.calls == (0 if asked else 1)
     assert norm.applied
-    assert torch.equal(out, expect)  # folded out of place or applied in place: the same bits
+    assert torch.equal(out, expect)  # applied once, whichever path ran
 
 
 def test_a_handed_buffer_is_freed_before_the_prepared_kernel_runs(gen):
@@ -247,7 +239,7 @@ class FakeProjected(FakePrepared):
             qs.append(q.clone())
             kv[a:b].copy_(rows[:, heads * d:])
         projection.release()
-        norm.mark_folded()
+        norm.mark_applied()
         self.projection, self.kv = projection, weakref.ref(kv)
         k, v = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)
         return Prepared(self.name, "exact", {"q": torch.cat(qs, 1), "k": k.clone(), "v": v.clone()}, 0.25,
@@ -371,7 +363,7 @@ def test_a_norm_that_cannot_go_by_rows_is_refused_and_the_projection_is_taken_wh
     heads, head_dim, seq = 2, 32, 40
     x, project = projection_inputs(seq, heads, head_dim, gen)
     norm = kernels.QKNorm(q_norm=lambda t: t * 2, k_norm=lambda t: t * 0.5)
-    assert not norm.foldable
+    assert not norm.by_rows
     with pytest.raises(RuntimeError, match="cannot be applied by rows"):
         norm.apply_rows(x.view(1, seq, heads, head_dim), x.view(1, seq, heads, head_dim), 0)
     out, rec = kernels.attention_from_projection(kernels.RowProjection(project, x), heads, head_dim, chunk=16,

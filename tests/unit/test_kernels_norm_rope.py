@@ -123,22 +123,22 @@ def test_qknorm_with_a_bad_rope_table_raises_and_stays_owed(gen):
         norm.check(q.shape[1], q.shape[-1])
     with pytest.raises(ValueError, match="covers 9 tokens"):
         norm.apply(q, k)
-    assert not norm.applied and norm.foldable
+    assert not norm.applied and norm.by_rows
 
 
-def test_qknorm_is_foldable_only_with_a_rope_table_in_place_and_not_yet_applied(gen):
+def test_qknorm_goes_by_rows_only_with_a_rope_table_in_place_and_not_yet_applied(gen):
     qkv, table, qw, kw = rope_inputs(gen)
-    assert kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw).foldable
-    assert not kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, inplace=False).foldable
-    assert not kernels.QKNorm(q_norm=CountingNorm(1.0), k_norm=CountingNorm(1.0)).foldable
+    assert kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw).by_rows
+    assert not kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, inplace=False).by_rows
+    assert not kernels.QKNorm(q_norm=CountingNorm(1.0), k_norm=CountingNorm(1.0)).by_rows
 
     applied = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
     applied.apply(*kernels.split_fused_qkv(qkv, 2, 32)[:2])
-    assert applied.applied and not applied.foldable
+    assert applied.applied and not applied.by_rows
 
     folded = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
-    folded.mark_folded()
-    assert folded.applied and not folded.foldable
+    folded.mark_applied()
+    assert folded.applied and not folded.by_rows
     before = qkv.clone()
     q, k, _ = kernels.split_fused_qkv(qkv, 2, 32)
     q2, k2 = folded.apply(q, k)

@@ -23,14 +23,11 @@ INTERPRETED = r"""
     from devkit.rope import kitchen_cuda_norm_rope, make_rope_table
     g = torch.Generator().manual_seed(0)
     out = {}
-    # the last two tile the pass differently: 32 tokens and 4 heads a program on 8 warps; then a head's
-    # Q and K both computed before either is stored
-    for seq, heads, d, rot, tdtype, start, config in (
-            (37, 3, 128, 96, torch.bfloat16, 0, qk_transform.NORM_ROPE_CONFIG),
-            (21, 9, 64, 64, torch.float32, 0, qk_transform.NORM_ROPE_CONFIG),
-            (18, 2, 32, 16, torch.bfloat16, 5, qk_transform.NORM_ROPE_CONFIG),
-            (45, 6, 128, 96, torch.bfloat16, 0, (32, 4, 8, False)),
-            (37, 3, 128, 96, torch.float32, 0, (16, 2, 4, True))):
+    # partial token tiles and head groups (16 tokens, 8 heads a program), tails past the rotated dims
+    for seq, heads, d, rot, tdtype, start in (
+            (37, 3, 128, 96, torch.bfloat16, 0), (21, 9, 64, 64, torch.float32, 0),
+            (18, 2, 32, 16, torch.bfloat16, 5), (45, 6, 128, 96, torch.bfloat16, 0),
+            (37, 17, 128, 128, torch.float32, 0)):
         qkv = (3 * torch.randn(seq, 3 * heads * d, generator=g)).bfloat16()
         table = make_rope_table(seq + start, rot, dtype=tdtype, generator=g)[:, start:]
         qw = (1 + 0.3 * torch.randn(d, generator=g)).bfloat16()
@@ -39,8 +36,8 @@ INTERPRETED = r"""
         want_q, want_k = kitchen_cuda_norm_rope(q, table, qw, 1e-5), kitchen_cuda_norm_rope(k, table, kw, 1e-5)
         v_before = v.clone()
         assert qk_transform.own_pass_takes(q, k, table, qw, kw)
-        qk_transform.norm_rope_pass(q, k, table, qw, kw, 1e-5, config=config)
-        out[f"{seq}x{heads}x{d} rot {rot} {tdtype} from {start} tiling {config}"] = [
+        qk_transform.norm_rope_pass(q, k, table, qw, kw, 1e-5)
+        out[f"{seq}x{heads}x{d} rot {rot} {tdtype} from {start}"] = [
             int((q != want_q).sum()), int((k != want_k).sum()), bool(torch.equal(v, v_before))]
     report(out)
 """

@@ -51,14 +51,11 @@ INTERPRETED_CHECKS = r"""
         qw = (1 + 0.3 * torch.randn(128, generator=g)).to(torch.bfloat16)
         kw = (1 + 0.3 * torch.randn(128, generator=g)).to(torch.bfloat16)
         for mode in sq.MODES:
-            if seed == 3 and mode.startswith("fused"):
-                continue  # rows under 2^-20 sit where RMSNorm's eps dominates: a rotation case, not a norm case
-            extra = dict(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5) if mode.startswith("fused") else {}
-            got = sq.quantize_operands(q, k, v, mode=mode, **extra)
-            exp = ref.prepare_reference(q, k, v, mode=mode, **extra)
+            got = sq.quantize_operands(q, k, v, mode=mode)
+            exp = ref.prepare_reference(q, k, v, mode=mode)
             results["operands"][f"{mode}/S={seq}/H={heads}"] = differing(got, exp)
             # the same operands with Q handed over 128 rows at a time (K and V whole, after it)
-            by_rows = sq.RowOperands(seq, heads, q.device, mode=mode, **extra)
+            by_rows = sq.RowOperands(seq, heads, q.device, mode=mode)
             for a in range(0, seq, 128):
                 by_rows.add_q_rows(q[:, a:a + 128])
             results["rows"][f"{mode}/S={seq}/H={heads}"] = differing(by_rows.finish(k, v), got)
@@ -69,71 +66,34 @@ INTERPRETED_CHECKS = r"""
             results["operands"][f"exact/S={seq}/H=2/interleaved-heads"] = differing(
                 sq.quantize_operands(qm, km, vm, mode="exact"), ref.prepare_reference(qm, km, vm, mode="exact"))
         if seed == 0:
-            # Sage2Backend.prepare: a fused mode folds an in-place QKNorm with a rope table (the views
-            # stay as they are); a module norm cannot be folded: it is applied and the unfused twin runs.
-            for mode in ("fused", "fused_rotated"):
-                before = qkv.clone()
-                norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
-                p = Sage2Backend().prepare(q, k, v, mode=mode, scale=0.1, norm=norm)
-                exp = ref.prepare_reference(q, k, v, mode=mode, rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
-                results["prepare"][f"{mode}/folded"] = {
-                    "mode": p.mode, "norm_folded": p.norm_folded, "applied": norm.applied,
-                    "views_untouched": bool(torch.equal(qkv, before)), "sm_scale": p.sm_scale,
+            # Sage2Backend.prepare on normalised Q/K, and prepare_projected normalising the projection's
+            # rows itself, by whole rows or by columns: the same operands
+            whole = qkv.clone()
+            wq, wk, wv = whole.unflatten(1, (3, heads, 128)).unsqueeze(0).unbind(2)
+            wq, wk = kernels.norm_rope(wq, wk, table, qw, kw, 1e-5)
+            inner = heads * 128
+            columns = (lambda rows: rows[:, :inner].clone(), lambda x: x[:, inner:].clone())
+            for mode in sq.MODES:
+                want = sq.quantize_operands(wq, wk, wv, mode=mode)
+                p = Sage2Backend().prepare(wq, wk, wv, mode=mode, scale=0.1)
+                results["prepare"][f"{mode}/views"] = {
+                    "mode": p.mode, "sm_scale": p.sm_scale, "out_dtype": str(p.out_dtype),
                     "geometry": [p.seq, p.heads, p.head_dim, [list(c) for c in p.head_chunks]],
-                    "out_dtype": str(p.out_dtype), "diffs": differing(p.operands, exp)}
-                # the same from the projection taken 128 token rows at a time (K/V rows gathered in a buffer)
-                raw = qkv.clone()
-                norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
+                    "diffs": differing(p.operands, ref.prepare_reference(wq, wk, wv, mode=mode))}
                 taken = []  # rows per projection call: the whole [S, 3*H*D] must never be asked for
-                projection = kernels.RowProjection(lambda rows: (taken.append(rows.shape[0]), rows.clone())[1], raw)
-                kv = torch.empty(seq, 2 * heads * 128, dtype=qkv.dtype)
-                p = Sage2Backend().prepare_projected(projection, kv, heads=heads, mode=mode, scale=0.1, norm=norm,
-                                                     chunk=128)
-                results["prepare"][f"{mode}/projected"] = {
-                    "mode": p.mode, "chunks": p.projected_chunks, "released": projection.released,
-                    "applied": norm.applied, "diffs": differing(p.operands, exp), "rows_taken": taken}
-                # a projection that splits by columns: K/V of every row first, then Q by rows
-                inner = heads * 128
-                columns = (lambda rows: rows[:, :inner].clone(), lambda x: x[:, inner:].clone())
-                norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
-                projection = kernels.RowProjection(None, qkv.clone(), columns=columns)
-                # Q chunks of 3x the rows: 43 -> 129, cut to 128 token rows, as the row form's 128
-                p = Sage2Backend().prepare_projected(projection, projection.kv, heads=heads, mode=mode,
-                                                     scale=0.1, norm=norm, chunk=43)
-                results["prepare"][f"{mode}/columns"] = {
-                    "mode": p.mode, "chunks": p.projected_chunks, "released": projection.released,
-                    "applied": norm.applied, "diffs": differing(p.operands, exp)}
-                unfused = "rotated" if mode == "fused_rotated" else "exact"
-                norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
-                whole = qkv.clone()
-                wq, wk, wv = whole.unflatten(1, (3, heads, 128)).unsqueeze(0).unbind(2)
-                wq, wk = kernels.norm_rope(wq, wk, table, qw, kw, 1e-5)
-                want = sq.quantize_operands(wq, wk, wv, mode=unfused)
-                for how, projection in (("projected", kernels.RowProjection(lambda rows: rows.clone(), qkv.clone())),
+                row_form = kernels.RowProjection(lambda rows: (taken.append(rows.shape[0]), rows.clone())[1],
+                                                 qkv.clone())
+                for how, projection in (("projected", row_form),
                                         ("columns", kernels.RowProjection(None, qkv.clone(), columns=columns))):
                     norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
-                    # rows: 150 rounded down to 128; columns: 3 * 50 = 150, the same
+                    # rows: 150 rounded down to 128; columns: Q chunks of 3x the rows, 3 * 50 = 150, the same
                     p = Sage2Backend().prepare_projected(
-                        projection, projection.kv if how == "columns" else torch.empty_like(kv), heads=heads,
-                        mode=unfused, norm=norm, chunk=150 if how == "projected" else 50)
-                    results["prepare"][f"{unfused}/{how}"] = {
+                        projection, projection.kv if how == "columns" else torch.empty(seq, 2 * inner, dtype=qkv.dtype),
+                        heads=heads, mode=mode, norm=norm, chunk=150 if how == "projected" else 50)
+                    results["prepare"][f"{mode}/{how}"] = {
                         "mode": p.mode, "chunks": p.projected_chunks, "applied": norm.applied,
-                        "diffs": differing(p.operands, want)}
-                q_calls, k_calls = [], []
-                def q_norm(x, calls=q_calls):
-                    calls.append(1)
-                    return torch.nn.functional.rms_norm(x, (128,), weight=qw, eps=1e-5)
-                def k_norm(x, calls=k_calls):
-                    calls.append(1)
-                    return torch.nn.functional.rms_norm(x, (128,), weight=kw, eps=1e-5)
-                norm = kernels.QKNorm(q_norm=q_norm, k_norm=k_norm)
-                p = Sage2Backend().prepare(q, k, v, mode=mode, norm=norm)
-                twin = "rotated" if mode == "fused_rotated" else "exact"
-                exp = ref.prepare_reference(q_norm(q[0]).unsqueeze(0), k_norm(k[0]).unsqueeze(0), v, mode=twin)
-                results["prepare"][f"{mode}/applied"] = {
-                    "mode": p.mode, "norm_folded": p.norm_folded, "applied": norm.applied,
-                    "norm_calls": [len(q_calls) - 1, len(k_calls) - 1], "sm_scale": p.sm_scale,
-                    "diffs": differing(p.operands, exp)}
+                        "released": projection.released, "diffs": differing(p.operands, want)}
+                results["prepare"][f"{mode}/projected"]["rows_taken"] = taken
 
     # Q rows out of order, or K/V before every Q row: clear errors, nothing written past the buffers
     g = torch.Generator().manual_seed(4)
@@ -226,18 +186,12 @@ def test_torch_compile_traces_the_custom_ops_without_graph_breaks(interpreted):
 
 
 @pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
-@pytest.mark.parametrize("mode", ["fused", "fused_rotated"])
-def test_backend_prepare_folds_the_norm_or_applies_it_bit_for_bit(interpreted, mode):
-    folded, applied = interpreted["prepare"][f"{mode}/folded"], interpreted["prepare"][f"{mode}/applied"]
-    assert {k: n for k, n in folded["diffs"].items() if n != 0} == {}, folded["diffs"]
-    assert (folded["mode"], folded["norm_folded"], folded["applied"], folded["views_untouched"]) == (
-        mode, True, True, True)
-    assert folded["sm_scale"] == 0.1 and folded["geometry"] == [200, 2, 128, [[0, 2]]]
-    assert folded["out_dtype"] == "torch.bfloat16"
-    twin = "rotated" if mode == "fused_rotated" else "exact"
-    assert {k: n for k, n in applied["diffs"].items() if n != 0} == {}, applied["diffs"]
-    assert (applied["mode"], applied["norm_folded"], applied["applied"]) == (twin, False, True)
-    assert applied["norm_calls"] == [1, 1] and applied["sm_scale"] == 128**-0.5
+@pytest.mark.parametrize("mode", sage2_quant.MODES)
+def test_backend_prepare_gives_the_reference_operands(interpreted, mode):
+    got = interpreted["prepare"][f"{mode}/views"]
+    assert {k: n for k, n in got["diffs"].items() if n != 0} == {}, got["diffs"]
+    assert got["mode"] == mode and got["sm_scale"] == 0.1 and got["geometry"] == [200, 2, 128, [[0, 2]]]
+    assert got["out_dtype"] == "torch.bfloat16"
 
 
 @pytest.mark.skipif(sage2_quant.TRITON_ERROR is not None, reason=sage2_quant.TRITON_ERROR or "")
@@ -327,12 +281,11 @@ def _views(seq=64, heads=2, head_dim=128, dtype=torch.bfloat16):
 
 def test_the_modes_and_constants_are_the_kernel_modules():
     assert kernels.PREPARED_MODES is sage2_quant.MODES is ref.MODES
-    assert sage2_quant.MODES == {"exact": (False, False), "fused": (True, False), "rotated": (False, True),
-                                 "fused_rotated": (True, True)}
+    assert sage2_quant.MODES == {"exact": False, "rotated": True}
     assert BACKENDS["sage2"].prepared_modes == tuple(sage2_quant.MODES)
     assert (ref.Q_BLOCK, ref.K_BLOCK, ref.FP8_MAX, ref.ROT_MIN_EXPONENT) == (
         sage2_quant.Q_BLOCK, sage2_quant.K_BLOCK, sage2_quant.FP8_MAX, sage2_quant.ROT_MIN_EXPONENT)
-    assert ref.mode_flags is sage2_quant.mode_flags and ref.padded_len is sage2_quant.padded_len
+    assert ref.rotates is sage2_quant.rotates and ref.padded_len is sage2_quant.padded_len
     assert [sage2_quant.padded_len(n) for n in (1, 128, 129, 256)] == [128, 128, 256, 256]
 
 
@@ -379,26 +332,6 @@ def test_views_of_one_fused_buffer_have_no_problem():
     assert sage2_quant.operand_problem(*_views(seq=1, heads=3)) is None
 
 
-@pytest.mark.parametrize("missing", ["q_weight", "k_weight", "eps"])
-@pytest.mark.parametrize("mode", ["fused", "fused_rotated"])
-def test_fused_modes_without_norm_parameters_are_refused(mode, missing):
-    q, k, v = _views()
-    params = dict(q_weight=torch.ones(128), k_weight=torch.ones(128), eps=1e-6)
-    del params[missing]
-    with pytest.raises(ValueError, match=r"fused modes need q_weight, k_weight and eps \(the RMSNorm parameters\)"):
-        sage2_quant.quantize_operands(q, k, v, mode=mode, **params)
-
-
-def test_fused_norm_parameters_are_checked():
-    q, k, v = _views()
-    with pytest.raises(ValueError, match=r"q_weight must be \[128\], got \[64\]"):
-        sage2_quant.quantize_operands(q, k, v, mode="fused", q_weight=torch.ones(64), k_weight=torch.ones(128),
-                                      eps=1e-6)
-    with pytest.raises(ValueError, match="rope table covers 63 tokens but the sequence has 64"):
-        sage2_quant.quantize_operands(q, k, v, mode="fused", q_weight=torch.ones(128), k_weight=torch.ones(128),
-                                      eps=1e-6, rope_table=torch.zeros(1, 63, 1, 48, 2, 2))
-
-
 def test_unknown_mode_is_refused():
     q, k, v = _views()
     with pytest.raises(ValueError, match="unknown sage2 preparation mode 'fast'"):
@@ -427,58 +360,22 @@ def test_the_prepared_path_needs_cuda_tensors(monkeypatch):
     assert not verdict and verdict.code == "no_cuda" and verdict.reason == "prepared path needs CUDA tensors"
 
 
-class FakeNorm:
-    """A QKNorm stand-in for the back-end's policy: records what the back-end does with it."""
-
-    def __init__(self, foldable):
-        self.foldable, self.rope_table, self.q_weight, self.k_weight, self.eps = foldable, "table", "qw", "kw", 1e-5
-        self.applied = self.folded = 0
-
-    def apply(self, q, k):
-        self.applied += 1
-        return q, k
-
-    def mark_folded(self):
-        self.folded += 1
-
-
-@pytest.mark.parametrize("mode, foldable, ran, folded", [
-    ("exact", True, "exact", False), ("rotated", True, "rotated", False),
-    ("fused", True, "fused", True), ("fused_rotated", True, "fused_rotated", True),
-    ("fused", False, "exact", False), ("fused_rotated", False, "rotated", False),
-    ("fused", None, "exact", False), ("fused_rotated", None, "rotated", False), ("exact", None, "exact", False),
-])
-def test_prepare_folds_a_foldable_norm_or_applies_it_and_runs_the_unfused_twin(mode, foldable, ran, folded,
-                                                                              monkeypatch):
-    """The policy only (the passes themselves are checked bit for bit under the interpreter above)."""
+@pytest.mark.parametrize("mode", sage2_quant.MODES)
+def test_prepare_quantises_the_views_it_is_given(mode, monkeypatch):
+    """The call only (the passes themselves are checked bit for bit under the interpreter above)."""
     calls = []
 
-    def quantize(q, k, v, *, mode, **params):
-        calls.append((mode, params))
+    def quantize(q, k, v, *, mode):
+        calls.append(mode)
         return {"q_int8": "ops"}
 
     monkeypatch.setattr(sage2.sage2_quant, "quantize_operands", quantize)
-    norm = None if foldable is None else FakeNorm(foldable)
     q, k, v = _views(seq=300, heads=3)
-    p = sage2.Sage2Backend().prepare(q, k, v, mode=mode, scale=None, norm=norm)
-    params = dict(rope_table="table", q_weight="qw", k_weight="kw", eps=1e-5) if folded else {}
-    assert calls == [(ran, params)]
-    assert p.mode == ran and p.norm_folded is folded and p.backend == "sage2" and p.operands == {"q_int8": "ops"}
+    p = sage2.Sage2Backend().prepare(q, k, v, mode=mode, scale=None)
+    assert calls == [mode]
+    assert p.mode == mode and p.backend == "sage2" and p.operands == {"q_int8": "ops"}
     assert (p.seq, p.heads, p.head_dim, p.out_dtype) == (300, 3, 128, torch.bfloat16)
     assert p.sm_scale == 128**-0.5 and p.head_chunks == sage2.head_chunks(300, 3, 128)
-    if norm is not None:
-        assert (norm.folded, norm.applied) == ((1, 0) if folded else (0, 1)), "the norm runs exactly once"
-
-
-def test_prepare_does_not_mark_a_norm_folded_when_the_passes_raise(monkeypatch):
-    def quantize(*a, **kw):
-        raise RuntimeError("passes failed in this test")
-
-    monkeypatch.setattr(sage2.sage2_quant, "quantize_operands", quantize)
-    norm = FakeNorm(True)
-    with pytest.raises(RuntimeError, match="passes failed"):
-        sage2.Sage2Backend().prepare(*_views(), mode="fused", norm=norm)
-    assert norm.folded == 0 and norm.applied == 0, "the norm is still owed to the fallback"
 
 
 def test_head_chunks_keep_every_span_below_2_31():

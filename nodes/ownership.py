@@ -1,0 +1,29 @@
+"""Which callables on a model are this pack's: every callable it installs carries the ``sage_strided_nhd``
+attribute. Also how another node's forward patch is recognised and named in a message."""
+
+from __future__ import annotations
+
+OWN_MARK = "sage_strided_nhd"
+
+
+def is_own(obj) -> bool:
+    return bool(getattr(obj, OWN_MARK, False))
+
+
+def plain_function(obj):
+    """The plain function behind a bound method (object patches are often ``types.MethodType``)."""
+    return getattr(obj, "__func__", obj)
+
+
+def replaced_forward(module) -> bool:
+    """Another node's forward is on ``module`` (ComfyUI restores an object patch by setting the
+    original bound method back, so a ``forward`` attribute alone proves nothing)."""
+    fwd = vars(module).get("forward")
+    return fwd is not None and plain_function(fwd) is not getattr(type(module), "forward", None)
+
+
+def describe(obj) -> str:
+    fn = plain_function(obj)
+    module = getattr(fn, "__module__", None) or type(obj).__module__
+    name = getattr(fn, "__qualname__", None) or type(obj).__qualname__
+    return f"{module}.{name}"
