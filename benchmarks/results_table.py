@@ -1,200 +1,230 @@
 """Markdown tables from benchmark JSONs: the tables in docs/BENCHMARKS.md are made with this, never by hand.
 
-    python -m benchmarks.results_table benchmarks/results/h200-sdpa-cudnn.json      # print the tables
-    python -m benchmarks.results_table <JSONs> --doc docs/BENCHMARKS.md             # fill the doc's blocks
+    python -m benchmarks.results_table --blocks A.json B.json --sampling C.json --kernels D.json   # print
+    python -m benchmarks.results_table ... --doc docs/BENCHMARKS.md                # fill the doc's blocks
 
-(docs/BENCHMARKS.md gives the exact list of JSONs, in order.) Reference-run reports
-(``benchmarks.h3_reference_run``) fill the block between ``<!-- results-table:start -->`` and
-``<!-- results-table:end -->``; isolated-attention reports (``benchmarks.isolated_attention``) the
-block between ``<!-- kernels-table:start -->`` and ``<!-- kernels-table:end -->``. With ``--doc``
-those blocks of that file are replaced (the markers must already be there); otherwise the tables
-are printed.
+(docs/BENCHMARKS.md gives the exact command.) Each option makes one table, one row per report (or per
+sampled variant), in the order given, and fills the doc's block between ``<!-- NAME-table:start -->``
+and ``<!-- NAME-table:end -->`` (the markers must already be there):
 
-Rows that a newer report measures again are left out (``SUPERSEDED``), and the table says so and
-names the report that is current for them.
+- ``--blocks``: reference-run reports (``benchmarks.h3_reference_run``): one H3 block per variant
+  against stock, equality with stock, peak extra memory; below it torch.compile and long-sequence memory.
+- ``--sampling``: reference-run reports with sampling: each sampled variant against stock.
+- ``--kernels``: isolated-attention reports (``benchmarks.isolated_attention``): per back-end and
+  length; a back-end already shown from an earlier report is left out of the later ones.
+
+Variants run with a setting the pack no longer offers (``REMOVED_SETTINGS``) are left out of every
+table; their numbers stay in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import os
 import re
 from pathlib import Path
 
-from .report import markdown_table, more_markdown, variants_markdown
+from .report import markdown, ratio
 
-MARKERS = {"results": ("<!-- results-table:start -->", "<!-- results-table:end -->"),
-           "kernels": ("<!-- kernels-table:start -->", "<!-- kernels-table:end -->")}
-
-
-# (report file name, variant or back-end) -> (what that row measured, the report current for it).
-# A variant of a reference-run report or a back-end of an isolated-attention report.
-SUPERSEDED = {
-    ("h200-fast-path-blocks-37810.json", "nhd_rotated"): (
-        "the rotation's first version (an in-register butterfly, since replaced)",
-        "`benchmarks/results/h200-rotated-blocks-37810-run2.json` and "
-        "`benchmarks/results/h200-rotated-blocks-37810-run3.json` (the shipped rotation)"),
-    ("h200-fast-path-blocks-8k.json", "nhd_rotated"): (
-        "the rotation's first version (an in-register butterfly, since replaced)",
-        "attention alone at 8,192 in `benchmarks/results/h200-sage2-fast-speed-call4.json` "
-        "(no H3 block run at this length since)"),
-    ("h200-isolated-attention-plain.json", "sage2"): (
-        "plain `sageattn` before the prepared path", "`benchmarks/results/h200-isolated-attention.json`"),
-    ("h200-isolated-attention-plain.json", "sdpa"): (
-        "an earlier run of the same back-end", "`benchmarks/results/h200-isolated-attention.json`"),
-}
+TABLES = ("blocks", "sampling", "kernels")
+# settings of variants that the pack no longer offers (removed after f9302b4)
+REMOVED_SETTINGS = {"block_path": {"fused"}, "prep": {"fused", "fused_rotated"},
+                    "prep_mode": {"fused", "fused_rotated"}}
+# keys a report keeps per variant NAME (in block rows, sampling sections, profiler and validation items)
+VARIANT_KEYS = ("{}", "{}_p50_seconds", "{}_spread", "{}_kernel_launches", "{}_seconds", "{}_checksums",
+                "{}_peak_allocated_bytes", "{}_peak_reserved_bytes", "stock_over_{}", "stock_vs_{}_bit_exact",
+                "stock_vs_{}_max_abs_difference", "stock_vs_{}_relative_l2", "stock_vs_{}_identical",
+                "blocks_stock_vs_{}", "sampling_2_step_stock_vs_{}", "sampling_12_step_stock_vs_{}")
 
 
-def report_kind(data: dict) -> str:
-    """``kernels`` for an isolated-attention report, ``results`` for a reference-run report."""
-    return "kernels" if "results" in data and "heads" in data else "results"
+def removed_variants(data: dict) -> list[str]:
+    """The report's variants whose settings name something the pack no longer offers."""
+    return [name for name, s in (data.get("variant_settings") or {}).items()
+            if any(s.get(key) in values for key, values in REMOVED_SETTINGS.items())]
 
 
-def drop_superseded(data: dict, name: str) -> tuple[dict, list[str]]:
-    """``data`` without the rows ``SUPERSEDED`` lists for the report file ``name``, and one line per dropped row."""
-    gone = {row: why for (file, row), why in SUPERSEDED.items() if file == name}
-    if not gone:
-        return data, []
-    data = copy.deepcopy(data)
-    lines = []
-    for row, (what, current) in gone.items():
-        if report_kind(data) == "kernels":
-            found = data["results"].pop(row, None) is not None
-        else:
-            found = False
-            for block in data.get("real_block_results") or []:
-                found |= block.pop(f"{row}_p50_seconds", None) is not None
-                (block.get("peak_extra_bytes") or {}).pop(row, None)
-            (data.get("attention_by_variant") or {}).pop(row, None)
-        if found:
-            lines.append(f"- not shown: {row}, {what}; current: {current}.")
-    return data, lines
+def _drop(node, keys: set, name: str):
+    if isinstance(node, dict):
+        return {k: _drop(v, keys, name) for k, v in node.items() if k not in keys}
+    if isinstance(node, list):
+        return [_drop(v, keys, name) for v in node if v != name]
+    return node
 
 
-def _gib(n) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+def without_removed(data: dict) -> dict:
+    """``data`` with every key of the removed variants dropped, at any depth."""
+    for name in removed_variants(data):
+        data = _drop(data, {k.format(name) for k in VARIANT_KEYS}, name)
+    return data
 
 
-def describe_run(data: dict, source: str) -> str:
-    """One line saying what ran where, and what was checked."""
-    width, height = data.get("resolution") or ("?", "?")
-    tokens = data.get("packed_tokens")
-    tokens = f"{tokens:,}" if isinstance(tokens, int) else "?"
-    model = (data.get("model") or {}).get("source", "?")
-    return (f"**{data.get('device', '?')}** ({data.get('compute_capability', '?')}), torch {data.get('torch', '?')}, "
-            f"patch back-end **{data.get('attention', '?')}**, stock ComfyUI attention "
-            f"`{data.get('stock_attention', '?')}`; H3 {width}x{height}x{data.get('frames', '?')}, {tokens} packed "
-            f"tokens, seed {data.get('seed', '?')}; {model}. Source: `{source}`.")
+def load(path: Path) -> dict:
+    return without_removed(json.loads(Path(path).read_text()))
 
 
-def memory_lines(data: dict) -> list[str]:
-    lines = []
-    for key, label in (("sampling_2_step", "2-step"), ("sampling_12_step", "12-step")):
+def weights_of(data: dict) -> str:
+    """The linears' format of the model measured: ``bf16``, ``int8_convrot`` or ``checkpoint``."""
+    source = (data.get("model") or {}).get("source", "")
+    return data.get("weights") or (source.split()[1] if source.startswith("random ") else "checkpoint")
+
+
+def environment(data: dict) -> str:
+    """Where a report was made: the GPU, torch, ComfyUI, stock's attention and the peer's file."""
+    comfy = (data.get("comfyui") or {}).get("version", "?")
+    peer = data.get("peer") or {}
+    where = peer.get("git_commit") or (peer.get("sha256") and f"nodes/minimax_nodes.py sha256 {peer['sha256'][:12]}")
+    return (f"{data.get('device', '?')}, torch {data.get('torch', '?')}, ComfyUI {comfy}, "
+            f"stock `{data.get('stock_attention', '?')}`" + (f", KJNodes {where}" if where else ""))
+
+
+def sources(reports: list[dict], paths: list[Path]) -> list[str]:
+    """One line per environment, naming its reports."""
+    by_env: dict[str, list[str]] = {}
+    for data, path in zip(reports, paths):
+        by_env.setdefault(environment(data), []).append(f"`{Path(path).as_posix()}`")
+    return [f"- {env}: {', '.join(files)}" for env, files in by_env.items()]
+
+
+def _ms(seconds) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:,.0f}"
+
+
+def block_variants(reports: list[dict]) -> list[str]:
+    """The variants beside stock in the block sections, in order of first appearance."""
+    names = []
+    for data in reports:
+        for key in (data.get("real_block_results") or [{}])[0]:
+            name = key[:-len("_p50_seconds")] if key.endswith("_p50_seconds") else None
+            if name and name != "stock" and name not in names:
+                names.append(name)
+    return names
+
+
+def _equality(blocks: list[dict], names: list[str]) -> str:
+    """Which variants gave stock's bits in every block, and the difference of the others ("-": none compared)."""
+    compared = [n for n in names if f"stock_vs_{n}_bit_exact" in blocks[0]]
+    differ = [f"{n} max abs " + " / ".join(f"{b[f'stock_vs_{n}_max_abs_difference']:.3g}" for b in blocks)
+              for n in compared if not all(b[f"stock_vs_{n}_bit_exact"] for b in blocks)]
+    return "-" if not compared else "; ".join(differ) or "all bit-exact"
+
+
+def block_row(data: dict, names: list[str], report: str) -> tuple[str, ...]:
+    blocks = data["real_block_results"]
+    ratios = [" / ".join(ratio(b.get(f"stock_over_{n}")) for b in blocks) if f"{n}_p50_seconds" in blocks[0] else "-"
+              for n in names]
+    peaks = blocks[0].get("peak_extra_bytes") or {}
+    return (report, weights_of(data), f"{data.get('packed_tokens', 0):,}", str(blocks[0].get("reps", "?")),
+            " / ".join(_ms(b.get("stock_p50_seconds")) for b in blocks) + " ms", *ratios,
+            _equality(blocks, names), " / ".join(_mib(peaks.get(n)) for n in ["stock", *names]))
+
+
+def block_notes(data: dict, report: str) -> list[str]:
+    """torch.compile and long-sequence memory of one report, as bullet lines."""
+    notes = []
+    for row in data.get("compiled_block_results") or []:
+        ratios = ", ".join(f"{k[len('stock_over_'):]} {ratio(v)}" for k, v in row.items() if k.startswith("stock_over_"))
+        notes.append(f"- {report}, torch.compile, block {row['block']}: compiled stock "
+                     f"{_ms(row.get('stock_p50_seconds'))} ms; stock / variant: {ratios}")
+    memory = data.get("peak_memory_long_sequence")
+    if memory:
+        errors = memory.get("errors") or {}
+        skipped = [n for n, e in errors.items() if e.startswith("not run")]
+        peaks = [f"{n} {_mib(p)} MiB" if p is not None else f"{n} {errors.get(n, '-').splitlines()[0][:80]}"
+                 for n, p in memory["peak_extra_bytes"].items() if n not in skipped]
+        notes.append(f"- {report}, one block at {memory['packed_tokens']:,} tokens ({memory['frames']} frames), "
+                     f"peak extra: {', '.join(peaks)}" + (f"; not run after that fault: {', '.join(skipped)}"
+                                                          if skipped else ""))
+    return notes
+
+
+def blocks_markdown(named: list[tuple[str, dict]]) -> list[str]:
+    """The block table of ``(label, report)`` pairs, a row each, and the lines below it."""
+    names = block_variants([data for _, data in named])
+    header = ("report", "weights", "tokens", "reps", "stock, block 0 / 1", *(f"stock / {n}" for n in names),
+              "equal to stock", "peak extra MiB: " + " / ".join(["stock", *names]))
+    lines = markdown(header, [block_row(data, names, label) for label, data in named])
+    notes = [note for label, data in named for note in block_notes(data, label)]
+    return lines + ([""] + notes if notes else [])
+
+
+def blocks_table(paths: list[Path]) -> str:
+    reports = [load(p) for p in paths]
+    return "\n".join(blocks_markdown([(Path(p).stem, d) for p, d in zip(paths, reports)]) + [""]
+                     + sources(reports, paths))
+
+
+SAMPLING_HEADER = ("weights", "blocks", "steps", "variant", "stock", "variant s", "stock / variant",
+                   "latents", "peak allocated GB, stock / variant")
+
+
+def sampling_rows(data: dict) -> list[tuple[str, ...]]:
+    """One row per variant sampled beside stock, per sampling section of the report."""
+    rows = []
+    for key in ("sampling_2_step", "sampling_12_step"):
         s = data.get(key) or {}
-        if s.get("peak_allocated_bytes_saved") is not None:
-            lines.append(f"- {label} sampling peak memory saved by strided NHD: {_gib(s['peak_allocated_bytes_saved'])} "
-                         f"allocated, {_gib(s['peak_reserved_bytes_saved'])} reserved "
-                         f"(HND {_gib(s.get('hnd_peak_allocated_bytes'))} -> strided NHD "
-                         f"{_gib(s.get('strided_nhd_peak_allocated_bytes'))} allocated).")
-    blocks = data.get("real_block_results") or []
-    if blocks and blocks[0].get("peak_extra_bytes", {}).get("strided_nhd") is not None:
-        peaks = blocks[0]["peak_extra_bytes"]
-        lines.append("- One block's peak extra memory: " + ", ".join(
-            f"{name} {v / 2**20:,.0f} MiB" for name, v in peaks.items() if v is not None) + ".")
-    return lines
+        for name in [n for n in dict.fromkeys(s.get("order", ())) if n != "stock" and "stock_seconds" in s]:
+            same = s.get(f"stock_vs_{name}_identical")
+            peaks = [s.get(f"{n}_peak_allocated_bytes") for n in ("stock", name)]
+            rows.append((weights_of(data), str((data.get("model") or {}).get("blocks", "?")), str(s["steps"]), name,
+                         f"{s['stock_seconds']:.2f} s", f"{s[f'{name}_seconds']:.2f} s", ratio(s.get(f"stock_over_{name}")),
+                         "identical" if same else "differ" if same is False else "-",
+                         " / ".join("-" if p is None else f"{p / 1e9:.2f}" for p in peaks)))
+    return rows
 
 
-VALIDATION_LABELS = {
-    "packed_tokens": "packed tokens",
-    "isolated_attention": "isolated attention, HND vs strided NHD",
-    "blocks_stock_vs_hnd": "blocks {blocks}, stock vs HND",
-    "blocks_stock_vs_strided_nhd": "blocks {blocks}, stock vs strided NHD",
-    "sampling_2_step_repeat_runs": "2-step sampling, repeated runs of a layout",
-    "canonical_12_step_trajectory": "12-step sampling, HND vs strided NHD",
-    "sampling_12_step_repeat_runs": "12-step sampling, repeated runs of a layout",
-    "peer_attention": "the peer (KJNodes) and the pack",
-    "patch_reverted": "after the patched runs",
-    "outputs_finite": "outputs",
-}
+def sampling_table(paths: list[Path]) -> str:
+    reports = [load(p) for p in paths]
+    lines = markdown(SAMPLING_HEADER, [r for d in reports for r in sampling_rows(d)]) + [""]
+    return "\n".join(lines + sources(reports, paths))
 
 
-# Items named for what ran (benchmarks.h3_reference_run.validation_names): the blocks compared,
-# the block count of the model sampled.
-VALIDATION_PATTERNS = (
-    (re.compile(r"blocks(?:_\d+)+"), "blocks {blocks}, HND vs strided NHD"),
-    (re.compile(r"full_\d+_block_two_step_trajectory"), "2-step sampling, HND vs strided NHD"),
-    (re.compile(r"blocks_stock_vs_(\w+)"), "blocks {blocks}, stock vs {0}"),
-    (re.compile(r"sampling_(\d+)_step_stock_vs_(\w+)"), "{0}-step sampling, stock vs {1}"),
-)
+def run_tables(data: dict, label: str) -> str:
+    """The block and sampling tables of one report (what a run prints last)."""
+    data = without_removed(data)
+    parts = ["\n".join(blocks_markdown([(label, data)]))] if data.get("real_block_results") else []
+    rows = sampling_rows(data)
+    return "\n\n".join(parts + (["\n".join(markdown(SAMPLING_HEADER, rows))] if rows else []))
 
 
-def validation_label(item: str) -> str:
-    if item in VALIDATION_LABELS:
-        return VALIDATION_LABELS[item]
-    for pattern, label in VALIDATION_PATTERNS:
-        match = pattern.fullmatch(item)
-        if match:
-            return label.format(*match.groups(), blocks="{blocks}")  # {blocks} is filled by the caller
-    return item.replace("_", " ")
+KERNELS_HEADER = ("back-end", "S", "HND", "strided NHD", "speedup", "max abs diff", "peak extra MiB, HND -> NHD")
 
 
-def validation_lines(data: dict) -> list[str]:
-    checks = dict(data.get("validation") or {})
-    blocks = checks.pop("blocks_compared", "0, 24, 49")
-    return [f"- {validation_label(item).format(blocks=blocks)}: {verdict}" for item, verdict in checks.items()]
-
-
-def section_markdown(path: Path, doc_dir: Path | None = None) -> str:
-    """The tables of one report; a chart beside the JSON is linked relative to ``doc_dir`` (the file filled)."""
-    data, dropped = drop_superseded(json.loads(path.read_text()), path.name)
-    if report_kind(data) == "kernels":
-        return kernels_markdown(data, path.as_posix()) + ("\n\n" + "\n".join(dropped) if dropped else "") + "\n"
-    variants = variants_markdown(data)
-    parts = [describe_run(data, path.as_posix()), "", variants or markdown_table(data), ""]
-    more = more_markdown(data)
-    parts += [more, ""] if more else []
-    parts += dropped
-    parts += memory_lines(data)
-    parts += validation_lines(data)
-    if data.get("errors"):
-        parts.append(f"- sections that failed in this run: {', '.join(data['errors'])}")
-    png = path.with_suffix(".png")
-    if png.is_file():
-        link = Path(os.path.relpath(png.resolve(), doc_dir.resolve())) if doc_dir is not None else png
-        parts += ["", f"![{data.get('device', '')}: HND vs strided NHD per measurement]({link.as_posix()})"]
-    return "\n".join(parts).rstrip() + "\n"
-
-
-KERNELS_HEADER = ["| back-end | S | HND | strided NHD | speedup | max abs diff | peak extra HND -> NHD |",
-                  "|---|---|---|---|---|---|---|"]
-
-
-def kernels_markdown(report: dict, source: str | None = None) -> str:
-    """The isolated-attention table: per back-end and S, HND vs strided NHD."""
-    env = report["environment"]
-    where = f" Source: `{source}`." if source else ""
-    lines = [f"**{env['device']}** ({env.get('compute_capability', '')}), torch {env['torch']}, "
-             f"{report['heads']}x{report['head_dim']} heads {report['dtype']}.{where}", "", *KERNELS_HEADER]
-    for name, rows in report["results"].items():
-        if "skipped" in rows:
-            lines.append(f"| {name} | - | skipped: {rows['skipped']} | | | | |")
+def kernel_rows(report: dict, shown: set) -> list[tuple[str, ...]]:
+    """Rows of the back-ends not in ``shown`` (which they are added to)."""
+    rows = []
+    for name, by_seq in report["results"].items():
+        if name in shown:
             continue
-        for seq, row in rows.items():
+        shown.add(name)
+        if "skipped" in by_seq:
+            rows.append((name, "-", f"skipped: {by_seq['skipped']}", "", "", "", ""))
+        for seq, row in ({} if "skipped" in by_seq else by_seq).items():
             if "error" in row:
-                lines.append(f"| {name} | {int(seq):,} | error: {row['error']} | | | | |")
+                rows.append((name, f"{int(seq):,}", f"error: {row['error']}", "", "", "", ""))
                 continue
-            peak = "-" if row["hnd_peak_extra_bytes"] is None else (
-                f"{row['hnd_peak_extra_bytes'] / 2**20:,.0f} -> {row['strided_nhd_peak_extra_bytes'] / 2**20:,.0f} MiB")
-            lines.append(f"| {name} | {int(seq):,} | {row['hnd_median_seconds'] * 1e3:.3f} ms | "
-                         f"{row['strided_nhd_median_seconds'] * 1e3:.3f} ms | {row['speedup']:.3f}x | "
-                         f"{row['max_abs_difference']:.3g} | {peak} |")
-    return "\n".join(lines)
+            rows.append((name, f"{int(seq):,}", f"{_ms(row['hnd_median_seconds'])} ms",
+                         f"{_ms(row['strided_nhd_median_seconds'])} ms", ratio(row["speedup"]),
+                         f"{row['max_abs_difference']:.3g}",
+                         "-" if row["hnd_peak_extra_bytes"] is None else
+                         f"{_mib(row['hnd_peak_extra_bytes'])} -> {_mib(row['strided_nhd_peak_extra_bytes'])}"))
+    return rows
 
 
-def replace_between_markers(text: str, block: str, kind: str = "results") -> str:
-    start, end = MARKERS[kind]
+def kernels_table(paths: list[Path]) -> str:
+    shown: set = set()
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    rows = [r for report in reports for r in kernel_rows(report, shown)]
+    notes = [f"- `{Path(p).as_posix()}`: {r['environment']['device']}, torch {r['environment']['torch']}, "
+             f"{r['heads']}x{r['head_dim']} heads {r['dtype']}" for r, p in zip(reports, paths)]
+    return "\n".join(markdown(KERNELS_HEADER, rows) + [""] + notes)
+
+
+def replace_between_markers(text: str, block: str, kind: str) -> str:
+    start, end = f"<!-- {kind}-table:start -->", f"<!-- {kind}-table:end -->"
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
     if not pattern.search(text):
         raise ValueError(f"no {start} ... {end} markers in the file")
@@ -203,21 +233,22 @@ def replace_between_markers(text: str, block: str, kind: str = "results") -> str
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json", nargs="+", type=Path)
+    for kind in TABLES:
+        parser.add_argument(f"--{kind}", nargs="+", type=Path, default=[], metavar="JSON")
     parser.add_argument("--doc", type=Path, help="Markdown file whose table markers to fill (docs/BENCHMARKS.md)")
     args = parser.parse_args(argv)
-    blocks: dict[str, list[str]] = {}
-    for path in args.json:
-        blocks.setdefault(report_kind(json.loads(path.read_text())), []).append(
-            section_markdown(path, args.doc.parent if args.doc else None))
+    makers = {"blocks": blocks_table, "sampling": sampling_table, "kernels": kernels_table}
+    tables = {kind: makers[kind](getattr(args, kind)) for kind in TABLES if getattr(args, kind)}
+    if not tables:
+        parser.error("give at least one of --blocks, --sampling, --kernels")
     if args.doc:
         text = args.doc.read_text()
-        for kind, parts in blocks.items():
-            text = replace_between_markers(text, "\n".join(parts), kind)
+        for kind, table in tables.items():
+            text = replace_between_markers(text, table, kind)
         args.doc.write_text(text)
-        print(f"updated {args.doc}: {', '.join(f'{k}-table' for k in blocks)}")
+        print(f"updated {args.doc}: {', '.join(f'{k}-table' for k in tables)}")
     else:
-        print("\n".join(part for parts in blocks.values() for part in parts))
+        print("\n\n".join(tables.values()))
     return 0
 
 

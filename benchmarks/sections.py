@@ -1,16 +1,8 @@
 """The measurements of the H3 reference run, one function per report section.
 
-Each section takes the :class:`Bench` (model, patched clones, captured block inputs) and returns
-the dict for its report section; the runner writes the report after each one. Variants:
-
-- ``stock``: the unpatched model (ComfyUI's own attention: HND views, ``v.clone()``, output copy),
-- ``hnd``: this pack's patch with the reference baseline layout (contiguous HND copies),
-- ``strided_nhd``: this pack's patch with the strided NHD dataflow,
-- extra named variants (``--variant``, see ``benchmarks.h3_reference_run``): the same patch with
-  another back-end, prepared-path mode or block path (or the prepared path switched off), side by
-  side with the three above,
-- the peer's variants (``--kjnodes``, ``benchmarks.peer``): KJNodes' MiniMax H3 nodes run on the
-  stock model; they take part wherever the extra variants do.
+Each takes the :class:`Bench` (model, patched clones, captured block inputs) and returns its section's
+dict. Variants: ``stock`` (the unpatched model), the layouts ``hnd`` and ``strided_nhd`` (the node's
+patch), extra patched variants of other settings and the peer's (KJNodes) variants.
 """
 
 from __future__ import annotations
@@ -22,11 +14,14 @@ from typing import Callable
 
 import torch
 
-from . import measure
 from devkit.h3 import packed_token_count
+
+from . import measure
+from .isolated_attention import compare_layouts
 
 SAMPLER = "res_multistep"
 SCHEDULER = "simple"
+PROFILED_CALLS = 3  # profiled block calls per variant: kernel counts and times are per call
 
 
 @dataclass
@@ -47,7 +42,7 @@ class Bench:
     latent_source: str = ""
     sampling_warmed: bool = False
     outputs_finite: dict[str, bool] = field(default_factory=dict)
-    extras: dict[str, object] = field(default_factory=dict)   # name -> patched clone of another setting
+    extras: dict[str, object] = field(default_factory=dict)   # name -> patched clone of other settings
     peer: list[str] = field(default_factory=list)             # the extras that are the peer's (KJNodes)
     compiled_blocks: dict[str, object] = field(default_factory=dict)  # variant -> its torch.compile'd block
 
@@ -90,7 +85,7 @@ def patches_left_behind(diffusion_model) -> list[str]:
     return left
 
 
-def ensure_stock_loaded(bench: "Bench") -> None:
+def ensure_stock_loaded(bench: Bench) -> None:
     """Make ComfyUI hold the unpatched model, so no sampling clone's patches stay applied."""
     import comfy.model_management as mm
 
@@ -131,9 +126,7 @@ def stock_block_inputs(bench: Bench, shape, indices: list[int], stop: bool = Fal
     (width, height, frames; None = the benchmark's). ``stop``: the forward ends at the last block wanted
     (outputs None): nothing after it is needed, and no stock block runs at that length (where int32
     offsets overflow, one could fault the device)."""
-    import comfy.model_management as mm
-
-    mm.load_models_gpu([bench.base], force_full_load=True)
+    ensure_stock_loaded(bench)
     dm = bench.diffusion_model
     latent = empty_av_latent(bench, shape)["samples"]
     gen = torch.Generator().manual_seed(bench.seed)
@@ -178,12 +171,19 @@ def capture_block_inputs(bench: Bench) -> dict:
             "outputs_finite": bench.outputs_finite["stock forward"]}
 
 
-def _block_call(bench: Bench, patcher, index: int, inputs: tuple | None = None, compiled: dict | None = None,
-                name: str = "") -> Callable:
+def _compiled_block(bench: Bench, name: str, block):
+    """Variant ``name``'s block under torch.compile, wrapped once and kept (it compiles at its first call)."""
+    if name not in bench.compiled_blocks:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        bench.compiled_blocks[name] = torch.compile(block)
+    return bench.compiled_blocks[name]
+
+
+def _block_call(bench: Bench, patcher, index: int, inputs: tuple | None = None, compiled: str | None = None):
     """``run(meter)``: one forward of block ``index`` with ``patcher``'s patches, on a fresh copy of its
     captured input (``inputs``, default the benchmark shape's), measured by ``meter(fn, device)``
     (``measure.timed`` or ``measure.peak_extra_bytes``). The input copy is made before the meter starts.
-    With ``compiled`` (name -> compiled block, filled here), the block runs under torch.compile."""
+    ``compiled``: the variant's name, to run its block under torch.compile."""
     x0, t_emb, segments, rope = inputs or bench.block_inputs[index]
     transformer_options = patcher.model_options.get("transformer_options", {})
 
@@ -191,7 +191,7 @@ def _block_call(bench: Bench, patcher, index: int, inputs: tuple | None = None, 
         with object_patches_applied(patcher) as dm:
             block = dm.blocks[index]
             if compiled is not None:
-                block = _compiled_block(compiled, name, block)
+                block = _compiled_block(bench, compiled, block)
             x = x0.clone()  # blocks update their input in place
             return meter(lambda: block(x, t_emb, segments, rope, transformer_options=transformer_options),
                          bench.device)
@@ -200,238 +200,105 @@ def _block_call(bench: Bench, patcher, index: int, inputs: tuple | None = None, 
 
 # --- isolated attention -----------------------------------------------------------------------------
 
-def isolated_attention(bench: Bench, kernels, backend: str, reps: int, warmup: int) -> dict:
-    """The attention of block 0 alone: a fused qkv buffer through ``kernels.attention_from_fused_qkv``.
-
-    Includes what the layout changes (views vs copies in, view vs copy out), the in-place
-    RMSNorm+RoPE and the back-end; uses the model's rope table and block 0's norm weights.
-    """
+def isolated_attention(bench: Bench, backend: str, reps: int, warmup: int) -> dict:
+    """The attention of block 0 alone, both layouts (``benchmarks.isolated_attention.compare_layouts``):
+    a random fused qkv buffer at the benchmark's length with the model's rope table and block 0's norm
+    weights, through ``kernels.attention_from_fused_qkv``."""
     attn = bench.diffusion_model.blocks[0].attn
-    rope = bench.block_inputs[bench.block_indices[0]][3]
-    s = bench.packed_tokens
-    inner = attn.heads * attn.head_dim
     gen = torch.Generator().manual_seed(bench.seed)
-    qkv0 = torch.randn(s, 3 * inner, generator=gen).to(bench.device, dtype=attn.qkv_proj.weight.dtype)
-    chain = kernels.BackendChain.for_choice(backend)
-    records, outputs = {}, {}
-
-    def runner(layout):
-        def run():
-            qkv = qkv0.clone()  # norm+rope works in place
-            norm = kernels.QKNorm(rope_table=rope, q_weight=attn.q_norm.weight, k_weight=attn.k_norm.weight,
-                                  eps=attn.q_norm.eps)  # applied at most once: one per call
-            seconds, (out, rec) = measure.timed(lambda: kernels.attention_from_fused_qkv(
-                qkv, attn.heads, attn.head_dim, chain=chain, layout=layout, norm=norm), bench.device)
-            records[layout] = rec
-            outputs.setdefault(layout, out)
-            return seconds
-        return run
-
-    times = measure.interleaved_times({layout: runner(layout) for layout in bench.layouts}, reps, warmup,
-                                      progress=lambda m: bench.log(f"  isolated attention {m}"))
-    result = {"what": "kernels.attention_from_fused_qkv on a [S, 3*H*D] buffer: in-place RMSNorm+RoPE, "
-                      "layout (views or copies), back-end, token-major output",
-              "backend_ran": {k: r.backend for k, r in records.items()},
-              "copies": {k: r.copies for k, r in records.items()},
-              "prepared": {k: r.prepared for k, r in records.items()},
-              "fallbacks": {k: [[s.backend, s.reason] for s in r.skipped] for k, r in records.items()}}
-    for layout, t in times.items():
-        stats = measure.summary(t)
-        result[f"{layout}_mean_seconds"] = stats["mean_seconds"]
-        result[f"{layout}_p50_seconds"] = stats["p50_seconds"]
-        result[f"{layout}_spread"] = stats["spread"]
-    if len(bench.layouts) == 2:
-        diff = measure.max_abs_difference(outputs["hnd"], outputs["strided_nhd"])
-        result["speedup"] = measure.speedup(result["hnd_mean_seconds"], result["strided_nhd_mean_seconds"])
-        result["p50_speedup"] = measure.speedup(result["hnd_p50_seconds"], result["strided_nhd_p50_seconds"])
-        result["max_abs_difference"] = diff["max_abs_difference"]
-        result["mean_abs_difference"] = diff["mean_abs_difference"]
-        result["bit_exact"] = diff["bit_exact"]
-    result["reps"] = reps
-    return result
+    qkv = torch.randn(bench.packed_tokens, 3 * attn.heads * attn.head_dim, generator=gen)
+    norm = {"rope_table": bench.block_inputs[bench.block_indices[0]][3], "q_weight": attn.q_norm.weight,
+            "k_weight": attn.k_norm.weight, "eps": attn.q_norm.eps}
+    result = compare_layouts(qkv.to(bench.device, dtype=attn.qkv_proj.weight.dtype), norm, attn.heads,
+                             attn.head_dim, backend, bench.device, reps, warmup,
+                             progress=lambda m: bench.log(f"  isolated attention {m}"))
+    return dict(result, what="kernels.attention_from_fused_qkv on a [S, 3*H*D] buffer: in-place RMSNorm+RoPE, "
+                             "layout (views or copies), back-end, token-major output")
 
 
 # --- real blocks -------------------------------------------------------------------------------------
-
-def _compiled_block(compiled: dict, name: str, block):
-    """Variant ``name``'s block under torch.compile, wrapped once and kept in ``compiled`` (it compiles
-    at its first call)."""
-    if name not in compiled:
-        compiled[name] = torch.compile(block)
-    return compiled[name]
-
-
-def _variants_to_run(bench: Bench, with_stock: bool, compiled_variants) -> tuple[dict, dict | None]:
-    """``(variants, compiled)``: every variant eager (compiled None), or only ``compiled_variants``
-    with the cache of their compiled blocks (shared by the sections, so each compiles once)."""
-    variants = bench.variants(with_stock)
-    if compiled_variants is None:
-        return variants, None
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    return {n: p for n, p in variants.items() if n in compiled_variants}, bench.compiled_blocks
-
 
 def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool, compiled_variants=None) -> list[dict]:
     """p50 of each variant on blocks 0 / middle / last, interleaved rep by rep; outputs compared. With
     ``compiled_variants`` (names): only those, block 0 only, each under torch.compile (inductor, what
     ComfyUI's TorchCompileModel uses); the compiles happen in the warm-up reps."""
-    variants, compiled = _variants_to_run(bench, with_stock, compiled_variants)
-    indices = bench.block_indices if compiled is None else bench.block_indices[:1]
+    variants = bench.variants(with_stock)
+    if compiled_variants is not None:
+        variants = {n: p for n, p in variants.items() if n in compiled_variants}
+    indices = bench.block_indices if compiled_variants is None else bench.block_indices[:1]
     results = []
     for index in indices:
-        bench.log(f"  block {index}: {', '.join(variants)}{' (torch.compile)' if compiled is not None else ''}")
-        runners = {name: _block_call(bench, p, index, compiled=compiled, name=name) for name, p in variants.items()}
-        windows = {n: [] for n in runners}
-        with device_sampler(bench) as sampler:
-            times = measure.interleaved_times(
-                {n: measure.windowed(lambda r=r: r()[0], windows[n]) for n, r in runners.items()}, reps, warmup,
-                progress=lambda m: bench.log(f"    {m}"))
+        bench.log(f"  block {index}: {', '.join(variants)}{' (torch.compile)' if compiled_variants else ''}")
+        runners = {name: _block_call(bench, p, index, compiled=name if compiled_variants else None)
+                   for name, p in variants.items()}
+        times = measure.interleaved_times({n: (lambda r=r: r()[0]) for n, r in runners.items()}, reps, warmup,
+                                          progress=lambda m: bench.log(f"    {m}"))
         outputs, peaks = {}, {}
         for name, run in runners.items():
-            peak, out = run(measure.peak_extra_bytes)
-            outputs[name], peaks[name] = out, peak
-            bench.outputs_finite[f"block {index} {name}"] = measure.all_finite(out)
-        row = {"block": index}
-        for name, t in times.items():
-            stats = measure.summary(t)
-            row[f"{name}_p50_seconds"] = stats["p50_seconds"]
-            row[f"{name}_spread"] = stats["spread"]
-        row["peak_extra_bytes"] = peaks
-        if sampler.available:
-            row["device_clocks"] = {n: sampler.mean_over(w) for n, w in windows.items()}
-        if "hnd" in outputs and "strided_nhd" in outputs:
-            diff = measure.max_abs_difference(outputs["hnd"], outputs["strided_nhd"])
-            row["speedup"] = measure.speedup(row["hnd_p50_seconds"], row["strided_nhd_p50_seconds"])
-            row["max_abs_difference"] = diff["max_abs_difference"]
-            row["bit_exact"] = diff["bit_exact"]
-        if "stock" in outputs:
-            for layout in [n for n in outputs if n != "stock"]:
-                diff = measure.max_abs_difference(outputs["stock"], outputs[layout])
-                row[f"stock_vs_{layout}_max_abs_difference"] = diff["max_abs_difference"]
-                row[f"stock_vs_{layout}_bit_exact"] = diff["bit_exact"]
-                row[f"stock_vs_{layout}_relative_l2"] = diff["relative_l2"]
-                row[f"stock_over_{layout}"] = measure.speedup(row["stock_p50_seconds"], row[f"{layout}_p50_seconds"])
-        row["reps"] = reps
-        results.append(row)
-        del outputs
+            peaks[name], outputs[name] = run(measure.peak_extra_bytes)
+            bench.outputs_finite[f"block {index} {name}"] = measure.all_finite(outputs[name])
+        results.append(block_row(index, times, peaks, outputs, reps))
     return results
 
 
-def device_sampler(bench: Bench) -> measure.DeviceSampler:
-    """SM clock and power sampling for the timed reps (a sampler that is not ``available`` off CUDA)."""
-    if bench.device.type != "cuda":
-        return measure.DeviceSampler(None)
-    return measure.DeviceSampler(bench.device.index if bench.device.index is not None else torch.cuda.current_device())
-
-
-def queued_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool) -> dict:
-    """Block 0 per variant enqueued behind a GPU busy wait (``measure.queued_timed``), interleaved: the
-    GPU time without host gaps (a block in a sampling run, its predecessor still running) and the host
-    time of enqueuing it. Where the block section's time exceeds the GPU time here, the device waited
-    for the host."""
-    if bench.device.type != "cuda":
-        raise RuntimeError("the queued timing needs a CUDA device (it holds the GPU with a busy wait)")
-    index = bench.block_indices[0]
-    runners = {name: _block_call(bench, p, index) for name, p in bench.variants(with_stock).items()}
-    host: dict[str, list[float]] = {n: [] for n in runners}
-
-    def gpu_seconds(name, run):
-        def once():
-            h, g = run(lambda fn, device: measure.queued_timed(fn)())
-            host[name].append(h)
-            return g
-        return once
-
-    windows = {n: [] for n in runners}
-    with device_sampler(bench) as sampler:
-        times = measure.interleaved_times(
-            {n: measure.windowed(gpu_seconds(n, r), windows[n]) for n, r in runners.items()}, reps, warmup,
-            progress=lambda m: bench.log(f"    queued {m}"))
-    result = {"block": index, "reps": reps, "what": "GPU time with the launch queue kept ahead (no host gaps) "
-              "and the host time of enqueuing the block"}
+def block_row(index: int, times: dict, peaks: dict, outputs: dict, reps: int) -> dict:
+    """One block's row: p50 and spread per variant, peaks, HND against strided NHD, each against stock."""
+    row = {"block": index}
     for name, t in times.items():
-        result[f"{name}_gpu_p50_seconds"] = measure.summary(t)["p50_seconds"]
-        result[f"{name}_host_p50_seconds"] = measure.summary(host[name][warmup:])["p50_seconds"]
-        if "stock" in times:
-            result[f"stock_over_{name}_gpu"] = measure.speedup(result["stock_gpu_p50_seconds"],
-                                                               result[f"{name}_gpu_p50_seconds"])
-    if sampler.available:
-        result["device_clocks"] = {n: sampler.mean_over(w) for n, w in windows.items()}
-    return result
+        stats = measure.summary(t)
+        row[f"{name}_p50_seconds"], row[f"{name}_spread"] = stats["p50_seconds"], stats["spread"]
+    row["peak_extra_bytes"] = peaks
+    if "hnd" in outputs and "strided_nhd" in outputs:
+        diff = measure.max_abs_difference(outputs["hnd"], outputs["strided_nhd"])
+        row["speedup"] = measure.speedup(row["hnd_p50_seconds"], row["strided_nhd_p50_seconds"])
+        row["max_abs_difference"], row["bit_exact"] = diff["max_abs_difference"], diff["bit_exact"]
+    for name in [n for n in outputs if n != "stock" and "stock" in outputs]:
+        diff = measure.max_abs_difference(outputs["stock"], outputs[name])
+        for key in ("max_abs_difference", "bit_exact", "relative_l2"):
+            row[f"stock_vs_{name}_{key}"] = diff[key]
+        row[f"stock_over_{name}"] = measure.speedup(row["stock_p50_seconds"], row[f"{name}_p50_seconds"])
+    row["reps"] = reps
+    return row
 
 
 # --- kernel launches -----------------------------------------------------------------------------------
 
-PROFILED_CALLS = 3  # profiled block calls per variant: kernel times are their mean
-# rounds of the profiler section, each variant in each; the order rotates a place a round, so no variant
-# always runs first (the GPU's clock drifts with what ran before it: per-kernel times are compared across
-# variants only as the mean over the rounds)
-PROFILE_ROUNDS = 3
-TOP_KERNELS = 12  # kernels logged per variant, longest total time first
-
-
-def kernel_launches(bench: Bench, with_stock: bool, torch_version: str, compiled_variants=None) -> dict:
-    """CUDA kernels launched by one forward of block 0 per variant (torch.profiler); with
-    ``compiled_variants``, those variants' blocks under torch.compile."""
-    index = bench.block_indices[0]
+def _profile_block(bench: Bench, patcher, index: int, large: int) -> dict:
+    """``measure.profile_kernels`` of block ``index`` with ``patcher``'s patches, a fresh input per call."""
     x0, t_emb, segments, rope = bench.block_inputs[index]
+    transformer_options = patcher.model_options.get("transformer_options", {})
+    with object_patches_applied(patcher) as dm:
+        block = dm.blocks[index]
+        inputs = [x0.clone() for _ in range(PROFILED_CALLS + 1)]  # the warm call's and the profiled calls'
+        return measure.profile_kernels(
+            lambda: block(inputs.pop(), t_emb, segments, rope, transformer_options=transformer_options),
+            bench.device, large, calls=PROFILED_CALLS)
+
+
+def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
+    """CUDA kernels launched by one forward of block 0 per variant (torch.profiler), layout copies counted."""
+    index = bench.block_indices[0]
     attn = bench.diffusion_model.blocks[index].attn
-    large = x0.shape[0] * attn.heads * attn.head_dim
-    variants, compiled = _variants_to_run(bench, with_stock, compiled_variants)
-    names = list(variants)
-    rounds = {name: [] for name in names}
-    for r in range(PROFILE_ROUNDS):
-        for name in measure.rotated(names, r):
-            patcher = variants[name]
-            transformer_options = patcher.model_options.get("transformer_options", {})
-            with object_patches_applied(patcher) as dm:
-                block = dm.blocks[index]
-                if compiled is not None:
-                    block = _compiled_block(compiled, name, block)
-                inputs = [x0.clone() for _ in range(PROFILED_CALLS + 1)]  # the warm call's and the profiled calls'
-                rounds[name].append(measure.profile_kernels(
-                    lambda: block(inputs.pop(), t_emb, segments, rope, transformer_options=transformer_options),
-                    bench.device, large, calls=PROFILED_CALLS))
-    counts = {name: measure.mean_profile(rounds[name]) for name in names}
-    for name in names:
-        ms = counts[name]["kernel_ms"]
-        per_round = counts[name].get("kernel_ms_rounds", {}).get("attention", [])
-        bench.log(f"  {name}: {counts[name]['kernel_launches']} kernels, "
-                  f"{counts[name]['large_copy_ops']} large copies"
-                  + (f", kernel ms attention {ms['attention']:.2f} gemm {ms['gemm']:.2f} other {ms['other']:.2f}"
-                     f" (mean of {PROFILE_ROUNDS} rounds; attention by round "
-                     + " / ".join(f"{t:.2f}" for t in per_round)
-                     + f"), GPU idle between kernels {counts[name]['gpu_idle_ms']:.2f} ms" if ms else ""))
-        if ms:
-            top = list(counts[name]["kernel_ms_by_name"].items())[:TOP_KERNELS]
-            bench.log("    " + "; ".join(f"{n[:60]} x{counts[name]['kernels'].get(n, 0)} {t:.2f}" for n, t in top))
-            gaps = counts[name].get("largest_gaps", [])
-            bench.log(f"    first kernel after {counts[name].get('first_kernel_after_ms')} ms; largest gaps: "
-                      + "; ".join(f"{ms:.3f} ms {a[:40]} -> {b[:40]}" for ms, a, b in gaps))
+    large = bench.block_inputs[index][0].shape[0] * attn.heads * attn.head_dim
+    counts = {name: _profile_block(bench, p, index, large) for name, p in bench.variants(with_stock).items()}
     result = {"tool": f"torch.profiler (torch {torch_version})", "block": index,
-              "large_copy_threshold_elements": large}
+              "large_copy_threshold_elements": large, "profiled_calls": PROFILED_CALLS}
     for name, c in counts.items():
         result[f"{name}_kernel_launches"] = c["kernel_launches"]
+        ms = c["kernel_ms"]
+        bench.log(f"  {name}: {c['kernel_launches']} kernels, {c['large_copy_ops']} large copies"
+                  + (f", kernel ms attention {ms['attention']:.2f} gemm {ms['gemm']:.2f} other {ms['other']:.2f}"
+                     if ms else ""))
     result["large_copy_ops"] = {n: c["large_copy_ops"] for n, c in counts.items()}
     if "hnd" in counts and "strided_nhd" in counts:
         h, s = counts["hnd"]["kernel_launches"], counts["strided_nhd"]["kernel_launches"]
         result["removed_kernel_launches"] = None if h is None else h - s
         delta = measure.kernel_difference(counts["hnd"]["kernels"], counts["strided_nhd"]["kernels"])
-        result["removed_kernels"] = (", ".join(f"{n} x{c}" for n, c in delta["removed"].items()) or "none")
+        result["removed_kernels"] = ", ".join(f"{n} x{c}" for n, c in delta["removed"].items()) or "none"
         result["added_kernels"] = delta["added"]
         result["large_bf16_layout_copy_instances_after"] = counts["strided_nhd"]["large_copy_ops"]
-    if "stock" in counts:
-        for layout in [n for n in counts if n != "stock"]:
-            st, lt = counts["stock"]["kernel_launches"], counts[layout]["kernel_launches"]
-            result[f"stock_minus_{layout}_kernel_launches"] = None if st is None else st - lt
     result["kernels"] = {n: c["kernels"] for n, c in counts.items()}
     result["kernel_ms_by_family"] = {n: c["kernel_ms"] for n, c in counts.items()}
-    result["kernel_ms_by_name"] = {n: c["kernel_ms_by_name"] for n, c in counts.items()}
-    result["kernel_ms_by_round"] = {n: c.get("kernel_ms_rounds") for n, c in counts.items()}
-    result["profiled_calls"] = PROFILED_CALLS
-    result["profile_rounds"] = PROFILE_ROUNDS
-    result["launch_waits"] = {n: {k: c.get(k) for k in ("first_kernel_after_ms", "largest_gaps")} for n, c in counts.items()}
-    result["gpu_idle_ms"] = {n: c["gpu_idle_ms"] for n, c in counts.items()}
     return result
 
 
@@ -449,14 +316,8 @@ def sampling_order(layouts: list[str], reps: int) -> list[str]:
 
 
 def warm_sampling(bench: Bench, variants: dict) -> None:
-    """One untimed 1-step run per variant at the run's own shape, before the first timed run.
-
-    The first sampling run in a process pays one-time costs worth seconds: lazy imports in ComfyUI's
-    sampling code, first calls into each back-end, the caching allocator's first large blocks, and
-    Triton compiling each of the pack's kernels for the specialisations the full size takes (on a
-    fresh H100, 2026-12-05, a warm-up at a tiny shape left 3.2 s of them in the pack's first timed
-    step). Without this, whichever variant samples first would carry them.
-    """
+    """One untimed 1-step run per variant at the run's own shape, before the first timed run: the one-time
+    costs (lazy imports, first calls, allocator growth, Triton compiles) would fall on whichever sampled first."""
     if bench.sampling_warmed:
         return
     for name, patcher in variants.items():
@@ -466,7 +327,7 @@ def warm_sampling(bench: Bench, variants: dict) -> None:
     bench.sampling_warmed = True
 
 
-def run_sampling(bench: Bench, patcher, steps: int, label: str, quiet=False) -> dict:
+def run_sampling(bench: Bench, patcher, steps: int, label: str, quiet=False) -> tuple[dict, tuple]:
     """One sampling run through ComfyUI's nodes, as the bundled workflows wire them."""
     import comfy.model_management as mm
     import comfy.utils
@@ -498,8 +359,7 @@ def run_sampling(bench: Bench, patcher, steps: int, label: str, quiet=False) -> 
         comfy.utils.set_progress_bar_global_hook(None)
     video, audio = out["samples"].unbind()
     run = {"seconds": seconds, "checksums": [float(video.float().sum()), float(audio.float().sum())],
-           "step_end_seconds": [t - start for t in step_ends],
-           "finite": measure.all_finite(video, audio)}
+           "step_end_seconds": [t - start for t in step_ends], "finite": measure.all_finite(video, audio)}
     if bench.device.type == "cuda":
         run["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(bench.device))
         run["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(bench.device))
@@ -523,8 +383,7 @@ def sampling(bench: Bench, steps: int, reps: int, with_stock: bool, extras: list
     result = {"sampler": SAMPLER, "scheduler": SCHEDULER, "steps": steps, "seed": bench.seed,
               "guider": "BasicGuider (one model call per step)",
               "nodes": "RandomNoise, KSamplerSelect, BasicScheduler, BasicGuider, SamplerCustomAdvanced",
-              "latent": bench.latent_source,
-              "order": order, "runs": runs}
+              "latent": bench.latent_source, "order": order, "runs": runs}
     for name in dict.fromkeys(order):
         result.update(_sampling_means(name, [r for r in runs if r["variant"] == name]))
     result["checksums"] = result[f"{main_variant(bench)}_checksums"]
@@ -563,39 +422,29 @@ def _sampling_means(name: str, mine: list[dict]) -> dict:
     return out
 
 
+def _latents_compared(a: tuple, b: tuple) -> tuple[bool, dict]:
+    """Whether two sampled (video, audio) latents are identical, and the max abs difference of each."""
+    diffs = [measure.max_abs_difference(x, y) for x, y in zip(a, b)]
+    return all(d["bit_exact"] for d in diffs), {"video": diffs[0]["max_abs_difference"],
+                                                "audio": diffs[1]["max_abs_difference"]}
+
+
 def _layouts_compared(result: dict, latents: dict) -> dict:
     """HND against strided NHD: the reference report's keys."""
     out = {"speedup": measure.speedup(result["hnd_seconds"], result["strided_nhd_seconds"]),
            "latency_reduction": 1.0 - result["strided_nhd_seconds"] / result["hnd_seconds"]}
-    diffs = [measure.max_abs_difference(a, b) for a, b in zip(latents["hnd"], latents["strided_nhd"])]
-    out["identical_video_and_audio"] = all(d["bit_exact"] for d in diffs)
-    out["max_abs_difference"] = {"video": diffs[0]["max_abs_difference"], "audio": diffs[1]["max_abs_difference"]}
-    if "hnd_peak_allocated_bytes" in result:
-        out["peak_allocated_bytes_saved"] = result["hnd_peak_allocated_bytes"] - result["strided_nhd_peak_allocated_bytes"]
-        out["peak_reserved_bytes_saved"] = result["hnd_peak_reserved_bytes"] - result["strided_nhd_peak_reserved_bytes"]
-    else:
-        out["peak_allocated_bytes_saved"] = None
-        out["peak_reserved_bytes_saved"] = None
+    out["identical_video_and_audio"], out["max_abs_difference"] = _latents_compared(latents["hnd"],
+                                                                                   latents["strided_nhd"])
+    for kind in ("allocated", "reserved"):
+        hnd, nhd = result.get(f"hnd_peak_{kind}_bytes"), result.get(f"strided_nhd_peak_{kind}_bytes")
+        out[f"peak_{kind}_bytes_saved"] = None if hnd is None else hnd - nhd
     return out
 
 
 def _compared_with_stock(result: dict, latents: dict, name: str) -> dict:
-    diffs = [measure.max_abs_difference(a, b) for a, b in zip(latents["stock"], latents[name])]
-    return {f"stock_vs_{name}_identical": all(d["bit_exact"] for d in diffs),
-            f"stock_vs_{name}_max_abs_difference": {"video": diffs[0]["max_abs_difference"],
-                                                    "audio": diffs[1]["max_abs_difference"]},
+    same, diff = _latents_compared(latents["stock"], latents[name])
+    return {f"stock_vs_{name}_identical": same, f"stock_vs_{name}_max_abs_difference": diff,
             f"stock_over_{name}": measure.speedup(result["stock_seconds"], result[f"{name}_seconds"])}
-
-
-def stock_sampling_verdict(result: dict, name: str) -> str:
-    """Whether ``name``'s sampled latents equal stock's (for the validation items)."""
-    if f"stock_vs_{name}_identical" not in result:
-        return "not compared"
-    if result[f"stock_vs_{name}_identical"]:
-        return "identical video and audio checksums"
-    d = result[f"stock_vs_{name}_max_abs_difference"]
-    return (f"differ: video max abs {d['video']:.6g}, audio max abs {d['audio']:.6g}; checksums stock "
-            f"{result['stock_checksums']} vs {name} {result[f'{name}_checksums']}")
 
 
 # --- peak memory at a long sequence ----------------------------------------------------------------------
@@ -631,16 +480,15 @@ def peak_memory_at(bench: Bench, tokens: int, with_stock: bool = True) -> dict:
     index = bench.block_indices[0]
     kept, _, _ = stock_block_inputs(bench, (bench.width, bench.height, frames), [index], stop=True)
     order = memory_order(bench, with_stock)
-    bench.log(f"  {kept[index][0].shape[0]} tokens ({bench.width}x{bench.height}x{frames}), block {index}: "
-              + ", ".join(order))
+    rows_in = int(kept[index][0].shape[0])
+    bench.log(f"  {rows_in} tokens ({bench.width}x{bench.height}x{frames}), block {index}: " + ", ".join(order))
     peaks, errors = _peaks_in_order(bench, order, index, kept[index])
-    block, rows_in = bench.diffusion_model.blocks[index], int(kept[index][0].shape[0])
+    block, main = bench.diffusion_model.blocks[index], main_variant(bench)
     spans = {"fused_qkv": rows_in * 3 * block.attn.heads * block.attn.head_dim,
              "mlp_fc1_output": rows_in * block.mlp.fc1.out_features}
-    main = main_variant(bench)
     return {"what": "peak memory allocated above the block's input during one block forward",
-            "tokens_asked": tokens, "packed_tokens": int(kept[index][0].shape[0]),
-            "packed_rows_expected": rows, "resolution": [bench.width, bench.height], "frames": frames,
+            "tokens_asked": tokens, "packed_tokens": rows_in, "packed_rows_expected": rows,
+            "resolution": [bench.width, bench.height], "frames": frames,
             "block": index, "order": order, "peak_extra_bytes": peaks, "errors": errors,
             # plain sageattn forms int32 offsets into the fused qkv buffer, an int8 GEMM maybe into fc1's output
             "elements": spans, "past_int32_offsets": [k for k, n in spans.items() if n >= 2**31],
@@ -672,29 +520,34 @@ def _ratio(a, b):
     return None if not a or not b else a / b
 
 
+# --- verdicts for the report's validation items ------------------------------------------------------------
+
+def _sampled_verdict(same, diff: dict, checksums: str) -> str:
+    if same:
+        return "identical video and audio checksums"
+    return f"differ: video max abs {diff['video']:.6g}, audio max abs {diff['audio']:.6g}; checksums {checksums}"
+
+
 def trajectory_verdict(result: dict) -> str:
     if "identical_video_and_audio" not in result:
         return "not compared (one layout measured)"
-    if result["identical_video_and_audio"]:
-        return "identical video and audio checksums"
-    d = result["max_abs_difference"]
-    return (f"differ: video max abs {d['video']:.6g}, audio max abs {d['audio']:.6g}; checksums hnd "
-            f"{result['hnd_checksums']} vs strided NHD {result['strided_nhd_checksums']}")
+    return _sampled_verdict(result["identical_video_and_audio"], result["max_abs_difference"],
+                            f"hnd {result['hnd_checksums']} vs strided NHD {result['strided_nhd_checksums']}")
 
 
-def blocks_verdict(rows: list[dict]) -> str:
-    if not rows or "bit_exact" not in rows[0]:
-        return "not compared (one layout measured)"
-    if all(r["bit_exact"] for r in rows):
-        return "bit-exact"
-    return "differ: " + ", ".join(f"block {r['block']} max abs {r['max_abs_difference']:.6g}" for r in rows)
-
-
-def stock_blocks_verdict(rows: list[dict], layout: str) -> str:
-    key = f"stock_vs_{layout}_bit_exact"
-    if not rows or key not in rows[0]:
+def stock_sampling_verdict(result: dict, name: str) -> str:
+    """Whether ``name``'s sampled latents equal stock's (for the validation items)."""
+    if f"stock_vs_{name}_identical" not in result:
         return "not compared"
-    if all(r[key] for r in rows):
+    return _sampled_verdict(result[f"stock_vs_{name}_identical"], result[f"stock_vs_{name}_max_abs_difference"],
+                            f"stock {result['stock_checksums']} vs {name} {result[f'{name}_checksums']}")
+
+
+def blocks_verdict(rows: list[dict], prefix: str = "") -> str:
+    """Whether the blocks' outputs are bit-exact: HND against strided NHD, or with ``prefix``
+    (``stock_vs_<variant>_``) stock against that variant."""
+    if not rows or f"{prefix}bit_exact" not in rows[0]:
+        return "not compared" + ("" if prefix else " (one layout measured)")
+    if all(r[f"{prefix}bit_exact"] for r in rows):
         return "bit-exact"
-    return "differ: " + ", ".join(
-        f"block {r['block']} max abs {r[f'stock_vs_{layout}_max_abs_difference']:.6g}" for r in rows)
+    return "differ: " + ", ".join(f"block {r['block']} max abs {r[f'{prefix}max_abs_difference']:.6g}" for r in rows)

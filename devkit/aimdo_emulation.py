@@ -58,7 +58,6 @@ import dataclasses
 import faulthandler
 import hashlib
 import importlib.util
-import inspect
 import json
 import os
 import sys
@@ -72,8 +71,9 @@ COMPILE_ERROR = "aimdo memory compile error"
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """This pack's node in one configuration. ``same_bits_as``: the stock ComfyUI attention (``sage`` or
-    ``sdpa``) whose output it must reproduce bit for bit on the same machine (None: it need not)."""
+    """This pack's node in one configuration (the ``nodes.patch.Settings`` it is patched with).
+    ``same_bits_as``: the stock ComfyUI attention (``sage`` or ``sdpa``) whose output it must reproduce
+    bit for bit on the same machine (None: it need not)."""
 
     layout: str = "strided_nhd"
     backend: str = "sage2"
@@ -82,22 +82,24 @@ class Variant:
     block_path: str = "exact"
     same_bits_as: str | None = "sage"
 
+    def settings(self) -> dict:
+        """Keyword arguments of ``nodes.patch.Settings``."""
+        return {"layout": self.layout, "backend": self.backend, "prep_mode": self.prep, "prepared": self.prepared,
+                "block_path": self.block_path}
+
 
 # name -> Variant; None: stock ComfyUI attention (no patch)
 VARIANTS: dict[str, Variant | None] = {
     "stock": None,
     "sage2_exact": Variant(),
-    "sage2_fused": Variant(prep="fused", same_bits_as=None),
     "sage2_rotated": Variant(prep="rotated", same_bits_as=None),
-    "sage2_fused_rotated": Variant(prep="fused_rotated", same_bits_as=None),
     "sage2_noprepared": Variant(prepared=False),  # plain sageattn: the prepared path switched off
     # the pack's sdpa asks cuDNN attention first on Hopper, stock's attention_pytorch FlashAttention:
-    # from about 12,000 tokens different kernels with other rounding (benchmarks/sdpa_priority.py);
+    # from about 12,000 tokens different kernels with other rounding (kernels/backends/sdpa.py);
     # the CPU check holds it to stock's bits
     "sdpa": Variant(backend="sdpa", same_bits_as=None),
     "hnd": Variant(layout="hnd"),  # the HND baseline never takes a prepared path
     "sage2_exact_attention_only": Variant(block_path="attention_only"),
-    "sage2_exact_fused_block": Variant(block_path="fused", same_bits_as=None),
 }
 # The GPU check's packed length: past the block fast path's largest chunk (nodes.patch.Settings: MLP
 # 12,800 rows for float weights, 8,192 for int8, qkv 8,192), so every chunked allocation is under the graph
@@ -886,14 +888,9 @@ def patch_variant(base, name: str, result: dict):
         return base, None
     from devkit.pack import submodule
 
-    patch_any_model = submodule("nodes").patch_any_model
-    kwargs = {"prep_mode": spec.prep}
-    if "block_path" in inspect.signature(patch_any_model).parameters:
-        kwargs["block_path"] = spec.block_path
-    clone, patch = patch_any_model(base, spec.layout, spec.backend, True, **kwargs)
-    patch.plan.default.prepared = spec.prepared  # the chain every run's plan starts from
-    result["settings"] = dataclasses.asdict(spec) | {"patch_text_refiner": True,
-                                                     "block_path_passed": "block_path" in kwargs}
+    settings = submodule("nodes.patch").Settings(**spec.settings())
+    clone, patch = submodule("nodes").patch_any_model(base, settings)
+    result["settings"] = dataclasses.asdict(settings)
     return clone, patch
 
 

@@ -5,7 +5,7 @@ Current ComfyUI (0.34+) runs every sampling forward inside a comfy-aimdo allocat
 full-width H3 blocks x 4 steps at S = 14,000 (two chunks of the MLP and of the qkv projection in both
 formats): a warm-up sampling run, then the measured one, each a graph of its own, in a fresh process
 per variant (comfy-aimdo is initialised before torch): stock ComfyUI attention, and the node with
-sage2 (prepared path exact / fused / rotated / fused_rotated, and switched off), sdpa, layout hnd,
+sage2 (prepared path exact / rotated, and switched off), sdpa, layout hnd,
 all with block_path exact, and sage2 exact with block_path attention_only. Checked on each variant's
 JSON (not only its exit status):
 
@@ -207,8 +207,8 @@ def check_report(data: dict) -> None:
     assert report is not None and report["status"] == "ok", report
     assert report["attention_calls"] == BLOCKS * STEPS + 2, report  # DiT blocks every step, refiner once
     assert data["plan_prepared"] is spec.prepared, data["plan_prepared"]
-    # the block fast path ran on every DiT block (block_path exact or fused) or on none (None: a pack without it)
-    assert report.get("block_path_blocks") in (None, 0 if spec.block_path == "attention_only" else BLOCKS), report
+    # the block fast path ran on every DiT block (block_path exact) or on none (attention_only)
+    assert report["block_path_blocks"] == (0 if spec.block_path == "attention_only" else BLOCKS), report
     if spec.backend == "sdpa":
         assert set(data["backends_ran"]) == {"sdpa"}, data["backends_ran"]
         return

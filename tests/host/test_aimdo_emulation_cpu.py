@@ -30,7 +30,8 @@ from host_fixtures import import_pack, require_host
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS, STEPS, SEQ = 3, 3, 64
-VARIANTS = ("stock", "sdpa", "sage2_exact_attention_only")  # sage2 falls back to sdpa on the CPU
+# sage2 falls back to sdpa on the CPU; sage2_noprepared passes Settings(prepared=False) into the plan
+VARIANTS = ("stock", "sdpa", "sage2_exact_attention_only", "sage2_noprepared")
 # one forward's graph calls (a replayed pass): push, iterate("block") per block, iterate(None), pop
 ONE_STEP = ["push", "push(block)"] + ["pop", "push(block)"] * (BLOCKS - 1) + ["pop", "pop"]
 
@@ -97,8 +98,10 @@ def test_stock_runs_without_a_patch(runs):
     assert data["settings"] is None and data["report"] is None and data["backends_ran"] is None
 
 
-@pytest.mark.parametrize("variant,block_path", [("sdpa", "exact"), ("sage2_exact_attention_only", "attention_only")])
-def test_patched_runs_report_through_the_outer_sample_wrapper(runs, variant, block_path):
+@pytest.mark.parametrize("variant,block_path,prepared", [("sdpa", "exact", True),
+                                                         ("sage2_exact_attention_only", "attention_only", True),
+                                                         ("sage2_noprepared", "exact", False)])
+def test_patched_runs_report_through_the_outer_sample_wrapper(runs, variant, block_path, prepared):
     _, data = runs[variant]
     report = data["report"]
     assert report is not None and report["status"] == "ok" and report["error"] is None, report
@@ -106,10 +109,10 @@ def test_patched_runs_report_through_the_outer_sample_wrapper(runs, variant, blo
     calls = BLOCKS * STEPS + 2
     assert report["attention_calls"] == calls and data["backends_ran"] == {"sdpa": calls}, report
     assert report["blocks_patched"] == BLOCKS and report["refiner_blocks_patched"] == 2
-    assert data["settings"]["block_path"] == block_path and data["settings"]["block_path_passed"] is True
-    assert report.get("block_path") in (None, block_path)  # None: a pack from before the block path
-    assert report.get("block_path_blocks") in (None, BLOCKS if block_path == "exact" else 0), report
-    assert data["plan_prepared"] is True and data["prepared"] == []
+    assert data["settings"]["block_path"] == block_path and data["settings"]["prepared"] is prepared
+    assert report["block_path"] == block_path
+    assert report["block_path_blocks"] == (BLOCKS if block_path == "exact" else 0), report
+    assert data["plan_prepared"] is prepared and data["prepared"] == []  # the settings reached the plan
 
 
 def test_patched_steps_give_stock_bits(runs):
@@ -335,10 +338,13 @@ def test_cpu_needs_no_aimdo_flag():
         emu.parse_args(["--variant", "stock", "--device", "cpu", "--out", "x.json"])
 
 
-def test_variants_cover_every_prepared_mode_and_both_block_paths():
+def test_variants_cover_every_prepared_mode_and_block_path_with_settings_the_node_takes():
+    pack = import_pack(require_host())
     specs = {k: v for k, v in emu.VARIANTS.items() if v is not None}
-    assert {v.prep for v in specs.values() if v.backend == "sage2" and v.layout == "strided_nhd"} == {
-        "exact", "fused", "rotated", "fused_rotated"}
-    assert [k for k, v in specs.items() if v.block_path == "attention_only"] == ["sage2_exact_attention_only"]
+    sage2 = [v for v in specs.values() if v.backend == "sage2" and v.layout == "strided_nhd"]
+    assert {v.prep for v in sage2} == set(pack.kernels.PREPARED_MODES)
+    assert {v.block_path for v in sage2} == set(pack.nodes.patch.BLOCK_PATHS)
     assert specs["sage2_noprepared"].prepared is False and specs["hnd"].layout == "hnd"
     assert specs["sdpa"].backend == "sdpa" and emu.VARIANTS["stock"] is None
+    for name, spec in specs.items():  # every variant is settings the node accepts
+        assert pack.nodes.patch.Settings(**spec.settings()).prepared is spec.prepared, name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from benchmarks import measure, results_table, schema
 from devkit.h3 import FULL_H3, packed_token_count
 from benchmarks.h3_reference_run import (REFERENCE_COPY, REFERENCE_KEYS_BY_SECTION, _section, parse_args,
                                          reference_for, validation_names)
-from benchmarks.report import Report, markdown_table, text_table, variant_rows
+from benchmarks.report import Report, correctness_table, markdown_table, text_table
 from benchmarks.sections import sampling_order
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,61 +134,11 @@ def test_tables_show_measured_numbers():
     assert "12-step sampling" in text_table(data)
 
 
-def test_doc_markers_are_filled_from_the_json(tmp_path):
-    data = reference_shaped_report()
-    data.update(attention="sage2", stock_attention="attention_sage", validation={"isolated_attention": "bit-exact"})
-    path = tmp_path / "h200.json"
-    path.write_text(json.dumps(data))
-    doc = tmp_path / "BENCHMARKS.md"
-    doc.write_text("intro\n<!-- results-table:start -->\nold\n<!-- results-table:end -->\nrest\n")
-    results_table.main([str(path), "--doc", str(doc)])
-    text = doc.read_text()
-    assert "old" not in text and text.startswith("intro\n") and text.endswith("rest\n")
-    assert "| 2-step sampling | - | 52.497 s | 50.955 s | 1.030x |" in text
-    assert "isolated attention, HND vs strided NHD: bit-exact" in text
-
-
 def test_doc_without_markers_is_refused(tmp_path):
     doc = tmp_path / "BENCHMARKS.md"
     doc.write_text("no markers\n")
     with pytest.raises(ValueError, match="markers"):
-        results_table.replace_between_markers(doc.read_text(), "table")
-
-
-def test_chart_is_linked_relative_to_the_doc(tmp_path):
-    results, docs = tmp_path / "benchmarks" / "results", tmp_path / "docs"
-    results.mkdir(parents=True)
-    docs.mkdir()
-    (results / "run.json").write_text(json.dumps(reference_shaped_report()))
-    (results / "run.png").write_bytes(b"\x89PNG\r\n\x1a\n")
-    doc = docs / "BENCHMARKS.md"
-    doc.write_text("<!-- results-table:start -->\n<!-- results-table:end -->\n")
-    results_table.main([str(results / "run.json"), "--doc", str(doc)])
-    assert "(../benchmarks/results/run.png)" in doc.read_text()
-
-
-def test_superseded_rows_are_left_out_and_the_current_report_named(tmp_path):
-    block = {"block": 0, "stock_p50_seconds": 0.105, "strided_nhd_p50_seconds": 0.1,
-             "today_p50_seconds": 0.103, "nhd_rotated_p50_seconds": 0.101, "stock_over_strided_nhd": 1.05,
-             "stock_over_today": 1.02, "stock_over_nhd_rotated": 1.04,
-             "peak_extra_bytes": {"stock": 2**30, "strided_nhd": 2**29, "today": 2**29, "nhd_rotated": 2**29}}
-    path = tmp_path / "h200-fast-path-blocks-37810.json"  # a name SUPERSEDED lists
-    path.write_text(json.dumps(dict(reference_shaped_report(), real_block_results=[block])))
-    text = results_table.section_markdown(path)
-    assert "| strided_nhd |" in text and "| today |" in text and "| nhd_rotated |" not in text
-    assert "not shown: nhd_rotated" in text and "h200-rotated-blocks-37810-run3.json" in text
-    assert "today 512 MiB" in text and "nhd_rotated 512 MiB" not in text  # nor in the memory line
-
-
-def test_validation_items_named_for_the_model_get_their_labels():
-    data = {"validation": {"blocks_compared": "0, 1", "blocks_0_1": "bit-exact",
-                           "full_2_block_two_step_trajectory": "identical video and audio checksums",
-                           "blocks_0_24_49": "bit-exact", "full_50_block_two_step_trajectory": "identical"}}
-    assert results_table.validation_lines(data) == [
-        "- blocks 0, 1, HND vs strided NHD: bit-exact",
-        "- 2-step sampling, HND vs strided NHD: identical video and audio checksums",
-        "- blocks 0, 1, HND vs strided NHD: bit-exact",
-        "- 2-step sampling, HND vs strided NHD: identical"]
+        results_table.replace_between_markers(doc.read_text(), "table", "blocks")
 
 
 def test_validation_names_say_what_ran():
@@ -217,14 +168,6 @@ def test_a_run_is_checked_only_for_the_sections_it_was_asked_to_make():
     assert any(p.startswith("missing sampling_12_step") for p in schema.check_against_reference(data, asked_all))
 
 
-def test_chart_is_written(tmp_path):
-    pytest.importorskip("matplotlib", reason="matplotlib is not installed: the chart cannot be drawn")
-    from benchmarks.plot import write_chart
-
-    png = write_chart(reference_shaped_report(), tmp_path / "chart.png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 def test_a_failing_section_does_not_lose_the_others(tmp_path):
     report = Report(tmp_path / "r.json")
     assert _section(report, "real_block_results", lambda: 1 / 0) is None
@@ -235,15 +178,14 @@ def test_a_failing_section_does_not_lose_the_others(tmp_path):
     assert on_disk["sampling_2_step"] == {"speedup": 1.02}
 
 
-def test_variant_table_without_stock_says_nothing_was_compared():
-    block = {"block": 0, "strided_nhd_p50_seconds": 0.1, "nhd_rotated_p50_seconds": 0.101}
-    with_stock = dict(block, stock_p50_seconds=0.105, stock_vs_nhd_rotated_bit_exact=False,
-                      stock_vs_nhd_rotated_max_abs_difference=0.03125,
-                      stock_vs_strided_nhd_bit_exact=True)
-    without = {row[0]: row[4] for row in variant_rows({"real_block_results": [block]})}
-    assert without == {"strided_nhd": "-", "nhd_rotated": "-"}
-    compared = {row[0]: row[4] for row in variant_rows({"real_block_results": [with_stock]})}
-    assert compared == {"strided_nhd": "bit-exact", "nhd_rotated": "max abs 0.0312", "stock": "-"}
+def test_run_tables_without_stock_say_nothing_was_compared():
+    block = {"block": 0, "strided_nhd_p50_seconds": 0.1, "nhd_rotated_p50_seconds": 0.101, "reps": 3}
+    text = results_table.run_tables({"real_block_results": [block], "packed_tokens": 64}, "run")
+    assert "| run | checkpoint | 64 | 3 | - ms | - | - | - | - / - / - |" in text
+    compared = dict(block, stock_p50_seconds=0.105, stock_over_strided_nhd=1.05, stock_vs_strided_nhd_bit_exact=True,
+                    stock_vs_nhd_rotated_bit_exact=False, stock_vs_nhd_rotated_max_abs_difference=0.03125)
+    text = results_table.run_tables({"real_block_results": [compared]}, "run")
+    assert "| 105.00 ms | 1.050x | - | nhd_rotated max abs 0.0312 |" in text
 
 
 def test_memory_shape_is_the_frame_count_closest_to_the_tokens_asked():
@@ -310,52 +252,13 @@ def peer_report() -> dict:
             "peak_memory_long_sequence": memory, "sampling_2_step": sampling}
 
 
-def test_peer_rows_put_the_pack_beside_each_peer_variant():
-    from benchmarks.report import more_markdown, variants_markdown
-
-    data = peer_report()
-    table = variants_markdown(data)
-    assert "| kj_lowvram | - | 104.00 ms | 1.010x | bit-exact | 4,000 MiB | - |" in table
-    more = more_markdown(data)
-    assert ("- strided_nhd against kj_lowvram (KJNodes: MiniMax H3 Low VRAM Attention (head_chunks 4)): "
-            "block time kj_lowvram / strided_nhd 1.040x; peak extra strided_nhd / kj_lowvram 0.750x.") in more
-    assert "MiniMax H3 Chunk FeedForward (chunks 2, seq_threshold 4096)): block time kj_lowvram_chunkff / " in more
-
-
-def test_memory_table_gives_the_pack_over_each_variant_and_the_errors():
-    from benchmarks.report import memory_markdown
-
-    text = memory_markdown(peer_report())
-    assert text.startswith("Peak extra memory of one block (block 0) at 119,356 packed tokens "
-                           "(1344x768x396, asked 120,000):")
-    assert "| kj_lowvram | 12,000 MiB | 0.750x |  |" in text
-    assert "| kj_lowvram_chunkff | - | - | RuntimeError: CUDA error: an illegal memory access |" in text
-    assert "| strided_nhd | 9,000 MiB | 1.000x |  |" in text
-    assert "- past 2**31 elements (fused qkv 2,566,631,424, mlp fc1 output 3,422,175,232)" in text
-
-
-def test_sampling_table_per_variant_says_whether_it_matched_stock():
-    from benchmarks.report import correctness_table, sampling_variant_rows
-
-    data = peer_report()
-    rows = {r[0]: r for r in sampling_variant_rows(data, "sampling_2_step")}
-    assert rows["strided_nhd"][1:4] == ("2-step 10.000 s", "1.050x", "identical checksums")
-    assert rows["kj_lowvram"][3] == "differ: video max abs 0.5, audio 0.25"
-    assert rows["stock"][2:4] == ("1.000x", "-")
-    table = correctness_table(data)
+def test_correctness_table_says_which_sampled_latents_matched_stock():
+    table = correctness_table(peer_report())
     assert "kj_lowvram" in table and "stock vs kj_lowvram: DIFFER" in table
-    layouts_only = {"sampling_2_step": {"order": ["hnd", "strided_nhd", "stock"]}}
-    assert sampling_variant_rows(layouts_only, "sampling_2_step") == []
-
-
-def test_validation_items_of_any_variant_get_their_labels():
-    assert results_table.validation_lines({"validation": {
-        "blocks_compared": "0, 1", "blocks_stock_vs_kj_lowvram": "bit-exact",
-        "sampling_12_step_stock_vs_attention_only": "identical video and audio checksums",
-        "peer_attention": "same kernel"}}) == [
-        "- blocks 0, 1, stock vs kj_lowvram: bit-exact",
-        "- 12-step sampling, stock vs attention_only: identical video and audio checksums",
-        "- the peer (KJNodes) and the pack: same kernel"]
+    assert "stock vs strided_nhd: identical latents" in table
+    lines = table.splitlines()
+    assert lines[0].split() == ["variant", "attention", "that", "ran", "video", "checksum", "audio", "checksum"]
+    assert set(lines[1]) == {"-"}
 
 
 @pytest.mark.parametrize("name, family", [
@@ -389,73 +292,132 @@ def test_max_abs_difference_refuses_outputs_of_different_shapes():
         measure.max_abs_difference(torch.zeros(4, 2), torch.zeros(2, 4))
 
 
-def test_idle_between_kernels_is_the_span_minus_the_busy_union():
-    # kernels 0-10, 5-12 (overlaps), 20-30: busy 22 of a 30 us span -> 8 us idle
-    assert measure.idle_between([(20.0, 30.0), (0.0, 10.0), (5.0, 12.0)]) == pytest.approx(0.008)
-    assert measure.idle_between([(0.0, 4.0), (1.0, 2.0)]) == 0.0  # one inside another
-    assert measure.idle_between([]) is None
 
 
-def test_idle_between_several_calls_leaves_out_the_syncs_between_them():
-    # two calls, each with a 2 us gap inside; the 100 us between them is the host sync
-    spans = [(0.0, 10.0), (12.0, 20.0), (120.0, 130.0), (132.0, 140.0)]
-    assert measure.idle_between(spans, calls=2) == pytest.approx(0.002)
-    assert measure.idle_between(spans) == pytest.approx(0.104)
+# --- the tables generated into docs/BENCHMARKS.md -----------------------------------------------------
+
+def peer_run_report(weights: str, tokens: int, pack_p50: float) -> dict:
+    """A --peer-table report with a removed variant (block_path fused) beside the current ones."""
+    data = peer_report()
+    block = data["real_block_results"][0]
+    block.update(strided_nhd_p50_seconds=pack_p50, stock_over_strided_nhd=0.105 / pack_p50,
+                 fused_p50_seconds=0.099, stock_over_fused=0.105 / 0.099, stock_vs_fused_bit_exact=False,
+                 stock_vs_fused_max_abs_difference=0.03125, reps=18)
+    block["peak_extra_bytes"]["fused"] = 3000 * 2**20
+    data["real_block_results"].append(dict(block, block=1))
+    data.update(device="NVIDIA H100 80GB HBM3", torch="2.11.0+cu130", comfyui={"version": "0.33.0"},
+                stock_attention="attention_sage", packed_tokens=tokens,
+                model={"source": f"random {weights} weights (seed 0)", "blocks": 2},
+                validation={"blocks_stock_vs_fused": "differ", "blocks_stock_vs_strided_nhd": "bit-exact"},
+                variant_settings={"strided_nhd": {"block_path": "exact", "prep_mode": "exact"},
+                                  "fused": {"block_path": "fused", "prep": "exact"}})
+    data["peer"]["git_commit"] = "3f20054abcdef"
+    data["sampling_2_step"]["order"].append("fused")
+    data["sampling_2_step"].update(fused_seconds=9.9, stock_over_fused=10.5 / 9.9, stock_vs_fused_identical=False)
+    return data
 
 
-def test_launch_waits_name_the_kernels_around_the_first_calls_gaps():
-    spans = [(5.0, 10.0, "a"), (30.0, 40.0, "b"), (41.0, 50.0, "c"), (200.0, 210.0, "a")]
-    waits = measure.launch_waits(spans, call_starts=[2.0, 190.0], top=2)
-    assert waits["first_kernel_after_ms"] == pytest.approx(0.003)
-    assert waits["largest_gaps"] == [(0.02, "a", "b"), (0.001, "b", "c")]
-    assert measure.launch_waits([], [1.0]) == {}
+def write(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    return path
 
 
-def test_queued_table_sets_gpu_time_host_time_and_the_clock_beside_the_block_time():
-    from benchmarks.report import queued_markdown
-    data = {"real_block_results": [{"block": 0, "stock_p50_seconds": 0.104, "fused_p50_seconds": 0.096,
-                                    "device_clocks": {"stock": {"sm_mhz": 1755.0, "watts": 690.0, "samples": 9},
-                                                      "fused": None}}],
-            "queued_block": {"block": 0, "reps": 5, "stock_gpu_p50_seconds": 0.1025, "stock_host_p50_seconds": 0.0021,
-                             "fused_gpu_p50_seconds": 0.0941, "fused_host_p50_seconds": 0.0034,
-                             "stock_over_stock_gpu": 1.0, "stock_over_fused_gpu": 0.1025 / 0.0941}}
-    table = queued_markdown(data)
-    assert "| stock | 104.00 ms | 102.50 ms | 1.000x | 2.10 ms | 1755 MHz |" in table
-    assert "| fused | 96.00 ms | 94.10 ms | 1.089x | 3.40 ms | - |" in table
-    assert queued_markdown({"real_block_results": data["real_block_results"]}) == ""
+def test_removed_variants_leave_no_key_behind():
+    data = results_table.without_removed(peer_run_report("bf16", 37810, 0.1))
+    text = json.dumps(data).replace('"fused_qkv"', "")  # the memory section's qkv buffer, not the variant
+    assert "fused" not in text, [k for k in text.split('"') if "fused" in k]
+    assert data["real_block_results"][0]["stock_over_strided_nhd"] == pytest.approx(1.05)
+    assert data["sampling_2_step"]["order"] == ["strided_nhd", "kj_lowvram", "stock"]
+    assert results_table.removed_variants({"variant_settings": {"a": {"prep_mode": "fused_rotated"},
+                                                                "b": {"prep_mode": "rotated"}}}) == ["a"]
 
 
-def test_device_sampler_averages_the_samples_inside_the_windows_only():
-    sampler = measure.DeviceSampler.__new__(measure.DeviceSampler)
-    sampler.samples = [(1.0, 1800.0, 600.0), (2.0, 1700.0, 700.0), (3.0, 1000.0, 100.0)]
-    assert sampler.mean_over([(0.5, 2.5)]) == {"sm_mhz": 1750.0, "watts": 650.0, "samples": 2}
-    assert sampler.mean_over([(5.0, 6.0)]) is None
+def test_blocks_table_has_a_row_per_report_and_a_column_per_variant(tmp_path):
+    paths = [write(tmp_path / "peer-bf16-37810.json", peer_run_report("bf16", 37810, 0.1)),
+             write(tmp_path / "peer-int8_convrot-8192.json", peer_run_report("int8_convrot", 8192, 0.0875))]
+    text = results_table.blocks_table(paths)
+    assert "fused" not in text
+    assert ("| report | weights | tokens | reps | stock, block 0 / 1 | stock / strided_nhd | stock / attention_only "
+            "| stock / kj_lowvram | stock / kj_lowvram_chunkff | equal to stock |") in text
+    assert ("| peer-bf16-37810 | bf16 | 37,810 | 18 | 105.00 / 105.00 ms | 1.050x / 1.050x | 1.029x / 1.029x | "
+            "1.010x / 1.010x | 0.991x / 0.991x | all bit-exact | 4,000 / 3,000 / 3,500 / 4,000 / 3,750 |") in text
+    assert "| peer-int8_convrot-8192 | int8_convrot | 8,192 | 18 | 105.00 / 105.00 ms | 1.200x / 1.200x |" in text
+    assert ("- peer-bf16-37810, one block at 119,356 tokens (396 frames), peak extra: strided_nhd 9,000 MiB, "
+            "attention_only 10,000 MiB, kj_lowvram 12,000 MiB, kj_lowvram_chunkff RuntimeError: CUDA error: an "
+            "illegal memory access; not run after that fault: stock") in text
+    assert text.endswith("- NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, ComfyUI 0.33.0, stock `attention_sage`, "
+                         f"KJNodes 3f20054abcdef: `{paths[0].as_posix()}`, `{paths[1].as_posix()}`")
 
 
-def test_windowed_runner_records_each_calls_host_window():
-    windows = []
-    run = measure.windowed(lambda: 7, windows)
-    assert run() == 7 and run() == 7
-    assert len(windows) == 2 and all(a <= b for a, b in windows) and windows[0][1] <= windows[1][0]
+def test_blocks_table_names_the_variants_that_differ_from_stock(tmp_path):
+    data = peer_run_report("int8_convrot", 37810, 0.1)
+    for block, diff in zip(data["real_block_results"], (0.0508, 0.0)):
+        block.update(stock_vs_kj_lowvram_bit_exact=diff == 0.0, stock_vs_kj_lowvram_max_abs_difference=diff)
+    text = results_table.blocks_table([write(tmp_path / "r.json", data)])
+    assert "| kj_lowvram max abs 0.0508 / 0 |" in text
 
 
-def test_device_sampler_without_a_device_is_unavailable_and_samples_nothing():
-    with measure.DeviceSampler(None) as sampler:
-        pass
-    assert not sampler.available and sampler.samples == [] and sampler.mean_over([(0.0, 1e12)]) is None
+def test_sampling_table_puts_each_sampled_variant_beside_stock(tmp_path):
+    data = peer_run_report("int8_convrot", 37810, 0.1)
+    data["sampling_2_step"].update(stock_peak_allocated_bytes=54_380_000_000,
+                                   strided_nhd_peak_allocated_bytes=51_260_000_000)
+    text = results_table.sampling_table([write(tmp_path / "s.json", data)])
+    assert ("| int8_convrot | 2 | 2 | strided_nhd | 10.50 s | 10.00 s | 1.050x | identical | 54.38 / 51.26 |"
+            in text)
+    assert "| int8_convrot | 2 | 2 | kj_lowvram | 10.50 s | 10.40 s | 1.010x | differ | 54.38 / - |" in text
+    assert "fused" not in text
 
 
-def test_mean_profile_averages_kernel_times_over_rounds_and_keeps_the_first_rounds_counts():
-    def round_(attention, gemm, idle, first_after):
-        return {"kernel_launches": 5, "memcpy_memset": 0, "large_copy_ops": 0, "gpu_idle_ms": idle,
-                "kernel_ms": {"attention": attention, "gemm": gemm, "other": 1.0},
-                "kernel_ms_by_name": {"attn": attention, "gemm": gemm}, "first_kernel_after_ms": first_after,
-                "kernels": {"attn": 1, "gemm": 4}}
-    merged = measure.mean_profile([round_(48.0, 36.0, 0.2, 2.0), round_(52.0, 37.0, 0.4, 3.0)])
-    assert merged["kernel_ms"] == {"attention": 50.0, "gemm": 36.5, "other": 1.0}
-    assert merged["kernel_ms_rounds"]["attention"] == [48.0, 52.0]
-    assert merged["kernel_ms_by_name"] == {"attn": 50.0, "gemm": 36.5}
-    assert merged["gpu_idle_ms"] == 0.3 and merged["first_kernel_after_ms"] == 2.0
-    assert merged["kernel_launches"] == 5 and merged["kernels"] == {"attn": 1, "gemm": 4}
-    cpu = {"kernel_launches": None, "kernel_ms": None, "gpu_idle_ms": None, "kernels": {}}
-    assert measure.mean_profile([cpu, cpu]) == cpu
+def isolated_report(backends: dict) -> dict:
+    row = {"hnd_median_seconds": 0.004, "strided_nhd_median_seconds": 0.0032, "speedup": 1.25,
+           "max_abs_difference": 0.0, "hnd_peak_extra_bytes": 729 * 2**20, "strided_nhd_peak_extra_bytes": 281 * 2**20}
+    return {"environment": {"device": "NVIDIA H200", "torch": "2.11.0+cu130"}, "heads": 56, "head_dim": 128,
+            "dtype": "bfloat16", "results": {name: ({"8192": dict(row, speedup=x)} if x else {"skipped": "no"})
+                                             for name, x in backends.items()}}
+
+
+def test_kernels_table_shows_each_back_end_from_the_first_report_that_has_it(tmp_path):
+    new = write(tmp_path / "new.json", isolated_report({"sage2": 1.25, "fa4": None}))
+    old = write(tmp_path / "old.json", isolated_report({"sage2": 1.05, "sage1": 1.09}))
+    text = results_table.kernels_table([new, old])
+    assert "| sage2 | 8,192 | 4.00 ms | 3.20 ms | 1.250x | 0 | 729 -> 281 |" in text
+    assert "1.050x" not in text and "| sage1 | 8,192 |" in text and "| fa4 | - | skipped: no |" in text
+    assert f"- `{old.as_posix()}`: NVIDIA H200, torch 2.11.0+cu130, 56x128 heads bfloat16" in text
+
+
+def test_doc_markers_are_filled_from_the_json(tmp_path):
+    blocks = write(tmp_path / "b.json", peer_run_report("bf16", 37810, 0.1))
+    kernels = write(tmp_path / "k.json", isolated_report({"sdpa": 1.1}))
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text("intro\n<!-- blocks-table:start -->\nold\n<!-- blocks-table:end -->\nmiddle\n"
+                   "<!-- kernels-table:start -->\nold\n<!-- kernels-table:end -->\nrest\n")
+    results_table.main(["--blocks", str(blocks), "--kernels", str(kernels), "--doc", str(doc)])
+    text = doc.read_text()
+    assert "old" not in text and text.startswith("intro\n") and text.endswith("rest\n") and "\nmiddle\n" in text
+    assert "| b | bf16 | 37,810 |" in text and "| sdpa | 8,192 |" in text
+    with pytest.raises(ValueError, match="sampling-table"):  # a table the doc has no place for
+        results_table.main(["--sampling", str(blocks), "--doc", str(doc)])
+    with pytest.raises(SystemExit):
+        results_table.main(["--doc", str(doc)])
+
+
+def test_the_docs_tables_are_what_their_regenerate_command_makes(tmp_path):
+    """docs/BENCHMARKS.md's command, run on a copy of the doc, changes nothing: the tables are current
+    and every result file they name is in the repository."""
+    doc = ROOT / "docs" / "BENCHMARKS.md"
+    text = doc.read_text()
+    block = text.split("## Regenerate the tables", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = block.replace("\\\n", " ").splitlines()
+    folder = next(line.split("=", 1)[1] for line in lines if line.startswith("R="))
+    argv = next(line for line in lines if "benchmarks.results_table" in line).replace("$R", folder).split()
+    argv = argv[argv.index("benchmarks.results_table") + 1:]
+    copy_of_doc = tmp_path / "BENCHMARKS.md"
+    copy_of_doc.write_text(text)
+    argv[argv.index("--doc") + 1] = str(copy_of_doc)
+    cwd = Path.cwd()
+    try:
+        os.chdir(ROOT)  # the command's paths are relative to the repository root
+        results_table.main(argv)
+    finally:
+        os.chdir(cwd)
+    assert copy_of_doc.read_text() == text

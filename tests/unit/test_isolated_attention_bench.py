@@ -18,9 +18,11 @@ def test_bench_cpu_smoke_run_writes_the_reference_fields(tmp_path, capsys):
                 "mean_abs_difference", "hnd_peak_extra_bytes", "strided_nhd_peak_extra_bytes"):
         assert key in row, key
     assert row["hnd_mean_seconds"] > 0 and row["strided_nhd_mean_seconds"] > 0
-    assert row["bit_identical"] and row["max_abs_difference"] == 0.0
-    assert row["records"]["strided_nhd"]["copies"] == 0
-    assert "speedup" in capsys.readouterr().out
+    assert row["bit_exact"] and row["max_abs_difference"] == 0.0
+    assert row["records"]["strided_nhd"]["copies"] == 0 and row["records"]["hnd"]["copies"] == 4
+    assert row["hnd_min_max_seconds"][0] <= row["hnd_median_seconds"] <= row["hnd_min_max_seconds"][1]
+    out = capsys.readouterr().out
+    assert "sdpa S=40: HND" in out and f"| sdpa | 40 | {row['hnd_median_seconds'] * 1e3:.2f} ms |" in out
 
 
 def test_bench_table_is_generated_into_the_doc_block(tmp_path):
@@ -29,8 +31,8 @@ def test_bench_table_is_generated_into_the_doc_block(tmp_path):
                 "--reps", "1", "--warmup", "0", "--out", str(report)])
     doc = tmp_path / "BENCHMARKS.md"
     doc.write_text("intro\n<!-- kernels-table:start -->\nold\n<!-- kernels-table:end -->\noutro\n")
-    results_table.main([str(report), "--doc", str(doc)])
+    results_table.main(["--kernels", str(report), "--doc", str(doc)])
     text = doc.read_text()
     assert "old" not in text and text.startswith("intro\n") and text.endswith("outro\n")
-    assert "| sdpa | 24 |" in text and "peak extra HND -> NHD" in text
-    assert f"Source: `{report.as_posix()}`" in text
+    assert "| sdpa | 24 |" in text and "| back-end | S | HND | strided NHD |" in text
+    assert f"- `{report.as_posix()}`: cpu, torch " in text and "2x32 heads bfloat16" in text
