@@ -57,6 +57,6 @@ if [ "${1:-}" != "--no-run" ]; then
   else
     echo "setup: main job: a tiny random-weight H3 sampled on the CPU through ComfyUI's nodes, stock and both layouts"
     COMFYUI_PATH=$PWD/.comfyui .venv/bin/python -m benchmarks.h3_reference_run --tiny --device cpu --backend auto \
-      --sections sampling_2_step --stock-sampling --no-chart --out first-run.json | grep -v '^\[h3-bench'
+      --sections sampling_2_step --stock-sampling --out first-run.json | grep -v '^\[h3-bench'
   fi
 fi

@@ -204,10 +204,10 @@ export function formatReport(report) {
   return [...lines, ...details];
 }
 
-// The bundled workflows' names, as the template browser shows them ("MiniMax H3 - 2 steps - HND").
-export const TEMPLATE_NAME = /^MiniMax H3 - \d+ steps - /;
+// The bundled workflows' names, as the template browser shows them ("H3 2-step HND").
+export const TEMPLATE_NAME = /^H3 \d+-step (strided NHD|HND)$/;
 
-// Natural order ("2 steps" before "12 steps"), as the template browser's own A-Z sort compares.
+// Natural order ("2-step" before "12-step"), as the template browser's own A-Z sort compares.
 export function sortTemplateNames(names) {
   return [...names].sort((a, b) => a.localeCompare(b, "en", { numeric: true, sensitivity: "base" }));
 }

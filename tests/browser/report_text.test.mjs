@@ -318,11 +318,11 @@ test("reports find their node by id, subgraph id, or the only node there is", ()
 });
 
 test("the pack's templates are listed in natural order; other packs' lists are left alone", () => {
-  const served = { "comfyui-sage-strided-nhd": ["MiniMax H3 - 12 steps - HND", "MiniMax H3 - 2 steps - strided NHD",
-    "MiniMax H3 - 12 steps - strided NHD", "MiniMax H3 - 2 steps - HND"], other: ["b", "a"] };
+  const served = { "comfyui-sage-strided-nhd": ["H3 12-step HND", "H3 2-step strided NHD",
+    "H3 12-step strided NHD", "H3 2-step HND"], other: ["b", "a"] };
   assert.deepEqual(sortOurTemplates(served), {
-    "comfyui-sage-strided-nhd": ["MiniMax H3 - 2 steps - HND", "MiniMax H3 - 2 steps - strided NHD",
-      "MiniMax H3 - 12 steps - HND", "MiniMax H3 - 12 steps - strided NHD"],
+    "comfyui-sage-strided-nhd": ["H3 2-step HND", "H3 2-step strided NHD",
+      "H3 12-step HND", "H3 12-step strided NHD"],
     other: ["b", "a"],
   });
   assert.equal(sortOurTemplates(undefined), undefined);

@@ -103,8 +103,9 @@ import torch
 torch.cuda.is_available = lambda: True  # as on an H200: where an fa4 probe would import it
 torch.cuda.get_device_capability = lambda *a: (9, 0)
 for backend in ("auto", "sage2", "fa4"):
-    pack.nodes.patch_any_model(patcher_for(tiny_h3_model()), "strided_nhd", backend)
-    pack.nodes.patch_any_model(patcher_for(tiny_wan_model()), "strided_nhd", backend)
+    settings = pack.nodes.patch.Settings(layout="strided_nhd", backend=backend)
+    pack.nodes.patch_any_model(patcher_for(tiny_h3_model()), settings)
+    pack.nodes.patch_any_model(patcher_for(tiny_wan_model()), settings)
 print("imported", sorted(m for m in sys.modules if m.startswith("flash_attn.cute")))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,

@@ -20,15 +20,16 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / "workflows"
 API_DIR = WORKFLOWS / "api"
 # ComfyUI 0.33's template browser shows a custom node's template by its file name alone (as the
-# card title, one line), so the names read as titles: "MiniMax H3 - 2 steps - strided NHD".
-NAME = re.compile(r"^MiniMax H3 - (?P<steps>\d+) steps - (?P<layout>strided NHD|HND)$")
+# card title, one line, cut with an ellipsis where it does not fit), so the names read as short titles:
+# "H3 2-step strided NHD" and its A/B twin "H3 2-step HND".
+NAME = re.compile(r"^H3 (?P<steps>\d+)-step (?P<layout>strided NHD|HND)$")
 LAYOUT_OF = {"strided NHD": "strided_nhd", "HND": "hnd"}
 LAYOUT_NAME = {v: k for k, v in LAYOUT_OF.items()}
 
 
 def workflow_name(steps: int, layout: str) -> str:
     """The file stem of the bundled workflow for ``steps`` and ``layout`` ("strided_nhd" | "hnd")."""
-    return f"MiniMax H3 - {steps} steps - {LAYOUT_NAME[layout]}"
+    return f"H3 {steps}-step {LAYOUT_NAME[layout]}"
 
 OUR_NODE = "SageStridedNHDAttention"
 FRONTEND_ONLY = {"MarkdownNote", "Note", "PrimitiveNode", "Reroute"}
@@ -60,7 +61,7 @@ def load(path: Path) -> dict:
 
 def parse_name(path: Path) -> tuple[int, str]:
     m = NAME.match(path.stem)
-    assert m, f"{path.name}: name must say steps and layout, like 'MiniMax H3 - 12 steps - strided NHD.json'"
+    assert m, f"{path.name}: name must say steps and layout, like 'H3 12-step strided NHD.json'"
     return int(m["steps"]), LAYOUT_OF[m["layout"]]
 
 
@@ -414,11 +415,22 @@ def test_workflow_templates_lists_the_four_ui_workflows(comfy_server):
             assert r.status == 200 and r.read(3) == b"\xff\xd8\xff"
 
 
+# The card's title is one line of 14 px semibold Inter (`line-clamp-1 text-sm font-semibold`) in a card of
+# the grid `minmax(15rem, 1fr)`: 224 px of title on the narrowest card. Measured in headless Chromium with
+# ComfyUI's frontend 1.49.6: "H3 12-step strided NHD" takes 160 px; the old "MiniMax H3 - 12 steps -
+# strided NHD" took 246 px and was cut. 22 characters leave room for a wider fallback font.
+MAX_TITLE_CHARS = 22
+
+
 def test_template_names_fit_the_card_and_sort_sensibly():
-    """Names are the cards' titles: short enough for one line, and in the browser's A-Z order (numeric,
-    like the frontend's compareAlphabetical) the 2-step pair comes before the 12-step pair."""
+    """Names are the cards' titles: short enough for one line on the narrowest card, each A/B pair the same
+    name up to the layout, and in the browser's A-Z order (numeric, like the frontend's compareAlphabetical)
+    the 2-step pair comes before the 12-step pair, each pair side by side."""
     names = [p.stem for p in ui_files()]
-    assert all(len(n) <= 36 for n in names), names
+    assert all(len(n) <= MAX_TITLE_CHARS for n in names), [(n, len(n)) for n in names]
+    for steps in (2, 12):
+        a, b = workflow_name(steps, "strided_nhd"), workflow_name(steps, "hnd")
+        assert a.removesuffix("strided NHD") == b.removesuffix("HND"), (a, b)
     numeric = sorted(names, key=lambda n: [int(t) if t.isdigit() else t.lower() for t in re.split(r"(\d+)", n)])
     assert numeric == [workflow_name(2, "hnd"), workflow_name(2, "strided_nhd"),
                        workflow_name(12, "hnd"), workflow_name(12, "strided_nhd")]

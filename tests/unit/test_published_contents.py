@@ -100,3 +100,57 @@ def test_the_shipped_runtime_imports_nothing_that_is_left_out():
 def test_imported_top_levels_resolves_relative_imports():
     assert imported_top_levels("kernels/backends/sage2.py") >= {"kernels", "torch"}
     assert "devkit" in imported_top_levels("devkit/sage2_oracle.py")
+
+
+# --- README.md: what a user reads on GitHub, on the Comfy Registry's page and in ComfyUI-Manager ------------------------
+README = ROOT / "README.md"
+REPO_BLOB = "https://github.com/comfyui-sage-strided-nhd/comfyui-sage-strided-nhd/blob/main/"
+MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def readme_lines() -> list[str]:
+    return README.read_text(encoding="utf-8").splitlines()
+
+
+def test_readme_is_short_with_no_long_line():
+    lines = readme_lines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines (at most 200)"
+    long = [(n, len(line)) for n, line in enumerate(lines, 1) if len(line) > 160]
+    assert not long, f"README.md lines over 160 characters (line, length): {long}"
+
+
+def test_readme_links_work_without_docs():
+    """A Comfy Registry install has no docs/ (.comfyignore), so links into docs/ are absolute, to files that exist;
+    a relative link must point at a file that ships."""
+    links = MARKDOWN_LINK.findall(README.read_text(encoding="utf-8"))
+    shipped = set(shipped_files())
+    for link in links:
+        if link.startswith("#"):
+            continue
+        if link.startswith(REPO_BLOB):
+            path = link[len(REPO_BLOB):].split("#", 1)[0]
+            assert (ROOT / path).is_file(), f"README links to {link}, but {path} is not in the repository"
+        elif "://" not in link:
+            path = link.split("#", 1)[0]
+            assert path in shipped, f"README's relative link {link} points at a file a Registry install lacks"
+    assert any(link.startswith(REPO_BLOB + "docs/") for link in links), "README should link the docs by absolute URL"
+
+
+def test_readme_names_the_commands_ci_runs():
+    """The README's development block is the two commands, and CI (.ci/run) runs exactly those."""
+    text = README.read_text(encoding="utf-8")
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip().startswith("bash scripts/")]
+    assert ci == ["bash scripts/setup.sh", "bash scripts/test.sh"], ci
+    for command in ci:
+        assert re.search(rf"^{re.escape(command)}\s", text, re.MULTILINE), f"README lacks `{command}`"
+        assert (ROOT / command.split()[1]).is_file()
+
+
+def test_readme_lists_the_bundled_templates_by_their_names():
+    """The table under "Bundled workflows" names each template as the template browser shows it (its file name)."""
+    text = README.read_text(encoding="utf-8")
+    section = text.split("## Bundled workflows", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `([^`]+)` \|", section, re.MULTILINE))
+    names = {p.stem for p in (ROOT / "workflows").glob("*.json")}
+    assert listed == names, f"README's templates {sorted(listed)} != workflows/ {sorted(names)}"
