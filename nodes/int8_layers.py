@@ -66,16 +66,14 @@ def call(layer, x, input_act: str | None = None, record=None) -> torch.Tensor:
     with _cast(layer, x, input_act) as (weight, bias):
         if input_act is None:
             weight = weight.to(dtype=x.dtype)
-        reason = stock_quantizer_reason(layer, x, input_act, cast=(weight, bias))
+        reason, out = stock_quantizer_reason(layer, x, input_act, cast=(weight, bias)), None
         if reason is None:
             out = kernels.int8_linear_routed(x, weight._qdata, weight._params.scale, bias, input_act=input_act,
                                              modulation=pending.segments if pending is not None else None)
             reason = None if out is not None else "CUTLASS declined the shape"
-            _tell(record, reason)
-            if out is not None:
-                return out
-        else:
-            _tell(record, reason)
+        _tell(record, reason)
+        if out is not None:
+            return out
         return _stock_on_cast(x if pending is None else kernels.settled(pending), weight, bias, input_act)
 
 

@@ -71,7 +71,7 @@ class Plan:
     """One sampling run's decisions: the chain each patched module's calls use, and the notes."""
 
     default: kernels.BackendChain
-    chains: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # key -> chain, where not default
+    chains: MappingProxyType = field(default_factory=dict)  # key -> chain where not default; read-only once made
     notes: tuple[Note, ...] = ()
     blocks_patched: int = 0
     refiner_blocks_patched: int = 0

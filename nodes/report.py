@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import asdict
 
 from comfy.model_management import InterruptProcessingException
 
@@ -66,7 +67,7 @@ class RunReport:
                        "prep_mode": settings.prep_mode, "block_path": settings.block_path,
                        "blocks_patched": blocks_patched,
                        "refiner_blocks_patched": refiner_blocks_patched, "replaced_own_patch": replaced_own_patch}
-        self.patch_notes = [{"code": n.code, "text": n.text} for n in notes]  # decided when the node executed
+        self.patch_notes = [asdict(n) for n in notes]  # decided when the node executed
         self.last: dict | None = None  # the last payload built
         self.begin_run()
 
@@ -117,7 +118,7 @@ class RunReport:
 
     def planned(self, plan) -> None:
         """The sampling run's plan (patch.Plan): its notes and block counts go into the report."""
-        self.notes = self.patch_notes + [{"code": n.code, "text": n.text} for n in plan.notes]
+        self.notes = self.patch_notes + [asdict(n) for n in plan.notes]
         if self.static["path"] == "h3_forward_patch":
             self.run = {"blocks_patched": plan.blocks_patched, "refiner_blocks_patched": plan.refiner_blocks_patched,
                         "block_path_blocks": plan.block_path_blocks}
