@@ -1,37 +1,87 @@
 """int8 tensor-wise ConvRot linears as stock's CUDA ``int8_linear`` runs them (fused quantiser, then comfy-kitchen's
-CUTLASS int8 GEMM), with the pack's quantiser: same bits. The GEMM has no public entry point, so the route is taken
-only for ``KITCHEN_VERSIONS``. Column blocks of the product are its bits (exact int32 sums, a per-element epilogue)."""
+CUTLASS int8 GEMM), with the pack's quantiser: same bits. The GEMM has no public entry point: the route mirrors
+each release in ``RELEASES`` (verified), and runs on another only where it passes a bits self-check on the device
+(kernels/int8_release_check.py). Column blocks of the product are its bits (exact int32 sums, a per-element
+epilogue)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
+import re
 
 import torch
 
-from . import int8_activation
+from . import int8_activation, int8_release_check
 
-# comfy-kitchen releases whose CUDA int8_linear this module mirrors (its GEMM call and its dispatch)
-KITCHEN_VERSIONS = ("0.2.31",)
+
+@dataclasses.dataclass(frozen=True)
+class KitchenRelease:
+    """What one comfy-kitchen release's CUDA ``int8_linear`` (ConvRot, no residual) does that the route mirrors."""
+    version: str
+    min_rows: int  # fewer rows: stock runs a GEMV (one row; two rows too since 0.2.36), not the CUTLASS GEMM
+    bias_in_out_dtype: bool  # the GEMM's bias operand: in the output dtype, 16-byte aligned (else fp32)
+    gpu_verified: bool = True  # the route gave stock's bits on a GPU with it; else it is self-checked at first use
+
+
+# comfy-kitchen releases whose CUDA int8_linear this module mirrors (its dispatch and its GEMM call, read from each
+# release's code); 0.2.36 has not run on a GPU here, so the route self-checks its bits there before it runs
+RELEASES = {r.version: r for r in (KitchenRelease("0.2.31", min_rows=2, bias_in_out_dtype=False),
+                                   KitchenRelease("0.2.36", min_rows=3, bias_in_out_dtype=True, gpu_verified=False),
+                                   KitchenRelease("0.2.40", min_rows=3, bias_in_out_dtype=True))}
+KITCHEN_VERSIONS = tuple(RELEASES)
+VERIFIED_VERSIONS = tuple(v for v, r in RELEASES.items() if r.gpu_verified)
+# the CUDA backend's private names the route calls (ConvRot dispatch, GEMM operands, the extension itself)
+CUDA_HELPERS = ("_convrot_fused_shared_memory_fits", "_DISABLE_CUTLASS_INT8",
+                "_cuda_device_supports_cutlass_int8_dequant", "_cuda_device_is_turing", "_prefer_cublas_int8_fallback",
+                "_int8_weight_scale_arg", "_empty_cuda_tensor", "_wrap_for_dlpack")
+BIAS_HELPER = "_gemm_vector_arg"  # the aligned bias operand, where the release passes it in the output dtype
 GROUP = int8_activation.GROUP
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # comfy-kitchen's output dtype codes
 
 
-def _kitchen_cuda():
-    """(comfy-kitchen's CUDA backend module, None), or (None, why it cannot be used)."""
+def _release_key(version: str) -> tuple:
+    return tuple(int(re.match(r"\d*", part).group() or 0) for part in version.split(".")[:3])
+
+
+def release_for(version: str) -> tuple[KitchenRelease, bool]:
+    """(the route's form for comfy-kitchen ``version``, whether it is verified on a GPU): another release takes the
+    newest known release's form not newer than it (or the oldest's), to be self-checked."""
+    if version in RELEASES:
+        return RELEASES[version], RELEASES[version].gpu_verified
+    by_age = sorted(RELEASES.values(), key=lambda r: _release_key(r.version))
+    older = [r for r in by_age if _release_key(r.version) <= _release_key(version)]
+    return (older[-1] if older else by_age[0]), False
+
+
+@functools.cache
+def installed_release() -> tuple[str | None, KitchenRelease | None, bool]:
+    """(comfy-kitchen's installed version or None, the route's form for it, verified), asked once a process."""
     try:
         version = importlib.metadata.version("comfy-kitchen")
     except importlib.metadata.PackageNotFoundError:
+        return None, None, False
+    return (version, *release_for(version))
+
+
+def _kitchen_cuda():
+    """(comfy-kitchen's CUDA backend module, None), or (None, why it cannot be used)."""
+    version = installed_release()[0]
+    if version is None:
         return None, "comfy-kitchen is not installed"
-    if version not in KITCHEN_VERSIONS:
-        return None, f"comfy-kitchen {version} is not a release this route was written for ({', '.join(KITCHEN_VERSIONS)})"
     try:
         cuda = importlib.import_module("comfy_kitchen.backends.cuda")
     except Exception as exc:
         return None, f"comfy-kitchen's CUDA backend does not import ({type(exc).__name__}: {exc})"
     if not getattr(cuda, "_EXT_AVAILABLE", False) or not hasattr(getattr(cuda, "_C", None), "cutlass_int8_dequant"):
         return None, "comfy-kitchen's CUDA extension (its CUTLASS int8 GEMM) is not loaded"
+    release = installed_release()[1]
+    needed = CUDA_HELPERS + ((BIAS_HELPER,) if release.bias_in_out_dtype else ())
+    missing = [name for name in needed if not hasattr(cuda, name)]
+    if missing:
+        return None, f"comfy-kitchen {version}'s CUDA backend has no {', '.join(missing)}, which the route calls"
     return cuda, None
 
 
@@ -52,11 +102,34 @@ def int8_call_problem(x: torch.Tensor, *, input_act: str | None = None) -> str |
         return "traced by torch.compile"
     if not x.is_cuda:
         return "not on a CUDA device"
+    return _call_shape_problem(x, input_act) or release_problem(x.device)
+
+
+def _call_shape_problem(x: torch.Tensor, input_act: str | None) -> str | None:
+    """What keeps stock's about a call on a CUDA device, the release's verification (``release_problem``) aside."""
     if not int8_activation.quantize_takes(x, input_act):
         return f"the pack's quantiser does not take a {x.dtype} input {x.shape[-1]} wide (act {input_act!r})"
-    if x.shape[0] < 2:
-        return "one row: stock runs its single-row kernel"
-    return kitchen_cuda()[1]
+    why = kitchen_cuda()[1]
+    if why is not None:
+        return why
+    version, release, _ = installed_release()
+    if x.shape[0] < release.min_rows:
+        return (f"{x.shape[0]} row{'s' if x.shape[0] > 1 else ''}: comfy-kitchen {version} runs a GEMV for fewer than "
+                f"{release.min_rows} rows, not its CUTLASS GEMM")
+    return None
+
+
+def release_problem(device: torch.device) -> str | None:
+    """Why the installed comfy-kitchen, loaded (``kitchen_cuda``), keeps stock's quantiser on ``device``: None for
+    a verified release; another runs the self-check there once (``RELEASE_CHECK``) and gives its verdict."""
+    version, release, verified = installed_release()
+    if verified:
+        return None
+    why = RELEASE_CHECK.problem(device, release.min_rows)
+    if why is None:
+        return None
+    return (f"comfy-kitchen {version} is not a release the route was verified on ({', '.join(VERIFIED_VERSIONS)}), and "
+            f"on this device the route did not give stock's bits in its self-check: {why}")
 
 
 def int8_route_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias, *,
@@ -101,7 +174,9 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: 
     ws = ws if ws.numel() == n else ws.expand(n).contiguous()
     if bias is None:
         bias_arg = cuda._empty_cuda_tensor(device, out_dtype)
-    else:
+    elif installed_release()[1].bias_in_out_dtype:
+        bias_arg = getattr(cuda, BIAS_HELPER)(bias, device, out_dtype)
+    else:  # fp32 from the bias cast to the output dtype
         bias_arg = bias.to(device=device, dtype=out_dtype).contiguous().to(torch.float32).contiguous()
     wrap = cuda._wrap_for_dlpack
     used = cuda._C.cutlass_int8_dequant(wrap(xq), wrap(qdata.contiguous()), wrap(x_scale), wrap(ws), wrap(bias_arg),
@@ -140,6 +215,34 @@ def stock_int8_linear(x, qdata, w_scale, bias=None, *, input_act: str | None = N
     """Stock's call itself (``comfy.ops.linear_input_act``'s), for a call the route declined after the cast."""
     ck = importlib.import_module("comfy_kitchen")
     return ck.int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, convrot_groupsize=GROUP, input_act=input_act)
+
+
+def _checked_route(x, qdata, w_scale, bias=None, *, input_act: str | None = None) -> torch.Tensor | str:
+    """The route as a sampling call takes it, but for the release's verification: its output, or why it declined
+    (what the self-check compares with stock's call)."""
+    why = _call_shape_problem(x, input_act) or int8_weight_problem(x, qdata, w_scale, bias, input_act=input_act)
+    if why is not None:
+        return why
+    out = int8_linear_routed(x, qdata, w_scale, bias, input_act=input_act)
+    return "CUTLASS declined the shape" if out is None else out
+
+
+RELEASE_CHECK = int8_release_check.ReleaseCheck(route=lambda *a, **k: _checked_route(*a, **k),
+                                                stock=lambda *a, **k: stock_int8_linear(*a, **k))
+
+
+def kitchen_release_status(device=None) -> dict:
+    """For the report: ``{"release": comfy-kitchen's version or None, "route": "verified" | "self_checked" | "stock",
+    "reason": why stock's quantiser, or None}``. A release outside ``RELEASES`` is self-checked on ``device``
+    (default: the current CUDA device) if it was not yet."""
+    version, release, verified = installed_release()
+    why = kitchen_cuda()[1]
+    if why is None and not verified:
+        if device is None and torch.cuda.is_available():
+            device = torch.device("cuda")
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        why = release_problem(torch.device(device)) if on_cuda else "no CUDA device to self-check the release on"
+    return {"release": version, "route": "stock" if why else "verified" if verified else "self_checked", "reason": why}
 
 
 class GemmDeclined(RuntimeError):

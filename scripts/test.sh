@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Run the test suite (after scripts/setup.sh). Host tests use the ComfyUI at $COMFYUI_PATH,
-# default ./.comfyui; without one they are skipped and pytest says so.
+# default ./.comfyui; without one they are skipped and pytest says so. Without arguments it also runs
+# scripts/test_kitchen_releases.sh (each verified comfy-kitchen release installed in turn; needs the package index).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${COMFYUI_PATH:-}" ] && [ -f .comfyui/main.py ]; then
   export COMFYUI_PATH="$PWD/.comfyui"
 fi
-exec .venv/bin/python -m pytest tests -rs "$@"
+.venv/bin/python -m pytest tests -rs "$@"
+# without arguments: also the int8 route's CPU checks against each comfy-kitchen release it is verified on
+if [ "$#" = 0 ]; then
+  bash scripts/test_kitchen_releases.sh
+fi

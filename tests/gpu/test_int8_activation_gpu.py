@@ -4,8 +4,8 @@ fc2: the SwiGLU of a 28,672-wide fc1 output) at 8,192 and 37,810 rows, with rows
 input past 2**31 elements), and the whole route (quantiser + comfy-kitchen's GEMM) against stock's
 ``int8_linear``, bit for bit. On a mismatch the message says whether the differences follow the
 division or the exponential (the two fast-math instructions). Times are printed beside comfy-kitchen's,
-not asserted. Needs CUDA and comfy-kitchen with its CUDA extension (a release the route was written
-for)."""
+not asserted. Needs CUDA and comfy-kitchen with its CUDA extension
+(tests/gpu/test_int8_release_gpu.py checks the release)."""
 
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ SCRIPT = r"""
     ia = pack.kernels.int8_activation
 
     def cuda_int8_linear(x, weight, weight_scale, bias=None, out_dtype=None, convrot=False, convrot_groupsize=256,
-                         input_act=None):
-        assert convrot and convrot_groupsize == 256
+                         input_act=None, **extended):  # 0.2.36+: act weight/eps, residual: all at their defaults
+        assert convrot and convrot_groupsize == 256 and all(v is None or v == 0.0 for v in extended.values())
         flat = x.reshape(-1, x.shape[-1])
         q, s = int8_oracle.quantize_rows_convrot(flat, input_act)
         y = int8_oracle.int8_linear(q, s, weight, weight_scale, bias, out_dtype or x.dtype)

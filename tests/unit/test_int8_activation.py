@@ -10,12 +10,9 @@ comfy-kitchen's CUDA kernel."""
 
 from __future__ import annotations
 
-import importlib.metadata
-
 import pytest
 import torch
 
-from devkit import int8_oracle
 from devkit.interpreted import run_interpreted
 from devkit.pack import submodule
 
@@ -78,28 +75,6 @@ def test_quantiser_applies_the_blocks_modulation_with_stocks_bits(interpreted):
         assert (q_differ, s_differ, outside) == (0, 0, 0), case
 
 
-def test_oracle_rotation_is_comfy_kitchens_hadamard(gen):
-    """The staged butterflies are comfy-kitchen's ConvRot rotation (its eager backend: a product with
-    the normalised 256 x 256 Hadamard matrix), up to fp32 rounding."""
-    eager = pytest.importorskip("comfy_kitchen.backends.eager")
-    x = torch.randn(6, 1024, generator=gen, dtype=torch.float64).float()
-    want = eager.rotate_int8_convrot_weight(x.double(), 256)
-    assert torch.allclose(int8_oracle.convrot(x).double(), want, atol=1e-5, rtol=1e-5)
-
-
-def test_oracle_quantiser_is_within_one_step_of_comfy_kitchens_eager_one(gen):
-    """comfy-kitchen's eager quantiser (IEEE division, no fast math) lands within one int8 step of the
-    CUDA steps, with scales equal to fp32 rounding."""
-    eager = pytest.importorskip("comfy_kitchen.backends.eager")
-    x = (2 * torch.randn(8, 512, generator=gen)).bfloat16()
-    from comfy_kitchen.tensor.int8_utils import _build_hadamard
-    h = _build_hadamard(256, device=x.device, dtype=x.dtype)
-    q_e, s_e = eager.quantize_and_rotate_rowwise(x, h, 256)
-    q_o, s_o = int8_oracle.quantize_rows_convrot(x)
-    assert (q_e.int() - q_o.int()).abs().max() <= 1
-    assert torch.allclose(s_e.float().reshape(-1), s_o.reshape(-1), rtol=1e-2)
-
-
 def test_rows_split_into_power_of_two_tiles():
     ia = submodule("kernels.int8_activation")
     assert ia.row_tiles(1) == (1, 0, 0) and ia.row_tiles(20) == (16, 4, 0) and ia.row_tiles(21) == (16, 4, 1)
@@ -122,17 +97,10 @@ def test_quantiser_declines_what_it_was_not_written_for():
     assert not ia.quantize_takes(torch.zeros(2, 2 * 16640, dtype=torch.bfloat16), "swiglu")  # past 16,384
 
 
-def test_route_says_why_it_keeps_stocks_call(monkeypatch):
+def test_route_says_why_it_keeps_stocks_call():
     route = submodule("kernels.int8_linear")
     x = torch.zeros(16, 512, dtype=torch.bfloat16)
     w = torch.zeros(32, 512, dtype=torch.int8)
     problem = route.int8_route_problem(x, w, torch.ones(()), None)
-    assert problem is not None and ("CUDA" in problem or "quantiser does not take" in problem)
+    assert problem == "not on a CUDA device"
     assert route.int8_linear(x, w, torch.ones(()), None) is None
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9")
-    route.kitchen_cuda.cache_clear()
-    try:
-        module, why = route.kitchen_cuda()
-    finally:
-        route.kitchen_cuda.cache_clear()  # the next caller asks the real release again
-    assert module is None and "9.9.9" in why and "0.2.31" in why

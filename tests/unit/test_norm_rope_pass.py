@@ -73,3 +73,27 @@ def test_on_the_cpu_comfy_kitchen_runs_and_says_which_implementation(gen):
     table, w = make_rope_table(8, 32, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
     backend = kernels.qk_transform.kitchen_backend(q, k, table, w, w, 1e-5, 32)
     assert backend is not None and backend != kernels.qk_transform.KITCHEN_BACKEND
+
+
+@pytest.mark.parametrize("release, pass_runs", [("0.2.31", True), ("0.2.40", True), ("0.2.36", False),
+                                                ("0.2.41", False)])
+def test_the_pass_runs_only_on_a_comfy_kitchen_release_it_was_checked_against(gen, monkeypatch, release, pass_runs):
+    """Another release's rms_rope_split_half_ may round differently: comfy-kitchen's own kernel runs there."""
+    import importlib.metadata
+
+    qk = kernels.qk_transform
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: release if name == "comfy-kitchen" else real(name))
+    qk.release_checked.cache_clear()
+    monkeypatch.setattr(qk, "own_pass_takes", lambda *a: True)
+    monkeypatch.setattr(qk, "kitchen_backend", lambda *a: qk.KITCHEN_BACKEND)
+    ran = []
+    monkeypatch.setattr(qk, "norm_rope_pass", lambda *a: ran.append("pass"))
+    monkeypatch.setattr(qk._kitchen(), "rms_rope_split_half_", lambda *a, **kw: ran.append("comfy-kitchen"))
+    try:
+        qkv = torch.randn(8, 3 * 2 * 64, generator=gen).bfloat16()
+        q, k, _ = (t.view(1, 8, 2, 64) for t in qkv.split(128, dim=-1))
+        qk.norm_rope(q, k, make_rope_table(8, 32, dtype=torch.bfloat16), torch.ones(64), torch.ones(64), 1e-5)
+    finally:
+        qk.release_checked.cache_clear()
+    assert ran == (["pass"] if pass_runs else ["comfy-kitchen"])
