@@ -8,7 +8,7 @@ from .pack import kernels
 
 
 def describe_backends(device=None) -> list[dict]:
-    """Every back-end in auto order with whether it can run here (on ``device``) and why not."""
+    """Every back-end in auto order with whether it can run here (on ``device``: its self-test too) and why not."""
     k = kernels()
     rows = []
     for name in k.AUTO_ORDER:
@@ -17,5 +17,8 @@ def describe_backends(device=None) -> list[dict]:
         ok, code, reason = verdict.ok, verdict.code, verdict.reason
         if ok and device is not None and backend.needs_cuda and torch.device(device).type != "cuda":
             ok, code, reason = False, "no_cuda", f"needs a CUDA device, got {torch.device(device).type}"
+        elif ok and device is not None:
+            verdict = backend.available(device)  # per device: sage2 runs its self-test there once
+            ok, code, reason = verdict.ok, verdict.code, verdict.reason
         rows.append({"name": name, "available": ok, "code": code, "reason": reason})
     return rows

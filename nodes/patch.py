@@ -108,9 +108,19 @@ class InstalledPatch:
                 options = getattr(guider, "model_options", None)
                 self.plan = self.planner(patcher, options if options is not None else patcher.model_options)
                 self.report.planned(self.plan)
+                self._vet_backends(getattr(patcher, "load_device", None))
             return executor(*args, **kwargs)
         except BaseException as exc:
             self.report.ended_by(exc)
             raise
         finally:
             self.report.finish_run()
+
+    def _vet_backends(self, device) -> None:
+        """Each back-end checks itself on the model's device (once a process) before the model forward runs, so
+        SageAttention's self-test allocates nothing inside a block or a graph the Comfy Compiler records."""
+        if device is None:
+            return
+        for chain in (self.plan.default, *self.plan.chains.values()):
+            for backend in chain.backends:
+                backend.available(device)

@@ -24,7 +24,7 @@ REASON_CODES = {
     "layout": "layout unsupported", "too_long": "sequence too long",
     "raised": "raised an error", "switched_off": "switched off", "mode": "mode not offered",
     "model_request": "model asked for stock attention",
-    "no_backend": "no back-end could run",
+    "no_backend": "no back-end could run", "self_test_failed": "failed its self-test",
 }
 
 
@@ -73,8 +73,8 @@ class PreparedPath(Protocol):
     def prepare(self, q, k, v, *, mode: str, scale: float | None) -> Prepared:
         """The operands for ``attend``, from q, k, v as the call will attend them (normalised)."""
 
-    def attend(self, prepared: Prepared) -> torch.Tensor:
-        """The kernel on prepared operands -> contiguous NHD [1, S, H, D]."""
+    def attend(self, prepared: Prepared, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The kernel on prepared operands -> contiguous NHD [1, S, H, D] (written into ``out`` when given)."""
 
     def prepare_projected(self, projection, kv, *, heads: int, mode: str, scale: float | None, norm,
                           chunk: int) -> Prepared:
@@ -101,12 +101,26 @@ class AttentionBackend:
     def _availability(self) -> Verdict:
         return self._check_available()
 
-    def available(self) -> Verdict:
-        """Can this back-end run on this machine at all? Checked once."""
-        return self._availability
+    def available(self, device=None) -> Verdict:
+        """Can this back-end run in this process (checked once), and on ``device`` when given?"""
+        verdict = self._availability
+        return self.device_verdict(device) if verdict and device is not None else verdict
 
     def _check_available(self) -> Verdict:
         raise NotImplementedError
+
+    def device_verdict(self, device) -> Verdict:
+        """Is this back-end trusted on ``device``? Checked once per process and device (``_check_device``)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        verdicts = self.__dict__.setdefault("_device_verdicts", {})
+        if str(device) not in verdicts:
+            verdicts[str(device)] = self._check_device(device)
+        return verdicts[str(device)]
+
+    def _check_device(self, device: torch.device) -> Verdict:
+        return YES
 
     def supports(self, q, k, v, *, layout: str, mask=None) -> Verdict:
         """Can it take this call? Shared rules first, then the back-end's own."""
@@ -125,7 +139,8 @@ class AttentionBackend:
             return no("mask", "attention masks are not supported")
         if any(t.stride(-1) != 1 for t in (q, k, v)):
             return no("strides", "last dim of q, k, v must be contiguous")
-        return self._supports(q, k, v, layout=layout, mask=mask)
+        verdict = self._supports(q, k, v, layout=layout, mask=mask)
+        return self.device_verdict(q.device) if verdict else verdict
 
     def _supports(self, q, k, v, *, layout: str, mask=None) -> Verdict:
         return YES

@@ -15,6 +15,8 @@ SUPPORTED_CAPABILITIES = {(8, 0), (8, 6), (8, 9), (9, 0), (12, 0), (12, 1)}
 TMA_MAX_SPAN = 2**31 - 1
 # The kernel writes its bf16 output through uint32 element offsets (row * stride_seq + head * D).
 OUTPUT_MAX_OFFSET = 2**32 - 1
+# Where SageAttention is self-tested before it is trusted: its kernels run on CUDA only (the CPU tests add "cpu").
+SELF_TESTED_DEVICES = ("cuda",)
 
 
 def installed_sageattention():
@@ -53,6 +55,14 @@ class Sage2Backend(AttentionBackend):
             return no("gpu_arch", f"no SageAttention 2 kernel for compute capability {cap[0]}.{cap[1]}")
         self._sageattn = module.sageattn
         return YES
+
+    def _check_device(self, device):
+        """Trusted on a device once the binding probe and the numerical self-test have passed there."""
+        if device.type not in SELF_TESTED_DEVICES:
+            return YES
+        from .sage2_selftest import self_test  # imports this module: loaded on first use
+
+        return self_test(self, device)
 
     def __call__(self, q, k, v, *, layout, scale=None, mask=None):
         return self._sageattn(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale)
@@ -114,13 +124,14 @@ class Sage2Backend(AttentionBackend):
         return Prepared(self.name, mode, ops.finish(k_all, v), float(d ** -0.5 if scale is None else scale), kv.dtype,
                         seq, heads, d, head_chunks(seq, heads, d), projected_chunks=len(chunks))
 
-    def attend(self, prepared: Prepared) -> torch.Tensor:
-        """SageAttention 2's sm90 kernel on prepared operands -> contiguous NHD [1, S, H, 128]."""
+    def attend(self, prepared: Prepared, out=None) -> torch.Tensor:
+        """SageAttention 2's sm90 kernel on prepared operands -> contiguous NHD [1, S, H, 128] (``out`` if given)."""
         op, reason = _sm90_attention_op()
         if op is None:
             raise RuntimeError(reason)
         p, s, h, d = prepared.operands, prepared.seq, prepared.heads, prepared.head_dim
-        out = torch.empty(1, s, h, d, dtype=prepared.out_dtype, device=p["q_int8"].device)
+        if out is None:
+            out = torch.empty(1, s, h, d, dtype=prepared.out_dtype, device=p["q_int8"].device)
         for h0, h1 in prepared.head_chunks:
             # head-major [hc, S, D] as NHD views [1, S, hc, D]: the batch stride is one chunk's span (< 2**31)
             qv = p["q_int8"][h0:h1].permute(1, 0, 2).unsqueeze(0)
@@ -146,6 +157,15 @@ def _sm90_attention_op():
             _SM90_OP.append((None, "SageAttention's compiled sm90 kernel is not importable "
                                    f"({type(exc).__name__}: {exc})"))
     return _SM90_OP[0]
+
+
+def on_sm90(device) -> bool:
+    """Whether ``device`` is an sm90 GPU: there ``sageattn`` and the prepared path run SageAttention's sm90 kernel."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return cuda_capability() == (9, 0)
 
 
 def head_chunks(seq: int, heads: int, head_dim: int = 128) -> tuple:
