@@ -20,6 +20,10 @@ from .ownership import is_own, replaced_forward
 BLOCK_PARAMS = ("self", "x", "t_emb", "mod_segments", "rope_freqs", "transformer_options")
 # the module-level helpers stock's block forward uses, whose semantics the fast path reproduces
 STOCK_HELPERS = ("_mod_scale_shift", "_mod_gate")
+# what a block or MLP forward would pass ``comfy.ops.linear_input_act`` (ComfyUI 0.36+) to fuse a norm into the
+# quantiser or the residual into the GEMM epilogue: a fused block rounds differently from the unfused one the fast
+# path reproduces (stock H3 passes none of them up to the current upstream model)
+FUSED_LINEAR_ARGS = ("act_weight", "act_eps", "residual", "residual_scale", "rms_norm", "gelu_tanh")
 # activation dtypes whose MLP GEMMs give the same bits split by rows (int8: per-row quantiser, integer
 # GEMM; bf16: checked by tests/gpu; fp16 taken to behave as bf16)
 CHUNKED_DTYPES = (torch.bfloat16, torch.float16)
@@ -37,6 +41,9 @@ def structure_problems(block) -> list[str]:
                  if getattr(getattr(mlp, name, None), "weight", None) is None]
     if mlp is not None and "linear_input_act" not in type(mlp).forward.__code__.co_names:
         problems.append("MLP.forward no longer calls comfy.ops.linear_input_act")
+    for where, fn in (("MLP.forward", getattr(type(mlp), "forward", None)), ("forward", type(block).forward)):
+        if fused := fused_linear_arguments(fn):
+            problems.append(f"{where} fuses into its linears ({', '.join(fused)}), which the fast path does not")
     params = tuple(inspect.signature(type(block).forward).parameters)
     if params not in (BLOCK_PARAMS, BLOCK_PARAMS + ("attention",)):
         problems.append(f"forward{params} differs from forward{BLOCK_PARAMS}[+attention]")
@@ -47,6 +54,16 @@ def structure_problems(block) -> list[str]:
     if missing:
         problems.append(f"the block forward no longer uses {', '.join(missing)}")
     return problems
+
+
+def fused_linear_arguments(fn) -> list[str]:
+    """The ``FUSED_LINEAR_ARGS`` that ``fn``'s code names (keyword names and string constants included)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    consts = [c for c in code.co_consts if isinstance(c, str)]
+    consts += [n for c in code.co_consts if isinstance(c, tuple) for n in c if isinstance(n, str)]
+    return [a for a in FUSED_LINEAR_ARGS if a in consts or a in code.co_names]
 
 
 def pending_modulation(h, shift, scale, segments) -> kernels.PendingModulation:

@@ -12,11 +12,14 @@ import torch
 from .. import kernels
 from . import conflicts, h3_block, int8_layers
 from .ownership import is_own
-from .patch import NODE, InstalledPatch, Plan, Settings
+from .patch import NODE, InstalledPatch, Note, Plan, Settings
 from .report import RunReport
 
 H3_MODEL_CLASS = "comfy.ldm.minimax.model.MiniMaxH3Model"
 FORWARD_PARAMS = ("self", "x", "rope_freqs", "transformer_options")
+# Q, K and V from three projections instead of the fused qkv_proj: split-QKV checkpoints (DT-sQKV, loaded by
+# ComfyUI-H3-DTsQKV's Attention, which may also lay a read-only ``qkv_proj`` view over them that is no submodule)
+SEPARATE_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 
 class H3StructureError(ValueError):
@@ -35,6 +38,25 @@ def attention_keys(diffusion_model, patch_refiner: bool) -> list[str]:
     if patch_refiner and refiner is not None:
         keys += [f"diffusion_model.token_refiner.blocks.{i}.attn" for i in range(len(refiner.blocks))]
     return keys
+
+
+def separate_projections(attn) -> bool:
+    """``attn`` projects Q, K and V with separate submodules: there is no fused buffer to take views of. Reads the
+    registered submodules only (a fused ``qkv_proj`` view laid over them would concatenate the weights if touched)."""
+    modules = getattr(attn, "_modules", {})
+    return any(modules.get(name) is not None for name in SEPARATE_PROJECTIONS)
+
+
+def separate_projections_note(model_patcher, prefixes) -> Note | None:
+    """Why the node declines a split-QKV checkpoint (any attention module with separate projections), or None."""
+    found = [p for p in prefixes if separate_projections(model_patcher.get_model_object(p))]
+    if not found:
+        return None
+    return Note("separate_qkv_declined", (
+        f"separate q/k/v projections: {len(found)} of {len(prefixes)} H3 attention modules project Q, K and V with "
+        "q_proj/k_proj/v_proj (a split-QKV checkpoint such as DT-sQKV) instead of one fused qkv_proj, so there is no "
+        "fused buffer to take Q/K/V views of. Nothing was patched: stock ComfyUI runs every block, with its own "
+        "attention and bits. Remove this node for this checkpoint, or load a checkpoint with a fused qkv_proj."))
 
 
 def structure_problems(attn) -> list[str]:
@@ -155,8 +177,11 @@ def patch_model(model_patcher, settings: Settings, node_id=None, notes=()):
     diffusion_model = model_patcher.get_model_object("diffusion_model")
     if not is_h3_model(diffusion_model):
         raise ValueError(f"{NODE}: {type(diffusion_model).__name__} is not {H3_MODEL_CLASS}")
-    conflicts.check_override_at_patch(model_patcher, "h3_forward_patch")
     prefixes = attention_keys(diffusion_model, settings.patch_refiner)
+    declined = separate_projections_note(model_patcher, prefixes)
+    if declined is not None:
+        return _declined_patch(model_patcher, settings, node_id, tuple(notes) + (declined,))
+    conflicts.check_override_at_patch(model_patcher, "h3_forward_patch")
     replaced_own, taken_over = conflicts.check_object_patches(model_patcher, [p + ".forward" for p in prefixes])
     _check_structure(model_patcher, prefixes)
     for prefix in prefixes:
@@ -179,6 +204,19 @@ def patch_model(model_patcher, settings: Settings, node_id=None, notes=()):
         forwards[prefix + ".forward"] = H3AttentionForward(model_patcher.get_model_object(prefix),
                                                            prefix + ".forward", patch)
         clone.add_object_patch(prefix + ".forward", forwards[prefix + ".forward"])
+    patch.install(clone)
+    return clone, patch
+
+
+def _declined_patch(model_patcher, settings: Settings, node_id, notes):
+    """A clone carrying no forward of this node's, only its report (``notes`` say why): sampling runs stock."""
+    clone = model_patcher.clone()
+    for key in [k for k, v in clone.object_patches.items() if is_own(v)]:
+        del clone.object_patches[key]
+    report = RunReport(node_id=node_id, model_family=type(model_patcher.model).__name__, path="h3_forward_patch",
+                       settings=settings, notes=notes)
+    default = kernels.BackendChain.for_choice(settings.backend, prepared=settings.prepared)
+    patch = InstalledPatch(settings, report, lambda patcher, options: Plan(default), Plan(default))
     patch.install(clone)
     return clone, patch
 

@@ -5,6 +5,7 @@ pass: the same bits, less time. ``stock_quantizer_reason`` alone decides whose q
 from __future__ import annotations
 
 import functools
+import inspect
 
 import comfy.model_management
 import comfy.ops
@@ -16,6 +17,13 @@ from .ownership import replaced_forward
 # comfy-kitchen's int8 tensor-wise layout (the bundled checkpoint's): its activation quantiser works row
 # by row, and ``linear_input_act`` folds SwiGLU into it
 INT8_LAYOUT = "TensorWiseINT8Layout"
+# ``linear_input_act``'s arguments past ``input_act`` (ComfyUI 0.36+: a norm folded into the quantiser, a residual
+# into the GEMM epilogue) at their defaults. The route takes only calls where they are the defaults.
+EXTENDED_DEFAULTS = {"act_weight": None, "act_eps": 0.0, "residual": None, "residual_scale": None}
+# The Linear forward of ComfyUI's mixed-precision ops the route mirrors (0.33 to the stored current ops): its
+# parameters. ComfyUI 0.40 consolidated the forward with prologue/epilogue paths; a forward taking other
+# parameters is not the one the route was checked against, so its calls keep stock's quantiser.
+ROUTED_FORWARD_PARAMS = ("self", "input", "args", "kwargs")
 
 
 def is_int8_tensorwise(weight) -> bool:
@@ -46,6 +54,10 @@ def stock_quantizer_reason(layer, x, input_act=None, cast=None) -> str | None:
             return "training"
         if getattr(comfy.ops, "CastBiasWeightContext", None) is None:
             return "this ComfyUI has no comfy.ops.CastBiasWeightContext"
+        params = forward_params(type(layer))
+        if params != ROUTED_FORWARD_PARAMS:
+            return (f"this ComfyUI's Linear forward{params} is not the forward{ROUTED_FORWARD_PARAMS} the route "
+                    "mirrors (a forward with prologue/epilogue paths, ComfyUI 0.40+): stock's forward runs it")
         return kernels.int8_call_problem(x, input_act=input_act)
     weight, bias = cast
     if not is_int8_convrot(weight):
@@ -53,11 +65,22 @@ def stock_quantizer_reason(layer, x, input_act=None, cast=None) -> str | None:
     return kernels.int8_weight_problem(x, weight._qdata, weight._params.scale, bias, input_act=input_act)
 
 
-def call(layer, x, input_act: str | None = None, record=None) -> torch.Tensor:
-    """Stock's ``layer(x)`` / ``linear_input_act(layer, x, input_act)`` on the pack's quantiser where it keeps
-    stock's bits; ``x`` may be a ``kernels.PendingModulation`` (applied by the quantiser, or here)."""
+@functools.cache
+def forward_params(cls) -> tuple:
+    """The parameter names of ``cls.forward`` (a class's forward does not change in a process)."""
+    return tuple(inspect.signature(cls.forward).parameters)
+
+
+def call(layer, x, input_act: str | None = None, record=None, **extended) -> torch.Tensor:
+    """Stock's ``layer(x)`` / ``linear_input_act(layer, x, input_act, **extended)`` on the pack's quantiser where it
+    keeps stock's bits; ``x`` may be a ``kernels.PendingModulation`` (applied by the quantiser, or here).
+    ``extended``: ``linear_input_act``'s later arguments (EXTENDED_DEFAULTS); a call that sets one is stock's."""
+    extra = _set_arguments(extended)
     if torch.compiler.is_compiling() or not is_int8_convrot(getattr(layer, "weight", None)):
-        return _stock(layer, x, input_act)  # (stock's int8 linears do not compile; nothing is recorded in a trace)
+        return _stock(layer, x, input_act, **extra)  # (stock's int8 linears do not compile; a trace records nothing)
+    if extra:
+        _tell(record, f"the call sets linear_input_act's {', '.join(extra)}: stock's call runs them")
+        return _stock(layer, x, input_act, **extra)
     x, pending = _owed(x, input_act is None)
     reason = stock_quantizer_reason(layer, x, input_act)
     if reason is not None:
@@ -149,6 +172,20 @@ def _tell(record, reason) -> None:
         record(reason)
 
 
-def _stock(layer, x, input_act=None):
+def _set_arguments(extended: dict) -> dict:
+    """``linear_input_act``'s arguments past ``input_act`` that differ from their defaults (unknown names: an error)."""
+    unknown = sorted(set(extended) - set(EXTENDED_DEFAULTS))
+    if unknown:
+        raise TypeError(f"int8_layers.call got unexpected argument(s) {', '.join(unknown)}")
+    return {k: v for k, v in extended.items() if v is not None and not (k == "act_eps" and v == 0.0)}
+
+
+def _stock(layer, x, input_act=None, **extra):
     x = kernels.settled(x)
-    return layer(x) if input_act is None else comfy.ops.linear_input_act(layer, x, input_act)
+    if not extra:
+        return layer(x) if input_act is None else comfy.ops.linear_input_act(layer, x, input_act)
+    missing = [k for k in extra if k not in inspect.signature(comfy.ops.linear_input_act).parameters]
+    if missing:
+        raise TypeError(f"[Sage Strided NHD] this ComfyUI's comfy.ops.linear_input_act takes no {', '.join(missing)} "
+                        "(ComfyUI 0.36 added them)")
+    return comfy.ops.linear_input_act(layer, x, input_act, **extra)
