@@ -45,6 +45,20 @@ class CallRecord:
     projected_chunks: int = 0           # the qkv projection came in this many token chunks (0: whole)
     compiled: tuple[dict, ...] = ()     # JIT compiles this call triggered: {"backend", "key", "seconds"}
 
+    def fell_back(self, skip: Skip) -> bool:
+        """``skip`` is a fallback: the back-end asked for could not run the call. Others were only passed over."""
+        return asked_for(self.requested, skip)
+
+
+def asked_for(requested: str, skip: Skip) -> bool:
+    """A named choice (the node's, or a checkpoint's preference under auto) asks for that back-end alone: the
+    others a chain passes over on the way to one that runs were never asked for. ``auto`` asks for the fastest
+    back-end this machine has: passing over one it lacks is the normal choice, one it has that cannot take the
+    call is a fallback."""
+    if requested == "auto":
+        return skip.kind != "unavailable"
+    return skip.backend == requested
+
 
 class NoBackendError(RuntimeError):
     """No back-end in the chain could take the call; the message lists every back-end's reason."""
@@ -224,13 +238,13 @@ def _run_within_offsets(backend: AttentionBackend, q, k, v, layout, scale, mask)
 
 
 def _log_skips(requested: str, used: str, skipped) -> None:
-    """Log each distinct skip once: info for auto passing over what is not installed, else a warning."""
+    """Log each distinct skip once: a warning for a fallback or a back-end that raised, else info."""
     for s in skipped:
         key = (requested, s.backend, s.reason)
         if key in _logged:
             continue
         _logged.add(key)
-        quiet = requested == "auto" and s.kind == "unavailable"
+        quiet = not asked_for(requested, s) and s.kind != "raised"
         log.log(logging.INFO if quiet else logging.WARNING,
                 "[Sage Strided NHD] attention back-end %s skipped (%s); %s ran instead (requested: %s)",
                 s.backend, s.reason, used, requested)

@@ -9,7 +9,7 @@ to the client that queued the prompt. Payload (every key always present, JSON ty
 data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
 
     {
-      "schema": 3,                         # bumped when a key changes meaning
+      "schema": 4,                         # bumped when a key changes meaning
       "node_id": "12" | null,              # graph id of the node that made the patch
       "prompt_id": "..." | null,           # ComfyUI prompt being executed, when known
       "model_family": "MiniMaxH3",         # ComfyUI model class (model_base) of the patched model
@@ -28,7 +28,7 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "backends_ran": {"sdpa": 100},       # back-end that actually ran -> number of calls
       "stock_calls": 0,                    # override path: calls handed back to ComfyUI's own attention
       "fallbacks": [{"backend": "sage2", "code": "not_installed", "reason": "...", "count": 100}],  # asked, not run
-      "skipped_unavailable": [{"backend": "sage2", "code": "not_installed", "reason": "..."}],  # auto: normal skips
+      "skipped": [{"backend": "fa4", "code": "not_installed", "reason": "...", "count": 100}],  # not asked, passed over
       "prepared": [{"backend": "sage2", "mode": "exact", "calls": 100}],   # calls on a back-end's prepared path
       "prepared_skipped": [{"backend": "sage2", "code": "gpu_arch", "reason": "...", "count": 100}],  # and why
       "head_chunks_max": 1,                # >1: a call was split over heads to stay within int32 offsets
@@ -37,6 +37,8 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "compile_events": [{"backend": "fa4", "key": "...", "seconds": 1.5}],   # JIT compiles the run triggered
       "int8_own_quantizer_calls": 800,     # int8 ConvRot linear calls whose input the pack's pass quantised
       "int8_stock_quantizer": [{"reason": "...", "count": 8}],   # int8 ConvRot linear calls left to stock's, and why
+      "comfy_kitchen": null | {"release": "0.2.40" | null, "route": "verified" | "self_checked" | "stock",
+                               "reason": null | "..."},   # its release and the int8 route, when int8 linears ran
       "notes": [{"code": "sparse_composed", "text": "..."}],   # decisions taken at patching or sampling start
       "messages": ["..."]                  # human-readable lines (also logged)
     }
@@ -50,10 +52,12 @@ from dataclasses import asdict
 
 from comfy.model_management import InterruptProcessingException
 
+from .. import kernels
+
 log = logging.getLogger("sage_strided_nhd")
 
 REPORT_EVENT = "sage_strided_nhd.report"
-REPORT_SCHEMA = 3
+REPORT_SCHEMA = 4
 
 
 class RunReport:
@@ -74,8 +78,8 @@ class RunReport:
     def begin_run(self) -> None:
         self.calls = self.stock_calls = self.head_chunks_max = self.copies = self.projected = 0
         self.backends = Counter()
-        self.fallbacks = Counter()           # (backend, code, reason) -> calls
-        self.unavailable = Counter()         # (backend, code, reason) -> calls, auto only
+        self.fallbacks = Counter()           # (backend, code, reason) -> calls: the back-end asked for could not run
+        self.skipped = Counter()             # (backend, code, reason) -> calls: passed over, never asked for
         self.prepared = Counter()            # (backend, mode) -> calls
         self.prepared_skipped = Counter()    # (backend, code, reason) -> calls
         self.compile_events: list[dict] = []
@@ -91,9 +95,7 @@ class RunReport:
         self.calls += 1
         self.backends[rec.backend] += 1
         for s in rec.skipped:
-            # auto passing over what this machine lacks is the normal choice, not a fallback
-            normal = rec.requested == "auto" and s.kind == "unavailable"
-            (self.unavailable if normal else self.fallbacks)[(s.backend, s.code, s.reason)] += 1
+            (self.fallbacks if rec.fell_back(s) else self.skipped)[(s.backend, s.code, s.reason)] += 1
         self.head_chunks_max = max(self.head_chunks_max, rec.head_chunks)
         self.copies += rec.copies
         self.projected += rec.projected_chunks > 0
@@ -136,13 +138,15 @@ class RunReport:
              "status": self.status or ("ok" if (self.calls or self.stock_calls) else "no_attention_calls"),
              "error": self.error, "attention_calls": self.calls, "backends_ran": dict(self.backends),
              "stock_calls": self.stock_calls, "fallbacks": _rows(self.fallbacks, reason),
-             "skipped_unavailable": [dict(zip(reason, k)) for k in self.unavailable],
+             "skipped": _rows(self.skipped, reason),
              "prepared": _rows(self.prepared, ("backend", "mode"), "calls"),
              "prepared_skipped": _rows(self.prepared_skipped, reason), "head_chunks_max": self.head_chunks_max,
              "projected_by_chunks": self.projected,
              "copies_per_call": round(self.copies / self.calls, 3) if self.calls else 0.0,
              "compile_events": list(self.compile_events), "int8_own_quantizer_calls": self.int8_own,
-             "int8_stock_quantizer": _rows(self.int8_stock, ("reason",)), "notes": list(self.notes)}
+             "int8_stock_quantizer": _rows(self.int8_stock, ("reason",)),
+             "comfy_kitchen": kitchen_status() if self.int8_own or self.int8_stock else None,
+             "notes": list(self.notes)}
         p["messages"] = _messages(p)
         return p
 
@@ -181,9 +185,8 @@ def _messages(p: dict) -> list[str]:
                  + (", ".join(f"{b} x{c}" for b, c in p["backends_ran"].items()) or "none"))
     if p["stock_calls"]:
         lines.append(f"{p['stock_calls']} calls were handed back to ComfyUI's own attention")
-    if p["skipped_unavailable"]:
-        lines.append("auto skipped, not available here: "
-                     + "; ".join(f"{s['backend']} ({s['reason']})" for s in p["skipped_unavailable"]))
+    if p["skipped"]:
+        lines.append("skipped, not asked for: " + "; ".join(f"{s['backend']} ({s['reason']})" for s in p["skipped"]))
     lines += [f"fallback from {f['backend']} ({f['count']} calls): {f['reason']}" for f in p["fallbacks"]]
     if p["head_chunks_max"] > 1:
         lines.append(f"long sequence: calls split into up to {p['head_chunks_max']} head chunks (int32 offsets)")
@@ -197,12 +200,37 @@ def _messages(p: dict) -> list[str]:
                      "(stock's bits)")
     lines += [f"int8 ConvRot linears on stock's quantiser ({r['count']} calls): {r['reason']}"
               for r in p["int8_stock_quantizer"]]
+    if p["comfy_kitchen"] is not None:
+        lines.append(kitchen_line(p["comfy_kitchen"]))
     lines += [f"compiled {e.get('backend')} kernel {e.get('key')} in {e.get('seconds')} s" for e in p["compile_events"]]
     if p["attention_calls"]:
         lines.append(f"copies made by the pack's dataflow: {p['copies_per_call']} per call")
     if p["replaced_own_patch"]:
         lines.append("the input model already had this node's patch: it was replaced by this one")
     return lines
+
+
+KITCHEN_ROUTES = {"verified": "verified for the int8 route", "self_checked": "passed the int8 route's bits self-check",
+                  "stock": "int8 route off, stock's quantiser runs"}
+
+
+def kitchen_status() -> dict:
+    """comfy-kitchen's release and what it means for the int8 route (``kernels.kitchen_release_status``)."""
+    ask = getattr(kernels, "kitchen_release_status", None)
+    if ask is None:
+        return {"release": None, "route": "stock", "reason": "this pack cannot tell comfy-kitchen's release"}
+    try:
+        return dict(ask())
+    except Exception as exc:  # a report never fails the sampling run
+        return {"release": None, "route": "stock", "reason": f"asking for comfy-kitchen's release raised "
+                                                             f"{type(exc).__name__}: {exc}"}
+
+
+def kitchen_line(status: dict) -> str:
+    """"comfy-kitchen 0.2.40: verified for the int8 route" (and why, when the route is off)."""
+    release = status.get("release") or "(release unknown)"
+    route = KITCHEN_ROUTES.get(status.get("route"), f"int8 route {status.get('route')}")
+    return f"comfy-kitchen {release}: {route}" + (f" ({status['reason']})" if status.get("reason") else "")
 
 
 def _prompt_server():

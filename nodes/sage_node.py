@@ -44,7 +44,7 @@ class SageStridedNHDAttention(io.ComfyNode):
             node_id="SageStridedNHDAttention", display_name=NODE, category=CATEGORY, description=DESCRIPTION,
             inputs=[
                 io.Model.Input("model", tooltip=TOOLTIPS["model"]),
-                io.Combo.Input("layout", options=list(kernels.LAYOUTS), default="strided_nhd", advanced=True,
+                io.Combo.Input("layout", options=list(kernels.LAYOUTS), default="strided_nhd",
                                tooltip=TOOLTIPS["layout"]),
                 io.Combo.Input("backend", options=list(kernels.BACKEND_CHOICES), default="auto",
                                tooltip=TOOLTIPS["backend"]),

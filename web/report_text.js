@@ -2,7 +2,7 @@
 // plain-text lines for the node's status box. Pure functions only: no DOM, no ComfyUI import,
 // so the formatting can be tested on its own (tests/browser/report_text.test.mjs).
 //
-// The report (schema 3, nodes/report.py) carries its reasons as data: every fallback and skip has
+// The report (schema 4, nodes/report.py) carries its reasons as data: every fallback and skip has
 // a short `code` beside the full `reason` sentence. The summary shows the code's label, the details
 // show the sentence; nothing here parses the sentences.
 //
@@ -38,6 +38,7 @@ export const REASON_LABELS = {
   mode: "mode not offered",
   model_request: "model asked for stock attention",
   no_backend: "no back-end could run",
+  self_test_failed: "failed its self-test",
 };
 
 // Report keys (nodes/report.py) the status does not show, and why; every other key is rendered
@@ -46,6 +47,13 @@ export const KEYS_NOT_SHOWN = {
   schema: "format version, not news for the user",
   prompt_id: "the run it belongs to is the one just queued",
   messages: "the log's sentences; the status renders the same facts from the data",
+};
+
+// What comfy-kitchen's release means for the int8 route (nodes/report.py: KITCHEN_ROUTES has the same keys).
+export const KITCHEN_ROUTE_LABELS = {
+  verified: "verified for the int8 route",
+  self_checked: "self-checked for the int8 route",
+  stock: "int8 route off: stock's quantiser runs",
 };
 
 const MAX_SHORT_REASON_CHARS = 40;
@@ -107,6 +115,14 @@ export function formatError(error) {
   return type || message;
 }
 
+// "comfy-kitchen 0.2.40: verified for the int8 route"; "" when the report has no int8 linears (null).
+export function formatKitchen(status) {
+  if (!status || typeof status !== "object" || Array.isArray(status)) return "";
+  const route = Object.hasOwn(KITCHEN_ROUTE_LABELS, status.route)
+    ? KITCHEN_ROUTE_LABELS[status.route] : `int8 route ${text(status.route)}`;
+  return `comfy-kitchen ${text(status.release, "(release unknown)")}: ${route}`;
+}
+
 // The headline for runs that did not simply finish ("" when they did).
 function statusHeadline(status) {
   if (status === "interrupted") return "run interrupted: counts cover the steps that ran";
@@ -122,7 +138,7 @@ export function reportState(report) {
   return Array.isArray(r.fallbacks) && r.fallbacks.length ? "fallback" : "report";
 }
 
-// The status lines for one report (schema 3, documented in nodes/report.py). Every value is turned
+// The status lines for one report (schema 4, documented in nodes/report.py). Every value is turned
 // into a string here: the caller puts the result into textContent, never into HTML.
 export function formatReport(report) {
   const r = report && typeof report === "object" ? report : {};
@@ -155,9 +171,10 @@ export function formatReport(report) {
     }
   }
 
-  const skipped = objects(r.skipped_unavailable);
+  // back-ends passed over that were never asked for (auto: those this machine lacks); not fallbacks
+  const skipped = objects(r.skipped);
   if (skipped.length) {
-    lines.push("auto skipped: " + skipped.map((s) => `${text(s.backend)} (${shortReason(s.code, s.reason)})`).join(", "));
+    lines.push("skipped: " + skipped.map((s) => `${text(s.backend)} (${shortReason(s.code, s.reason)})`).join(", "));
     for (const s of skipped) {
       if (s.reason) details.push(`why ${text(s.backend)} was skipped: ${text(s.reason)}`);
     }
@@ -176,6 +193,11 @@ export function formatReport(report) {
   for (const s of objects(r.int8_stock_quantizer)) {
     lines.push(`int8 linears on stock's quantiser${times(s.count)}`);
     if (s.reason) details.push(`why int8 linears kept stock's quantiser: ${text(s.reason)}`);
+  }
+  const kitchen = formatKitchen(r.comfy_kitchen);
+  if (kitchen) lines.push(kitchen);
+  if (kitchen && r.comfy_kitchen.reason) {
+    details.push(`${r.comfy_kitchen.route === "stock" ? "why the int8 route is off" : "comfy-kitchen"}: ${text(r.comfy_kitchen.reason)}`);
   }
 
   // one attention call per block on the H3 path, per call of the model on the override path

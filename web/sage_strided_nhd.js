@@ -55,9 +55,19 @@ function statusElement(node) {
   const el = document.createElement("div");
   el.className = "sage-nhd-status";
   el.dataset.state = "idle";
+  // Nodes 2.0 hands the wheel to the canvas (zoom) unless the element under the pointer holds the focus
+  // and asks for it: a click into the box gives it the focus, then the wheel scrolls the report
+  el.dataset.captureWheel = "true";
+  el.tabIndex = -1;
   Object.assign(el.style, {
     boxSizing: "border-box",
-    height: "100%", // of the frame the frontend sizes from getMinHeight/getMaxHeight below
+    // a fixed height of its own: the classic canvas sizes the widget's frame from getMinHeight/getMaxHeight
+    // below, Nodes 2.0 lays the node out around its content; either way the box never grows with a report
+    height: `${STATUS_BOX_PX}px`,
+    minHeight: `${STATUS_BOX_PX}px`,
+    maxHeight: `${STATUS_BOX_PX}px`,
+    flex: "none",
+    outline: "none", // focused by a click only to take the wheel: no focus ring
     whiteSpace: "pre-wrap",
     overflowWrap: "anywhere",
     fontFamily: "monospace",

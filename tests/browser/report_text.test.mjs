@@ -1,4 +1,4 @@
-// Unit tests of web/report_text.js: the text the node's status box shows for a report (schema 3,
+// Unit tests of web/report_text.js: the text the node's status box shows for a report (schema 4,
 // nodes/report.py). Run: node --test tests/browser/report_text.test.mjs
 import { test } from "node:test";
 import assert from "node:assert/strict";
@@ -6,7 +6,8 @@ import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 
 import {
-  KEYS_NOT_SHOWN, REASON_LABELS, STATUS_VISIBLE_LINES, formatBackendsRan, formatError, formatPrepared, formatReport,
+  KEYS_NOT_SHOWN, KITCHEN_ROUTE_LABELS, REASON_LABELS, STATUS_VISIBLE_LINES, formatBackendsRan, formatError,
+  formatKitchen, formatPrepared, formatReport,
   pickNodeForReport, reportState, shortReason, sortOurTemplates,
 } from "../../web/report_text.js";
 
@@ -14,7 +15,7 @@ const LONGEST = JSON.parse(readFileSync(new URL("./fixtures/longest_report.json"
 
 // A clean auto run on an H200 with SageAttention 2 installed: every key present, as the node sends it.
 const REPORT = {
-  schema: 3,
+  schema: 4,
   node_id: "2",
   prompt_id: "p1",
   model_family: "MiniMaxH3",
@@ -31,12 +32,15 @@ const REPORT = {
   backends_ran: { sage2: 104 },
   stock_calls: 0,
   fallbacks: [],
-  skipped_unavailable: [],
+  skipped: [],
   prepared: [{ backend: "sage2", mode: "exact", calls: 104 }],
   prepared_skipped: [],
   head_chunks_max: 1,
   copies_per_call: 0.0,
   compile_events: [],
+  int8_own_quantizer_calls: 0,
+  int8_stock_quantizer: [],
+  comfy_kitchen: null,
   notes: [],
   messages: ["MiniMaxH3: 50 H3 blocks + 2 refiner blocks, layout strided_nhd, back-end requested auto"],
 };
@@ -80,11 +84,11 @@ test("every reason code renders its own label, in fallbacks, skips and prepared 
     const lines = formatReport({
       ...REPORT,
       fallbacks: [{ backend: "fa4", code, reason, count: 5 }],
-      skipped_unavailable: [{ backend: "sage1", code, reason }],
+      skipped: [{ backend: "sage1", code, reason, count: 7 }],
       prepared_skipped: [{ backend: "sage2", code, reason, count: 6 }],
     });
     assert.ok(lines.includes(`fallback from fa4 ×5: ${label}`), `${code}\n${show(lines)}`);
-    assert.ok(lines.includes(`auto skipped: sage1 (${label})`), `${code}\n${show(lines)}`);
+    assert.ok(lines.includes(`skipped: sage1 (${label})`), `${code}\n${show(lines)}`);
     assert.ok(lines.includes(`no prepared path ×6: ${label}`), `${code}\n${show(lines)}`);
     // the sentence is never parsed, only shown whole in the details
     assert.ok(lines.includes(`why fa4 fell back: ${reason}`), code);
@@ -139,13 +143,40 @@ test("each fallback gets its own line; calls handed to ComfyUI's attention are n
   assert.ok(!lines.includes("fallbacks: none"));
 });
 
-test("back-ends auto skipped are named apart from fallbacks, with their labels", () => {
-  const lines = formatReport({ ...REPORT, skipped_unavailable: [
-    { backend: "fa4", code: "not_installed", reason: "flash-attn-4 not installed (pip install flash-attn-4)" },
-    { backend: "sage1", code: "wrong_version", reason: "installed sageattention is 2.x (use the sage2 back-end)" }] });
-  assert.ok(lines.includes("auto skipped: fa4 (not installed), sage1 (other version installed)"), show(lines));
+test("back-ends passed over without being asked for are skipped, apart from fallbacks, with their labels", () => {
+  // sage1 asked for on a machine without it: sage1 fell back; sage2 and fa4 were never asked for
+  const lines = formatReport({ ...REPORT, backend_requested: "sage1", backends_ran: { sdpa: 104 },
+    fallbacks: [{ backend: "sage1", code: "not_installed", reason: "sageattention not importable", count: 104 }],
+    skipped: [
+      { backend: "sage2", code: "wrong_version", reason: "installed sageattention is 1.x (PyPI)", count: 104 },
+      { backend: "fa4", code: "not_installed", reason: "flash-attn-4 not installed (pip install flash-attn-4)", count: 104 }] });
+  assert.ok(lines.includes("fallback from sage1 ×104: not installed"), show(lines));
+  assert.ok(lines.includes("skipped: sage2 (other version installed), fa4 (not installed)"), show(lines));
+  assert.ok(!lines.some((l) => /fallback from (sage2|fa4)/.test(l)), show(lines));
   assert.ok(lines.includes("why fa4 was skipped: flash-attn-4 not installed (pip install flash-attn-4)"));
-  assert.ok(lines.includes("fallbacks: none"));
+  assert.ok(lines.includes("why sage1 fell back: sageattention not importable"));
+  const clean = formatReport({ ...REPORT, skipped: [{ backend: "fa4", code: "not_installed", reason: "x", count: 1 }] });
+  assert.ok(clean.includes("fallbacks: none") && clean.includes("skipped: fa4 (not installed)"), show(clean));
+});
+
+test("int8 reasons are whole in the details, and comfy-kitchen's release says what it means for the route", () => {
+  const reason = "comfy-kitchen 0.2.40 is not a release this route was written for (0.2.31)";
+  for (const [route, label] of Object.entries(KITCHEN_ROUTE_LABELS)) {
+    const lines = formatReport({ ...REPORT, int8_own_quantizer_calls: route === "stock" ? 0 : 800,
+      int8_stock_quantizer: route === "stock" ? [{ reason, count: 800 }] : [],
+      comfy_kitchen: { release: "0.2.40", route, reason: route === "stock" ? reason : null } });
+    assert.ok(lines.includes(`comfy-kitchen 0.2.40: ${label}`), `${route}\n${show(lines)}`);
+    assert.equal(formatKitchen({ release: "0.2.40", route, reason: null }), `comfy-kitchen 0.2.40: ${label}`);
+    if (route === "stock") {
+      assert.ok(lines.includes(`why int8 linears kept stock's quantiser: ${reason}`), show(lines));
+      assert.ok(lines.includes(`why the int8 route is off: ${reason}`), show(lines));
+    }
+  }
+  assert.equal(formatKitchen({ release: "0.2.40", route: "verified", reason: null }), "comfy-kitchen 0.2.40: verified for the int8 route");
+  assert.equal(formatKitchen({ release: null, route: "a_new_route" }), "comfy-kitchen (release unknown): int8 route a_new_route");
+  // no int8 linears ran: no comfy-kitchen line
+  assert.equal(formatKitchen(null), "");
+  assert.ok(!formatReport(REPORT).some((l) => l.startsWith("comfy-kitchen")));
 });
 
 test("prepared and prepared_skipped lines", () => {
@@ -232,7 +263,7 @@ test("no schema-1 or schema-2 leftovers are rendered", () => {
 });
 
 test("the longest report keeps every piece of information and needs the box to scroll", () => {
-  assert.equal(LONGEST.schema, 3);
+  assert.equal(LONGEST.schema, 4);
   const lines = formatReport(LONGEST);
   const all = show(lines);
   assert.equal(lines[0], "run failed: counts cover the calls before the error");
@@ -244,9 +275,9 @@ test("the longest report keeps every piece of information and needs the box to s
     assert.ok(lines.includes(`${what} ×${f.count}: ${REASON_LABELS[f.code]}`), `${f.backend} ${f.code}\n${all}`);
     assert.ok(all.includes(f.reason), f.reason);
   }
-  const skipLine = "auto skipped: " + LONGEST.skipped_unavailable.map((s) => `${s.backend} (${REASON_LABELS[s.code]})`).join(", ");
+  const skipLine = "skipped: " + LONGEST.skipped.map((s) => `${s.backend} (${REASON_LABELS[s.code]})`).join(", ");
   assert.ok(lines.includes(skipLine), `${skipLine}\n${all}`);
-  for (const s of LONGEST.skipped_unavailable) assert.ok(lines.includes(`why ${s.backend} was skipped: ${s.reason}`), s.reason);
+  for (const s of LONGEST.skipped) assert.ok(lines.includes(`why ${s.backend} was skipped: ${s.reason}`), s.reason);
   assert.ok(lines.includes(`prepared: ${formatPrepared(LONGEST.prepared)}`));
   for (const s of LONGEST.prepared_skipped) {
     assert.ok(lines.includes(`no prepared path ×${s.count}: ${REASON_LABELS[s.code]}`), s.code);
@@ -258,6 +289,8 @@ test("the longest report keeps every piece of information and needs the box to s
   assert.ok(lines.includes("handed back to ComfyUI attention: ×7"));
   assert.ok(lines.includes("layout: strided_nhd · asked: auto · prep: fused_rotated"));
   assert.ok(lines.includes("replaced an earlier patch of this node on the same model"));
+  assert.ok(lines.includes(formatKitchen(LONGEST.comfy_kitchen)) && all.includes(LONGEST.comfy_kitchen.reason));
+  for (const s of LONGEST.int8_stock_quantizer) assert.ok(lines.includes(`why int8 linears kept stock's quantiser: ${s.reason}`));
   assert.ok(lines.length > STATUS_VISIBLE_LINES, "the fixture must need the box to scroll");
   // the fixture carries every payload key (nodes/report.py), so no part of the format goes untried
   for (const key of Object.keys(REPORT)) assert.ok(key in LONGEST, key);
@@ -297,7 +330,7 @@ test("missing or malformed fields give question marks instead of throwing", () =
   assert.ok(lines.length >= 4);
   assert.ok(lines.every((l) => typeof l === "string"));
   assert.deepEqual(formatReport(null), formatReport({}));
-  const odd = formatReport({ fallbacks: [null, "sage2", 3], skipped_unavailable: "x", prepared: {}, prepared_skipped: [[]],
+  const odd = formatReport({ fallbacks: [null, "sage2", 3], skipped: "x", comfy_kitchen: ["0.2.40"], prepared: {}, prepared_skipped: [[]],
     notes: "n", compile_events: [null], error: 5 });
   assert.ok(odd.includes("fallbacks: none"), show(odd));
   assert.ok(odd.every((l) => typeof l === "string" && !l.includes("undefined") && !l.includes("[object")), show(odd));

@@ -1,6 +1,8 @@
 """The frontend extension in a real browser: headless Chromium (Debian's) driven by playwright-core,
 against a real ComfyUI server with the pack installed. The checks themselves are in
-tests/browser/ui_test.mjs; screenshots and results.json land in test-artifacts/browser/.
+tests/browser/ui_test.mjs; screenshots and results.json land in test-artifacts/browser/<mode>/.
+Each check runs in both of the frontend's canvas modes: the classic canvas and "Modern Node Design
+(Nodes 2.0)", where nodes are DOM elements laid out around their content.
 
 Without Chromium, node or the npm packages (``npm ci`` in tests/browser), or without a ComfyUI host:
 skipped with the reason, except under CI (``CI=true``), where that is a failure with the reason:
@@ -48,23 +50,37 @@ def browser_tools_or_skip() -> str:
     return node
 
 
-def test_extension_in_headless_chromium(comfy_server, tmp_path):
+@pytest.mark.parametrize("mode", ["classic", "nodes2"])
+def test_extension_in_headless_chromium(comfy_server, tmp_path, mode):
     node = browser_tools_or_skip()
-    graph = h3_graph(patch=patch_inputs(layout="strided_nhd", backend="auto"), name="browser_small_graph")
+    artifacts = ARTIFACTS / mode
+    # a nonce per mode: the same prompt again would come from ComfyUI's cache, with no run and no report
+    graph = h3_graph(patch=patch_inputs(layout="strided_nhd", backend="auto"), name=f"browser_small_graph_{mode}")
     graph_file = tmp_path / "small_graph.json"
     graph_file.write_text(json.dumps(graph))
-    if ARTIFACTS.exists():
-        shutil.rmtree(ARTIFACTS)
+    if artifacts.exists():
+        shutil.rmtree(artifacts)
     proc = subprocess.run(
         [node, str(BROWSER_DIR / "ui_test.mjs"), "--url", comfy_server.url, "--graph", str(graph_file),
-         "--workflows", str(ROOT / "workflows"), "--out", str(ARTIFACTS), "--chromium", CHROMIUM],
+         "--workflows", str(ROOT / "workflows"), "--out", str(artifacts), "--chromium", CHROMIUM,
+         "--mode", mode],
         cwd=BROWSER_DIR, capture_output=True, text=True, timeout=480)
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"browser checks failed:\n{report}\nserver log:\n{comfy_server.log_tail(30)}"
-    results = json.loads((ARTIFACTS / "results.json").read_text())
-    assert results["checks"] and all(c["ok"] for c in results["checks"])
-    assert (ARTIFACTS / "after-run.png").stat().st_size > 10_000
+    results = json.loads((artifacts / "results.json").read_text())
+    assert results["mode"] == mode and results["checks"] and all(c["ok"] for c in results["checks"])
+    assert (artifacts / "after-run.png").stat().st_size > 10_000
+    # every bundled workflow had its layout, inputs and A/B widget checked in this mode
+    names = [wf.stem for wf in sorted((ROOT / "workflows").glob("*.json"))]
+    for name in names:
+        for what in ("the A/B widget (layout) shows", "no two node boxes intersect", "can be reached",
+                     "every line of the status can be read"):
+            assert any(c["name"].startswith(f"{mode} {name}") and what in c["name"] for c in results["checks"]), \
+                (name, what)
+    if mode == "nodes2":  # the advanced inputs hide behind the button, and were reached through it
+        assert all(results["advanced"][f"{mode} {n}"]["hiddenUntilAsked"] == ["sage2_prep", "block_path"]
+                   for n in names), results["advanced"]
     # one screenshot per bundled workflow, with the longest report on the node
     for wf in sorted((ROOT / "workflows").glob("*.json")):
-        shot = ARTIFACTS / f"workflow-{re.sub(r'[^a-z0-9]+', '-', wf.stem.lower()).strip('-')}.png"
+        shot = artifacts / f"workflow-{re.sub(r'[^a-z0-9]+', '-', wf.stem.lower()).strip('-')}.png"
         assert shot.is_file() and shot.stat().st_size > 10_000, f"no screenshot {shot.name}"

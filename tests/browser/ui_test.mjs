@@ -1,7 +1,11 @@
 // Headless Chromium against a running ComfyUI with this pack installed.
 //
-//   node tests/browser/ui_test.mjs --url http://127.0.0.1:PORT --graph small_graph.json --out test-artifacts
+//   node tests/browser/ui_test.mjs --url http://127.0.0.1:PORT --graph small_graph.json --out test-artifacts \
+//     --mode classic|nodes2
 //
+// --mode picks the frontend's canvas: the classic canvas, or "Modern Node Design (Nodes 2.0)"
+// (setting Comfy.VueNodes.Enabled), where nodes are DOM elements laid out around their content and
+// advanced inputs hide behind the node's "Show advanced inputs" button.
 // Checks: the UI loads with no console error from the pack; the extension and its setting are
 // registered; a new node takes the default back-end from the setting, a loaded workflow keeps its
 // saved one; the template browser shows the four workflows with whole (not cut off) titles and
@@ -10,7 +14,9 @@
 // delivered through the frontend's websocket handler as the server sends it, leaves the layout
 // intact: the node keeps its size, no two node boxes intersect, the node stays inside its group,
 // no group header is covered, and every line of the status is reachable (box not clipped, text
-// scrolls with the mouse wheel, whole text in the tooltip); a small graph runs and the node's
+// scrolls with the mouse wheel, whole text in the tooltip); the A/B widget (layout) shows without
+// any toggle, every input can be reached (in Nodes 2.0 through a "Show advanced inputs" button that
+// can be clicked, and the layout checks again with the advanced inputs shown); a small graph runs and the node's
 // status is cleared before the run and then shows the back-end that ran. Writes results.json and
 // screenshots (one per workflow) into --out. Exit code 0 only when every check passed.
 import { chromium } from "playwright-core";
@@ -36,6 +42,14 @@ const apiDir = resolve(arg("workflows", "workflows"), "api");
 const browserPath = arg("chromium", "/usr/bin/chromium");
 const longestReport = JSON.parse(readFileSync(new URL("./fixtures/longest_report.json", import.meta.url), "utf8"));
 const REPORT_EVENT = "sage_strided_nhd.report";
+const MODE = arg("mode", "classic");
+if (!["classic", "nodes2"].includes(MODE)) throw new Error(`--mode must be classic or nodes2, got ${MODE}`);
+const NODES2 = MODE === "nodes2";
+const VUE_NODES_SETTING = "Comfy.VueNodes.Enabled";
+// the node's inputs a user sets; layout is the one each bundled A/B pair differs in
+const INPUTS = ["layout", "backend", "patch_text_refiner", "sage2_prep", "block_path"];
+const AB_WIDGET = "layout";
+const results = { mode: MODE, advanced: {} };
 const slug = (name) => name.replace(/[^A-Za-z0-9]+/g, "-").replace(/^-|-$/g, "").toLowerCase();
 mkdirSync(out, { recursive: true });
 
@@ -97,34 +111,34 @@ async function deliverReport(report) {
 
 const intersects = (a, b) => a[0] < b[0] + b[2] && b[0] < a[0] + a[2] && a[1] < b[1] + b[3] && b[1] < a[1] + a[3];
 const inside = (a, b) => a[0] >= b[0] && a[1] >= b[1] && a[0] + a[2] <= b[0] + b[2] && a[1] + a[3] <= b[1] + b[3];
+const TOL = 1.5;
+const grown = (r, t) => [r[0] - t, r[1] - t, r[2] + 2 * t, r[3] + 2 * t];
 
-// In the workflow just loaded: deliver the longest report, then check the layout and the text.
-async function checkLayoutWithLongestReport(name) {
-  const before = await page.evaluate((type) => {
-    const node = window.app.graph.nodes.find((n) => n.type === type);
-    const groups = window.app.graph.groups ?? window.app.graph._groups ?? [];
-    const home = groups.find((g) => {
-      const [x, y, w, h] = g._bounding ?? g.bounding;
-      return node.pos[0] >= x && node.pos[0] <= x + w && node.pos[1] >= y && node.pos[1] <= y + h;
-    });
-    return { id: String(node.id), size: [...node.size], group: home?.title ?? null };
-  }, NODE_TYPE);
-  await deliverReport({ ...longestReport, node_id: before.id });
-  // show the node at 100% so the status box is drawn at its real size, then let the canvas settle
-  await page.evaluate((type) => {
-    const canvas = window.app.canvas;
-    const node = window.app.graph.nodes.find((n) => n.type === type);
-    canvas.ds.scale = 1;
-    canvas.ds.offset[0] = -node.pos[0] + 560;
-    canvas.ds.offset[1] = -node.pos[1] + 300;
-    canvas.setDirty(true, true);
-  }, NODE_TYPE);
-  await page.waitForTimeout(600);
-  const g = await page.evaluate(({ type, home }) => {
+// Where everything is, in graph units: each node's box (in Nodes 2.0 together with its drawn element's
+// box, so a node that grows on the page is caught), the groups, and the status box on the screen.
+async function measure(home) {
+  return page.evaluate(({ type, home, nodes2 }) => {
     const { app, LiteGraph } = window;
     const nodes = app.graph.nodes;
     const node = nodes.find((n) => n.type === type);
-    const box = (n) => { const b = n.getBounding(); return [b[0], b[1], b[2], b[3]]; };
+    const canvasRect = app.canvas.canvas.getBoundingClientRect();
+    const { scale, offset } = app.canvas.ds;
+    const toGraph = (r) => [(r.left - canvasRect.left) / scale - offset[0], (r.top - canvasRect.top) / scale - offset[1],
+      r.width / scale, r.height / scale];
+    const union = (a, b) => {
+      const x = Math.min(a[0], b[0]), y = Math.min(a[1], b[1]);
+      return [x, y, Math.max(a[0] + a[2], b[0] + b[2]) - x, Math.max(a[1] + a[3], b[1] + b[3]) - y];
+    };
+    const drawn = (n) => {
+      const el = nodes2 ? document.querySelector(`[data-node-id="${n.id}"]`) : null;
+      const r = el?.getBoundingClientRect();
+      return r && r.width > 0 ? toGraph(r) : null;
+    };
+    const box = (n) => {
+      const b = n.getBounding();
+      const d = drawn(n);
+      return d ? union([b[0], b[1], b[2], b[3]], d) : [b[0], b[1], b[2], b[3]];
+    };
     const groups = (app.graph.groups ?? app.graph._groups ?? []).map((gr) => {
       const b = gr._bounding ?? gr.bounding;
       const titleH = gr.titleHeight ?? LiteGraph.NODE_TITLE_HEIGHT;
@@ -134,25 +148,25 @@ async function checkLayoutWithLongestReport(name) {
     const style = getComputedStyle(el);
     const elRect = el.getBoundingClientRect();
     const frame = el.parentElement.getBoundingClientRect();
-    const canvasRect = app.canvas.canvas.getBoundingClientRect();
-    const { scale, offset } = app.canvas.ds;
-    const [bx, by, bw, bh] = box(node);
-    const nodeScreen = [canvasRect.left + (bx + offset[0]) * scale, canvasRect.top + (by + offset[1]) * scale, bw * scale, bh * scale];
+    const sage = box(node);
+    const nodeScreen = [canvasRect.left + (sage[0] + offset[0]) * scale, canvasRect.top + (sage[1] + offset[1]) * scale,
+      sage[2] * scale, sage[3] * scale];
     return {
-      size: [...node.size],
+      size: [...node.size], drawnHeight: drawn(node)?.[3] ?? null, scale,
       text: el.textContent, title: el.title, state: el.dataset.state,
       nodes: nodes.map((n) => ({ id: String(n.id), type: n.type, title: n.title, box: box(n) })),
-      groups, home: groups.find((gr) => gr.title === home) ?? null,
-      sage: box(node),
+      groups, home: groups.find((gr) => gr.title === home) ?? null, sage, nodeScreen,
       el: { clientHeight: el.clientHeight, scrollHeight: el.scrollHeight, clientWidth: el.clientWidth,
         scrollWidth: el.scrollWidth, overflowY: style.overflowY, pointerEvents: style.pointerEvents,
         visible: elRect.height > 0 && style.display !== "none" && style.visibility !== "hidden",
         rect: [elRect.left, elRect.top, elRect.width, elRect.height], frame: [frame.left, frame.top, frame.width, frame.height],
         center: [elRect.left + elRect.width / 2, elRect.top + elRect.height / 2] },
-      nodeScreen,
     };
-  }, { type: NODE_TYPE, home: before.group });
+  }, { type: NODE_TYPE, home, nodes2: NODES2 });
+}
 
+// No two nodes intersect, no group header is covered, the node stays inside its group, the status box is whole.
+function checkGeometry(label, g) {
   const overlaps = [];
   for (let i = 0; i < g.nodes.length; i++) {
     for (let j = i + 1; j < g.nodes.length; j++) {
@@ -163,25 +177,25 @@ async function checkLayoutWithLongestReport(name) {
   for (const gr of g.groups) {
     for (const n of g.nodes) if (intersects(gr.header, n.box)) covered.push(`"${gr.title}" by ${n.title ?? n.type}`);
   }
-  check(`${name}: report arrived on the node`, /^ran: sdpa ×1100/m.test(g.text) && g.state === longestReport.status, g.text.slice(0, 200));
-  check(`${name}: node keeps its size when the report arrives`,
-    JSON.stringify(g.size) === JSON.stringify(before.size), `${JSON.stringify(before.size)} -> ${JSON.stringify(g.size)}`);
-  check(`${name}: no two node boxes intersect`, overlaps.length === 0, overlaps.join("; "));
-  check(`${name}: no group header is covered by a node`, covered.length === 0, covered.join("; "));
-  check(`${name}: the node stays inside its group, below the header`,
+  check(`${label}: no two node boxes intersect`, overlaps.length === 0, overlaps.join("; "));
+  check(`${label}: no group header is covered by a node`, covered.length === 0, covered.join("; "));
+  check(`${label}: the node stays inside its group, below the header`,
     g.home && inside(g.sage, g.home.box) && g.sage[1] >= g.home.box[1] + g.home.header[3],
     `node ${JSON.stringify(g.sage)} group ${JSON.stringify(g.home)}`);
-  // The box itself is whole: drawn, inside the node and not cut by its frame, no text past its right edge.
-  const tol = 1.5;
-  check(`${name}: status box is drawn inside the node and not cut off`,
-    g.el.visible && inside(g.el.rect, [g.nodeScreen[0] - tol, g.nodeScreen[1] - tol, g.nodeScreen[2] + 2 * tol, g.nodeScreen[3] + 2 * tol])
-      && g.el.rect[3] <= g.el.frame[3] + tol && g.el.scrollWidth <= g.el.clientWidth,
+  // the box itself is whole: drawn, inside the node and not cut by its frame, no text past its right edge
+  check(`${label}: status box is drawn inside the node and not cut off`,
+    g.el.visible && inside(g.el.rect, grown(g.nodeScreen, TOL)) && g.el.rect[3] <= g.el.frame[3] + TOL
+      && g.el.scrollWidth <= g.el.clientWidth,
     JSON.stringify({ el: g.el, node: g.nodeScreen }));
-  // Every line reachable: it all fits, or the box scrolls (for real, with the mouse wheel) to its last line.
+}
+
+// Every line of the status can be read: it all fits, or the box scrolls (with the real mouse wheel, after a
+// click into the box, as Nodes 2.0 asks) to its last line while the canvas keeps its zoom.
+async function checkStatusReadable(label, g) {
   let reachable = g.el.scrollHeight <= g.el.clientHeight;
   let detail = `scrollHeight ${g.el.scrollHeight} clientHeight ${g.el.clientHeight} overflowY ${g.el.overflowY} pointerEvents ${g.el.pointerEvents}`;
   if (!reachable && ["auto", "scroll"].includes(g.el.overflowY) && g.el.pointerEvents !== "none") {
-    await page.mouse.move(g.el.center[0], g.el.center[1]);
+    await page.mouse.click(g.el.center[0], g.el.center[1]);
     for (let i = 0; i < 40; i++) await page.mouse.wheel(0, 120);
     await page.waitForTimeout(300);
     const end = await page.evaluate((type) => {
@@ -189,23 +203,130 @@ async function checkLayoutWithLongestReport(name) {
       const el = node.widgets.find((w) => w.name === "sage_nhd_status").element;
       return { top: el.scrollTop, client: el.clientHeight, height: el.scrollHeight, scale: window.app.canvas.ds.scale };
     }, NODE_TYPE);
-    reachable = end.top > 0 && end.top + end.client >= end.height - 1 && end.scale === 1;
-    detail += `; after the wheel: scrollTop ${end.top}, canvas scale ${end.scale}`;
+    reachable = end.top > 0 && end.top + end.client >= end.height - 1 && end.scale === g.scale;
+    detail += `; after the wheel: scrollTop ${end.top}, canvas scale ${end.scale} (was ${g.scale})`;
   }
-  check(`${name}: every line of the status can be read (fits, or scrolls to the end with the wheel)`, reachable, detail);
-  check(`${name}: the whole status is the box's tooltip`, g.title === g.text && g.text.length > 0, g.title.slice(0, 120));
-  // the short form is the label of each skip's reason code (schema 3: reasons are data)
-  const skipLine = "auto skipped: " + longestReport.skipped_unavailable
-    .map((s) => `${s.backend} (${REASON_LABELS[s.code]})`).join(", ");
-  check(`${name}: skips shown in short form with their reasons`,
-    g.text.split("\n").includes(skipLine) && longestReport.skipped_unavailable.every((s) => g.text.includes(s.reason)),
+  check(`${label}: every line of the status can be read (fits, or scrolls to the end with the wheel)`, reachable, detail);
+  check(`${label}: the whole status is the box's tooltip`, g.title === g.text && g.text.length > 0, g.title.slice(0, 120));
+}
+
+// Each input of the node as the user meets it: shown, on top of everything at its place, and the control there
+// is that input's (classic: the canvas's hit test; Nodes 2.0: the element under the pointer is the input's row).
+async function inputsOnScreen() {
+  return page.evaluate(({ type, inputs, nodes2 }) => {
+    const { app, LiteGraph } = window;
+    const node = app.graph.nodes.find((n) => n.type === type);
+    const out = {};
+    if (!nodes2) {
+      for (const name of inputs) {
+        const w = node.widgets.find((x) => x.name === name);
+        if (!w) continue;
+        const h = w.computedHeight ?? LiteGraph.NODE_WIDGET_HEIGHT;
+        const x = node.pos[0] + node.size[0] * 0.6;
+        const y = node.pos[1] + (w.last_y ?? -1e6) + h / 2;
+        const shown = node.isWidgetVisible ? node.isWidgetVisible(w) : true;
+        out[name] = { shown, reachable: shown && app.graph.getNodeOnPos(x, y) === node && node.getWidgetOnPos(x, y, true) === w,
+          value: w.value };
+      }
+      return out;
+    }
+    const root = document.querySelector(`[data-node-id="${node.id}"]`);
+    const rows = [...root.querySelectorAll(".lg-node-widget")];
+    for (const name of inputs) {
+      const row = rows.find((r) => r.innerText.split("\n")[0].trim() === name);
+      if (!row) { out[name] = { shown: false, reachable: false }; continue; }
+      const r = row.getBoundingClientRect();
+      const x = r.left + r.width * 0.75, y = r.top + r.height / 2;
+      const onPage = x >= 0 && y >= 0 && x <= innerWidth && y <= innerHeight;
+      const hit = onPage ? document.elementFromPoint(x, y) : null;
+      out[name] = { shown: r.height > 0, reachable: Boolean(hit && row.contains(hit)), value: node.widgets.find((w) => w.name === name)?.value };
+    }
+    const button = root.querySelector('[data-testid="advanced-inputs-button"]');
+    if (button) {
+      const b = button.getBoundingClientRect();
+      const hit = document.elementFromPoint(b.left + b.width / 2, b.top + b.height / 2);
+      out.__button = { text: button.innerText.trim(), center: [b.left + b.width / 2, b.top + b.height / 2],
+        clickable: Boolean(hit && button.contains(hit)) };
+    }
+    return out;
+  }, { type: NODE_TYPE, inputs: INPUTS, nodes2: NODES2 });
+}
+
+function checkInputs(label, seen, expected) {
+  const names = INPUTS.filter((n) => expected.includes(n));
+  const bad = names.filter((n) => !seen[n]?.reachable);
+  check(`${label}: inputs ${names.join(", ")} can be reached`, bad.length === 0, `${bad.join(", ")}: ${JSON.stringify(seen)}`);
+}
+
+// In the workflow just loaded: deliver the longest report, then check the layout, the inputs and the text.
+async function checkLayoutWithLongestReport(name) {
+  const label = `${MODE} ${name}`;
+  const before = await page.evaluate((type) => {
+    const node = window.app.graph.nodes.find((n) => n.type === type);
+    const groups = window.app.graph.groups ?? window.app.graph._groups ?? [];
+    const home = groups.find((g) => {
+      const [x, y, w, h] = g._bounding ?? g.bounding;
+      return node.pos[0] >= x && node.pos[0] <= x + w && node.pos[1] >= y && node.pos[1] <= y + h;
+    });
+    return { id: String(node.id), size: [...node.size], group: home?.title ?? null };
+  }, NODE_TYPE);
+  // show the node at 100% so the status box is drawn at its real size, then let the canvas settle
+  await page.evaluate((type) => {
+    const canvas = window.app.canvas;
+    const node = window.app.graph.nodes.find((n) => n.type === type);
+    canvas.ds.scale = 1;
+    canvas.ds.offset[0] = -node.pos[0] + 560;
+    canvas.ds.offset[1] = -node.pos[1] + 300;
+    canvas.setDirty(true, true);
+  }, NODE_TYPE);
+  await page.waitForTimeout(600);
+  const idle = await measure(before.group);
+  await deliverReport({ ...longestReport, node_id: before.id });
+  await page.waitForTimeout(600);
+  const g = await measure(before.group);
+  check(`${label}: report arrived on the node`, /^ran: sdpa ×1100/m.test(g.text) && g.state === longestReport.status, g.text.slice(0, 200));
+  check(`${label}: node keeps its size when the report arrives`,
+    JSON.stringify(g.size) === JSON.stringify(idle.size) && g.drawnHeight === idle.drawnHeight,
+    `${JSON.stringify([idle.size, idle.drawnHeight])} -> ${JSON.stringify([g.size, g.drawnHeight])}`);
+  checkGeometry(label, g);
+  await checkStatusReadable(label, g);
+  // the short form is the label of each skip's reason code (reasons are data)
+  const skipLine = "skipped: " + longestReport.skipped.map((s) => `${s.backend} (${REASON_LABELS[s.code]})`).join(", ");
+  check(`${label}: skips shown in short form with their reasons`,
+    g.text.split("\n").includes(skipLine) && longestReport.skipped.every((s) => g.text.includes(s.reason)),
     `${skipLine}\n${g.text}`);
-  await page.mouse.move(5, 500);
+
+  await checkEveryInput(label, name, before.group);
   await page.evaluate((type) => {
     const node = window.app.graph.nodes.find((n) => n.type === type);
     node.widgets.find((w) => w.name === "sage_nhd_status").element.scrollTop = 0;
   }, NODE_TYPE);
   await page.screenshot({ path: join(out, `workflow-${slug(name)}.png`) });
+}
+
+// The A/B widget shows without any toggle, with this workflow's value; then every input, the advanced ones
+// through the node's own button where the mode hides them, and the layout again with them shown.
+async function checkEveryInput(label, name, home) {
+  await page.mouse.move(5, 500);
+  let seen = await inputsOnScreen();
+  const ab = /strided NHD/.test(name) ? "strided_nhd" : "hnd";
+  check(`${label}: the A/B widget (${AB_WIDGET}) shows, with the workflow's value`,
+    seen[AB_WIDGET]?.reachable && seen[AB_WIDGET].value === ab, JSON.stringify(seen[AB_WIDGET]));
+  const hidden = INPUTS.filter((n) => !seen[n]?.shown);
+  checkInputs(`${label}: without advanced inputs`, seen, INPUTS.filter((n) => !hidden.includes(n)));
+  results.advanced[label] = { hiddenUntilAsked: hidden, button: seen.__button ?? null };
+  if (hidden.length) {
+    const button = seen.__button;
+    check(`${label}: the "Show advanced inputs" button can be clicked`, button?.clickable, JSON.stringify(button));
+    if (button?.clickable) {
+      await page.mouse.click(button.center[0], button.center[1]);
+      await page.waitForTimeout(600);
+    }
+    await page.mouse.move(5, 500);
+    seen = await inputsOnScreen();
+    checkInputs(`${label}: with advanced inputs shown`, seen, INPUTS);
+    checkGeometry(`${label} (advanced inputs shown)`, await measure(home));
+  }
 }
 
 try {
@@ -217,6 +338,9 @@ try {
     () => window.app.extensions?.some((e) => e.name === "SageStridedNHD.Status"), null, { timeout: 30_000 });
   check("extension registered once", await page.evaluate(
     () => window.app.extensions.filter((e) => e.name === "SageStridedNHD.Status").length === 1));
+  await page.evaluate(({ id, on }) => window.app.extensionManager.setting.set(id, on), { id: VUE_NODES_SETTING, on: NODES2 });
+  await page.waitForTimeout(500);
+  check(`canvas mode is ${MODE}`, await page.evaluate((id) => window.app.extensionManager.setting.get(id), VUE_NODES_SETTING) === NODES2);
 
   // --- the setting and a newly added node ---
   const settingDefault = await page.evaluate((id) => window.app.extensionManager.setting.get(id), SETTING);
@@ -393,7 +517,10 @@ try {
   check("browser session completed", false, err.stack ?? err);
   await page.screenshot({ path: join(out, "failure.png") }).catch(() => {});
 } finally {
-  writeFileSync(join(out, "results.json"), JSON.stringify({ checks, consoleErrors, packProblems, blocked }, null, 2));
+  // the server's user settings outlive this session: leave them as a fresh install has them
+  await page.evaluate(({ ids }) => Promise.all([window.app.extensionManager.setting.set(ids[0], "auto"),
+    window.app.extensionManager.setting.set(ids[1], false)]), { ids: [SETTING, VUE_NODES_SETTING] }).catch(() => {});
+  writeFileSync(join(out, "results.json"), JSON.stringify({ ...results, checks, consoleErrors, packProblems, blocked }, null, 2));
   await browser.close();
 }
 const failed = checks.filter((c) => !c.ok).length;

@@ -7,11 +7,23 @@ ComfyUI host is found (see tests/host_fixtures.py).
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
 import torch
 
-from host_fixtures import h3_graph, patch_inputs, wan_graph
+from host_fixtures import TINY_H3, h3_graph, patch_inputs, tiny_h3_model, wan_graph
 
 STEPS = 2
+ROOT = Path(__file__).resolve().parents[2]
+# H3 blocks wide enough for ConvRot groups of 256, stored as the bundled workflows' checkpoint stores them
+INT8_H3 = dict(TINY_H3, hidden_size=256, num_attention_heads=2, attention_head_dim=128, ffn_hidden_size=512)
+INT8_CKPT = "sage_nhd_test_h3_tiny_int8_convrot.safetensors"
 
 
 def assert_latents_equal(a: dict, b: dict, what: str):
@@ -50,7 +62,8 @@ def test_node_is_listed_in_object_info(comfy_server):
         spec = opt[name]
         assert spec[0] == values or spec[1].get("options") == values, (name, spec)  # no removed value offered
         assert spec[1].get("advanced") is True and spec[1]["default"] == "exact" and spec[1].get("tooltip")
-    assert req["layout"][1].get("advanced") is True
+    # layout is the one widget each bundled A/B pair differs in: shown in both canvas modes, never advanced
+    assert not req["layout"][1].get("advanced")
 
 
 def test_h3_latents_bit_identical_across_layouts_and_stock_and_patch_reverts(comfy_server):
@@ -81,7 +94,7 @@ def test_h3_latents_bit_identical_across_layouts_and_stock_and_patch_reverts(com
         assert r["model_family"] == "MiniMaxH3" and r["path"] == "h3_forward_patch" and r["layout"] == layout
         assert r["blocks_patched"] == 2 and r["refiner_blocks_patched"] == 2 and r["node_id"] == "3"
         assert r["backends_ran"] == {"sdpa": r["attention_calls"]} and r["attention_calls"] >= 2 * STEPS
-        assert r["fallbacks"] == [] and r["status"] == "ok" and r["prompt_id"] and r["schema"] == 3
+        assert r["fallbacks"] == [] and r["status"] == "ok" and r["prompt_id"] and r["schema"] == 4
         assert r["notes"] == [] and r["prepared"] == [] and r["compile_events"] == [] and r["error"] is None
     # copies the dataflow really made: none on strided_nhd; HND's 3 input + 1 output copies
     assert only_report(strided)["copies_per_call"] == 0.0
@@ -145,15 +158,91 @@ def test_api_graph_with_sage2_prep_validates_and_runs(comfy_server):
     assert_latents_equal(run.latent("9"), stock.latent("9"), "sage2_prep without a prepared path changes nothing")
 
 
-def test_cpu_device_with_sage_requested_falls_back_to_sdpa_and_says_why(comfy_server):
-    run = comfy_server.run_graph(h3_graph(patch=patch_inputs("strided_nhd", "sage2"), name="h3_cpu_sage2"))
+@pytest.mark.parametrize("choice", ["sage2", "sage1"])
+def test_cpu_device_with_sage_requested_falls_back_to_sdpa_and_says_why(comfy_server, choice):
+    """The back-end asked for falls back; those the chain passed over on its way to sdpa (sage2 and fa4 when
+    sage1 was asked for) were never asked for: skipped, not fallbacks."""
+    run = comfy_server.run_graph(h3_graph(patch=patch_inputs("strided_nhd", choice), name=f"h3_cpu_{choice}"))
     r = only_report(run)
     assert r["backends_ran"] == {"sdpa": r["attention_calls"]}
-    fallbacks = {f["backend"]: f for f in r["fallbacks"]}
-    assert "sage2" in fallbacks and fallbacks["sage2"]["reason"] and fallbacks["sage2"]["count"] == r["attention_calls"]
-    assert any(m.startswith("fallback from sage2") for m in r["messages"])
-    stock = comfy_server.run_graph(h3_graph(patch=None, name="h3_cpu_stock"))
-    assert_latents_equal(run.latent("9"), stock.latent("9"), "sage2 requested on CPU vs stock")
+    assert [f["backend"] for f in r["fallbacks"]] == [choice], r["fallbacks"]
+    (fallback,) = r["fallbacks"]
+    assert fallback["reason"] and fallback["count"] == r["attention_calls"]
+    passed_over = {"sage2": ["fa4"], "sage1": ["sage2", "fa4"]}[choice]
+    assert [s["backend"] for s in r["skipped"]] == passed_over, r["skipped"]
+    assert all(s["reason"] and s["count"] == r["attention_calls"] for s in r["skipped"]), r["skipped"]
+    assert [m.split(" (")[0] for m in r["messages"] if m.startswith("fallback")] == [f"fallback from {choice}"], \
+        r["messages"]
+    stock = comfy_server.run_graph(h3_graph(patch=None, name=f"h3_cpu_stock_{choice}"))
+    assert_latents_equal(run.latent("9"), stock.latent("9"), f"{choice} requested on CPU vs stock")
+
+
+# --- the report read back through the server: payload, log and status box --------------------------------
+@pytest.fixture(scope="module")
+def int8_checkpoint(comfy_server):
+    """A tiny H3 checkpoint with int8 ConvRot block linears, in the server's diffusion_models folder."""
+    from safetensors.torch import save_file
+
+    from devkit.h3 import int8_convrot_state_dict
+
+    path = comfy_server.host / "models" / "diffusion_models" / INT8_CKPT
+    state = int8_convrot_state_dict(tiny_h3_model(seed=4, config=INT8_H3).state_dict(), groupsize=256)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    return INT8_CKPT
+
+
+def status_box_lines(payload: dict, tmp_path: Path) -> list[str]:
+    """The lines the node's status box shows for ``payload``: web/report_text.js run by node."""
+    node = shutil.which("node")
+    if node is None:
+        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+            pytest.fail("CI=true and node is not installed: the status box text is unchecked")
+        pytest.skip("node is not installed (apt-get install nodejs)")
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(payload))
+    script = ("import { formatReport } from " + json.dumps((ROOT / "web" / "report_text.js").as_uri()) + ";"
+              "import { readFileSync } from 'node:fs';"
+              "process.stdout.write(JSON.stringify(formatReport(JSON.parse(readFileSync(process.argv[1], 'utf8')))));")
+    proc = subprocess.run([node, "--input-type=module", "-e", script, str(report)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_int8_reason_and_comfy_kitchen_release_are_whole_in_payload_log_and_status_box(
+        comfy_server, int8_checkpoint, tmp_path):
+    """An int8 ConvRot model on the CPU keeps stock's quantiser "not on a CUDA device": that sentence (once cut
+    to its first letter) and comfy-kitchen's release line come back whole through the server's websocket, in its
+    log, and in the text the status box renders from the payload."""
+    graph = h3_graph(patch=patch_inputs("strided_nhd", "sdpa"), name="h3_int8_reason")
+    graph["1"]["inputs"]["unet_name"] = int8_checkpoint
+    stock_graph = h3_graph(patch=None, name="h3_int8_stock")
+    stock_graph["1"]["inputs"]["unet_name"] = int8_checkpoint
+    run = comfy_server.run_graph(graph)
+    r = only_report(run)
+    assert r["schema"] == 4 and r["int8_own_quantizer_calls"] == 0
+    reasons = {row["reason"]: row["count"] for row in r["int8_stock_quantizer"]}
+    assert list(reasons) == ["not on a CUDA device"] and reasons["not on a CUDA device"] >= 4 * STEPS, reasons
+    kitchen = r["comfy_kitchen"]
+    assert kitchen["release"] == version("comfy-kitchen") and kitchen["route"] in ("verified", "self_checked", "stock")
+    assert (kitchen["reason"] is None) == (kitchen["route"] == "verified"), kitchen
+
+    line = f"int8 ConvRot linears on stock's quantiser ({reasons['not on a CUDA device']} calls): not on a CUDA device"
+    (kitchen_line,) = [m for m in r["messages"] if m.startswith(f"comfy-kitchen {kitchen['release']}: ")]
+    assert line in r["messages"] and (kitchen["reason"] or "") in kitchen_line, r["messages"]
+    log = comfy_server.log_path.read_text(errors="replace")
+    for logged in (line, kitchen_line):
+        assert f"[Sage Strided NHD] {logged}\n" in log, comfy_server.log_tail()
+
+    box = status_box_lines(r, tmp_path)
+    assert "why int8 linears kept stock's quantiser: not on a CUDA device" in box, box
+    assert any(b.startswith(f"comfy-kitchen {kitchen['release']}: ") and "int8 route" in b for b in box), box
+    if kitchen["reason"]:
+        assert any(b.endswith(f": {kitchen['reason']}") for b in box), box
+
+    stock = comfy_server.run_graph(stock_graph)
+    assert stock.reports == []
+    assert_latents_equal(run.latent("9"), stock.latent("9"), "int8 ConvRot model, patched vs stock")
 
 
 def removed_value_notes(report: dict) -> list[str]:

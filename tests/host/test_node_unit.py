@@ -341,9 +341,33 @@ def test_report_is_sent_once_per_sampling_run(pack):
     assert wrapper(sampling_run) == "latent"
     assert report.last is not first  # the last payload only, no growth
     p = report.last
-    assert p["schema"] == 3 and p["attention_calls"] == 3 and p["node_id"] == "17" and p["status"] == "ok"
+    assert p["schema"] == 4 and p["attention_calls"] == 3 and p["node_id"] == "17" and p["status"] == "ok"
     assert p["copies_per_call"] == 0.0 and p["backends_ran"] == {"sdpa": 3} and p["error"] is None
     assert p["prepared"] == [] and p["prepared_skipped"] == [] and p["compile_events"] == [] and p["notes"] == []
+    assert p["comfy_kitchen"] is None  # no int8 ConvRot linear ran
+
+
+def test_backends_check_themselves_on_the_models_device_before_the_model_runs(pack, monkeypatch):
+    """sage2's self-test must run when sampling starts, outside any block (and any graph the Comfy Compiler records)."""
+    import types
+
+    mp = patcher_for(tiny_h3_model(seed=2))
+    clone, patch = pack.nodes.h3_patch.patch_model(mp, settings(pack, backend="sdpa"))
+    sdpa = pack.kernels.BACKENDS["sdpa"]
+    events = []
+    monkeypatch.setattr(type(sdpa), "_check_device", lambda self, device: events.append(("checked", str(device))) or
+                        pack.kernels.backends.base.YES)
+    monkeypatch.setitem(sdpa.__dict__, "_device_verdicts", {})
+
+    class Executor:
+        class_obj = types.SimpleNamespace(model_patcher=clone, model_options=clone.model_options)
+
+        def __call__(self):
+            events.append(("sampled", None))
+            return "latent"
+
+    assert outer_sample_wrapper(pack, clone)(Executor()) == "latent"
+    assert events == [("checked", str(clone.load_device)), ("sampled", None)]
 
 
 def test_model_without_optimized_attention_calls_reports_that_nothing_changed(pack, caplog):
@@ -374,10 +398,11 @@ def test_node_schema_has_tooltips_and_defaults(pack):
     assert defaults["sage2_prep"] == "exact" and prep.optional and list(prep.options) == list(pack.kernels.PREPARED_MODES)
     assert defaults["block_path"] == "exact" and block.optional and list(block.options) == ["exact", "attention_only"]
     advanced = {i.id for i in schema.inputs if getattr(i, "advanced", None)}
-    assert advanced == {"layout", "sage2_prep", "block_path"}  # most users should not touch them
+    # most users should not touch these; layout is the A/B pair's one difference, so it always shows
+    assert advanced == {"sage2_prep", "block_path"}
 
 
-# --- schema 3: what the report reads from the records ------------------------------------------
+# --- schema 4: what the report reads from the records ------------------------------------------
 def test_report_reads_skip_kinds_and_codes_from_the_records(pack):
     k = pack.kernels
     report = make_patch(pack, backend="auto").report
@@ -390,15 +415,62 @@ def test_report_reads_skip_kinds_and_codes_from_the_records(pack):
     report.record(k.CallRecord("sage2", backend="sage2", prepared="exact",
                                skipped=(k.Skip("fa4", "no_cuda", "no CUDA device", "unavailable"),)))
     p = report.payload()
-    assert p["skipped_unavailable"] == [{"backend": "sage2", "code": "no_cuda", "reason": "no CUDA device"}]
+    # auto: a back-end this machine lacks is passed over; one it has that cannot take the call is a fallback.
+    # A named back-end (sage2 here): only it can fall back; fa4 was passed over, never asked for.
+    assert sorted((s["backend"], s["code"], s["count"]) for s in p["skipped"]) == [
+        ("fa4", "no_cuda", 1), ("sage2", "no_cuda", 1)]
     assert sorted((f["backend"], f["code"], f["count"]) for f in p["fallbacks"]) == [
-        ("comfy_kitchen_int8", "no_cuda", 1), ("fa4", "no_cuda", 1), ("sage1", "raised", 1)]  # named back-end: fallback
+        ("comfy_kitchen_int8", "no_cuda", 1), ("sage1", "raised", 1)]
     assert p["head_chunks_max"] == 2 and p["copies_per_call"] == 0.5 and p["backends_ran"] == {"sdpa": 1, "sage2": 1}
     assert p["prepared"] == [{"backend": "sage2", "mode": "exact", "calls": 1}]
     assert p["prepared_skipped"] == [{"backend": "sage2", "code": "gpu_arch", "reason": "not sm90", "count": 1}]
     assert p["compile_events"] == [{"backend": "fa4", "key": "k1", "seconds": 1.5}]
     assert any("compiled fa4 kernel k1" in m for m in p["messages"])
     assert any("prepared path: sage2 exact x1" in m for m in p["messages"])
+
+
+LONG_INT8_REASON = "comfy-kitchen 0.2.41 is not a release this route was written for (0.2.31, 0.2.36, 0.2.40)"
+
+
+def test_int8_reasons_stay_whole_and_comfy_kitchens_release_is_reported(pack, monkeypatch):
+    asked = []
+
+    def fake_status(device=None):
+        asked.append(device)
+        return {"release": "0.2.41", "route": "stock", "reason": LONG_INT8_REASON}
+
+    monkeypatch.setattr(pack.kernels, "kitchen_release_status", fake_status, raising=False)
+    report = make_patch(pack).report
+    report.record(pack.kernels.CallRecord("sdpa", backend="sdpa"))
+    for reason in (None, LONG_INT8_REASON, LONG_INT8_REASON, "not on a CUDA device"):
+        report.record_int8(reason)
+    p = report.payload()
+    assert p["int8_own_quantizer_calls"] == 1
+    assert p["int8_stock_quantizer"] == [{"reason": LONG_INT8_REASON, "count": 2},
+                                         {"reason": "not on a CUDA device", "count": 1}]
+    assert p["comfy_kitchen"] == {"release": "0.2.41", "route": "stock", "reason": LONG_INT8_REASON} and asked
+    assert f"int8 ConvRot linears on stock's quantiser (2 calls): {LONG_INT8_REASON}" in p["messages"]
+    assert (f"comfy-kitchen 0.2.41: int8 route off, stock's quantiser runs ({LONG_INT8_REASON})" in p["messages"]), \
+        p["messages"]
+
+    monkeypatch.setattr(pack.kernels, "kitchen_release_status",
+                        lambda device=None: {"release": "0.2.40", "route": "verified", "reason": None})
+    assert "comfy-kitchen 0.2.40: verified for the int8 route" in report.payload()["messages"]
+
+
+def test_comfy_kitchen_status_that_cannot_be_had_is_said_not_raised(pack, monkeypatch):
+    report = make_patch(pack).report
+    report.record_int8("not on a CUDA device")
+
+    def broken(device=None):
+        raise RuntimeError("no release metadata")
+
+    monkeypatch.setattr(pack.kernels, "kitchen_release_status", broken, raising=False)
+    status = report.payload()["comfy_kitchen"]
+    assert status["release"] is None and status["route"] == "stock" and "no release metadata" in status["reason"]
+    monkeypatch.delattr(pack.kernels, "kitchen_release_status", raising=False)  # a kernels without it
+    status = report.payload()["comfy_kitchen"]
+    assert status["release"] is None and status["route"] == "stock" and status["reason"]
 
 
 def test_h3_forward_hands_the_fused_buffer_over_and_passes_prep_mode(pack, monkeypatch):

@@ -103,6 +103,35 @@ def test_requested_gpu_backend_on_cpu_falls_back_with_a_reason(choice, gen, capl
     assert torch.equal(out, sdpa_nhd(q, k, v))
 
 
+@pytest.mark.parametrize("choice", ["sage1", "comfy_kitchen_int8"])  # the node's, or a checkpoint's preference
+def test_a_named_backend_alone_falls_back_the_others_were_only_passed_over(choice, gen, caplog, monkeypatch):
+    """On the CPU nothing before sdpa runs: the back-end asked for fell back, the ones the chain tried on the way
+    to sdpa (sage2, fa4) were never asked for and are no fallbacks; the log warns about the first only."""
+    monkeypatch.setattr(chain_module, "_logged", set())
+    q, k, v = nhd_inputs(gen)
+    with caplog.at_level(logging.INFO, logger="sage_strided_nhd"):
+        _, rec = BackendChain.for_choice(choice).run(q, k, v, layout="NHD")
+    assert rec.backend == "sdpa"
+    fell_back = [s.backend for s in rec.skipped if rec.fell_back(s)]
+    passed_over = [s.backend for s in rec.skipped if not rec.fell_back(s)]
+    assert fell_back == [choice], rec.skipped
+    assert passed_over == [b for b in ("sage2", "fa4") if b != choice], rec.skipped
+    levels = {s.backend: r.levelno for r in caplog.records for s in rec.skipped
+              if f" {s.backend} skipped" in r.getMessage()}
+    assert levels == {choice: logging.WARNING, **{b: logging.INFO for b in passed_over}}, levels
+
+
+def test_what_counts_as_a_fallback():
+    unavailable = Skip("fa4", "not_installed", "r", "unavailable")
+    unsupported = Skip("fa4", "head_dim", "r", "unsupported")
+    raised = Skip("fa4", "raised", "r", "raised")
+    # auto asks for the fastest back-end this machine has
+    assert [chain_module.asked_for("auto", s) for s in (unavailable, unsupported, raised)] == [False, True, True]
+    # a named back-end asks for itself alone, whatever kept the others from running
+    assert [chain_module.asked_for("fa4", s) for s in (unavailable, unsupported, raised)] == [True, True, True]
+    assert [chain_module.asked_for("sage1", s) for s in (unavailable, unsupported, raised)] == [False, False, False]
+
+
 def test_a_backend_that_raises_falls_to_the_next_and_is_logged_once(gen, caplog, monkeypatch):
     monkeypatch.setattr(chain_module, "_logged", set())
     q, k, v = nhd_inputs(gen)

@@ -147,7 +147,7 @@ def test_longest_report_fixture_is_a_payload_of_the_documented_schema():
     doc = (ROOT / "nodes" / "report.py").read_text(encoding="utf-8").split('"""')[1]
     assert fixture["schema"] == int(re.search(r'^ +"schema": (\d+),', doc, re.M).group(1))
     codes = python_dict_constant(ROOT / "kernels" / "backends" / "base.py", "REASON_CODES")
-    for key in ("fallbacks", "skipped_unavailable", "prepared_skipped"):
+    for key in ("fallbacks", "skipped", "prepared_skipped"):
         for entry in fixture[key]:
             assert entry["code"] in codes and entry["reason"], (key, entry)
     assert all(isinstance(n, dict) and n["code"] and n["text"] for n in fixture["notes"])
@@ -160,3 +160,15 @@ def test_status_box_has_a_fixed_height_and_never_resizes_the_node():
     assert re.search(r"getMaxHeight: \(\) => STATUS_BOX_PX \+ 2 \* MARGIN_PX", src)
     assert 'overflowY: "auto"' in src and 'pointerEvents: "auto"' in src, "a long report must scroll"
     assert "el.title = body" in src, "the whole report must be the tooltip"
+    # Nodes 2.0 sizes the node around its content: the box's own height is fixed, not 100% of a frame
+    for prop in ("height", "minHeight", "maxHeight"):
+        assert re.search(rf"^    {prop}: `\$\{{STATUS_BOX_PX\}}px`,$", src, re.M), prop
+    assert 'height: "100%"' not in src
+    # ... and hands the wheel to the canvas unless the focused element under the pointer captures it
+    assert 'el.dataset.captureWheel = "true"' in src and "el.tabIndex = -1" in src
+
+
+def test_kitchen_route_labels_cover_the_reports_routes():
+    routes = python_dict_constant(ROOT / "nodes" / "report.py", "KITCHEN_ROUTES")
+    labels = set(re.findall(r"^  (\w+): \"", js_object_block(JS["report_text.js"], "KITCHEN_ROUTE_LABELS"), re.M))
+    assert labels and labels == set(routes), (sorted(labels), sorted(routes))
