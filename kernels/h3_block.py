@@ -26,9 +26,11 @@ if triton is not None:
     @triton.jit
     def _modulation(ptr, r, c, cols, col_ok, ok, PER_ROW: tl.constexpr):
         """A modulation parameter over the tile, fp32: one row per token ([rows, cols] contiguous) or one row."""
-        if PER_ROW:
-            return tl.load(ptr + r[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        return tl.load(ptr + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if PER_ROW:  # one return: Triton types every return of a function, even one past a constexpr branch
+            values = tl.load(ptr + r[:, None] * cols + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        else:
+            values = tl.load(ptr + c, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        return values
 
     @triton.jit
     def _scale_shift_kernel(h_ptr, scale_ptr, shift_ptr, rows, cols, stride_row, PER_ROW: tl.constexpr,

@@ -20,16 +20,19 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+HW_BF16_MIN_CAPABILITY = (8, 0)  # PTX's cvt.rn.bf16x2.f32
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
 def hardware_bf16(device: torch.device) -> bool:
-    """Whether ``round_bf16`` may use the GPU's conversion (PTX, sm80+): not interpreted, not on ROCm."""
+    """Whether ``round_bf16`` may use the GPU's conversion: not interpreted, not on ROCm, sm80+."""
     if interpreting() or device.type != "cuda" or torch.version.hip is not None:
         return False
-    return _capability(torch.cuda.current_device() if device.index is None else device.index) >= (8, 0)
+    return _capability(torch.cuda.current_device() if device.index is None else device.index) >= HW_BF16_MIN_CAPABILITY
 
 
 def per_token_params(h: torch.Tensor, *params: torch.Tensor) -> bool:

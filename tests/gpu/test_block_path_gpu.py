@@ -106,6 +106,25 @@ def test_modulation_pass_gives_stocks_bits_on_cuda(pack):
     assert _differ(got, want) == 0
 
 
+def test_per_token_modulation_passes_give_stocks_bits_on_cuda(pack):
+    """A partial denoise mask gives per-token modulation rows: both passes compile and keep stock's bits."""
+    from comfyui_sage_strided_nhd.kernels import h3_block
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rows = 4099
+    h = torch.randn(rows, 5376, device="cuda", generator=g).bfloat16() * 3
+    scale1 = 1.0 + torch.randn(rows, 5376, device="cuda", generator=g).bfloat16()
+    shift = torch.randn(rows, 5376, device="cuda", generator=g).bfloat16()
+    got = h.clone()
+    h3_block.scale_shift_(got, scale1, shift)
+    assert _differ(got, h.clone().mul_(scale1).add_(shift)) == 0
+    other = torch.randn(rows, 5376, device="cuda", generator=g).bfloat16()
+    gate = torch.randn(rows, 5376, device="cuda", generator=g).bfloat16()
+    got = h.clone()
+    h3_block.gated_residual_(got, other, gate)
+    assert _differ(got, h.clone().addcmul_(other, gate)) == 0
+
+
 def test_swiglu_pass_gives_stocks_bits_on_cuda(pack):
     """torch's CUDA silu (expf, an IEEE division) then mul_, against the one pass, on fc1's full width."""
     from comfyui_sage_strided_nhd.kernels import h3_block
