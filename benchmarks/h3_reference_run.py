@@ -2,7 +2,7 @@
 other settings, and KJNodes' H3 nodes (the peer), side by side; one JSON report in the reference's shape.
 
     python -m benchmarks.h3_reference_run --out report.json --backend auto       # the full-size model
-    python -m benchmarks.h3_reference_run --tiny --device cpu --backend sdpa      # seconds, any machine
+    python -m benchmarks.h3_reference_run --first-contact --out first-run.json    # the README's first command
     python -m benchmarks.h3_reference_run --peer-table --kjnodes ~/ComfyUI-KJNodes --blocks 2 \
         --sections blocks,profiler --memory-at 120000                             # the pack against KJNodes
 
@@ -43,7 +43,7 @@ from devkit.pack import submodule
 
 from . import peer, results_table, schema
 from . import sections as sec
-from .report import LAYOUTS, Report, correctness_table, equality_verdict, text_table
+from .report import LAYOUTS, Report, correctness_table, equality_verdict, first_contact_table, text_table
 
 SECTIONS = ("isolated", "blocks", "profiler", "sampling_2_step", "sampling_12_step")
 MEMORY_SECTION = "memory"  # only with --memory-at; runs last (past the int32 line stock's attention may fault)
@@ -58,6 +58,11 @@ CHUNK_SETTINGS = {"qkv": ("qkv_chunk_tokens",), "mlp": ("mlp_chunk_tokens", "int
 ATTENTION_ONLY = "attention_only"  # --peer-table's strided NHD variant on the attention-only block path
 LAYOUT_ENV = "H3_SAGE_QKV_LAYOUT"
 REFERENCE_COPY = Path(__file__).resolve().parent / "reference" / "gb10-strided-nhd-results.json"
+# --first-contact: packed tokens -> the clip packing them (width, height, frames, text tokens); the free GPU memory
+# 2 full-width blocks at that length need, with room (short of it stock's attention can fall back to a slower kernel)
+FIRST_CONTACT_SHAPES = {37810: (1344, 768, 124, 100), 8192: (992, 480, 56, 101)}
+FIRST_CONTACT_NEEDS = {37810: 14 * 2**30, 8192: 7 * 2**30}
+FULL_MODEL_FREE = 80 * 2**30  # the 50-block model (38 GB in bf16) and its activations at 37,810 tokens
 
 # The reference report's keys that each of our sections makes; a run not asked for a section is not
 # checked for its keys (the rest every run makes).
@@ -100,6 +105,30 @@ def reference_for(data: dict, reference: dict) -> dict:
     return ref
 
 
+def first_contact_plan(free_bytes: int | None) -> dict:
+    """What ``--first-contact`` runs given the CUDA GPU's free bytes (None: no GPU): the block job at each length
+    that fits (and the full model past FULL_MODEL_FREE); where none fits, the CPU job; ``why``: the memory."""
+    needs = FIRST_CONTACT_NEEDS
+    lengths = [t for t, need in needs.items() if need <= (free_bytes or 0)]
+    out = ", ".join(f"{t:,} tokens need {n / 2**30:.0f} GiB" for t, n in needs.items() if t not in lengths)
+    why = "no CUDA GPU" if free_bytes is None else f"{free_bytes / 2**30:.1f} GiB free" + (out and f"; {out}")
+    return {"job": "blocks" if lengths else "tiny_cpu", "why": why, "free_bytes": free_bytes, "lengths": lengths,
+            "formats": list(h3_model.WEIGHT_FORMATS) if lengths else ["bf16"], "blocks": 2,
+            "full_model": bool(lengths) and free_bytes > FULL_MODEL_FREE}
+
+
+def apply_first_contact(parser, args) -> None:
+    """``--first-contact``: this device's plan (``args.first_contact_plan``), set as the options it stands for."""
+    if args.checkpoint or args.peer_table or args.kjnodes or args.variant:
+        parser.error("--first-contact picks its own run: leave out --checkpoint, --peer-table, --kjnodes, --variant")
+    cuda = args.device.startswith("cuda") and torch.cuda.is_available()
+    plan = args.first_contact_plan = first_contact_plan(torch.cuda.mem_get_info(args.device)[0] if cuda else None)
+    if plan["job"] == "blocks":
+        args.layout, args.blocks, args.sections, args.weights = "strided_nhd", plan["blocks"], "", plan["formats"][0]
+    else:  # the main job as it ran on the CPU before this option: a tiny H3 sampled, stock and both layouts
+        args.tiny, args.device, args.sections, args.stock_sampling = True, "cpu", "sampling_2_step", True
+
+
 # --- options -------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -115,7 +144,12 @@ def parse_args(argv=None):
     add_model_options(p)
     add_section_options(p)
     add_variant_options(p)
+    p.add_argument("--first-contact", action="store_true", help="the README's first command: picks the run from "
+                   "the device and its free memory (first_contact_plan); sets the model, layout and section options")
     args = p.parse_args(argv)
+    args.first_contact_plan = None
+    if args.first_contact:
+        apply_first_contact(p, args)
     # --layout, else the preset's one layout, else the reference system's switch, else both
     args.layout = args.layout or ("strided_nhd" if args.peer_table else None) or os.environ.get(LAYOUT_ENV) or "ab"
     if args.layout not in ("ab",) + LAYOUTS:
@@ -379,7 +413,11 @@ def main(argv=None) -> int:
                   resolution=[args.width, args.height], frames=args.frames, packed_tokens=None,
                   seed=args.seed, feature_flag=f"{LAYOUT_ENV}=strided_nhd", layout=args.layout,
                   layouts_measured=layouts, sections_requested=list(args.sections),
-                  backends_here=describe_backends(device))
+                  backends_here=describe_backends(device), comfy_kitchen=pack_kernels().kitchen_release_status(device))
+    plan = args.first_contact_plan
+    if plan:
+        report.update(first_contact=plan)
+        log(f"first contact: the {plan['job']} job ({plan['why']})")
     log(f"{facts['device']} ({facts['compute_capability']}), torch {torch.__version__}, back-end {args.backend} "
         f"-> {backend_first}, layouts {layouts}, sections {args.sections}; writing {out}")
     try:
@@ -390,7 +428,10 @@ def main(argv=None) -> int:
         log(f"setup failed: {type(exc).__name__}: {exc}")
         raise
     try:
-        run_sections(args, bench, backend_first, report)
+        if plan and plan["job"] == "blocks":
+            bench = run_first_contact(args, bench, report)
+        else:
+            run_sections(args, bench, backend_first, report)
     finally:
         finish(args, bench, report, out)
     return 1 if report.data["errors"] else 0
@@ -491,6 +532,37 @@ def run_sampling_section(args, bench: sec.Bench, report: Report, steps: int, key
             report.validation(f"{key}_stock_vs_{name}", sec.stock_sampling_verdict(result, name))
 
 
+def run_first_contact(args, bench: sec.Bench, report: Report) -> sec.Bench:
+    """--first-contact's block job: section ``first_contact_<weights>_<tokens>`` each; returns the last bench."""
+    for weights in args.first_contact_plan["formats"]:
+        if weights != args.weights:  # the next format's model, built where the last one was
+            device, layouts = bench.device, bench.layouts
+            release(bench)
+            bench = build_bench(argparse.Namespace(**dict(vars(args), weights=weights)), device, layouts, report)
+        for tokens in args.first_contact_plan["lengths"]:
+            _section(report, f"first_contact_{weights}_{tokens}",
+                     lambda w=weights, t=tokens, b=bench: first_contact_blocks(args, b, w, t))
+    return bench
+
+
+def first_contact_blocks(args, bench: sec.Bench, weights: str, tokens: int) -> dict:
+    """Blocks 0 and 1 at ``tokens`` packed tokens (FIRST_CONTACT_SHAPES' clip), inputs from a stock forward:
+    stock and the pack interleaved, outputs compared, peaks; what the pack ran and whose int8 quantiser."""
+    bench.width, bench.height, bench.frames, text = FIRST_CONTACT_SHAPES[tokens]
+    bench.conditioning = h3_model.random_conditioning(text, bench.diffusion_model.condition_proj.in_features,
+                                                      args.weight_seed + 1)
+    bench.block_inputs.clear()
+    sec.capture_block_inputs(bench)
+    rows = sec.real_blocks(bench, args.reps, args.warmup, True)
+    pack = sec.main_variant(bench)
+    payload = last_payload(bench.patches[pack].report) or {}
+    return {"weights": weights, "tokens_asked": tokens, "packed_tokens": bench.packed_tokens, "pack": pack,
+            "width_height_frames_text": FIRST_CONTACT_SHAPES[tokens], "blocks": rows,
+            "pack_ran": backends_that_ran(bench.patches)[2].get(pack, "none"),
+            "int8_own_quantizer_calls": payload.get("int8_own_quantizer_calls", 0),
+            "int8_stock_quantizer": payload.get("int8_stock_quantizer", [])}
+
+
 def peer_kernel_verdict(data: dict, backend: str) -> str:
     """Whether the peer's numbers stand beside the pack's: its forwards call ComfyUI's optimized_attention,
     so it runs stock's kernel, which must be the pack's (stock started with the flag for that back-end)."""
@@ -510,7 +582,8 @@ def finish(args, bench: sec.Bench, report: Report, out: Path) -> None:
     data = report.data
     after_the_runs(bench, report)
     data["source_artifacts"] = [str(out)]
-    if REFERENCE_COPY.is_file():
+    blocks_job = (args.first_contact_plan or {}).get("job") == "blocks"
+    if REFERENCE_COPY.is_file() and not blocks_job:  # the block job's sections are its own
         allow = schema.CUDA_ONLY if args.device == "cpu" else set()
         problems = schema.check_against_reference(data, reference_for(data, schema.load_reference(REFERENCE_COPY)),
                                                   allow_null=allow)
@@ -519,7 +592,9 @@ def finish(args, bench: sec.Bench, report: Report, out: Path) -> None:
     copy_to_out([str(out)])
     release(bench)
     print()
-    if args.device == "cpu":
+    if blocks_job:
+        print(first_contact_table(data))
+    elif args.device == "cpu":
         # a CPU proves the dataflow (same latents, which kernel ran), not the pack's speed
         print(correctness_table(data))
         print("(CPU run: timings in the report are not the pack's speed; GPU results are in docs/BENCHMARKS.md)")
@@ -595,6 +670,8 @@ def release(bench: sec.Bench) -> None:
     bench.block_inputs.clear()
     bench.base = None
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -119,10 +119,6 @@ def text_table(data: dict) -> str:
     return "\n".join(aligned([HEADER] + table_rows(data), numbers=True))
 
 
-def markdown_table(data: dict) -> str:
-    return "\n".join(markdown(HEADER, table_rows(data)))
-
-
 def correctness_table(data: dict) -> str:
     """What a run on any machine proves, without timings: per sampled variant, the back-end that ran and
     the sampled checksums, and whether the outputs are equal (for the first-run summary on a CPU)."""
@@ -143,6 +139,48 @@ def correctness_table(data: dict) -> str:
         if key.startswith("stock_vs_") and key.endswith("_identical"):
             verdicts.append(f"stock vs {key[9:-10]}: " + ("identical latents" if value else "DIFFER"))
     return "\n".join(aligned(rows) + verdicts)
+
+
+FIRST_CONTACT_HEADER = ("weights", "tokens", "stock ms/block", "pack ms/block", "stock / pack", "bit-identical",
+                        "peak extra MiB, stock / pack")
+
+
+def first_contact_row(run: dict) -> tuple[str, ...]:
+    """A format and length: the blocks' mean p50, the ratio of the sums, stock's bits in every block?, top peaks."""
+    blocks, pack = run["blocks"], run["pack"]
+    stock_s, pack_s = ([b[f"{n}_p50_seconds"] for b in blocks] for n in ("stock", pack))
+    worst = max(b[f"stock_vs_{pack}_max_abs_difference"] for b in blocks)
+    peaks = [[b["peak_extra_bytes"].get(n) for b in blocks] for n in ("stock", pack)]
+    return (run["weights"], f"{run['packed_tokens']:,}", *(f"{sum(t) / len(t) * 1e3:.2f}" for t in (stock_s, pack_s)),
+            ratio(sum(stock_s) / sum(pack_s)),
+            "yes" if all(b[f"stock_vs_{pack}_bit_exact"] for b in blocks) else f"no (max abs {worst:.3g})",
+            " / ".join("-" if None in p else f"{max(p) / 2**20:,.0f}" for p in peaks))
+
+
+def first_contact_table(data: dict) -> str:
+    """``--first-contact``'s table, from the report: per weight format and length, stock ComfyUI and the pack
+    on the same blocks; a line per format on what the pack ran (whose int8 quantiser); the memory."""
+    plan, errors = data["first_contact"], data["errors"]
+    rows, notes, reps = [FIRST_CONTACT_HEADER], {}, "?"
+    for weights in plan["formats"]:
+        for tokens in plan["lengths"]:
+            run = data.get(f"first_contact_{weights}_{tokens}")
+            if run is None:  # failed (the error's first words), or not reached
+                error = (errors.get(f"first_contact_{weights}_{tokens}") or {}).get("error", "")
+                rows.append((weights, f"{tokens:,}", "not run" + (f": {error[:90]}" if error else ""), *[""] * 4))
+                continue
+            rows.append(first_contact_row(run))
+            int8 = "; ".join(r["reason"] for r in run["int8_stock_quantizer"])
+            notes[weights] = f"{weights}: the pack ran {run['pack_ran']}" + (
+                f"; its int8 linears kept stock's quantiser: {int8}" if int8 else
+                "; its int8 linears ran its own quantiser" if run["int8_own_quantizer_calls"] else "")
+            reps = run["blocks"][0]["reps"]
+    c, ck = (data.get("model") or {}).get("config", {}), data.get("comfy_kitchen") or {}
+    head = (f"H3 blocks 0 and 1 (hidden {c.get('hidden_size')}, {c.get('num_attention_heads')} heads x "
+            f"{c.get('attention_head_dim')}) on {data.get('device')}: stock ComfyUI ({data.get('stock_attention')}) "
+            f"beside the pack ({data.get('layout')}, back-end {data.get('attention_requested')}), p50 of {reps} reps; "
+            f"comfy-kitchen {ck.get('release')} (int8 route: {ck.get('route')})")
+    return "\n".join([head, ""] + aligned(rows, numbers=True) + [*notes.values(), f"lengths by memory: {plan['why']}"])
 
 
 def markdown(header, rows) -> list[str]:

@@ -4,9 +4,14 @@
 #   bash scripts/setup.sh            # .venv + dependencies + ComfyUI host, then the main job
 #   bash scripts/setup.sh --no-run   # set up only
 #
-# The main job samples MiniMax H3 through ComfyUI's own nodes with the pack's node in both layouts
-# (and stock attention beside them) and prints which attention ran and whether the latents agree:
-# the full-size model on a CUDA GPU with room for it (~80 GB), a tiny random-weight H3 elsewhere.
+# The main job (benchmarks/h3_reference_run.py --first-contact; it writes first-run.json) picks its run from
+# the device. On a CUDA GPU: two full-width MiniMax H3 blocks (the real shapes) in both weight formats the
+# workflows load (bf16, int8_convrot), stock ComfyUI and the pack timed interleaved on that GPU, at 37,810
+# tokens (the bundled workflows' length) and 8,192 as its free memory allows; it prints one table: ms per
+# block, the ratio, whether the outputs are stock's bits, peak extra memory. Where more than 80 GiB is free
+# it then samples the full-size model too (first-run-full.json). On a CPU, or a GPU without room for two
+# blocks: a tiny random-weight H3 sampled through ComfyUI's nodes, stock and both layouts, and whether the
+# latents agree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,12 +56,13 @@ if [ "${1:-}" != "--no-run" ]; then
     echo "setup: the main job needs the ComfyUI host; not run"
     exit 1
   fi
-  # full size only where the GPU has room for the 33 B-parameter model and its activations
-  if .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() and torch.cuda.mem_get_info()[0] > 80 * 2**30 else 1)"; then
-    COMFYUI_PATH=$PWD/.comfyui .venv/bin/python -m benchmarks.h3_reference_run --backend auto --out first-run.json
-  else
-    echo "setup: main job: a tiny random-weight H3 sampled on the CPU through ComfyUI's nodes, stock and both layouts"
-    COMFYUI_PATH=$PWD/.comfyui .venv/bin/python -m benchmarks.h3_reference_run --tiny --device cpu --backend auto \
-      --sections sampling_2_step --stock-sampling --out first-run.json | grep -v '^\[h3-bench'
+  echo "setup: main job: H3 blocks on this GPU, stock beside the pack (on a CPU: a tiny H3 sampled); first-run.json"
+  # 21 interleaved reps a block (the harness's default is 9): steadier ratios for a few seconds more.
+  # Progress lines stay, their indented details (per rep, per step) go: the JSON keeps every number.
+  COMFYUI_PATH=$PWD/.comfyui .venv/bin/python -m benchmarks.h3_reference_run --first-contact --backend auto \
+    --reps 21 --out first-run.json | grep -v '^\[h3-bench [0-9:]*\]   '
+  # the run's plan says whether the full-size model fits (more than 80 GiB free): then it is sampled too
+  if .venv/bin/python -c "import json, sys; sys.exit(not json.load(open('first-run.json'))['first_contact']['full_model'])"; then
+    COMFYUI_PATH=$PWD/.comfyui .venv/bin/python -m benchmarks.h3_reference_run --backend auto --out first-run-full.json
   fi
 fi

@@ -18,6 +18,7 @@ import pytest
 
 from benchmarks import schema
 from benchmarks.h3_reference_run import REFERENCE_COPY, reference_for
+from devkit.h3 import packed_token_count
 from host_fixtures import require_host, tiny_h3_model, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -457,3 +458,126 @@ def test_compiled_blocks_time_stock_and_the_pack_under_torch_compile(tmp_path):
     assert row["stock_p50_seconds"] > 0 and row["strided_nhd_p50_seconds"] > 0 and "stock_over_strided_nhd" in row
     assert set(row["peak_extra_bytes"]) == {"stock", "strided_nhd"}  # stock and the layouts, not the extras
     assert row["stock_vs_strided_nhd_relative_l2"] < 1e-2
+
+
+# --- --first-contact: the README's first command (scripts/setup.sh) -----------------------------------------
+GIB = 2**30
+
+
+@pytest.mark.parametrize("free_gib, job, lengths, full_model, why", [
+    (None, "tiny_cpu", [], False, "no CUDA GPU"),
+    # a GPU without room for two full-width blocks at 8,192 tokens: the CPU job, and why
+    (6.9, "tiny_cpu", [], False, "6.9 GiB free; 37,810 tokens need 14 GiB, 8,192 tokens need 7 GiB"),
+    (7, "blocks", [8192], False, "7.0 GiB free; 37,810 tokens need 14 GiB"),  # an 8 GB card: 8,192 tokens only
+    (13.9, "blocks", [8192], False, "13.9 GiB free; 37,810 tokens need 14 GiB"),
+    (14, "blocks", [37810, 8192], False, "14.0 GiB free"),  # a 16 GB card: the bundled workflows' length too
+    (78.7, "blocks", [37810, 8192], False, "78.7 GiB free"),  # an 80 GB H100: no room for the full model
+    (80.1, "blocks", [37810, 8192], True, "80.1 GiB free"),  # an H200: the full model is sampled as well
+])
+def test_first_contact_plan_picks_the_run_by_free_memory(free_gib, job, lengths, full_model, why):
+    from benchmarks.h3_reference_run import FIRST_CONTACT_SHAPES, first_contact_plan
+
+    plan = first_contact_plan(None if free_gib is None else int(free_gib * GIB))
+    assert (plan["job"], plan["lengths"], plan["full_model"], plan["why"]) == (job, lengths, full_model, why)
+    assert plan["formats"] == (["bf16", "int8_convrot"] if job == "blocks" else ["bf16"])
+    for tokens in lengths:  # each length's clip packs exactly that many tokens
+        assert packed_token_count(*FIRST_CONTACT_SHAPES[tokens])["total"] == tokens
+
+
+def test_first_contact_on_a_cpu_is_the_tiny_sampling_job_as_before():
+    from benchmarks.h3_reference_run import parse_args
+
+    fields = ("tiny", "device", "sections", "stock_sampling", "layout", "backend", "weights", "blocks",
+              "width", "height", "frames", "text_tokens")
+    fc = parse_args(["--first-contact", "--device", "cpu", "--backend", "auto"])
+    before = parse_args(["--tiny", "--device", "cpu", "--backend", "auto", "--sections", "sampling_2_step",
+                         "--stock-sampling"])  # scripts/setup.sh's CPU command before --first-contact
+    assert [getattr(fc, f) for f in fields] == [getattr(before, f) for f in fields]
+    assert fc.first_contact_plan["job"] == "tiny_cpu" and fc.first_contact_plan["why"] == "no CUDA GPU"
+    assert before.first_contact_plan is None
+
+
+def test_first_contact_on_a_gpu_sets_two_blocks_of_the_pack_beside_stock(monkeypatch):
+    import torch
+
+    from benchmarks import h3_reference_run as run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (22 * GIB, 24 * GIB))  # a 24 GB card
+    a = run.parse_args(["--first-contact", "--device", "cuda", "--sections", "sampling_12_step"])
+    assert (a.device, a.layout, a.blocks, a.weights, a.sections, a.tiny) == ("cuda", "strided_nhd", 2, "bf16", [], False)
+    assert a.first_contact_plan["lengths"] == [37810, 8192] and not a.no_stock
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 * GIB, 8 * GIB))  # too little: the CPU job
+    small = run.parse_args(["--first-contact"])
+    assert (small.device, small.tiny, small.sections) == ("cpu", True, ["sampling_2_step"])
+    assert small.first_contact_plan["why"].startswith("5.0 GiB free; 37,810 tokens need 14 GiB")
+
+
+@pytest.mark.parametrize("extra", [["--checkpoint", "x.safetensors"], ["--peer-table"],
+                                   ["--variant", "x=strided_nhd:sdpa:exact"]])
+def test_first_contact_refuses_options_that_pick_another_run(extra, capsys):
+    from benchmarks.h3_reference_run import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--first-contact", "--device", "cpu", *extra])
+    assert "--first-contact picks its own run" in capsys.readouterr().err
+
+
+# The block job on the CPU: the harness's own main() with a tiny H3 and two tiny lengths standing in for
+# 37,810 and 8,192 tokens, and the GPU's free memory given (the plan is the real one, fed 20 GiB).
+FIRST_CONTACT_DRIVER = """
+import sys
+import benchmarks.h3_reference_run as run
+plan = run.first_contact_plan
+run.FIRST_CONTACT_SHAPES = {32: (64, 64, 5, 8), 110: (64, 64, 22, 8)}
+run.FIRST_CONTACT_NEEDS = {32: 1, 110: 1}
+run.first_contact_plan = lambda free: plan(20 * 2**30)
+sys.exit(run.main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def first_contact_run(tmp_path_factory):
+    host = require_host()
+    out = tmp_path_factory.mktemp("first_contact") / "first-run.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "H3_SAGE_QKV_LAYOUT")}
+    proc = subprocess.run([sys.executable, "-c", FIRST_CONTACT_DRIVER, "--first-contact", "--tiny", "--device", "cpu",
+                           "--backend", "sdpa", "--reps", "2", "--warmup", "1", "--comfyui", str(host), "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.is_file(), f"no report written (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc, json.loads(out.read_text())
+
+
+def test_first_contact_measures_each_format_at_each_length_beside_stock(first_contact_run):
+    proc, data = first_contact_run
+    assert proc.returncode == 0 and data["errors"] == {}, proc.stdout[-3000:] + proc.stderr[-3000:]
+    keys = [f"first_contact_{w}_{t}" for w in ("bf16", "int8_convrot") for t in (32, 110)]
+    assert data["sections_completed"] == keys
+    assert data["first_contact"]["job"] == "blocks" and data["layouts_measured"] == ["strided_nhd"]
+    for key in keys:
+        run = data[key]
+        assert run["packed_tokens"] == run["tokens_asked"] == int(key.rsplit("_", 1)[1])
+        assert run["weights"] == key[len("first_contact_"):].rsplit("_", 1)[0] and run["pack"] == "strided_nhd"
+        assert [b["block"] for b in run["blocks"]] == [0, 1]
+        for b in run["blocks"]:  # stock and the pack, timed and compared on the same captured input
+            assert b["stock_p50_seconds"] > 0 and b["strided_nhd_p50_seconds"] > 0
+            assert b["stock_vs_strided_nhd_bit_exact"] is True
+        assert run["pack_ran"].startswith("sdpa x")
+    assert data["model"]["source"].startswith("random int8_convrot weights") and data["model"]["blocks"] == 2
+    assert "reference_schema" not in data  # the block job's sections are its own, not the reference's
+
+
+def test_first_contact_prints_the_table_made_from_its_json(first_contact_run):
+    from benchmarks.report import first_contact_table
+
+    proc, data = first_contact_run
+    table = first_contact_table(data)
+    assert table in proc.stdout and proc.stdout.strip().splitlines()[-1].startswith("report: ")
+    rows = [line.split() for line in table.splitlines() if line.startswith(("bf16 ", "int8_convrot "))]
+    assert [r[:2] for r in rows] == [["bf16", "32"], ["bf16", "110"], ["int8_convrot", "32"], ["int8_convrot", "110"]]
+    for row in rows:  # each row's numbers are its section's: p50s averaged over the blocks, their ratio
+        blocks = data[f"first_contact_{row[0]}_{row[1]}"]["blocks"]
+        stock, pack = (sum(b[f"{n}_p50_seconds"] for b in blocks) for n in ("stock", "strided_nhd"))
+        assert row[2:6] == [f"{stock / 2 * 1e3:.2f}", f"{pack / 2 * 1e3:.2f}", f"{stock / pack:.3f}x", "yes"]
+        assert row[6:] == ["-", "/", "-"]  # no peak memory off CUDA
+    assert table.splitlines()[-1] == "lengths by memory: 20.0 GiB free"

@@ -14,7 +14,7 @@ from benchmarks import measure, results_table, schema
 from devkit.h3 import FULL_H3, packed_token_count
 from benchmarks.h3_reference_run import (REFERENCE_COPY, REFERENCE_KEYS_BY_SECTION, _section, parse_args,
                                          reference_for, validation_names)
-from benchmarks.report import Report, correctness_table, markdown_table, text_table
+from benchmarks.report import Report, correctness_table, first_contact_table, table_rows, text_table
 from benchmarks.sections import sampling_order
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,9 +128,9 @@ def test_report_is_written_after_each_section_and_keeps_errors(tmp_path):
 
 def test_tables_show_measured_numbers():
     data = reference_shaped_report()
-    md = markdown_table(data)
-    assert "| block 24 (p50) | - | 487.93 ms | 471.67 ms | 1.034x |" in md
-    assert "| kernel launches per block | - | 53 | 49 | -4 |" in md
+    rows = table_rows(data)
+    assert ("block 24 (p50)", "-", "487.93 ms", "471.67 ms", "1.034x") in rows
+    assert ("kernel launches per block", "-", "53", "49", "-4") in rows
     assert "12-step sampling" in text_table(data)
 
 
@@ -421,3 +421,54 @@ def test_the_docs_tables_are_what_their_regenerate_command_makes(tmp_path):
     finally:
         os.chdir(cwd)
     assert copy_of_doc.read_text() == text
+
+
+# --- --first-contact's table (the README's first command on a GPU) -----------------------------------------
+
+def first_contact_run(weights: str, stock_ms: tuple, pack_ms: tuple, same=(True, True), **extra) -> dict:
+    """One format-and-length section as the harness writes it: blocks 0 and 1, stock and strided_nhd."""
+    blocks = [{"block": i, "stock_p50_seconds": s / 1e3, "strided_nhd_p50_seconds": p / 1e3, "reps": 9,
+               "stock_vs_strided_nhd_bit_exact": eq, "stock_vs_strided_nhd_max_abs_difference": 0.0 if eq else 0.5,
+               "peak_extra_bytes": {"stock": (3 + i) * 2**30, "strided_nhd": (1 + i) * 2**30}}
+              for i, (s, p, eq) in enumerate(zip(stock_ms, pack_ms, same))]
+    return dict({"weights": weights, "packed_tokens": 37810, "pack": "strided_nhd", "blocks": blocks,
+                 "pack_ran": "sage2 x4", "int8_own_quantizer_calls": 0, "int8_stock_quantizer": []}, **extra)
+
+
+def first_contact_report(**sections) -> dict:
+    return {"first_contact": {"job": "blocks", "formats": ["bf16", "int8_convrot"], "lengths": [37810, 8192],
+                              "why": "79.1 GiB free"},
+            "device": "NVIDIA H100 80GB HBM3", "stock_attention": "attention_sage", "layout": "strided_nhd",
+            "attention_requested": "auto", "model": {"config": {"hidden_size": 5376, "num_attention_heads": 56,
+                                                                "attention_head_dim": 128}},
+            "errors": {}, **sections}
+
+
+def test_first_contact_table_gives_each_format_and_length_its_row_from_the_sections():
+    data = first_contact_report(first_contact_bf16_37810=first_contact_run("bf16", (60.0, 64.0), (50.0, 54.0)))
+    lines = first_contact_table(data).splitlines()
+    assert lines[0].startswith("H3 blocks 0 and 1 (hidden 5376, 56 heads x 128) on NVIDIA H100 80GB HBM3: stock ComfyUI "
+                               "(attention_sage) beside the pack (strided_nhd, back-end auto), p50 of 9 reps")
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in lines[4:8]}
+    # means of the blocks' p50s, the ratio of their sums (124 / 104), the largest peak of each variant
+    assert rows[("bf16", "37,810")] == ["62.00", "52.00", "1.192x", "yes", "4,096", "/", "2,048"]
+    assert rows[("bf16", "8,192")] == ["not", "run"]  # no section, no error: not reached
+    assert lines[-2:] == ["bf16: the pack ran sage2 x4", "lengths by memory: 79.1 GiB free"]
+
+
+def test_first_contact_table_says_which_outputs_differ_and_why_a_row_is_missing():
+    stock_q = [{"reason": "comfy-kitchen 0.2.40: not a release this route was written for", "count": 8}]
+    data = first_contact_report(
+        first_contact_int8_convrot_37810=first_contact_run("int8_convrot", (40.0, 40.0), (50.0, 30.0), same=(True, False),
+                                                           int8_stock_quantizer=stock_q))
+    data["errors"]["first_contact_int8_convrot_8192"] = {"error": "OutOfMemoryError: CUDA out of memory", "traceback": ""}
+    text = first_contact_table(data)
+    row = next(line for line in text.splitlines() if line.startswith("int8_convrot") and "37,810" in line)
+    assert row.split()[2:7] == ["40.00", "40.00", "1.000x", "no", "(max"] and "max abs 0.5" in row
+    assert "int8_convrot   8,192  not run: OutOfMemoryError: CUDA out of memory" in text
+    assert ("int8_convrot: the pack ran sage2 x4; its int8 linears kept stock's quantiser: comfy-kitchen 0.2.40: "
+            "not a release this route was written for") in text
+    no_peaks = first_contact_run("bf16", (1.0, 1.0), (1.0, 1.0))
+    for block in no_peaks["blocks"]:
+        block["peak_extra_bytes"] = {"stock": None, "strided_nhd": None}  # off CUDA
+    assert first_contact_table(first_contact_report(first_contact_bf16_37810=no_peaks)).splitlines()[4].endswith("- / -")
