@@ -117,10 +117,10 @@ class InstalledPatch:
             self.report.finish_run()
 
     def _vet_backends(self, device) -> None:
-        """Each back-end checks itself on the model's device (once a process) before the model forward runs, so
-        SageAttention's self-test allocates nothing inside a block or a graph the Comfy Compiler records."""
+        """Each chain's back-ends check themselves on the model's device (once a process), in order up to the first
+        that can run there, as a first call would, but before the model forward: SageAttention's self-test then
+        allocates nothing inside a block or a graph the Comfy Compiler records."""
         if device is None:
             return
         for chain in (self.plan.default, *self.plan.chains.values()):
-            for backend in chain.backends:
-                backend.available(device)
+            next((b for b in chain.backends if b.available(device)), None)

@@ -366,6 +366,9 @@ def test_backends_check_themselves_on_the_models_device_before_the_model_runs(pa
             events.append(("sampled", None))
             return "latent"
 
+    fa4 = pack.kernels.BACKENDS["fa4"]
+    monkeypatch.delitem(fa4.__dict__, "_availability", raising=False)  # its import may cost seconds: never asked
+    monkeypatch.setattr(type(fa4), "_check_available", lambda self: pytest.fail("a back-end after sdpa was probed"))
     assert outer_sample_wrapper(pack, clone)(Executor()) == "latent"
     assert events == [("checked", str(clone.load_device)), ("sampled", None)]
 
