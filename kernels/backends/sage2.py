@@ -8,7 +8,9 @@ import torch
 
 from .. import sage2_quant
 from ..offsets import token_chunks
+from . import sage2_binding
 from .base import INT32_MAX_OFFSET, YES, AttentionBackend, Prepared, Verdict, cuda_capability, no
+from .sage2_selftest import self_test
 
 SUPPORTED_CAPABILITIES = {(8, 0), (8, 6), (8, 9), (9, 0), (12, 0), (12, 1)}
 # sm90's TMA descriptors take int32 strides (past 2**31 the process aborts): head chunks keep them below.
@@ -60,8 +62,6 @@ class Sage2Backend(AttentionBackend):
         """Trusted on a device once the binding probe and the numerical self-test have passed there."""
         if device.type not in SELF_TESTED_DEVICES:
             return YES
-        from .sage2_selftest import self_test  # imports this module: loaded on first use
-
         return self_test(self, device)
 
     def __call__(self, q, k, v, *, layout, scale=None, mask=None):
@@ -82,7 +82,7 @@ class Sage2Backend(AttentionBackend):
             return no("too_long", f"S*H*D = {s * h * d} passes the sm90 kernel's 32-bit output offsets")
         if sage2_quant.TRITON_ERROR:
             return no("not_installed", sage2_quant.TRITON_ERROR)
-        op, reason = _sm90_attention_op()
+        op, reason = sage2_binding.sm90_attention_op()
         return YES if op is not None else no("not_installed", reason)
 
     def prepare(self, q, k, v, *, mode="exact", scale=None) -> Prepared:
@@ -126,7 +126,7 @@ class Sage2Backend(AttentionBackend):
 
     def attend(self, prepared: Prepared, out=None) -> torch.Tensor:
         """SageAttention 2's sm90 kernel on prepared operands -> contiguous NHD [1, S, H, 128] (``out`` if given)."""
-        op, reason = _sm90_attention_op()
+        op, reason = sage2_binding.sm90_attention_op()
         if op is None:
             raise RuntimeError(reason)
         p, s, h, d = prepared.operands, prepared.seq, prepared.heads, prepared.head_dim
@@ -142,30 +142,6 @@ class Sage2Backend(AttentionBackend):
             op(qv, kv, vv, ov, p["q_scale"][:, h0:h1], p["k_scale"][:, h0:h1], p["v_scale"][:, h0:h1],
                0, 0, 3, prepared.sm_scale, 0)
         return out
-
-
-_SM90_OP: list = []  # [(op or None, reason)], filled on first use (a plain list: torch.compile reads it)
-
-
-def _sm90_attention_op():
-    """SageAttention 2's registered sm90 op, or (None, reason). Imported once."""
-    if not _SM90_OP:
-        try:
-            importlib.import_module("sageattention.sm90_compile")
-            _SM90_OP.append((torch.ops.sageattention_sm90.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf, ""))
-        except Exception as exc:
-            _SM90_OP.append((None, "SageAttention's compiled sm90 kernel is not importable "
-                                   f"({type(exc).__name__}: {exc})"))
-    return _SM90_OP[0]
-
-
-def on_sm90(device) -> bool:
-    """Whether ``device`` is an sm90 GPU: there ``sageattn`` and the prepared path run SageAttention's sm90 kernel."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return False
-    with torch.cuda.device(device):
-        return cuda_capability() == (9, 0)
 
 
 def head_chunks(seq: int, heads: int, head_dim: int = 128) -> tuple:

@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import sage2_quant
-from . import sage2
+from . import sage2_binding
 from .base import YES, Verdict, no
 
 log = logging.getLogger("sage_strided_nhd")
 
-SM90_OP = "qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf"
+SM90_OP = sage2_binding.SM90_OP
 # Its arguments in the order ``Sage2Backend.attend`` passes them, as SageAttention registers the op; one return.
 SM90_ARGS = ("query", "key", "value", "output", "query_scale", "key_scale", "value_scale", "tensor_layout",
              "is_causal", "qk_quant_gran", "sm_scale", "return_lse")
@@ -73,9 +73,9 @@ def probe(backend, device) -> str:
         missing = [name for name in SAGEATTN_KEYWORDS if name not in params]
         if missing:
             return f"sageattn takes no {', '.join(missing)}"
-    if not sage2.on_sm90(device):
+    if not sage2_binding.on_sm90(device):
         return ""
-    op, _ = sage2._sm90_attention_op()  # None: the prepared path is off, and says why
+    op, _ = sage2_binding.sm90_attention_op()  # None: the prepared path is off, and says why
     binding = getattr(sys.modules.get("sageattention.sm90_compile"), SM90_OP, None)
     if inspect.isfunction(binding):  # the release tag's fake implementation took the op's name; sageattn calls it
         return (f"sageattention.sm90_compile.{SM90_OP} is a plain function, not the registered op: a SageAttention "
@@ -118,7 +118,7 @@ def entry_points(backend, device) -> dict:
         "sageattn NHD by head chunks": lambda q, k, v: _by_head_chunks(
             lambda *t: backend(*t, layout="NHD", scale=SCALE), q, k, v),
     }
-    if sage2.on_sm90(device) and sage2_quant.TRITON_ERROR is None and sage2._sm90_attention_op()[0] is not None:
+    if sage2_binding.on_sm90(device) and sage2_quant.TRITON_ERROR is None and sage2_binding.sm90_attention_op()[0] is not None:
         for mode in sage2_quant.MODES:
             calls[f"sm90 binding, prepared {mode}"] = lambda q, k, v, mode=mode: _prepared(backend, mode, q, k, v)
     return calls

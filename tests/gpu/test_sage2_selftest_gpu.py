@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from comfyui_sage_strided_nhd.kernels.backends import BACKENDS, sage2, sage2_selftest
+from comfyui_sage_strided_nhd.kernels.backends import BACKENDS, sage2, sage2_binding, sage2_selftest
 from comfyui_sage_strided_nhd.kernels.chain import BackendChain
 
 
@@ -64,7 +64,7 @@ def test_probe_and_self_test_pass_on_this_install_and_their_cost_is_printed(devi
     errors = sage2_selftest.measure(fresh_backend(), device)
     expected = set(sage2_selftest.entry_points(fresh_backend(), device))
     assert set(errors) == expected and len(expected) >= 3, errors
-    if sage2.on_sm90(device) and sage2._sm90_attention_op()[0] is not None:
+    if sage2_binding.on_sm90(device) and sage2_binding.sm90_attention_op()[0] is not None:
         assert {f"sm90 binding, prepared {m}" for m in ("exact", "rotated")} <= set(errors), errors
     print(f"sage2 self-test: {first_ms:.0f} ms first call in the process (JIT included), {again_ms:.0f} ms once "
           f"compiled; peak GPU memory +{first_mib:.1f} / +{again_mib:.1f} MiB; {len(errors)} entry points, worst "
@@ -81,7 +81,7 @@ def _release_tag_binding(query, key, value, output, query_scale, key_scale, valu
 
 @pytest.fixture
 def release_tag_binding(device, monkeypatch):
-    if not sage2.on_sm90(device):
+    if not sage2_binding.on_sm90(device):
         pytest.skip("the release tag's binding is sm90's (H100/H200)")
     try:
         compiled = importlib.import_module("sageattention.sm90_compile")

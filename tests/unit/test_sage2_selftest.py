@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from comfyui_sage_strided_nhd.kernels import sage2_quant
-from comfyui_sage_strided_nhd.kernels.backends import sage2, sage2_selftest
+from comfyui_sage_strided_nhd.kernels.backends import sage2, sage2_binding, sage2_selftest
 from comfyui_sage_strided_nhd.kernels.backends.base import YES, AttentionBackend, no
 from comfyui_sage_strided_nhd.kernels.backends.sdpa import SdpaBackend
 from comfyui_sage_strided_nhd.kernels.chain import BackendChain
@@ -125,9 +125,9 @@ def install(monkeypatch):
         monkeypatch.setitem(sys.modules, "sageattention.sm90_compile", compiled)
         monkeypatch.setattr(sage2, "installed_sageattention", lambda: (module, 2))
         monkeypatch.setattr(sage2, "cuda_capability", lambda: (9, 0))
-        monkeypatch.setattr(sage2, "on_sm90", lambda device: sm90)
+        monkeypatch.setattr(sage2_binding, "on_sm90", lambda device: sm90)
         monkeypatch.setattr(sage2, "SELF_TESTED_DEVICES", ("cuda", "cpu"))
-        monkeypatch.setattr(sage2, "_sm90_attention_op", lambda: (OPS[op], ""))
+        monkeypatch.setattr(sage2_binding, "sm90_attention_op", lambda: (OPS[op], ""))
         # the Triton passes' bits (tests/unit/test_sage2_quant.py) without the interpreter
         monkeypatch.setattr(sage2_quant, "quantize_operands", sage2_oracle.prepare_reference)
         backend = sage2.Sage2Backend()
