@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from .triton_support import exact_device
+
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
@@ -95,11 +97,3 @@ class ReleaseCheck:
         except Exception as exc:  # the device itself failing: stock's call is the safe answer
             problem = f"{type(exc).__name__}: {exc}"
         return Decision(problem, time.perf_counter() - start)
-
-
-def exact_device(device) -> torch.device:
-    """``device`` as a ``torch.device`` with its index (a bare "cuda": the current one)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device

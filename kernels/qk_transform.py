@@ -5,11 +5,9 @@ the rotations once per group of heads. Elsewhere comfy-kitchen runs. Offsets are
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
-
 import torch
 
+from . import int8_linear
 from .triton_support import hardware_bf16, interpreting, round_bf16, tl, triton
 
 if triton is not None:
@@ -192,13 +190,9 @@ def norm_rope_pass(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q
                             HW_BF16=hardware_bf16(q.device), num_warps=NORM_ROPE_WARPS)
 
 
-@functools.cache
 def release_checked() -> bool:
-    """Whether the installed comfy-kitchen is one of ``KITCHEN_RELEASES`` (asked once a process)."""
-    try:
-        return importlib.metadata.version("comfy-kitchen") in KITCHEN_RELEASES
-    except importlib.metadata.PackageNotFoundError:
-        return False
+    """Whether the installed comfy-kitchen (read once a process, by ``int8_linear``) is one of ``KITCHEN_RELEASES``."""
+    return int8_linear.installed_release()[0] in KITCHEN_RELEASES
 
 
 def norm_rope(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,

@@ -28,11 +28,19 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def exact_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` with its index (a bare "cuda": the current one)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def hardware_bf16(device: torch.device) -> bool:
     """Whether ``round_bf16`` may use the GPU's conversion: not interpreted, not on ROCm, sm80+."""
     if interpreting() or device.type != "cuda" or torch.version.hip is not None:
         return False
-    return _capability(torch.cuda.current_device() if device.index is None else device.index) >= HW_BF16_MIN_CAPABILITY
+    return _capability(exact_device(device).index) >= HW_BF16_MIN_CAPABILITY
 
 
 def per_token_params(h: torch.Tensor, *params: torch.Tensor) -> bool:

@@ -177,7 +177,8 @@ def _set_arguments(extended: dict) -> dict:
     unknown = sorted(set(extended) - set(EXTENDED_DEFAULTS))
     if unknown:
         raise TypeError(f"int8_layers.call got unexpected argument(s) {', '.join(unknown)}")
-    return {k: v for k, v in extended.items() if v is not None and not (k == "act_eps" and v == 0.0)}
+    return {k: v for k, v in extended.items()
+            if not (v is None if EXTENDED_DEFAULTS[k] is None else v == EXTENDED_DEFAULTS[k])}
 
 
 def _stock(layer, x, input_act=None, **extra):

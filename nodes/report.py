@@ -216,11 +216,8 @@ KITCHEN_ROUTES = {"verified": "verified for the int8 route", "self_checked": "pa
 
 def kitchen_status() -> dict:
     """comfy-kitchen's release and what it means for the int8 route (``kernels.kitchen_release_status``)."""
-    ask = getattr(kernels, "kitchen_release_status", None)
-    if ask is None:
-        return {"release": None, "route": "stock", "reason": "this pack cannot tell comfy-kitchen's release"}
     try:
-        return dict(ask())
+        return dict(kernels.kitchen_release_status())
     except Exception as exc:  # a report never fails the sampling run
         return {"release": None, "route": "stock", "reason": f"asking for comfy-kitchen's release raised "
                                                              f"{type(exc).__name__}: {exc}"}

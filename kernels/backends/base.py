@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from ..triton_support import exact_device
+
 INT32_MAX_OFFSET = 2**31 - 1
 
 # How a back-end is handed q/k/v, [B, S, H, D] or [B, H, S, D]; not the dataflow's layouts (kernels.LAYOUTS).
@@ -111,9 +113,7 @@ class AttentionBackend:
 
     def device_verdict(self, device) -> Verdict:
         """Is this back-end trusted on ``device``? Checked once per process and device (``_check_device``)."""
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = exact_device(device)
         verdicts = self.__dict__.setdefault("_device_verdicts", {})
         if str(device) not in verdicts:
             verdicts[str(device)] = self._check_device(device)

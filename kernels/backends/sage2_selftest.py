@@ -118,7 +118,8 @@ def entry_points(backend, device) -> dict:
         "sageattn NHD by head chunks": lambda q, k, v: _by_head_chunks(
             lambda *t: backend(*t, layout="NHD", scale=SCALE), q, k, v),
     }
-    if sage2_binding.on_sm90(device) and sage2_quant.TRITON_ERROR is None and sage2_binding.sm90_attention_op()[0] is not None:
+    if (sage2_binding.on_sm90(device) and sage2_quant.TRITON_ERROR is None
+            and sage2_binding.sm90_attention_op()[0] is not None):
         for mode in sage2_quant.MODES:
             calls[f"sm90 binding, prepared {mode}"] = lambda q, k, v, mode=mode: _prepared(backend, mode, q, k, v)
     return calls
