@@ -67,7 +67,10 @@ def compile_launch(launch: triton_targets.Launch, arch: int):
     attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(signature.values()) if ty.startswith("*")}
     source = triton.compiler.ASTSource(fn, signature, dict(launch.constexprs), attrs)
     try:
-        kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": launch.num_warps})
+        options = {"num_warps": launch.num_warps}
+        if launch.num_stages is not None:
+            options["num_stages"] = launch.num_stages
+        kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as exc:  # the build's own failure is the result
         return 0, _root_message(exc)
     return len(kernel.asm["cubin"]), ""

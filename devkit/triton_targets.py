@@ -38,10 +38,11 @@ class Launch:
     constexprs: tuple  # ((name, value), ...): the constexpr arguments, in order
     num_warps: int
     label: str = ""    # what launches it (not part of the comparison)
+    num_stages: int | None = None  # the software pipeline's depth where the launch sets it (else Triton's default)
 
     @property
     def key(self) -> tuple:
-        return self.module, self.kernel, self.signature, self.constexprs, self.num_warps
+        return self.module, self.kernel, self.signature, self.constexprs, self.num_warps, self.num_stages
 
     @property
     def name(self) -> str:
@@ -148,8 +149,32 @@ def block_pass_launches(cc: int) -> list[Launch]:
     return out
 
 
+def _gemm_tiling(cc: int):
+    """The int8 GEMM's tiling on ``cc``: its declared one, or (where the runtime does not launch it) the first one
+    declared, to show whether it builds there."""
+    mod = submodule("kernels.int8_gemm")
+    return mod.CONFIGS.get(divmod(cc, 10), next(iter(mod.CONFIGS.values())))
+
+
+def _gemm_launch(cc: int, bias: bool, per_column: bool = False) -> Launch:
+    cfg = _gemm_tiling(cc)
+    sig = ((("a_desc", f"tensordesc<i8[{cfg.block_m}, {cfg.block_k}]>"),
+            ("b_desc", f"tensordesc<i8[{cfg.block_n}, {cfg.block_k}]>"), ("out_ptr", "*bf16"))
+           + tuple(_types("x_scale_ptr w_scale_ptr", "*fp32")) + (("bias_ptr", "*bf16" if bias else "*fp32"),)
+           + tuple(_types("M N K NUM_PROGRAMS", "i32")))
+    consts = (("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n), ("BLOCK_K", cfg.block_k), ("GROUP_M", cfg.group_m),
+              ("SCALE_PER_COLUMN", per_column), ("HAS_BIAS", bias), _flag("EMULATE", cc))
+    return Launch("int8_gemm", "_int8_gemm_kernel", sig, consts, cfg.warps,
+                  "with a bias" if bias else "no bias", cfg.stages)
+
+
+def int8_gemm_launches(cc: int) -> list[Launch]:
+    """The int8 route's GEMM (tensor-wise weight scale), with and without a bias."""
+    return [_gemm_launch(cc, bias) for bias in (False, True)]
+
+
 # the runtime's Triton passes: each gives its launches on an architecture
-PASSES = (int8_quantiser_launches, norm_rope_launches, sage2_prep_launches, block_pass_launches)
+PASSES = (int8_quantiser_launches, norm_rope_launches, sage2_prep_launches, block_pass_launches, int8_gemm_launches)
 
 
 def declared(cc: int) -> list[Launch]:
@@ -187,8 +212,14 @@ def _sage2_prepared_gate(arch: int) -> Gate | None:
     return Gate(verdict.reason) if not verdict.ok and verdict.code == "gpu_arch" else None
 
 
+def _int8_gemm_gate(arch: int) -> Gate | None:
+    why = submodule("kernels.int8_gemm").capability_problem(divmod(arch, 10))
+    return Gate(why) if why else None
+
+
 GATES = {  # kernels module -> the runtime's architecture gate of the pass it holds (None: launched there)
     "sage2_quant": _sage2_prepared_gate,
+    "int8_gemm": _int8_gemm_gate,
 }
 
 
@@ -234,7 +265,8 @@ def _recorder(module: str, kernel, launches: list):
         values = signature.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params}).arguments
         launches.append(Launch(module, kernel.fn.__name__,
                                tuple((n, mangle_type(values[n])) for n in params if n not in constexpr),
-                               tuple((n, values[n]) for n in params if n in constexpr), kwargs.get("num_warps", 4)))
+                               tuple((n, values[n]) for n in params if n in constexpr), kwargs.get("num_warps", 4),
+                               num_stages=kwargs.get("num_stages")))
         return run(*args, grid=grid, warmup=warmup, **kwargs)
     return recording_run
 
@@ -256,6 +288,11 @@ def recorded_launches():
 
 
 def on_gpu(launch: Launch, cc: int) -> Launch:
-    """``launch`` as the same call makes it on a GPU of compute capability ``cc`` (``GPU_FLAGS``)."""
+    """``launch`` as the same call makes it on a GPU of compute capability ``cc`` (``GPU_FLAGS``; the int8 GEMM
+    takes its GPU tiling, not the interpreter's small one)."""
     consts = tuple((n, GPU_FLAGS[n](cc) if n in GPU_FLAGS else v) for n, v in launch.constexprs)
+    if launch.kernel == "_int8_gemm_kernel":
+        consts_d = dict(consts)
+        gpu = _gemm_launch(cc, consts_d["HAS_BIAS"], consts_d["SCALE_PER_COLUMN"])
+        return replace(gpu, label="")
     return replace(launch, constexprs=consts)

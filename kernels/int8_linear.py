@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from . import int8_activation, int8_release_check
+from . import int8_activation, int8_gemm, int8_release_check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +163,15 @@ def int8_weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Ten
 
 def gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias,
          out_dtype: torch.dtype) -> torch.Tensor | None:
+    """The int8 GEMM with the bits of comfy-kitchen's CUTLASS GEMM: the pack's (kernels/int8_gemm.py) where it runs
+    on the device, else comfy-kitchen's own; None where CUTLASS declines the shape."""
+    if out_dtype == torch.bfloat16 and int8_gemm.gemm_problem(xq.device, xq.shape[1]) is None:
+        return int8_gemm.int8_gemm(xq, x_scale, qdata, w_scale, bias)
+    return kitchen_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype)
+
+
+def kitchen_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias,
+                 out_dtype: torch.dtype) -> torch.Tensor | None:
     """comfy-kitchen's CUTLASS int8 GEMM as its ``int8_linear`` calls it; None where CUTLASS declines the shape."""
     cuda, why = kitchen_cuda()
     if cuda is None:
@@ -243,6 +252,15 @@ def kitchen_release_status(device=None) -> dict:
         on_cuda = device is not None and torch.device(device).type == "cuda"
         why = release_problem(torch.device(device)) if on_cuda else "no CUDA device to self-check the release on"
     return {"release": version, "route": "stock" if why else "verified" if verified else "self_checked", "reason": why}
+
+
+def gemm_status(device=None) -> dict:
+    """For the report: ``{"kernel": "pack" | "comfy_kitchen", "reason": why comfy-kitchen's GEMM runs, or None}``, for
+    the int8 route's GEMM on ``device`` (default: the current CUDA device)."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    why = int8_gemm.gemm_problem(torch.device(device), int8_gemm.K_ALIGN)
+    return {"kernel": "comfy_kitchen" if why else "pack", "reason": why}
 
 
 class GemmDeclined(RuntimeError):

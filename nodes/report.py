@@ -39,6 +39,7 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "int8_stock_quantizer": [{"reason": "...", "count": 8}],   # int8 ConvRot linear calls left to stock's, and why
       "comfy_kitchen": null | {"release": "0.2.40" | null, "route": "verified" | "self_checked" | "stock",
                                "reason": null | "..."},   # its release and the int8 route, when int8 linears ran
+      "int8_gemm": null | {"kernel": "pack" | "comfy_kitchen", "reason": null | "..."},  # the route's GEMM, and why
       "notes": [{"code": "sparse_composed", "text": "..."}],   # decisions taken at patching or sampling start
       "messages": ["..."]                  # human-readable lines (also logged)
     }
@@ -146,6 +147,7 @@ class RunReport:
              "compile_events": list(self.compile_events), "int8_own_quantizer_calls": self.int8_own,
              "int8_stock_quantizer": _rows(self.int8_stock, ("reason",)),
              "comfy_kitchen": kitchen_status() if self.int8_own or self.int8_stock else None,
+             "int8_gemm": gemm_status() if self.int8_own else None,
              "notes": list(self.notes)}
         p["messages"] = _messages(p)
         return p
@@ -202,6 +204,8 @@ def _messages(p: dict) -> list[str]:
               for r in p["int8_stock_quantizer"]]
     if p["comfy_kitchen"] is not None:
         lines.append(kitchen_line(p["comfy_kitchen"]))
+    if p["int8_gemm"] is not None:
+        lines.append(gemm_line(p["int8_gemm"]))
     lines += [f"compiled {e.get('backend')} kernel {e.get('key')} in {e.get('seconds')} s" for e in p["compile_events"]]
     if p["attention_calls"]:
         lines.append(f"copies made by the pack's dataflow: {p['copies_per_call']} per call")
@@ -228,6 +232,23 @@ def kitchen_line(status: dict) -> str:
     release = status.get("release") or "(release unknown)"
     route = KITCHEN_ROUTES.get(status.get("route"), f"int8 route {status.get('route')}")
     return f"comfy-kitchen {release}: {route}" + (f" ({status['reason']})" if status.get("reason") else "")
+
+
+GEMM_KERNELS = {"pack": "the pack's (Triton)", "comfy_kitchen": "comfy-kitchen's CUTLASS"}
+
+
+def gemm_status() -> dict:
+    """The int8 route's GEMM on the current device (``kernels.gemm_status``)."""
+    try:
+        return dict(kernels.gemm_status())
+    except Exception as exc:  # a report never fails the sampling run
+        return {"kernel": "comfy_kitchen", "reason": f"asking for the int8 GEMM raised {type(exc).__name__}: {exc}"}
+
+
+def gemm_line(status: dict) -> str:
+    """"int8 GEMM: the pack's (Triton)" or "int8 GEMM: comfy-kitchen's CUTLASS (why)"."""
+    kernel = GEMM_KERNELS.get(status.get("kernel"), str(status.get("kernel")))
+    return f"int8 GEMM: {kernel}" + (f" ({status['reason']})" if status.get("reason") else "")
 
 
 def _prompt_server():

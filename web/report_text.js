@@ -56,6 +56,12 @@ export const KITCHEN_ROUTE_LABELS = {
   stock: "int8 route off: stock's quantiser runs",
 };
 
+// Which int8 GEMM the route ran (nodes/report.py: GEMM_KERNELS has the same keys).
+export const GEMM_KERNEL_LABELS = {
+  pack: "the pack's (Triton)",
+  comfy_kitchen: "comfy-kitchen's CUTLASS",
+};
+
 const MAX_SHORT_REASON_CHARS = 40;
 
 function text(value, fallback = "?") {
@@ -198,6 +204,13 @@ export function formatReport(report) {
   if (kitchen) lines.push(kitchen);
   if (kitchen && r.comfy_kitchen.reason) {
     details.push(`${r.comfy_kitchen.route === "stock" ? "why the int8 route is off" : "comfy-kitchen"}: ${text(r.comfy_kitchen.reason)}`);
+  }
+
+  const gemm = r.int8_gemm;
+  if (gemm && typeof gemm === "object" && !Array.isArray(gemm)) {
+    const kernel = Object.hasOwn(GEMM_KERNEL_LABELS, gemm.kernel) ? GEMM_KERNEL_LABELS[gemm.kernel] : text(gemm.kernel);
+    lines.push(`int8 GEMM: ${kernel}`);
+    if (gemm.reason) details.push(`why comfy-kitchen's int8 GEMM runs: ${text(gemm.reason)}`);
   }
 
   // one attention call per block on the H3 path, per call of the model on the override path

@@ -6,7 +6,7 @@ import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 
 import {
-  KEYS_NOT_SHOWN, KITCHEN_ROUTE_LABELS, REASON_LABELS, STATUS_VISIBLE_LINES, formatBackendsRan, formatError,
+  GEMM_KERNEL_LABELS, KEYS_NOT_SHOWN, KITCHEN_ROUTE_LABELS, REASON_LABELS, STATUS_VISIBLE_LINES, formatBackendsRan, formatError,
   formatKitchen, formatPrepared, formatReport,
   pickNodeForReport, reportState, shortReason, sortOurTemplates,
 } from "../../web/report_text.js";
@@ -41,6 +41,7 @@ const REPORT = {
   int8_own_quantizer_calls: 0,
   int8_stock_quantizer: [],
   comfy_kitchen: null,
+  int8_gemm: null,
   notes: [],
   messages: ["MiniMaxH3: 50 H3 blocks + 2 refiner blocks, layout strided_nhd, back-end requested auto"],
 };
@@ -179,6 +180,16 @@ test("int8 reasons are whole in the details, and comfy-kitchen's release says wh
   assert.ok(!formatReport(REPORT).some((l) => l.startsWith("comfy-kitchen")));
 });
 
+test("the int8 route's GEMM: which kernel ran, and why comfy-kitchen's where it did", () => {
+  const why = "measured faster than comfy-kitchen's GEMM only on sm90, not on this sm89 GPU";
+  const pack = formatReport({ ...REPORT, int8_own_quantizer_calls: 800, int8_gemm: { kernel: "pack", reason: null } });
+  assert.ok(pack.includes(`int8 GEMM: ${GEMM_KERNEL_LABELS.pack}`), show(pack));
+  const kitchen = formatReport({ ...REPORT, int8_own_quantizer_calls: 800, int8_gemm: { kernel: "comfy_kitchen", reason: why } });
+  assert.ok(kitchen.includes(`int8 GEMM: ${GEMM_KERNEL_LABELS.comfy_kitchen}`), show(kitchen));
+  assert.ok(kitchen.includes(`why comfy-kitchen's int8 GEMM runs: ${why}`), show(kitchen));
+  assert.ok(!formatReport(REPORT).some((l) => l.startsWith("int8 GEMM")));
+});
+
 test("prepared and prepared_skipped lines", () => {
   assert.equal(formatPrepared([{ backend: "sage2", mode: "exact", calls: 100 }]), "sage2 exact ×100");
   assert.equal(formatPrepared([{ backend: "sage2", mode: "fused", calls: 90 }, { backend: "sage2", mode: "rotated", calls: 0 },
@@ -284,6 +295,7 @@ test("the longest report keeps every piece of information and needs the box to s
     assert.ok(lines.includes(`why no ${s.backend} prepared path: ${s.reason}`), s.reason);
   }
   for (const n of LONGEST.notes) assert.ok(lines.includes(`note: ${n.text}`), n.text);
+  assert.ok(lines.includes(`why comfy-kitchen's int8 GEMM runs: ${LONGEST.int8_gemm.reason}`), all);
   for (const e of LONGEST.compile_events) assert.ok(all.includes(e.key), e.key);
   assert.ok(lines.includes("split over heads: up to 3 chunks (int32 offsets)"));
   assert.ok(lines.includes("handed back to ComfyUI attention: ×7"));

@@ -33,7 +33,7 @@ def _needs_triton():
 
 # Each pass at H3's widths, head_dim and rope prefix (FULL_H3), with few rows: no constexpr depends on the row count.
 INTERPRETED = r"""
-    from comfyui_sage_strided_nhd.kernels import h3_block, int8_activation, qk_transform, sage2_quant
+    from comfyui_sage_strided_nhd.kernels import h3_block, int8_activation, int8_gemm, qk_transform, sage2_quant
     from devkit import triton_targets
     from devkit.h3 import FULL_H3
     from devkit.rope import make_rope_table
@@ -50,6 +50,9 @@ INTERPRETED = r"""
             h3_block.scale_shift_(bf16(2, hidden), bf16(*params), bf16(*params))
             h3_block.gated_residual_(bf16(2, hidden), bf16(2, hidden), bf16(*params))
         h3_block.swiglu(bf16(2, 2 * ffn))
+        for bias in (None, bf16(48)):  # the route's GEMM: tensor-wise scale, with and without a bias
+            xq, w = torch.ones(3, 64, dtype=torch.int8), torch.ones(48, 64, dtype=torch.int8)
+            int8_gemm.int8_gemm(xq, torch.ones(3, 1), w, torch.tensor(1e-3), bias)
         rot = triton_targets.ROPE_AXES * 2 * FULL_H3["rope_inv_freq_len"]
         for table_dtype in (torch.bfloat16, torch.float32):
             qkv = bf16(1, 16, 3, 2, d)  # 16 tokens, 2 heads: strided views of one fused buffer

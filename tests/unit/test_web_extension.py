@@ -172,3 +172,9 @@ def test_kitchen_route_labels_cover_the_reports_routes():
     routes = python_dict_constant(ROOT / "nodes" / "report.py", "KITCHEN_ROUTES")
     labels = set(re.findall(r"^  (\w+): \"", js_object_block(JS["report_text.js"], "KITCHEN_ROUTE_LABELS"), re.M))
     assert labels and labels == set(routes), (sorted(labels), sorted(routes))
+
+
+def test_gemm_kernel_labels_cover_the_reports_kernels():
+    kernels = python_dict_constant(ROOT / "nodes" / "report.py", "GEMM_KERNELS")
+    labels = set(re.findall(r"^  (\w+): \"", js_object_block(JS["report_text.js"], "GEMM_KERNEL_LABELS"), re.M))
+    assert labels and labels == set(kernels), (sorted(labels), sorted(kernels))

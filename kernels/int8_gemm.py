@@ -1,0 +1,231 @@
+"""The pack's int8 GEMM for int8 tensor-wise (ConvRot) linears: ``out = bf16(fma(acc * x_scale, w_scale, bias))``,
+the bits of comfy-kitchen's CUTLASS epilogue, where ``acc`` is the exact int32 sum of int8 rows times int8 weight
+rows (the order of those fp32 steps was read off the CUTLASS kernel's outputs on an H100).
+
+A persistent Triton kernel: each program walks output tiles (grouped along M for L2 reuse), both operands arrive
+through TMA descriptors (out-of-bounds reads are zeros, so edge tiles need no masks and the sums stay exact), the
+int32 accumulator sits in registers across K. int32 sums are exact in any order, so the tiling is free; only the
+epilogue's fp32 steps fix the bits, and they follow the CUTLASS kernel's (``EPILOGUE``). It runs where it was
+measured faster than comfy-kitchen's GEMM (``CONFIGS``, per compute capability); elsewhere the caller keeps stock's.
+Element offsets of the output are int64; TMA coordinates are element indices (< 2**31 rows and columns)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from .triton_support import TRITON_ERROR, exact_device, interpreting, round_bf16, tl, triton
+
+LIB = "sage_strided_nhd"
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One tiling of the kernel: output tile, K step, pipeline depth, warps, M tiles per L2 group."""
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    warps: int
+    group_m: int = 8
+
+
+# Measured faster than comfy-kitchen's CUTLASS int8 GEMM at H3's four linears (docs/BENCHMARKS.md); a GPU not named
+# here keeps comfy-kitchen's GEMM.
+CONFIGS = {(9, 0): GemmConfig(block_m=128, block_n=256, block_k=128, stages=3, warps=8)}
+# Small tiles under the interpreter: the CPU tests' shapes cross several tiles in every dimension.
+INTERPRETER_CONFIG = GemmConfig(block_m=32, block_n=32, block_k=32, stages=1, warps=4, group_m=2)
+K_ALIGN = 16  # TMA: the row pitch of an int8 operand must be a multiple of 16 bytes
+
+
+if triton is not None:
+    @triton.jit
+    def _mul_rn(a, b, EMULATE: tl.constexpr):
+        """``a * b`` rounded on its own: ``.rn`` keeps the compiler from contracting it into an FMA."""
+        if EMULATE:
+            return a * b
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _fma_rn(a, b, c, EMULATE: tl.constexpr):
+        """``a * b + c`` rounded once. Emulated in fp64: the product is exact there, and the sum rounds to fp32 as
+        the FMA does but where it lands exactly halfway between two fp32 values after the fp64 rounding (not
+        reached by products of an int32 sum and a scale plus a bf16 bias: checked on the GPU in tests/gpu)."""
+        if EMULATE:
+            return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
+        return tl.fma(a, b, c)
+
+    @triton.jit
+    def _int8_gemm_kernel(a_desc, b_desc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, NUM_PROGRAMS,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr, SCALE_PER_COLUMN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          EMULATE: tl.constexpr):
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        tiles_per_group = GROUP_M * tiles_n
+        k_steps = tl.cdiv(K, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS, flatten=True):
+            # GROUP_M row tiles share each column tile's weights while they are in L2
+            first_m = (tile // tiles_per_group) * GROUP_M
+            group_rows = min(tiles_m - first_m, GROUP_M)
+            row0 = (first_m + (tile % tiles_per_group) % group_rows) * BLOCK_M
+            col0 = ((tile % tiles_per_group) // group_rows) * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            for ks in range(k_steps):
+                a = a_desc.load([row0, ks * BLOCK_K])
+                b = b_desc.load([col0, ks * BLOCK_K])
+                acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+            rows = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
+            cols = col0.to(tl.int64) + tl.arange(0, BLOCK_N)
+            row_ok = rows < M
+            col_ok = cols < N
+            x_scale = tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)
+            if SCALE_PER_COLUMN:
+                w_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+            else:
+                w_scale = tl.load(w_scale_ptr)
+            # CUTLASS's epilogue: acc times the row's scale, then that times the weight's scale plus the bias in
+            # one rounding (an FMA; a plain product without a bias)
+            t = _mul_rn(acc.to(tl.float32), x_scale[:, None], EMULATE)
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                y = _fma_rn(t, w_scale, bias[None, :], EMULATE)
+            else:
+                y = _mul_rn(t, w_scale, EMULATE)
+            y = round_bf16(y, not EMULATE).to(tl.bfloat16)
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple[tuple[int, int], int]:
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.multi_processor_count
+
+
+def config_for(device: torch.device) -> GemmConfig | None:
+    """The tiling for ``device``: the interpreter's on the CPU when interpreting, the capability's, else None."""
+    if interpreting() and device.type == "cpu":
+        return INTERPRETER_CONFIG
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    return CONFIGS.get(_device_facts(exact_device(device).index)[0])
+
+
+def capability_problem(capability: tuple[int, int]) -> str | None:
+    """Why the kernel does not run on a GPU of ``capability`` (None: it does): it runs where it was measured faster."""
+    if capability in CONFIGS:
+        return None
+    measured = ", ".join(f"sm{a}{b}" for a, b in CONFIGS)
+    return (f"measured faster than comfy-kitchen's GEMM only on {measured}, "
+            f"not on this sm{capability[0]}{capability[1]} GPU")
+
+
+def gemm_problem(device: torch.device, k: int) -> str | None:
+    """Why the pack's GEMM does not run on ``device`` for rows ``k`` wide (comfy-kitchen's then does); None: it
+    does. Declared per GPU: it runs only where it was measured faster."""
+    if triton is None:
+        return TRITON_ERROR
+    device = torch.device(device)
+    if config_for(device) is None:
+        if device.type != "cuda" or torch.version.hip is not None:
+            return "not on a CUDA device"
+        return capability_problem(_device_facts(exact_device(device).index)[0])
+    if k % K_ALIGN:
+        return f"rows {k} wide: TMA needs a multiple of {K_ALIGN}"
+    return None
+
+
+def _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype):
+    m, k = xq.shape
+    n = qdata.shape[0]
+    if xq.dtype != torch.int8 or qdata.dtype != torch.int8 or qdata.shape[1] != k:
+        raise ValueError(f"int8 GEMM: needs int8 [m, k] and [n, k] operands, got {xq.dtype} {tuple(xq.shape)} and "
+                         f"{qdata.dtype} {tuple(qdata.shape)}")
+    if out_dtype != torch.bfloat16:
+        raise ValueError(f"int8 GEMM: bf16 output only, got {out_dtype}")
+    if x_scale.dtype != torch.float32 or x_scale.numel() != m:
+        raise ValueError(f"int8 GEMM: needs {m} fp32 row scales, got {x_scale.dtype} {tuple(x_scale.shape)}")
+    if w_scale.numel() not in (1, n):
+        raise ValueError(f"int8 GEMM: the weight scale must be one value or {n}, got {tuple(w_scale.shape)}")
+    if bias is not None and bias.numel() != n:
+        raise ValueError(f"int8 GEMM: the bias must have {n} values, got {tuple(bias.shape)}")
+    why = gemm_problem(xq.device, k)
+    if why is not None:
+        raise ValueError(f"int8 GEMM: {why}")
+
+
+def _launch(xq, x_scale, qdata, w_scale, bias, out):
+    m, k = xq.shape
+    n = qdata.shape[0]
+    cfg = config_for(xq.device)
+    xq, qdata = xq.contiguous(), qdata.contiguous()
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a_desc = TensorDescriptor.from_tensor(xq, [cfg.block_m, cfg.block_k])
+    b_desc = TensorDescriptor.from_tensor(qdata, [cfg.block_n, cfg.block_k])
+    x_scale = x_scale.reshape(m).contiguous()
+    w_scale = w_scale.to(device=xq.device, dtype=torch.float32).reshape(-1).contiguous()
+    bias = bias.to(device=xq.device, dtype=torch.bfloat16).reshape(n).contiguous() if bias is not None else None
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    sms = 4 if xq.device.type == "cpu" else _device_facts(exact_device(xq.device).index)[1]
+    programs = min(tiles, sms)
+    _int8_gemm_kernel[(programs,)](
+        a_desc, b_desc, out, x_scale, w_scale, bias if bias is not None else x_scale, m, n, k, programs,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        SCALE_PER_COLUMN=w_scale.numel() > 1, HAS_BIAS=bias is not None, EMULATE=interpreting(),
+        num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def _gemm_impl(xq, x_scale, qdata, w_scale, bias):
+    out = torch.empty(xq.shape[0], qdata.shape[0], dtype=torch.bfloat16, device=xq.device)
+    if out.numel():
+        if xq.shape[1] == 0:
+            out.copy_(_epilogue_reference(torch.zeros_like(out, dtype=torch.int32), x_scale, w_scale, bias))
+        else:
+            _launch(xq, x_scale, qdata, w_scale, bias, out)
+    return out
+
+
+if hasattr(torch, "library") and hasattr(torch.library, "custom_op"):
+    @torch.library.custom_op(f"{LIB}::int8_gemm", mutates_args=())
+    def _int8_gemm_op(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+        """-> bf16 [m, n]: the int8 GEMM with CUTLASS's epilogue."""
+        return _gemm_impl(xq, x_scale, qdata, w_scale, bias)
+
+    @_int8_gemm_op.register_fake
+    def _(xq, x_scale, qdata, w_scale, bias):
+        return xq.new_empty(xq.shape[0], qdata.shape[0], dtype=torch.bfloat16)
+
+
+def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None,
+              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``bf16(int32(xq @ qdata.T) * x_scale * w_scale + bias)`` with CUTLASS's bits; ``gemm_problem`` must be None.
+    xq [m, k] int8, x_scale [m, 1] fp32, qdata [n, k] int8, w_scale one value or [n] fp32, bias [n] or None.
+    Eager calls skip the dispatcher; a traced call records the custom op (fake implementation, no graph break)."""
+    _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype)
+    if torch.compiler.is_compiling():
+        return torch.ops.sage_strided_nhd.int8_gemm(xq, x_scale, qdata, w_scale, bias)
+    return _gemm_impl(xq, x_scale, qdata, w_scale, bias)
+
+
+def _epilogue_reference(acc: torch.Tensor, x_scale, w_scale, bias) -> torch.Tensor:
+    """The epilogue in torch, step by step (the tests' oracle, and the K = 0 case): acc times the row's scale in
+    fp32, then times the weight's scale plus the bias in one rounding (through fp64, as the kernel's emulation;
+    a plain fp32 product without a bias), then bf16."""
+    m, n = acc.shape
+    t = acc.float() * x_scale.reshape(m, 1).float()
+    ws = w_scale.float().reshape(1, -1)
+    if bias is None:
+        y = t * ws
+    else:
+        y = (t.double() * ws.double() + bias.to(torch.bfloat16).double().reshape(1, n)).float()
+    return y.to(torch.bfloat16)
+
+
+def epilogue_reference(acc, x_scale, w_scale, bias=None) -> torch.Tensor:
+    """Public for the tests: what the kernel's epilogue gives for int32 sums ``acc``."""
+    return _epilogue_reference(acc, x_scale, w_scale, bias)

@@ -1,0 +1,99 @@
+"""The pack's int8 GEMM (kernels/int8_gemm.py) against comfy-kitchen's CUTLASS int8 GEMM, which stock's int8
+linears run, bit for bit: H3's four linears (qkv 5,376 -> 21,504, out 7,168 -> 5,376, fc1 5,376 -> 28,672, fc2
+14,336 -> 5,376) at rows off the tiles, with and without a bias (where the epilogue's single rounding of
+acc * scale + bias shows), a weight scale per column, row and weight slices as the block path takes them, and an
+output past 2**31 elements (64-bit offsets). Its epilogue's torch reference (the CPU tests' oracle) is tied to
+CUTLASS's output here too. Runs where the GEMM runs (``gemm_problem`` None: sm90); elsewhere it says why."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+HIDDEN, INNER, FFN = 5376, 7168, 14336
+LINEARS = {"qkv": (HIDDEN, 3 * INNER), "out": (INNER, HIDDEN), "fc1": (HIDDEN, 2 * FFN), "fc2": (FFN, HIDDEN)}
+
+
+@pytest.fixture(scope="module")
+def mods(kitchen_pack):
+    route = importlib.import_module(kitchen_pack.__name__ + ".kernels.int8_linear")
+    gemm = importlib.import_module(kitchen_pack.__name__ + ".kernels.int8_gemm")
+    cuda, why = route.kitchen_cuda()
+    if cuda is None:
+        pytest.skip(why)
+    why = gemm.gemm_problem(torch.device("cuda"), HIDDEN)
+    if why is not None:
+        pytest.skip(f"the pack's int8 GEMM does not run here: {why}")
+    return route, gemm
+
+
+def operands(m, k, n, seed, bias=False, per_column=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
+    xs = (torch.rand(m, 1, device="cuda", generator=g) * 0.05 + 1e-4).bfloat16().float()
+    ws = (torch.rand(n, device="cuda", generator=g) * 1e-2) if per_column else torch.tensor(3.1e-3, device="cuda")
+    b = (4 * torch.randn(n, device="cuda", generator=g)).bfloat16() if bias else None
+    return xq, xs, w, ws, b
+
+
+def differ(a, b) -> str:
+    return f"{int((a != b).sum())} of {b.numel()} outputs differ"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("linear", list(LINEARS))
+def test_gemm_gives_cutlass_bits_at_h3_widths(mods, linear, bias):
+    route, gemm = mods
+    k, n = LINEARS[linear]
+    for m in (3, 333, 4099):
+        xq, xs, w, ws, b = operands(m, k, n, seed=m + k, bias=bias)
+        got, want = gemm.int8_gemm(xq, xs, w, ws, b), route.kitchen_gemm(xq, xs, w, ws, b, torch.bfloat16)
+        assert want is not None and torch.equal(got, want), f"{linear} {m} rows, bias {bias}: {differ(got, want)}"
+
+
+def test_epilogue_reference_gives_cutlass_bits(mods):
+    """The CPU tests' oracle: the exact int32 product through ``epilogue_reference`` equals CUTLASS's output, with
+    a bias on millions of outputs (where one rounding against two shows a few times in 10 million)."""
+    route, gemm = mods
+    xq, xs, w, ws, b = operands(2048, HIDDEN, 3 * INNER, seed=7, bias=True)
+    acc = torch._int_mm(xq, w.t())
+    want = route.kitchen_gemm(xq, xs, w, ws, b, torch.bfloat16)
+    got = gemm.epilogue_reference(acc, xs, ws, b)
+    assert torch.equal(got, want), differ(got, want)
+    twice = (acc.float() * xs * ws + b.float()).bfloat16()
+    assert not torch.equal(twice, want), "the sample must tell one rounding from two"
+
+
+def test_per_column_scale_and_slices(mods):
+    route, gemm = mods
+    xq, xs, w, ws, _ = operands(1000, HIDDEN, 3 * INNER, seed=3, per_column=True)
+    got, want = gemm.int8_gemm(xq, xs, w, ws), route.kitchen_gemm(xq, xs, w, ws, None, torch.bfloat16)
+    assert torch.equal(got, want), differ(got, want)
+    rows, cols = slice(200, 777), slice(INNER, 3 * INNER)  # a token chunk, the K/V columns
+    got = gemm.int8_gemm(xq[rows], xs[rows], w[cols], ws[cols])
+    assert torch.equal(got, want[rows, cols]), differ(got, want[rows, cols])
+
+
+def test_output_past_int32_offsets(mods):
+    route, gemm = mods
+    m, k, n = 100_000, 64 * 16, 3 * INNER  # 2.15e9 outputs
+    xq, xs, w, ws, _ = operands(m, k, n, seed=11)
+    got = gemm.int8_gemm(xq, xs, w, ws)
+    tail = slice(m - 300, m)
+    want = route.kitchen_gemm(xq[tail], xs[tail], w, ws, None, torch.bfloat16)
+    assert torch.equal(got[tail], want), differ(got[tail], want)
+    head = route.kitchen_gemm(xq[:300], xs[:300], w, ws, None, torch.bfloat16)
+    assert torch.equal(got[:300], head), differ(got[:300], head)
+
+
+def test_traced_call_records_the_custom_op(mods):
+    _, gemm = mods
+    xq, xs, w, ws, b = operands(512, HIDDEN, INNER, seed=5, bias=True)
+    eager = gemm.int8_gemm(xq, xs, w, ws, b)
+    compiled = torch.compile(lambda *a: gemm.int8_gemm(*a), fullgraph=True)(xq, xs, w, ws, b)
+    assert torch.equal(eager, compiled)

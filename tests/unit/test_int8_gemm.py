@@ -1,0 +1,93 @@
+"""The pack's int8 GEMM (kernels/int8_gemm.py) on the CPU.
+
+The kernel runs under ``TRITON_INTERPRET=1`` in a subprocess with the interpreter's small tiles, and must equal,
+bit for bit, the exact int32 product taken through the epilogue's steps in torch (``epilogue_reference``: the
+fp32 scale product, one rounding of acc * scale + bias, then bf16; the GPU test ties those steps to comfy-kitchen's
+CUTLASS output). Edges: M, N and K off the tiles, one row, an empty segment, a weight scale per column, a bias,
+row and weight slices of larger buffers (as the block path's row chunks and Q/KV column blocks take them), and
+sums near int32's reach where fp32 rounds the accumulator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from devkit.interpreted import run_interpreted
+from devkit.pack import submodule
+
+INTERPRETED = r"""
+    from comfyui_sage_strided_nhd.kernels import int8_gemm
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    def case(name, xq, w, x_scale, w_scale, bias):
+        got = int8_gemm.int8_gemm(xq, x_scale, w, w_scale, bias)
+        acc = (xq.long() @ w.long().t()).int()
+        want = int8_gemm.epilogue_reference(acc, x_scale, w_scale, bias)
+        out[name] = [int((got != want).sum()), list(got.shape), str(got.dtype), bool(torch.isfinite(got.float()).all())]
+    i8 = lambda *s: torch.randint(-127, 128, s, generator=g, dtype=torch.int8)
+    scales = lambda m: (torch.rand(m, 1, generator=g) * 0.05 + 1e-4).bfloat16().float()
+    # (M, N, K): off the 32-tiles in each dimension, exact tiles, one row, more tiles than programs
+    for m, n, k in ((70, 96, 80), (1, 40, 48), (37, 33, 112), (64, 64, 64), (200, 130, 16), (3, 8, 544)):
+        for bias in (False, True):
+            b = (4 * torch.randn(n, generator=g)).bfloat16() if bias else None
+            case(f"{m}x{n}x{k} bias={bias}", i8(m, k), i8(n, k), scales(m), torch.tensor(3.1e-3), b)
+    case("per-column scale", i8(45, 80), i8(50, 80), scales(45), torch.rand(50, generator=g) * 1e-2, None)
+    big_x, big_w = i8(90, 96), i8(140, 96)
+    xs = scales(90)
+    case("row and weight slices", big_x[7:61], big_w[33:101], xs[7:61], torch.tensor(2e-3), None)
+    sat_x, sat_w = torch.full((40, 2048), 127, dtype=torch.int8), torch.full((36, 2048), -127, dtype=torch.int8)
+    sat_x[1::2] = -127
+    case("sums past 2**24", sat_x, sat_w, scales(40), torch.tensor(1e-3), (torch.randn(36, generator=g)).bfloat16())
+    case("no rows", i8(0, 48), i8(24, 48), scales(0), torch.tensor(1.0), None)
+    report(out)
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted(INTERPRETED)
+
+
+def test_gemm_gives_the_exact_products_epilogue_bits(interpreted):
+    assert len(interpreted) == 16
+    for name, (differ, shape, dtype, finite) in interpreted.items():
+        assert differ == 0, f"{name}: {differ} outputs differ"
+        assert dtype == "torch.bfloat16" and finite, name
+    assert interpreted["no rows"][1] == [0, 24]
+    assert interpreted["row and weight slices"][1] == [54, 68]
+
+
+def test_epilogue_reference_rounds_once_with_a_bias():
+    """(acc * x_scale) * w_scale + bias rounds once after the product with the row's scale (an FMA), not twice: on
+    this input the two give different bf16 values (found among random ones), so a reference that rounded twice
+    would fail here; and the row's scale goes first (acc * (x_scale * w_scale) gives other bits too)."""
+    gemm = submodule("kernels.int8_gemm")
+    acc = torch.tensor([[-7269539]], dtype=torch.int32)
+    x_scale, w_scale = torch.tensor([[float.fromhex("0x1.74p-8")]]), torch.tensor(3.1e-3)
+    bias = torch.tensor([-0.58203125], dtype=torch.bfloat16)
+    t = acc.float() * x_scale
+    once = (t.double() * w_scale.double() + bias.double()).float().bfloat16()
+    twice = (t * w_scale + bias.float()).bfloat16()
+    assert not torch.equal(once, twice)
+    assert torch.equal(gemm.epilogue_reference(acc, x_scale, w_scale, bias), once)
+
+
+def test_gemm_says_why_it_does_not_run():
+    gemm = submodule("kernels.int8_gemm")
+    if gemm.interpreting():
+        assert gemm.gemm_problem(torch.device("cpu"), 64) is None
+        assert "multiple of 16" in gemm.gemm_problem(torch.device("cpu"), 40)
+    else:
+        assert gemm.gemm_problem(torch.device("cpu"), 64) == "not on a CUDA device"
+    with pytest.raises(ValueError, match="int8"):
+        gemm.int8_gemm(torch.zeros(4, 64), torch.ones(4, 1), torch.zeros(8, 64, dtype=torch.int8), torch.ones(()))
+    with pytest.raises(ValueError, match="bf16 output only"):
+        gemm.int8_gemm(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1), torch.zeros(8, 64, dtype=torch.int8),
+                       torch.ones(()), out_dtype=torch.float16)
+
+
+def test_configs_are_declared_per_gpu():
+    gemm = submodule("kernels.int8_gemm")
+    for capability, cfg in gemm.CONFIGS.items():
+        assert isinstance(capability, tuple) and len(capability) == 2
+        assert cfg.block_k % gemm.K_ALIGN == 0 and cfg.block_m % 64 == 0 and cfg.block_n % 64 == 0
