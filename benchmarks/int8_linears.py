@@ -1,0 +1,137 @@
+"""H3's four int8 tensor-wise ConvRot linears, each alone, stock's layer beside the pack's, on a GPU.
+
+    python -m benchmarks.int8_linears --tokens 37810 8192 --out int8-linears.json
+
+Per linear (qkv 5,376 -> 21,504, out 7,168 -> 5,376, fc1 5,376 -> 28,672, fc2 the SwiGLU of 28,672 -> 5,376) and
+their sum per block, interleaved rep by rep, CUDA events, median of ``--reps``:
+  stock_layer   -- comfy-kitchen's ``int8_linear`` as stock's layer calls it (its quantiser, its CUTLASS GEMM)
+  pack_layer    -- the pack's quantiser + the int8 route's GEMM (the pack's where it runs, else comfy-kitchen's)
+  kitchen_gemm  -- comfy-kitchen's CUTLASS GEMM alone, on the pack's quantised rows
+  pack_gemm     -- the pack's GEMM alone, on the same rows (absent where it does not run: the reason is printed)
+TOPS = 2 M N K / time. Each layer's output is compared with stock's, bit for bit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from devkit.pack import submodule
+
+from .measure import event_timed, interleaved_times, summary
+
+HIDDEN, INNER, FFN = 5376, 7168, 14336
+LINEARS = {"qkv": (HIDDEN, 3 * INNER, None), "out": (INNER, HIDDEN, None), "fc1": (HIDDEN, 2 * FFN, None),
+           "fc2": (FFN, HIDDEN, "swiglu")}
+GROUP = 256
+
+
+def _inputs(m: int, k: int, n: int, act, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (2 * torch.randn(m, k * (2 if act else 1), generator=g, device="cuda")).bfloat16()
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
+    bias = torch.randn(n, generator=g, device="cuda").bfloat16()
+    return x, w, torch.tensor(3.1e-3, device="cuda"), bias
+
+
+def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
+    import comfy_kitchen as ck
+
+    route, act_mod, gemm_mod = (submodule(f"kernels.{n}") for n in ("int8_linear", "int8_activation", "int8_gemm"))
+    k, n, act = LINEARS[name]
+    x, w, ws, bias = _inputs(m, k, n, act, seed=m + k + n)
+    xq, xs = act_mod.quantize_rows(x, act)
+    runners = {
+        "stock_layer": lambda: ck.int8_linear(x, w, ws, bias, torch.bfloat16, convrot=True, convrot_groupsize=GROUP,
+                                              input_act=act),
+        "pack_layer": lambda: route.int8_linear(x, w, ws, bias, input_act=act),
+        "kitchen_gemm": lambda: route.kitchen_gemm(xq, xs, w, ws, bias, torch.bfloat16),
+    }
+    gemm_why = gemm_mod.gemm_problem(x.device, k)
+    if gemm_why is None:
+        runners["pack_gemm"] = lambda: gemm_mod.int8_gemm(xq, xs, w, ws, bias)
+    want = runners["stock_layer"]()
+    got = runners["pack_layer"]()
+    identical = got is not None and torch.equal(got, want)
+    gemm_identical = gemm_why is None and torch.equal(runners["pack_gemm"](), runners["kitchen_gemm"]())
+    del want, got
+    times = interleaved_times({v: event_timed(f) for v, f in runners.items()}, reps, warmup)
+    flops = 2 * m * n * k
+    row = {"linear": name, "tokens": m, "in": k, "out": n, "input_act": act, "identical_to_stock": identical,
+           "gemm_identical_to_kitchen": gemm_identical, "pack_gemm_problem": gemm_why,
+           "route_problem": route.int8_route_problem(x, w, ws, bias, input_act=act)}
+    for variant, ts in times.items():
+        s = summary(ts)
+        row[variant] = {"ms": round(s["p50_seconds"] * 1e3, 3), "spread": round(s["spread"], 3),
+                        "tops": round(flops / s["p50_seconds"] / 1e12, 1)}
+    row["layer_speedup"] = round(times_ratio(row, "stock_layer", "pack_layer"), 3)
+    if gemm_why is None:
+        row["gemm_speedup"] = round(times_ratio(row, "kitchen_gemm", "pack_gemm"), 3)
+    return row
+
+
+def times_ratio(row: dict, base: str, new: str) -> float:
+    return row[base]["ms"] / row[new]["ms"]
+
+
+def block_sum(rows: list[dict]) -> dict:
+    """The four linears of one block, summed (each variant's p50)."""
+    variants = [v for v in ("stock_layer", "pack_layer", "kitchen_gemm", "pack_gemm") if v in rows[0]]
+    out = {"linear": "block (4 linears)", "tokens": rows[0]["tokens"],
+           "identical_to_stock": all(r["identical_to_stock"] for r in rows)}
+    flops = sum(2 * r["tokens"] * r["in"] * r["out"] for r in rows)
+    for v in variants:
+        ms = sum(r[v]["ms"] for r in rows)
+        out[v] = {"ms": round(ms, 3), "tops": round(flops / (ms / 1e3) / 1e12, 1)}
+    out["layer_speedup"] = round(times_ratio(out, "stock_layer", "pack_layer"), 3)
+    if "pack_gemm" in out:
+        out["gemm_speedup"] = round(times_ratio(out, "kitchen_gemm", "pack_gemm"), 3)
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| linear | tokens | stock layer ms | pack layer ms | layer x | comfy-kitchen GEMM ms (TOPS) | "
+            "pack GEMM ms (TOPS) | GEMM x | bits |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        g = r.get("pack_gemm")
+        lines.append(f"| {r['linear']} | {r['tokens']:,} | {r['stock_layer']['ms']:.2f} | {r['pack_layer']['ms']:.2f} | "
+                     f"{r['layer_speedup']:.3f} | {r['kitchen_gemm']['ms']:.2f} ({r['kitchen_gemm']['tops']:,.0f}) | "
+                     + (f"{g['ms']:.2f} ({g['tops']:,.0f}) | {r['gemm_speedup']:.3f}" if g else "- | -")
+                     + f" | {'identical' if r['identical_to_stock'] else 'DIFFER'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[37810, 8192])
+    p.add_argument("--linears", nargs="+", choices=list(LINEARS), default=list(LINEARS))
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", help="results JSON")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("[Sage Strided NHD] int8 linears: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    route = submodule("kernels.int8_linear")
+    print(f"[Sage Strided NHD] {torch.cuda.get_device_name()}; torch {torch.__version__}; "
+          f"comfy-kitchen {route.installed_release()[0]}; int8 GEMM: {route.gemm_status()}")
+    results = []
+    for m in args.tokens:
+        rows = [measure_linear(name, m, args.reps, args.warmup) for name in args.linears]
+        if len(rows) == len(LINEARS):
+            rows.append(block_sum(rows))
+        results += rows
+        print(table(rows), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "comfy_kitchen": route.installed_release()[0], "gemm": route.gemm_status(),
+                       "reps": args.reps, "rows": results}, f, indent=1)
+    return 0 if all(r["identical_to_stock"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
