@@ -157,11 +157,16 @@ def _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype):
         raise ValueError(f"int8 GEMM: {why}")
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy where its first byte is off TMA's 16-byte alignment (a view at an odd storage offset)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _launch(xq, x_scale, qdata, w_scale, bias, out):
     m, k = xq.shape
     n = qdata.shape[0]
     cfg = config_for(xq.device)
-    xq, qdata = xq.contiguous(), qdata.contiguous()
+    xq, qdata = (_aligned(t.contiguous()) for t in (xq, qdata))
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a_desc = TensorDescriptor.from_tensor(xq, [cfg.block_m, cfg.block_k])

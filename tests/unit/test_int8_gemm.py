@@ -35,6 +35,8 @@ INTERPRETED = r"""
     big_x, big_w = i8(90, 96), i8(140, 96)
     xs = scales(90)
     case("row and weight slices", big_x[7:61], big_w[33:101], xs[7:61], torch.tensor(2e-3), None)
+    odd = i8(1 + 40 * 64)[1:].view(40, 64)  # rows whose first byte is off TMA's 16-byte alignment
+    case("unaligned rows", odd, i8(24, 64), scales(40), torch.tensor(2e-3), None)
     sat_x, sat_w = torch.full((40, 2048), 127, dtype=torch.int8), torch.full((36, 2048), -127, dtype=torch.int8)
     sat_x[1::2] = -127
     case("sums past 2**24", sat_x, sat_w, scales(40), torch.tensor(1e-3), (torch.randn(36, generator=g)).bfloat16())
@@ -49,7 +51,7 @@ def interpreted():
 
 
 def test_gemm_gives_the_exact_products_epilogue_bits(interpreted):
-    assert len(interpreted) == 16
+    assert len(interpreted) == 17
     for name, (differ, shape, dtype, finite) in interpreted.items():
         assert differ == 0, f"{name}: {differ} outputs differ"
         assert dtype == "torch.bfloat16" and finite, name
