@@ -97,7 +97,8 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * 9]
     for r in rows:
         g = r.get("pack_gemm")
-        lines.append(f"| {r['linear']} | {r['tokens']:,} | {r['stock_layer']['ms']:.2f} | {r['pack_layer']['ms']:.2f} | "
+        lines.append(f"| {r['linear']} | {r['tokens']:,} | {r['stock_layer']['ms']:.2f} | "
+                     f"{r['pack_layer']['ms']:.2f} | "
                      f"{r['layer_speedup']:.3f} | {r['kitchen_gemm']['ms']:.2f} ({r['kitchen_gemm']['tops']:,.0f}) | "
                      + (f"{g['ms']:.2f} ({g['tops']:,.0f}) | {r['gemm_speedup']:.3f}" if g else "- | -")
                      + f" | {'identical' if r['identical_to_stock'] else 'DIFFER'} |")

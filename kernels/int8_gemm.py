@@ -5,8 +5,9 @@ rows (the order of those fp32 steps was read off the CUTLASS kernel's outputs on
 A persistent Triton kernel: each program walks output tiles (grouped along M for L2 reuse), both operands arrive
 through TMA descriptors (out-of-bounds reads are zeros, so edge tiles need no masks and the sums stay exact), the
 int32 accumulator sits in registers across K. int32 sums are exact in any order, so the tiling is free; only the
-epilogue's fp32 steps fix the bits, and they follow the CUTLASS kernel's (``EPILOGUE``). It runs where it was
-measured faster than comfy-kitchen's GEMM (``CONFIGS``, per compute capability); elsewhere the caller keeps stock's.
+epilogue's fp32 steps fix the bits, and they follow the CUTLASS kernel's (``epilogue_reference``: the same in torch).
+It runs where it was measured faster than comfy-kitchen's GEMM (``CONFIGS``, per compute capability); elsewhere the
+caller keeps stock's.
 Element offsets of the output are int64; TMA coordinates are element indices (< 2**31 rows and columns)."""
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def _gemm_impl(xq, x_scale, qdata, w_scale, bias):
     out = torch.empty(xq.shape[0], qdata.shape[0], dtype=torch.bfloat16, device=xq.device)
     if out.numel():
         if xq.shape[1] == 0:
-            out.copy_(_epilogue_reference(torch.zeros_like(out, dtype=torch.int32), x_scale, w_scale, bias))
+            out.copy_(epilogue_reference(torch.zeros_like(out, dtype=torch.int32), x_scale, w_scale, bias))
         else:
             _launch(xq, x_scale, qdata, w_scale, bias, out)
     return out
@@ -217,7 +218,7 @@ def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_sc
     return _gemm_impl(xq, x_scale, qdata, w_scale, bias)
 
 
-def _epilogue_reference(acc: torch.Tensor, x_scale, w_scale, bias) -> torch.Tensor:
+def epilogue_reference(acc: torch.Tensor, x_scale, w_scale, bias=None) -> torch.Tensor:
     """The epilogue in torch, step by step (the tests' oracle, and the K = 0 case): acc times the row's scale in
     fp32, then times the weight's scale plus the bias in one rounding (through fp64, as the kernel's emulation;
     a plain fp32 product without a bias), then bf16."""
@@ -229,8 +230,3 @@ def _epilogue_reference(acc: torch.Tensor, x_scale, w_scale, bias) -> torch.Tens
     else:
         y = (t.double() * ws.double() + bias.to(torch.bfloat16).double().reshape(1, n)).float()
     return y.to(torch.bfloat16)
-
-
-def epilogue_reference(acc, x_scale, w_scale, bias=None) -> torch.Tensor:
-    """Public for the tests: what the kernel's epilogue gives for int32 sums ``acc``."""
-    return _epilogue_reference(acc, x_scale, w_scale, bias)
