@@ -1,6 +1,7 @@
 """int8 tensor-wise ConvRot linears as stock's CUDA ``int8_linear`` runs them (fused quantiser, then comfy-kitchen's
-CUTLASS int8 GEMM), with the pack's quantiser: same bits. The GEMM has no public entry point: the route mirrors
-each release in ``RELEASES`` (verified), and runs on another only where it passes a bits self-check on the device
+CUTLASS int8 GEMM), with the pack's quantiser and, where it runs, the pack's GEMM (kernels/int8_gemm.py, CUTLASS's
+epilogue bits): same bits. Stock's dispatch has no public entry point: the route mirrors each release in
+``RELEASES`` (verified), and runs on another only where it passes a bits self-check on the device
 (kernels/int8_release_check.py). Column blocks of the product are its bits (exact int32 sums, a per-element
 epilogue)."""
 
