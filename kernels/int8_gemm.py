@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import logging
+import re
 
 import torch
 
 from .triton_support import TRITON_ERROR, exact_device, interpreting, round_bf16, tl, triton
 
 LIB = "sage_strided_nhd"
+log = logging.getLogger("sage_strided_nhd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +40,7 @@ class GemmConfig:
 # Measured faster than comfy-kitchen's CUTLASS int8 GEMM at H3's four linears (docs/BENCHMARKS.md); a GPU not named
 # here keeps comfy-kitchen's GEMM.
 CONFIGS = {(9, 0): GemmConfig(block_m=128, block_n=256, block_k=128, stages=3, warps=8)}
+MEASURED_TRITON = (3, 6)  # the oldest Triton it was measured with (older ones keep comfy-kitchen's GEMM)
 # Small tiles under the interpreter: the CPU tests' shapes cross several tiles in every dimension.
 INTERPRETER_CONFIG = GemmConfig(block_m=32, block_n=32, block_k=32, stages=1, warps=4, group_m=2)
 K_ALIGN = 16  # TMA: the row pitch of an int8 operand must be a multiple of 16 bytes
@@ -124,16 +129,47 @@ def capability_problem(capability: tuple[int, int]) -> str | None:
             f"not on this sm{capability[0]}{capability[1]} GPU")
 
 
-def gemm_problem(device: torch.device, k: int) -> str | None:
-    """Why the pack's GEMM does not run on ``device`` for rows ``k`` wide (comfy-kitchen's then does); None: it
-    does. Declared per GPU: it runs only where it was measured faster."""
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
+
+
+@functools.cache
+def triton_problem() -> str | None:
+    """Why the installed Triton does not run the kernel: too old to be measured, or without host TMA descriptors."""
     if triton is None:
         return TRITON_ERROR
+    if _version(triton.__version__) < MEASURED_TRITON:
+        return f"Triton {triton.__version__} is older than the {'.'.join(map(str, MEASURED_TRITON))} it was measured with"
+    if importlib.util.find_spec("triton.tools.tensor_descriptor") is None:
+        return f"Triton {triton.__version__} has no host TMA descriptors"
+    return None
+
+
+FAILED: dict[torch.device, str] = {}  # devices where a launch failed (a compiler's error): comfy-kitchen's GEMM runs
+
+
+def record_failure(device: torch.device, exc: Exception) -> str:
+    """Keep the pack's GEMM off ``device`` for the rest of the process after ``exc``; returns the reason."""
+    first_line = next(iter(str(exc).strip().splitlines()), "")[:200]
+    why = f"it failed on this GPU ({type(exc).__name__}: {first_line})"
+    FAILED[exact_device(device)] = why
+    log.warning("[Sage Strided NHD] the pack's int8 GEMM is off on %s, comfy-kitchen's runs: %s", device, why)
+    return why
+
+
+def gemm_problem(device: torch.device, k: int) -> str | None:
+    """Why the pack's GEMM does not run on ``device`` for rows ``k`` wide (comfy-kitchen's then does); None: it
+    does. Declared per GPU and Triton release: it runs only where it was measured faster."""
+    why = triton_problem()
+    if why is not None:
+        return why
     device = torch.device(device)
     if config_for(device) is None:
         if device.type != "cuda" or torch.version.hip is not None:
             return "not on a CUDA device"
         return capability_problem(_device_facts(exact_device(device).index)[0])
+    if exact_device(device) in FAILED:
+        return FAILED[exact_device(device)]
     if k % K_ALIGN:
         return f"rows {k} wide: TMA needs a multiple of {K_ALIGN}"
     return None

@@ -167,7 +167,14 @@ def gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: 
     """The int8 GEMM with the bits of comfy-kitchen's CUTLASS GEMM: the pack's (kernels/int8_gemm.py) where it runs
     on the device, else comfy-kitchen's own; None where CUTLASS declines the shape."""
     if out_dtype == torch.bfloat16 and int8_gemm.gemm_problem(xq.device, xq.shape[1]) is None:
-        return int8_gemm.int8_gemm(xq, x_scale, qdata, w_scale, bias)
+        try:
+            return int8_gemm.int8_gemm(xq, x_scale, qdata, w_scale, bias)
+        except torch.OutOfMemoryError:
+            raise
+        # its build or launch failed on this device: comfy-kitchen's GEMM (stock's bits) from now on, and the report
+        # says why
+        except Exception as exc:
+            int8_gemm.record_failure(xq.device, exc)
     return kitchen_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype)
 
 

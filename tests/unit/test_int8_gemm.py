@@ -93,3 +93,52 @@ def test_configs_are_declared_per_gpu():
     for capability, cfg in gemm.CONFIGS.items():
         assert isinstance(capability, tuple) and len(capability) == 2
         assert cfg.block_k % gemm.K_ALIGN == 0 and cfg.block_m % 64 == 0 and cfg.block_n % 64 == 0
+
+
+def test_an_older_triton_keeps_comfy_kitchens_gemm(monkeypatch):
+    gemm = submodule("kernels.int8_gemm")
+    if gemm.triton is None:
+        pytest.skip("triton not importable")
+    monkeypatch.setattr(gemm.triton, "__version__", "3.4.1")
+    gemm.triton_problem.cache_clear()
+    try:
+        assert gemm.triton_problem() == "Triton 3.4.1 is older than the 3.6 it was measured with"
+        assert gemm.gemm_problem(torch.device("cpu"), 64) == gemm.triton_problem()
+    finally:
+        monkeypatch.undo()
+        gemm.triton_problem.cache_clear()
+    assert gemm.triton_problem() is None
+
+
+def test_a_failed_launch_turns_the_gemm_off_on_that_device_and_says_why(monkeypatch):
+    """A compile or launch error keeps comfy-kitchen's GEMM (stock's bits) on that device from then on, with the
+    reason in the report's status and the log; running out of memory is raised, not taken as such a failure."""
+    gemm, route = submodule("kernels.int8_gemm"), submodule("kernels.int8_linear")
+    device = torch.device("cpu")
+    monkeypatch.setattr(gemm, "config_for", lambda d: gemm.INTERPRETER_CONFIG)
+    monkeypatch.setattr(gemm, "FAILED", {})
+    tries = []
+
+    def broken(*args):
+        tries.append(1)
+        raise RuntimeError("PTX .version 8.7 does not support .target sm_90\nmore")
+    monkeypatch.setattr(gemm, "_gemm_impl", broken)
+    monkeypatch.setattr(route, "kitchen_gemm", lambda *args: "comfy-kitchen's")
+    xq, xs = torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1)
+    w = torch.zeros(8, 64, dtype=torch.int8)
+    assert route.gemm_status(device) == {"kernel": "pack", "reason": None}
+    assert route.gemm(xq, xs, w, torch.ones(()), None, torch.bfloat16) == "comfy-kitchen's"
+    assert route.gemm(xq, xs, w, torch.ones(()), None, torch.bfloat16) == "comfy-kitchen's"
+    assert len(tries) == 1  # not tried again on that device
+    status = route.gemm_status(device)
+    assert status["kernel"] == "comfy_kitchen"
+    assert status["reason"] == "it failed on this GPU (RuntimeError: PTX .version 8.7 does not support .target sm_90)"
+
+    monkeypatch.setattr(gemm, "FAILED", {})
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(gemm, "_gemm_impl", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        route.gemm(xq, xs, w, torch.ones(()), None, torch.bfloat16)
+    assert gemm.FAILED == {}
