@@ -139,7 +139,8 @@ def triton_problem() -> str | None:
     if triton is None:
         return TRITON_ERROR
     if _version(triton.__version__) < MEASURED_TRITON and not interpreting():  # the CPU tests run on any
-        return f"Triton {triton.__version__} is older than the {'.'.join(map(str, MEASURED_TRITON))} it was measured with"
+        measured = ".".join(map(str, MEASURED_TRITON))
+        return f"Triton {triton.__version__} is older than the {measured} it was measured with"
     if importlib.util.find_spec("triton.tools.tensor_descriptor") is None:
         return f"Triton {triton.__version__} has no host TMA descriptors"
     return None
