@@ -292,7 +292,6 @@ def on_gpu(launch: Launch, cc: int) -> Launch:
     takes its GPU tiling, not the interpreter's small one)."""
     consts = tuple((n, GPU_FLAGS[n](cc) if n in GPU_FLAGS else v) for n, v in launch.constexprs)
     if launch.kernel == "_int8_gemm_kernel":
-        consts_d = dict(consts)
-        gpu = _gemm_launch(cc, consts_d["HAS_BIAS"], consts_d["SCALE_PER_COLUMN"])
-        return replace(gpu, label="")
+        flags = dict(consts)
+        return _gemm_launch(cc, flags["HAS_BIAS"], flags["SCALE_PER_COLUMN"])
     return replace(launch, constexprs=consts)

@@ -16,11 +16,10 @@ import dataclasses
 import functools
 import importlib.util
 import logging
-import re
 
 import torch
 
-from .triton_support import TRITON_ERROR, exact_device, interpreting, round_bf16, tl, triton
+from .triton_support import TRITON_ERROR, exact_device, interpreting, round_bf16, tl, triton, version_key
 
 LIB = "sage_strided_nhd"
 log = logging.getLogger("sage_strided_nhd")
@@ -129,16 +128,12 @@ def capability_problem(capability: tuple[int, int]) -> str | None:
             f"not on this sm{capability[0]}{capability[1]} GPU")
 
 
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
-
-
 @functools.cache
 def triton_problem() -> str | None:
     """Why the installed Triton does not run the kernel: too old to be measured, or without host TMA descriptors."""
     if triton is None:
         return TRITON_ERROR
-    if _version(triton.__version__) < MEASURED_TRITON and not interpreting():  # the CPU tests run on any
+    if version_key(triton.__version__) < MEASURED_TRITON and not interpreting():  # the CPU tests run on any
         measured = ".".join(map(str, MEASURED_TRITON))
         return f"Triton {triton.__version__} is older than the {measured} it was measured with"
     if importlib.util.find_spec("triton.tools.tensor_descriptor") is None:

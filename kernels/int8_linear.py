@@ -11,11 +11,11 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
-import re
 
 import torch
 
 from . import int8_activation, int8_gemm, int8_release_check
+from .triton_support import version_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,17 +43,13 @@ GROUP = int8_activation.GROUP
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # comfy-kitchen's output dtype codes
 
 
-def _release_key(version: str) -> tuple:
-    return tuple(int(re.match(r"\d*", part).group() or 0) for part in version.split(".")[:3])
-
-
 def release_for(version: str) -> tuple[KitchenRelease, bool]:
     """(the route's form for comfy-kitchen ``version``, whether it is verified on a GPU): another release takes the
     newest known release's form not newer than it (or the oldest's), to be self-checked."""
     if version in RELEASES:
         return RELEASES[version], RELEASES[version].gpu_verified
-    by_age = sorted(RELEASES.values(), key=lambda r: _release_key(r.version))
-    older = [r for r in by_age if _release_key(r.version) <= _release_key(version)]
+    by_age = sorted(RELEASES.values(), key=lambda r: version_key(r.version))
+    older = [r for r in by_age if version_key(r.version) <= version_key(version)]
     return (older[-1] if older else by_age[0]), False
 
 

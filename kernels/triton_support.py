@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import torch
 
@@ -18,6 +19,12 @@ except Exception as exc:  # pragma: no cover - depends on the install
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """A release string's first three numbers, for ordering ("3.6.0+git1a2b" -> (3, 6, 0); a part without a
+    leading number counts 0)."""
+    return tuple(int(re.match(r"\d*", part).group() or 0) for part in version.split(".")[:3])
 
 
 HW_BF16_MIN_CAPABILITY = (8, 0)  # PTX's cvt.rn.bf16x2.f32

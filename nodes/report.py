@@ -218,13 +218,18 @@ KITCHEN_ROUTES = {"verified": "verified for the int8 route", "self_checked": "pa
                   "stock": "int8 route off, stock's quantiser runs"}
 
 
+def _asked(ask, what: str, **on_error) -> dict:
+    """``ask()``'s status as a dict; where it raises (a kernels package without the function too), ``on_error``
+    with the error as its reason: a report never fails the sampling run."""
+    try:
+        return dict(ask())
+    except Exception as exc:
+        return {**on_error, "reason": f"asking for {what} raised {type(exc).__name__}: {exc}"}
+
+
 def kitchen_status() -> dict:
     """comfy-kitchen's release and what it means for the int8 route (``kernels.kitchen_release_status``)."""
-    try:
-        return dict(kernels.kitchen_release_status())
-    except Exception as exc:  # a report never fails the sampling run
-        return {"release": None, "route": "stock", "reason": f"asking for comfy-kitchen's release raised "
-                                                             f"{type(exc).__name__}: {exc}"}
+    return _asked(lambda: kernels.kitchen_release_status(), "comfy-kitchen's release", release=None, route="stock")
 
 
 def kitchen_line(status: dict) -> str:
@@ -239,10 +244,7 @@ GEMM_KERNELS = {"pack": "the pack's (Triton)", "comfy_kitchen": "comfy-kitchen's
 
 def gemm_status() -> dict:
     """The int8 route's GEMM on the current device (``kernels.gemm_status``)."""
-    try:
-        return dict(kernels.gemm_status())
-    except Exception as exc:  # a report never fails the sampling run
-        return {"kernel": "comfy_kitchen", "reason": f"asking for the int8 GEMM raised {type(exc).__name__}: {exc}"}
+    return _asked(lambda: kernels.gemm_status(), "the int8 GEMM", kernel="comfy_kitchen")
 
 
 def gemm_line(status: dict) -> str:
