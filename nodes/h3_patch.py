@@ -3,6 +3,7 @@ dataflow; torch.compile traces only the projections (``_attend`` is skipped)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -100,29 +101,50 @@ class H3AttentionForward:
         if isinstance(x, list):  # a block forward handed its input over (KJNodes' Low VRAM Attention; ours)
             x = x.pop()
         rows = x.rows if isinstance(x, kernels.PendingModulation) else x  # ours: with the modulation still owed
-        device = rows.device
-        qkv_proj = self._linear(self.attn.qkv_proj)
-        chunk = h3_block.projection_chunk_rows(self.attn.qkv_proj, rows, self.patch.settings.qkv_chunk_tokens)
-        del rows
-        if chunk is not None and rope_freqs is not None:
-            # a prepared path may take the projection by token chunks: the fused buffer never exists whole
-            inner = self.attn.heads * self.attn.head_dim
-            source = self._int8_projection(x, inner)
-            if source is None:
-                x = kernels.settled(x)
-                source = kernels.RowProjection(qkv_proj, x, columns=h3_block.column_products(self.attn.qkv_proj, x,
-                                                                                            inner))
-        else:
-            source, chunk = [qkv_proj(x)], None
-        del x  # the fused buffer (or the projection), handed over, is the only thing alive while the kernel runs
-        return self._linear(self.attn.out_proj)(_attend(self, source, device, rope_freqs, chunk))
+        device, settings = rows.device, self.patch.settings
+        plan = h3_block.projection_chunking(self.attn.qkv_proj, rows, settings.qkv_chunk_tokens,
+                                            int8_layers.route_on(settings))
+        if plan.rows is None or rope_freqs is None:
+            del rows
+            source = [self._linear(self.attn.qkv_proj)(x)]
+            del x  # the fused buffer, handed over, is the only thing alive while the kernel runs
+            out = _attend(self, source, device, rope_freqs)
+        else:  # a prepared path may take the projection by token chunks: the fused buffer never exists whole
+            # a weight ComfyUI casts per call is cast once, held until the attention has taken every row
+            with self._held_projection(plan, rows) as held:
+                del rows
+                source = self._row_projection(x, held)
+                del x  # the projection, handed over, is the only thing alive while the kernel runs
+                out = _attend(self, source, device, rope_freqs, plan.rows)
+                del source, held  # nothing keeps the cast weight past its context
+        return self._linear(self.attn.out_proj)(out)
 
-    def _int8_projection(self, x, inner):
+    def _held_projection(self, plan, rows):
+        """Stock's cast of the qkv weight entered once for the projection by rows (``CAST_ONCE``), or nothing."""
+        if h3_block.CAST_ONCE not in plan.modes:
+            return contextlib.nullcontext()
+        return h3_block.cast_once(self.attn.qkv_proj, rows, None, self.patch.report.record_int8)
+
+    def _row_projection(self, x, held=None):
+        """The projection taken by token ranges (``kernels.RowProjection``): by columns on its input quantised once
+        where the int8 route takes it, else each range through the layer's call, K/V by column blocks where they
+        give its bits. ``held``: the weight as cast once (``int8_layers.HeldCast``), else the layer's own."""
+        inner = self.attn.heads * self.attn.head_dim
+        source = self._int8_projection(x, inner, held)
+        if source is not None:
+            return source
+        x = kernels.settled(x)
+        project = self._linear(self.attn.qkv_proj) if held is None else held
+        cast = None if held is None else (held.weight, held.bias)
+        return kernels.RowProjection(project, x, columns=h3_block.column_products(self.attn.qkv_proj, x, inner, cast))
+
+    def _int8_projection(self, x, inner, held=None):
         """The int8 ConvRot qkv projection by columns on its input quantised once
         (``int8_layers.quantized_columns``), where the route takes it; else None."""
         if not int8_layers.route_on(self.patch.settings):
             return None
-        form = int8_layers.quantized_columns(self.attn.qkv_proj, x, inner, record=self.patch.report.record_int8)
+        form = int8_layers.quantized_columns(self.attn.qkv_proj, x, inner, record=self.patch.report.record_int8,
+                                             cast=None if held is None else (held.weight, held.bias))
         if form is None:
             return None
         rows, project, columns = form

@@ -1,9 +1,12 @@
 """int8 tensor-wise ConvRot linears (the bundled checkpoint's) called as stock calls them (``layer(x)``,
-``linear_input_act(layer, u, "swiglu")``), the weight cast as stock casts it, the input quantised by the pack's
-pass: the same bits, less time. ``stock_quantizer_reason`` alone decides whose quantiser a call uses."""
+``linear_input_act(layer, u, "swiglu")``), the weight cast as stock casts it (once per call, or once for a block's
+token chunks: ``cast_once``), the input quantised by the pack's pass: the same bits, less time.
+``stock_quantizer_reason`` alone decides whose quantiser a call uses."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import inspect
 
@@ -89,15 +92,84 @@ def call(layer, x, input_act: str | None = None, record=None, **extended) -> tor
     with _cast(layer, x, input_act) as (weight, bias):
         if input_act is None:
             weight = weight.to(dtype=x.dtype)
-        reason, out = stock_quantizer_reason(layer, x, input_act, cast=(weight, bias)), None
-        if reason is None:
-            out = kernels.int8_linear_routed(x, weight._qdata, weight._params.scale, bias, input_act=input_act,
-                                             modulation=pending.segments if pending is not None else None)
-            reason = None if out is not None else "CUTLASS declined the shape"
-        _tell(record, reason)
-        if out is not None:
-            return out
-        return _stock_on_cast(x if pending is None else kernels.settled(pending), weight, bias, input_act)
+        return _routed_on_cast(layer, x, pending, input_act, weight, bias, record)
+
+
+def _routed_on_cast(layer, x, pending, input_act, weight, bias, record):
+    """The rest of ``call`` once the weight is cast: the pack's quantiser where the cast weight keeps stock's bits,
+    else stock's computation on that weight; the reason recorded either way."""
+    reason, out = stock_quantizer_reason(layer, x, input_act, cast=(weight, bias)), None
+    if reason is None:
+        out = kernels.int8_linear_routed(x, weight._qdata, weight._params.scale, bias, input_act=input_act,
+                                         modulation=pending.segments if pending is not None else None)
+        reason = None if out is not None else "CUTLASS declined the shape"
+    _tell(record, reason)
+    if out is not None:
+        return out
+    return _stock_on_cast(x if pending is None else kernels.settled(pending), weight, bias, input_act)
+
+
+class HeldCast:
+    """A linear's weight as stock's cast gave it for calls on ``dtype`` rows on ``device`` with ``input_act``, held
+    over a block's token chunks: calling it on a chunk runs the layer's call with stock's arithmetic on that weight."""
+
+    def __init__(self, run, weight, bias, rows: torch.Tensor, input_act: str | None = None):
+        self._run, self.weight, self.bias, self.input_act = run, weight, bias, input_act
+        self.dtype, self.device = rows.dtype, rows.device
+
+    def __call__(self, x, input_act: str | None = None) -> torch.Tensor:
+        rows = x.rows if isinstance(x, kernels.PendingModulation) else x
+        if (input_act, rows.dtype, rows.device) != (self.input_act, self.dtype, self.device):
+            # stock's call here would cast again while other weights are held (a cast may reuse their buffer)
+            raise RuntimeError(f"[Sage Strided NHD] a weight cast once for {self.dtype} rows on {self.device} "
+                               f"(act {self.input_act!r}) was called with {rows.dtype} rows on {rows.device} "
+                               f"(act {input_act!r})")
+        return self._run(x)
+
+
+@contextlib.contextmanager
+def cast_once(layer, x, input_act: str | None = None, record=None):
+    """``call(layer, chunk, input_act)`` for every row chunk of one call on ``x`` (its rows, or a stand-in of their
+    dtype and device) on one weight cast: stock's cast for the call, entered here and left when the context ends.
+    For a layer the route takes (``stock_quantizer_reason`` None for the call). Yields a ``HeldCast``; each chunk
+    is recorded as ``call`` records it."""
+    rows = x.rows if isinstance(x, kernels.PendingModulation) else x
+    with _cast(layer, rows, input_act) as (weight, bias):
+        if input_act is None:
+            weight = weight.to(dtype=rows.dtype)
+
+        def run(chunk):
+            chunk_rows, pending = _owed(chunk, input_act is None)
+            reason = stock_quantizer_reason(layer, chunk_rows, input_act)
+            if reason is not None:  # the whole call's checks passed: only a chunk's row count could differ
+                _tell(record, reason)
+                return _stock_on_cast(kernels.settled(chunk), weight, bias, input_act)
+            return _routed_on_cast(layer, chunk_rows, pending, input_act, weight, bias, record)
+
+        held = HeldCast(run, weight, bias, rows, input_act)
+        del x, rows  # the context lasts as long as the attention: it keeps no input alive
+        yield held
+
+
+def shares_memory(a: HeldCast, b: HeldCast) -> bool:
+    """Two held casts' tensors overlap in device memory: ComfyUI cast both into one offload buffer, and the
+    second overwrote the first."""
+    spans = list(_spans(a))
+    return any(d == e and lo < hi2 and lo2 < hi for d, lo, hi in spans for e, lo2, hi2 in _spans(b))
+
+
+def _spans(cast: HeldCast):
+    """(device, first byte, past the last byte) of each tensor a held cast computes with."""
+    for t in (cast.weight, cast.bias):
+        parts = [t]
+        if isinstance(t, getattr(comfy.ops, "QuantizedTensor", ())):
+            params = getattr(t, "_params", None)
+            fields = dataclasses.fields(params) if dataclasses.is_dataclass(params) else ()
+            parts = [t._qdata] + [getattr(params, f.name) for f in fields]
+        for p in parts:
+            if torch.is_tensor(p) and p.numel():
+                extent = (sum((n - 1) * s for n, s in zip(p.shape, p.stride())) + 1) * p.element_size()
+                yield p.device, p.data_ptr(), p.data_ptr() + extent
 
 
 def _cast(layer, x, input_act):
@@ -119,24 +191,30 @@ def _stock_on_cast(x, weight, bias, input_act):
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def quantized_columns(layer, x, inner: int, record=None):
+def quantized_columns(layer, x, inner: int, record=None, cast=None):
     """The qkv projection by output columns on ``x`` quantised once (``kernels.RowProjection``'s column form):
-    ``(rows, project, columns)``, or None (then by rows through ``call``). Resident weight, no bias only."""
+    ``(rows, project, columns)``, or None (then by rows through ``call``). No bias only. ``cast``: the weight and
+    bias as cast once for this call (``cast_once``: offloaded or streamed), kept until the projection is spent;
+    None: the resident weight as stored."""
     w = getattr(layer, "weight", None)
     pending = x if isinstance(x, kernels.PendingModulation) and x.foldable else None
     if pending is not None:
         x = pending.rows
     elif isinstance(x, kernels.PendingModulation):
         return None  # a modulation the pass cannot fold: the caller applies it
-    if (not is_int8_convrot(w) or getattr(layer, "bias", None) is not None or hasattr(layer, "_v")
-            or w.device != x.device or w._qdata.shape[0] != 3 * inner
+    if cast is None:  # resident: nothing to cast
+        if hasattr(layer, "_v") or getattr(w, "device", None) != x.device:
+            return None
+        cast = (w, getattr(layer, "bias", None))
+    weight, bias = cast
+    if (not is_int8_convrot(weight) or bias is not None or weight._qdata.shape[0] != 3 * inner
             or stock_quantizer_reason(layer, x) is not None
-            or stock_quantizer_reason(layer, x, cast=(w, None)) is not None):  # resident: nothing to cast
+            or stock_quantizer_reason(layer, x, cast=(weight, None)) is not None):
         return None
     _every_op()
     rows = kernels.int8_quantized_rows(x, pending.segments if pending is not None else None)
     _tell(record, None)
-    qdata, scale = w._qdata, w._params.scale
+    qdata, scale = weight._qdata, weight._params.scale
     return rows, kernels.int8_column_products(qdata, scale, 3 * inner)[0], kernels.int8_column_products(
         qdata, scale, inner)
 

@@ -156,3 +156,76 @@ def test_block_pieces_give_the_same_bits_split_by_rows(pack, weights):
     print(f"rows split, {weights}: elements that differ {differing}")
     assert all(n == 0 for n in differing.values()), differing
 
+
+
+# --- weights ComfyUI streams: the legacy low-VRAM load ------------------------------------------------------------
+@pytest.fixture(scope="module", params=["bf16", "int8_convrot"])
+def offloaded_model(request, pack):
+    """One full-width block whose weights ComfyUI's legacy ModelPatcher keeps on the CPU: loaded whole, then unloaded
+    as ComfyUI unloads under memory pressure (``partially_unload``): every comfy.ops layer back on the CPU (pinned),
+    its weight cast to the GPU by each call (``comfy_cast_weights``)."""
+    import comfy.model_management as mm
+    from devkit import h3 as dh
+
+    config = dict(dh.FULL_H3, num_layers=1, token_refiner_num_layers=1)
+    patcher = dh.build_model(config, torch.device("cuda"), torch.bfloat16, 1, request.param)
+    if patcher.is_dynamic():
+        pytest.skip("ComfyUI loaded the model for DynamicVRAM; this test is the legacy low-VRAM load's")
+    if request.param == "bf16":  # drawn on the device: loaded as a loader node's model is, so it can be unloaded
+        mm.load_models_gpu([patcher], force_full_load=True)
+    # the GPU tests' highvram keeps the offload device on the GPU: unload to the CPU as a 12-16 GB card's run does
+    patcher.partially_unload(torch.device("cpu"), memory_to_free=patcher.model_size())
+    yield patcher
+    del patcher
+    torch.cuda.empty_cache()
+
+
+def test_offloaded_block_chunks_on_weights_cast_once_with_stock_bits(pack, offloaded_model, monkeypatch):
+    """At 20,000 tokens (past every chunk setting) with qkv, fc1 and fc2 on the CPU: the MLP and the qkv projection
+    run by token chunks on weights cast once per block (every layer cast exactly as often as stock's block casts it:
+    once), and the block's output is stock's bit for bit."""
+    from collections import Counter
+
+    import comfy.ops
+    from devkit import h3 as dh
+
+    h3 = pack.nodes.h3_block
+    block = offloaded_model.model.diffusion_model.blocks[0]
+    for layer in (block.attn.qkv_proj, block.mlp.fc1, block.mlp.fc2):
+        assert layer.weight.device.type == "cpu" and layer.comfy_cast_weights, layer
+    names = {id(m): n for n, m in block.named_modules()}
+    casts = Counter()
+    cast = comfy.ops.cast_bias_weight
+    monkeypatch.setattr(comfy.ops, "cast_bias_weight",  # every stock cast: the layers' forwards', the route's
+                        lambda s, *a, **k: (casts.update([names.get(id(s), "?")]), cast(s, *a, **k))[1])
+    plans = []
+    for name in ("mlp_chunking", "projection_chunking"):
+        decide = getattr(h3, name)
+        monkeypatch.setattr(h3, name, lambda *a, _decide=decide, **k: plans.append(_decide(*a, **k)) or plans[-1])
+
+    seq = 20000
+    settings = pack.nodes.patch.Settings(backend="sage2")  # 12,800 / 8,192 MLP rows, 8,192 qkv rows
+    x, t_emb, segments, rope = dh.random_block_inputs(block, seq, seed=11, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = block(x.clone(), t_emb, segments, rope, transformer_options={})
+        stock_casts = dict(casts)
+        casts.clear()
+        clone, patch = pack.nodes.h3_patch.patch_model(offloaded_model, settings)
+        clone.patch_model(load_weights=False)
+        try:
+            assert isinstance(vars(block).get("forward"), h3.H3BlockForward)
+            got = block(x.clone(), t_emb, segments, rope, transformer_options={})
+        finally:
+            clone.unpatch_model(unpatch_weights=False)
+    projection, mlp = plans  # the attention decides first
+    assert projection == h3.Chunking(rows=settings.qkv_chunk_tokens, modes=(h3.CAST_ONCE,)), projection
+    assert mlp == h3.Chunking(rows=h3.mlp_chunk_setting(settings, block.mlp), modes=(h3.CAST_ONCE,) * 2), mlp
+    for name in ("attn.qkv_proj", "mlp.fc1", "mlp.fc2"):
+        assert stock_casts[name] == casts[name] == 1, (name, stock_casts, dict(casts))
+    assert casts == stock_casts  # norm2 too: one call on every row where it casts
+    assert patch.report.calls == 1 and patch.report.projected == 1  # the qkv projection came by token chunks
+    if isinstance(block.mlp.fc1.weight, comfy.ops.QuantizedTensor):  # every int8 call on the pack's quantiser
+        n = -(-seq // settings.int8_mlp_chunk_tokens)
+        assert patch.report.int8_own == 2 * n + 2 and not patch.report.int8_stock, dict(patch.report.int8_stock)
+    differ = int((got != want).sum())
+    assert differ == 0, f"{differ} of {got.numel()} elements differ, max abs {(got.float() - want.float()).abs().max()}"
