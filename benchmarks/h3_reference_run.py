@@ -327,8 +327,9 @@ def default_out(facts: dict, backend: str) -> Path:
 
 def patch_model(model_patcher, settings: dict):
     """A clone of ``model_patcher`` patched exactly as the node patches it with ``nodes.patch.Settings(**settings)``:
-    (clone, installed patch, the settings that ran, every field)."""
-    chosen = submodule("nodes.patch").Settings(**settings)
+    (clone, installed patch, the settings that ran, every field). The report measures no peak per model call: that
+    resets the device's peak statistics, which the sampling section reads over the whole run."""
+    chosen = submodule("nodes.patch").Settings(**{"measure_peak": False, **settings})
     clone, patch = submodule("nodes.h3_patch").patch_model(model_patcher, chosen)
     return clone, patch, dataclasses.asdict(chosen)
 

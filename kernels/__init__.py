@@ -1,4 +1,5 @@
-"""Strided NHD attention, the H3 block's passes, the int8 ConvRot route; no ComfyUI import. nodes/ imports only it."""
+"""Strided NHD attention, the H3 block's passes and memory model, the int8 ConvRot route; no ComfyUI import.
+nodes/ imports only it."""
 
 from .backends import AUTO_ORDER, BACKENDS
 from .backends.base import REASON_CODES
@@ -10,6 +11,7 @@ from .int8_linear import GROUP as CONVROT_GROUP
 from .int8_linear import (GemmDeclined, int8_call_problem, int8_column_products, int8_linear_routed,
                           gemm_status, int8_quantized_rows, int8_weight_problem, kitchen_release_status,
                           stock_int8_linear)
+from .memory_model import block_peak_bytes, block_phases, model_call_bytes
 from .offsets import token_chunks
 from .qk_transform import QKNorm, norm_rope, rope_rot_dim
 from .sage2_quant import MODES as PREPARED_MODES
@@ -17,6 +19,7 @@ from .sage2_quant import MODES as PREPARED_MODES
 __all__ = ["AUTO_ORDER", "BACKENDS", "BACKEND_CHOICES", "CONVROT_GROUP", "LAYOUTS", "PREPARED_MODES", "REASON_CODES",
            "BackendChain", "CallRecord", "GemmDeclined", "NoBackendError", "PendingModulation", "QKNorm",
            "RowProjection", "Skip", "attention_from_fused_qkv", "attention_from_projection", "attention_nhd",
-           "clip_segments", "gated_residual_", "gemm_status", "int8_call_problem", "int8_column_products", "int8_linear_routed",
-           "int8_quantized_rows", "int8_weight_problem", "kitchen_release_status", "norm_rope", "rope_rot_dim",
-           "settled", "split_fused_qkv", "stock_int8_linear", "swiglu", "token_chunks", "token_major"]
+           "block_peak_bytes", "block_phases", "clip_segments", "gated_residual_", "gemm_status", "int8_call_problem",
+           "int8_column_products", "int8_linear_routed", "int8_quantized_rows", "int8_weight_problem",
+           "kitchen_release_status", "model_call_bytes", "norm_rope", "rope_rot_dim", "settled", "split_fused_qkv",
+           "stock_int8_linear", "swiglu", "token_chunks", "token_major"]

@@ -9,6 +9,7 @@ from types import MappingProxyType
 from comfy.patcher_extension import WrappersMP
 
 from .. import kernels
+from . import memory
 from .report import RunReport
 
 NODE = "Sage Strided NHD Attention"
@@ -31,12 +32,15 @@ class Settings:
     block_path: str = "exact"
     # Not node inputs (benchmarks set them): rows per MLP chunk by weight format (cuBLAS's bf16 GEMMs lose
     # speed under ~12k rows; comfy-kitchen's int8 fc1 is fastest in 8k-row chunks), rows per qkv-projection
-    # chunk, the pack's int8 quantiser (False: stock's), the back-ends' prepared paths (False: plain calls).
+    # chunk, the pack's int8 quantiser (False: stock's), the back-ends' prepared paths (False: plain calls), the
+    # report's peak per model call (False: the device's peak statistics are left alone, for a caller that
+    # measures a whole run's peak: measuring resets them at each model call).
     mlp_chunk_tokens: int = 12800
     int8_mlp_chunk_tokens: int = 8192
     qkv_chunk_tokens: int = 8192
     own_int8_quantizer: bool = True
     prepared: bool = True
+    measure_peak: bool = True
 
     def __post_init__(self):
         for what, value, valid in (("layout", self.layout, kernels.LAYOUTS), ("block path", self.block_path, BLOCK_PATHS),
@@ -93,14 +97,24 @@ class InstalledPatch:
         self.report = report
         self.planner = planner
         self.plan = plan  # before the first sampling run: the node's own chain everywhere
+        self.latent_shapes = None  # the sampling run's video and audio latent shapes, while it runs
 
     def install(self, clone) -> None:
-        clone.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
-        clone.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, self.outer_sample_wrapper)
+        """The wrappers on the clone: OUTER_SAMPLE; on the H3 path also the memory estimate (PREPARE_SAMPLING) and
+        the peak per model call (APPLY_MODEL: outside any compiled region, around it)."""
+        wrappers = {WrappersMP.OUTER_SAMPLE: self.outer_sample_wrapper}
+        if self.report.static["path"] == "h3_forward_patch":
+            wrappers |= {WrappersMP.PREPARE_SAMPLING: self.prepare_sampling_wrapper,
+                         WrappersMP.APPLY_MODEL: self.apply_model_wrapper}
+        for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.PREPARE_SAMPLING, WrappersMP.APPLY_MODEL):
+            clone.remove_wrappers_with_key(kind, WRAPPER_KEY)
+        for kind, wrapper in wrappers.items():
+            clone.add_wrapper_with_key(kind, WRAPPER_KEY, wrapper)
 
     def outer_sample_wrapper(self, executor, *args, **kwargs):
         """ComfyUI OUTER_SAMPLE wrapper: plan, sample, report; exceptions pass through unchanged."""
         self.report.begin_run()
+        self.latent_shapes = kwargs.get("latent_shapes")
         try:
             guider = getattr(executor, "class_obj", None)
             patcher = getattr(guider, "model_patcher", None)
@@ -114,7 +128,21 @@ class InstalledPatch:
             self.report.ended_by(exc)
             raise
         finally:
+            self.latent_shapes = None
             self.report.finish_run()
+
+    def prepare_sampling_wrapper(self, executor, model, noise_shape, conds, *args, **kwargs):
+        """ComfyUI PREPARE_SAMPLING wrapper: the model is loaded on the pack's estimate (``memory.run_estimate``)."""
+        options = kwargs.get("model_options", args[0] if args else None)
+        force_full_load = kwargs.get("force_full_load", args[1] if len(args) > 1 else False)
+        with memory.run_estimate(self, model, noise_shape, conds, options, force_full_load):
+            return executor(model, noise_shape, conds, *args, **kwargs)
+
+    def apply_model_wrapper(self, executor, x, *args, **kwargs):
+        """ComfyUI APPLY_MODEL wrapper: the model call's peak allocation goes to the report (CUDA)."""
+        if not self.settings.measure_peak:
+            return executor(x, *args, **kwargs)
+        return memory.measured_call(executor, x, args, kwargs, self.report.measured_peak)
 
     def _vet_backends(self, device) -> None:
         """Each chain's back-ends check themselves on the model's device (once a process), in order up to the first

@@ -2,7 +2,8 @@
 
 The patched forwards (H3) and the attention override record every call's ``kernels.CallRecord``
 here; the OUTER_SAMPLE wrapper of the installed patch (patch.py) opens a run and closes it, so the
-report goes out once per sampling run: its log lines and one UI event. Every number is counted.
+report goes out once per sampling run: its log lines and one UI event. Every number is counted or
+measured, but for what ComfyUI was told the model needs (memory.py: the pack's model of it, or ComfyUI's own).
 
 UI event ``REPORT_EVENT = "sage_strided_nhd.report"``, sent with ``PromptServer.instance.send_sync``
 to the client that queued the prompt. Payload (every key always present, JSON types; reasons are
@@ -40,6 +41,10 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "comfy_kitchen": null | {"release": "0.2.40" | null, "route": "verified" | "self_checked" | "stock",
                                "reason": null | "..."},   # its release and the int8 route, when int8 linears ran
       "int8_gemm": null | {"kernel": "pack" | "comfy_kitchen", "reason": null | "..."},  # the route's GEMM, and why
+      "memory": null | {"peak_bytes": 2400000000 | null, "estimate_bytes": 2500000000 | null,
+                        "estimate_by": "pack" | "comfyui" | null},   # H3: the largest model call's peak allocation
+                                           # above its start (CUDA), and what ComfyUI was told one model call needs
+                                           # when it loaded the model (CUDA), by whose estimate
       "notes": [{"code": "sparse_composed", "text": "..."}],   # decisions taken at patching or sampling start
       "messages": ["..."]                  # human-readable lines (also logged)
     }
@@ -90,6 +95,18 @@ class RunReport:
         self.notes: list[dict] = list(self.patch_notes)
         self.status: str | None = None
         self.error: dict | None = None
+        self.peak_bytes: int | None = None   # the largest model call's peak allocation above its start
+        self.estimate: dict | None = None    # {"bytes", "by"}: ComfyUI's estimate for one model call, and whose
+
+    def measured_peak(self, nbytes) -> None:
+        """One model call's peak allocation above what was allocated when it began (memory.measured_call)."""
+        self.peak_bytes = max(self.peak_bytes or 0, int(nbytes))
+
+    def estimated(self, nbytes, by: str) -> None:
+        """An answer of ``memory_required`` for the run's latent while ComfyUI prepared sampling (memory.run_estimate):
+        the smallest (one batch, what ComfyUI keeps free at least) is the report's, ``by`` "pack" or "comfyui"."""
+        if self.estimate is None or nbytes < self.estimate["bytes"]:
+            self.estimate = {"bytes": int(nbytes), "by": by}
 
     def record(self, rec) -> None:
         """One call through a back-end; every field read from its ``kernels.CallRecord``."""
@@ -148,9 +165,16 @@ class RunReport:
              "int8_stock_quantizer": _rows(self.int8_stock, ("reason",)),
              "comfy_kitchen": kitchen_status() if self.int8_own or self.int8_stock else None,
              "int8_gemm": gemm_status() if self.int8_own else None,
-             "notes": list(self.notes)}
+             "memory": self._memory(), "notes": list(self.notes)}
         p["messages"] = _messages(p)
         return p
+
+    def _memory(self) -> dict | None:
+        if self.peak_bytes is None and self.estimate is None:
+            return None
+        estimate = self.estimate or {}
+        return {"peak_bytes": self.peak_bytes, "estimate_bytes": estimate.get("bytes"),
+                "estimate_by": estimate.get("by")}
 
     def finish_run(self) -> dict:
         p = self.last = self.payload()
@@ -173,6 +197,8 @@ def _messages(p: dict) -> list[str]:
     if p["path"] == "h3_forward_patch":
         lines.append(f"block fast path on {p['block_path_blocks']} of {p['blocks_patched']} blocks "
                      f"(block_path {p['block_path']}); the others: attention only")
+    if p["memory"] is not None:
+        lines.append(memory_line(p["memory"]))
     if p["status"] == "interrupted":
         lines.append("the sampling run was interrupted; the counts below cover the part that ran")
     elif p["status"] == "failed":
@@ -251,6 +277,23 @@ def gemm_line(status: dict) -> str:
     """"int8 GEMM: the pack's (Triton)" or "int8 GEMM: comfy-kitchen's CUTLASS (why)"."""
     kernel = GEMM_KERNELS.get(status.get("kernel"), str(status.get("kernel")))
     return f"int8 GEMM: {kernel}" + (f" ({status['reason']})" if status.get("reason") else "")
+
+
+def byte_size(nbytes) -> str:
+    """"2.3 GiB" from a GiB up, "840 MiB" below (one decimal under 10 MiB)."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.1f} GiB"
+    return f"{nbytes / 2**20:.{1 if nbytes < 10 * 2**20 else 0}f} MiB"
+
+
+def memory_line(memory: dict) -> str:
+    """"model call needed: 2.2 GiB (ComfyUI told 2.3 GiB)"; ", its own estimate" where stock's estimate stood."""
+    told = memory.get("estimate_bytes")
+    whose = ", its own estimate" if memory.get("estimate_by") == "comfyui" else ""
+    if memory.get("peak_bytes") is None:
+        return f"ComfyUI told: {byte_size(told)} a model call{whose}"
+    return f"model call needed: {byte_size(memory['peak_bytes'])}" + (
+        f" (ComfyUI told {byte_size(told)}{whose})" if told is not None else "")
 
 
 def _prompt_server():

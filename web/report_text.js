@@ -121,6 +121,23 @@ export function formatError(error) {
   return type || message;
 }
 
+// "2.3 GiB" from a GiB up, "840 MiB" below, one decimal under 10 MiB (nodes/report.py: byte_size).
+export function formatBytes(bytes) {
+  const n = Number(bytes);
+  if (n >= 2 ** 30) return `${(n / 2 ** 30).toFixed(1)} GiB`;
+  return `${(n / 2 ** 20).toFixed(n < 10 * 2 ** 20 ? 1 : 0)} MiB`;
+}
+
+// "model call needed: 2.2 GiB (ComfyUI told 2.3 GiB)": the largest model call's peak and what ComfyUI was told
+// one needs when it loaded the model (", its own estimate" where the pack's did not stand); "" without (null).
+export function formatMemory(memory) {
+  if (!memory || typeof memory !== "object" || Array.isArray(memory)) return "";
+  const told = isNumber(memory.estimate_bytes) ? formatBytes(memory.estimate_bytes) : "";
+  const whose = memory.estimate_by === "comfyui" ? ", its own estimate" : "";
+  if (!isNumber(memory.peak_bytes)) return told ? `ComfyUI told: ${told} a model call${whose}` : "";
+  return `model call needed: ${formatBytes(memory.peak_bytes)}${told ? ` (ComfyUI told ${told}${whose})` : ""}`;
+}
+
 // "comfy-kitchen 0.2.40: verified for the int8 route"; "" when the report has no int8 linears (null).
 export function formatKitchen(status) {
   if (!status || typeof status !== "object" || Array.isArray(status)) return "";
@@ -230,6 +247,8 @@ export function formatReport(report) {
     const off = r.block_path && r.block_path !== "exact" ? ` (block_path ${text(r.block_path)})` : "";
     lines.push(`block fast path: ${r.block_path_blocks} of ${text(r.blocks_patched)} blocks${off}`);
   }
+  const memory = formatMemory(r.memory);
+  if (memory) lines.push(memory);
   if (r.replaced_own_patch) lines.push("replaced an earlier patch of this node on the same model");
 
   // notes carry a code too (sparse_composed, preference_honoured, ...); the text says it all

@@ -6,8 +6,8 @@ import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 
 import {
-  GEMM_KERNEL_LABELS, KEYS_NOT_SHOWN, KITCHEN_ROUTE_LABELS, REASON_LABELS, STATUS_VISIBLE_LINES, formatBackendsRan, formatError,
-  formatKitchen, formatPrepared, formatReport,
+  GEMM_KERNEL_LABELS, KEYS_NOT_SHOWN, KITCHEN_ROUTE_LABELS, REASON_LABELS, STATUS_VISIBLE_LINES, formatBackendsRan,
+  formatBytes, formatError, formatKitchen, formatMemory, formatPrepared, formatReport,
   pickNodeForReport, reportState, shortReason, sortOurTemplates,
 } from "../../web/report_text.js";
 
@@ -42,6 +42,7 @@ const REPORT = {
   int8_stock_quantizer: [],
   comfy_kitchen: null,
   int8_gemm: null,
+  memory: null,
   notes: [],
   messages: ["MiniMaxH3: 50 H3 blocks + 2 refiner blocks, layout strided_nhd, back-end requested auto"],
 };
@@ -190,6 +191,22 @@ test("the int8 route's GEMM: which kernel ran, and why comfy-kitchen's where it 
   assert.ok(!formatReport(REPORT).some((l) => l.startsWith("int8 GEMM")));
 });
 
+test("memory: the largest model call's peak beside what ComfyUI was told, and whose estimate that was", () => {
+  const pack = { peak_bytes: 2.2 * 2 ** 30, estimate_bytes: 2.3 * 2 ** 30, estimate_by: "pack" };
+  const lines = formatReport({ ...REPORT, block_path: "exact", block_path_blocks: 50, memory: pack });
+  assert.equal(lines.at(-1), "model call needed: 2.2 GiB (ComfyUI told 2.3 GiB)", show(lines));
+  assert.equal(lines.at(-2), "block fast path: 50 of 50 blocks", show(lines));
+  assert.equal(formatMemory({ ...pack, estimate_by: "comfyui", estimate_bytes: 7.7 * 2 ** 30 }),
+    "model call needed: 2.2 GiB (ComfyUI told 7.7 GiB, its own estimate)");
+  assert.equal(formatMemory({ ...pack, peak_bytes: null }), "ComfyUI told: 2.3 GiB a model call");
+  assert.equal(formatMemory({ ...pack, estimate_bytes: null, estimate_by: null }), "model call needed: 2.2 GiB");
+  assert.equal(formatMemory({ peak_bytes: null, estimate_bytes: null, estimate_by: null }), "");
+  for (const none of [null, undefined, [], "2 GiB"]) assert.equal(formatMemory(none), "");
+  assert.ok(!formatReport(REPORT).some((l) => l.includes("model call") || l.startsWith("ComfyUI told")));
+  assert.deepEqual([840 * 2 ** 20, 3.5 * 2 ** 20, 2 ** 30, 1944 * 2 ** 20].map(formatBytes),
+    ["840 MiB", "3.5 MiB", "1.0 GiB", "1.9 GiB"]);
+});
+
 test("prepared and prepared_skipped lines", () => {
   assert.equal(formatPrepared([{ backend: "sage2", mode: "exact", calls: 100 }]), "sage2 exact ×100");
   assert.equal(formatPrepared([{ backend: "sage2", mode: "fused", calls: 90 }, { backend: "sage2", mode: "rotated", calls: 0 },
@@ -296,6 +313,7 @@ test("the longest report keeps every piece of information and needs the box to s
   }
   for (const n of LONGEST.notes) assert.ok(lines.includes(`note: ${n.text}`), n.text);
   assert.ok(lines.includes(`why comfy-kitchen's int8 GEMM runs: ${LONGEST.int8_gemm.reason}`), all);
+  assert.ok(lines.includes("model call needed: 4.6 GiB (ComfyUI told 7.7 GiB, its own estimate)"), all);
   for (const e of LONGEST.compile_events) assert.ok(all.includes(e.key), e.key);
   assert.ok(lines.includes("split over heads: up to 3 chunks (int32 offsets)"));
   assert.ok(lines.includes("handed back to ComfyUI attention: ×7"));
