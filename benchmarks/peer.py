@@ -22,8 +22,16 @@ PEER_FILE = Path("nodes") / "minimax_nodes.py"
 PACKAGE = "kjnodes_peer"  # the stub package the peer's module lives in (never the KJ pack itself)
 LOW_VRAM = "MiniMaxLowVRAMAttention"      # "MiniMax H3 Low VRAM Attention"
 CHUNK_FF = "MiniMaxChunkFeedForward"      # "MiniMax H3 Chunk FeedForward"
+MEM_EFF_SAGE = "MiniMaxH3MemoryEfficientSageAttentionPatch"  # "MiniMax H3 Mem Eff Sage Attention Patch"
+# the peer's nodes that live outside PEER_FILE: node -> its file in the checkout
+NODE_FILES = {MEM_EFF_SAGE: Path("nodes") / "ltxv_nodes.py"}
 # variant -> the peer's nodes, chained in this order on the stock model
 VARIANTS = {"kj_lowvram": (LOW_VRAM,), "kj_lowvram_chunkff": (LOW_VRAM, CHUNK_FF)}
+# its lowest-memory combination: its own SageAttention forward (int8/fp8 operands straight from the fused buffer)
+# under the Low VRAM block patch (which keeps an attention patch it finds), with the chunked MLP; where stock
+# does not run SageAttention the sage patch is left out (LOW_MEMORY_WITHOUT_SAGE)
+LOW_MEMORY = {"kj_lowmem": (MEM_EFF_SAGE, LOW_VRAM, CHUNK_FF)}
+LOW_MEMORY_WITHOUT_SAGE = {"kj_lowmem": (LOW_VRAM, CHUNK_FF)}
 
 
 def check_checkout(checkout) -> Path:
@@ -45,14 +53,35 @@ def _stub_package(name: str, folder: Path) -> None:
     sys.modules[name] = module
 
 
-def load_module(checkout):
-    """The peer's ``minimax_nodes`` module (needs ComfyUI imported first: it imports comfy at the top)."""
-    path = check_checkout(checkout)
-    name = f"{PACKAGE}.nodes.minimax_nodes"
+def _server_for_import() -> None:
+    """Some of the peer's files register web routes at import (``server.PromptServer.instance.routes``), which
+    exists only in a running ComfyUI: outside one, an instance with a route table of its own stands in."""
+    try:
+        import server
+    except Exception:  # noqa: BLE001  (no server module: the file's own import then says so)
+        return
+    prompt_server = getattr(server, "PromptServer", None)
+    if prompt_server is not None and getattr(prompt_server, "instance", None) is None:
+        from types import SimpleNamespace
+
+        from aiohttp import web
+
+        prompt_server.instance = SimpleNamespace(routes=web.RouteTableDef(), send_sync=lambda *a, **k: None)
+
+
+def load_module(checkout, file: Path = PEER_FILE):
+    """The peer's ``minimax_nodes`` module, or another of its ``nodes/`` files (needs ComfyUI imported first:
+    they import comfy at the top)."""
+    check_checkout(checkout)
+    path = Path(checkout).expanduser().resolve() / file
+    if not path.is_file():
+        raise FileNotFoundError(f"no {file} under {checkout} (a ComfyUI-KJNodes checkout without it is too old)")
+    name = f"{PACKAGE}.nodes.{path.stem}"
     if name in sys.modules:
         return sys.modules[name]
     _stub_package(PACKAGE, path.parent.parent)
     _stub_package(f"{PACKAGE}.nodes", path.parent)
+    _server_for_import()
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -71,11 +100,19 @@ def node_defaults(node_cls) -> dict:
             if i.id != "model" and getattr(i, "default", None) is not None}
 
 
-def make_variant(module, base, nodes: tuple[str, ...]):
-    """``(patched clone, [{node, display_name, inputs}])``: each node's ``execute`` on the previous output."""
+def node_class(checkout, module, node: str):
+    """The peer's node class: from ``module`` (PEER_FILE's), or from its own file (NODE_FILES)."""
+    if node in NODE_FILES:
+        return getattr(load_module(checkout, NODE_FILES[node]), node)
+    return getattr(module, node)
+
+
+def make_variant(module, base, nodes: tuple[str, ...], checkout=None):
+    """``(patched clone, [{node, display_name, inputs}])``: each node's ``execute`` on the previous output
+    (``checkout``: where the nodes outside PEER_FILE come from)."""
     model, applied = base, []
     for node in nodes:
-        cls = getattr(module, node)
+        cls = node_class(checkout, module, node)
         inputs = node_defaults(cls)
         model = cls.execute(model, **inputs)[0]  # io.NodeOutput: the MODEL output first
         applied.append({"node": node, "display_name": cls.define_schema().display_name, "inputs": inputs})

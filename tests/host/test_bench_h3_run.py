@@ -20,6 +20,7 @@ from benchmarks import schema
 from benchmarks.h3_reference_run import REFERENCE_COPY, reference_for
 from devkit.h3 import packed_token_count
 from host_fixtures import require_host, tiny_h3_model, write_checkpoint
+from peer_stand_in import write_stand_in
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--tiny", "--device", "cpu", "--backend", "sdpa", "--reps", "2", "--warmup", "1",
@@ -175,95 +176,8 @@ def test_int8_convrot_state_dict_marks_exactly_the_four_block_linears():
 
 
 # --- the peer (KJNodes) through a stand-in, the variant flags, the long-sequence memory section -------
-# The real peer is never needed here: a stand-in with KJNodes' node classes, inputs and import shape
-# (comfy, comfy_api, server, a relative import of a sibling module) is written to tmp_path. Its defaults
-# differ from KJNodes' on purpose: the benchmark must read them from the node's schema.
-STAND_IN_NODES = '''
-"""Stand-in for KJNodes' nodes/minimax_nodes.py: the same node classes and inputs, stock-equal forwards."""
-import types
-
-import torch
-
-import comfy.model_management  # noqa: F401  (the real file imports comfy at the top)
-from comfy.ldm.modules.attention import optimized_attention  # noqa: F401  (the attention the peer calls)
-from comfy_api.latest import io
-
-try:
-    from server import PromptServer  # noqa: F401
-except Exception:
-    PromptServer = None
-
-from ..utility.helpers import check_head_chunks
-
-
-def lowvram_block_forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}):
-    check_head_chunks(transformer_options)
-    return type(self).forward(self, x, t_emb, mod_segments, rope_freqs, transformer_options=transformer_options)
-
-
-def lowvram_attn_forward(self, x, rope_freqs=None, transformer_options={}):
-    return type(self).forward(self, x, rope_freqs, transformer_options)
-
-
-class MiniMaxLowVRAMAttention(io.ComfyNode):
-    @classmethod
-    def define_schema(cls):
-        return io.Schema(node_id="MiniMaxLowVRAMAttention", display_name="MiniMax H3 Low VRAM Attention",
-                         category="testing", inputs=[io.Model.Input("model"),
-                                                     io.Int.Input("head_chunks", default=3, min=1, max=56)],
-                         outputs=[io.Model.Output()])
-
-    @classmethod
-    def execute(cls, model, head_chunks) -> io.NodeOutput:
-        m = model.clone()
-        m.model_options["transformer_options"]["minimax_head_chunks"] = head_chunks
-        for i, block in enumerate(m.get_model_object("diffusion_model").blocks):
-            m.add_object_patch(f"diffusion_model.blocks.{i}.forward", types.MethodType(lowvram_block_forward, block))
-            m.add_object_patch(f"diffusion_model.blocks.{i}.attn.forward",
-                               types.MethodType(lowvram_attn_forward, block.attn))
-        return io.NodeOutput(m)
-
-
-class MiniMaxChunkFeedForward(io.ComfyNode):
-    @classmethod
-    def define_schema(cls):
-        return io.Schema(node_id="MiniMaxChunkFeedForward", display_name="MiniMax H3 Chunk FeedForward",
-                         category="testing", inputs=[io.Model.Input("model"), io.Int.Input("chunks", default=5),
-                                                     io.Int.Input("seq_threshold", default=2048)],
-                         outputs=[io.Model.Output()])
-
-    @classmethod
-    def execute(cls, model, chunks, seq_threshold) -> io.NodeOutput:
-        def forward(mlp, x):
-            if x.shape[0] <= seq_threshold:
-                return type(mlp).forward(mlp, x)
-            return torch.cat([type(mlp).forward(mlp, c) for c in torch.chunk(x, chunks)])
-
-        m = model.clone()
-        for i, block in enumerate(m.get_model_object("diffusion_model").blocks):
-            m.add_object_patch(f"diffusion_model.blocks.{i}.mlp.forward", types.MethodType(forward, block.mlp))
-        return io.NodeOutput(m)
-'''
-STAND_IN_HELPERS = '''
-def check_head_chunks(transformer_options):
-    # the block must get the clone's transformer_options, as in a graph
-    if transformer_options.get("minimax_head_chunks") != 3:
-        raise RuntimeError(f"the stand-in's block got no head_chunks: {sorted(transformer_options)}")
-'''
 PEER_NAMES = ["kj_lowvram", "kj_lowvram_chunkff"]
 PEER_TABLE = ["stock", "strided_nhd", "attention_only", *PEER_NAMES]
-
-
-def write_stand_in(root: Path) -> Path:
-    """A ComfyUI-KJNodes-shaped folder whose pack __init__ must never run."""
-    (root / "nodes").mkdir(parents=True)
-    (root / "utility").mkdir()
-    (root / "__init__.py").write_text('raise ImportError("the whole KJ pack was imported")\n')
-    (root / "nodes" / "__init__.py").write_text('raise ImportError("the KJ nodes package was imported")\n')
-    (root / "nodes" / "minimax_nodes.py").write_text(STAND_IN_NODES)
-    (root / "utility" / "__init__.py").write_text("")
-    (root / "utility" / "helpers.py").write_text(STAND_IN_HELPERS)
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,322 @@
+"""One cell of the VRAM-budget benchmark (``benchmarks.vram_budget`` starts it as its own process): one budget, one
+clip length, every variant sampled in turn on the same model in the same process.
+
+The start-up follows ComfyUI's ``main.py`` (``devkit.aimdo_emulation`` has the steps): the cudaMallocAsync
+allocator, comfy-aimdo's library before torch, the ComfyUI imports (not ``--highvram``: ComfyUI decides what stays
+on the card), then the ballast (``benchmarks.ballast``) and, for DynamicVRAM, aimdo's devices and ComfyUI's dynamic
+ModelPatcher. The model is the checkpoint file, loaded as the UNETLoader node loads it; each variant's run goes
+through ComfyUI's sampling nodes as the bundled workflows wire them, so ComfyUI's own model management loads the
+weights it can and streams the rest every step.
+
+Per variant: seconds per step (steps after the first; the first also loads), peak memory torch allocated and
+reserved (comfy-aimdo's weight pages are not torch's: the card's least free memory at a step's end says more),
+weight bytes copied to the card per step, ComfyUI's resident weight bytes, and the error if the run failed
+(``oom``: out of memory). The latents are compared with stock's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from devkit import aimdo_emulation as startup
+
+SAMPLER, SCHEDULER = "res_multistep", "simple"
+OOM_MARKS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA_ERROR_OUT_OF_MEMORY")
+
+
+class Recorder:
+    """The cell's JSON, rewritten at every stage: a process that dies still leaves where it was."""
+
+    def __init__(self, path: Path, result: dict):
+        self.path, self.result = path, result
+
+    def stage(self, name: str) -> None:
+        self.result["stage"] = name
+        print(f"[budget-cell {time.strftime('%H:%M:%S')}] {name}", flush=True)
+        self.write()
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.result, indent=1, default=str) + "\n")
+        os.replace(tmp, self.path)
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or any(m in str(exc) for m in OOM_MARKS)
+
+
+def error_record(exc: BaseException) -> dict:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return {"type": type(exc).__name__, "message": first[:500], "oom": is_oom(exc),
+            "where": "".join(traceback.format_tb(exc.__traceback__)[-2:])[-800:]}
+
+
+# --- weight bytes copied to the card ---------------------------------------------------------------------
+
+def tensor_bytes(t) -> int:
+    qdata = getattr(t, "_qdata", None)  # a QuantizedTensor: its int8 data and its scale
+    if qdata is not None:
+        scale = getattr(getattr(t, "_params", None), "scale", None)
+        return qdata.numel() * qdata.element_size() + (scale.numel() * scale.element_size() if scale is not None else 0)
+    return t.numel() * t.element_size()
+
+
+class TransferCounter:
+    """Bytes of host tensors ComfyUI copies to a CUDA device through ``comfy.model_management``'s two weight paths:
+    ``cast_to`` (the legacy ModelPatcher's per-call cast) and ``cast_to_gathered`` (DynamicVRAM's and the cast
+    buffers' gathered copies, file slices included)."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def install(self) -> None:
+        import comfy.model_management as mm
+
+        cast_to, gathered = mm.cast_to, mm.cast_to_gathered
+
+        def counted_cast_to(weight, dtype=None, device=None, *args, **kwargs):
+            if device is not None and getattr(device, "type", str(device)) == "cuda" and weight.device.type == "cpu":
+                self.bytes += tensor_bytes(weight)
+            return cast_to(weight, dtype, device, *args, **kwargs)
+
+        def counted_gathered(tensors, r, non_blocking=False, stream=None, r2=None):
+            if any(d is not None and d.device.type == "cuda" for d in (r, r2)):
+                self.bytes += sum(tensor_bytes(t) for t in tensors if t is not None and t.device.type == "cpu")
+            return gathered(tensors, r, non_blocking=non_blocking, stream=stream, r2=r2)
+
+        mm.cast_to, mm.cast_to_gathered = counted_cast_to, counted_gathered
+
+
+# --- start-up ------------------------------------------------------------------------------------------
+
+def start(args, recorder: Recorder):
+    """ComfyUI's start-up with the budget in place. Returns (torch, device, stock attention flag, ballast or None):
+    the ballast lives as long as the caller holds it."""
+    result = recorder.result
+    cuda = args.device != "cpu"
+    dynamic = cuda and args.loader == "dynamic"
+    if cuda:
+        result["pytorch_cuda_alloc_conf"] = startup.cuda_malloc_env()
+    control = None
+    if dynamic:
+        recorder.stage("comfy_aimdo.control.init")
+        control = startup.init_aimdo_library()
+        result["comfy_aimdo"] = startup.aimdo_version()
+    import torch
+
+    from devkit import comfy as comfy_host
+
+    device = torch.device(args.device)
+    stock_flag = startup.stock_flag("auto", cuda)
+    recorder.stage("ComfyUI imports")
+    root = comfy_host.find_comfyui(args.comfyui)
+    flags = comfy_host.import_comfyui(root, cpu=not cuda, stock_flag=stock_flag, extra_flags={"highvram": False})
+    result["comfyui"] = {"path": str(root), "version": comfy_host.comfyui_version(root), "flags": flags}
+    result["stock_attention"] = comfy_host.stock_attention_name()
+    result["torch"] = str(torch.__version__)
+    ballast = None
+    if cuda:
+        from .ballast import occupy
+
+        recorder.stage("ballast")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if args.budget is not None:
+            ballast, result["budget"] = occupy(index, args.budget)
+        else:
+            free, total = torch.cuda.mem_get_info(index)
+            result["budget"] = {"budget_gib": None, "card_total_bytes": total, "free_after_bytes": free}
+        result["gpu"] = torch.cuda.get_device_name(device)
+        result["allocator_backend"] = torch.cuda.get_allocator_backend()
+    else:
+        result["budget"] = {"budget_gib": args.budget, "emulated": False, "why": "no device memory on a CPU"}
+    result["loader"] = "legacy"
+    if dynamic:
+        recorder.stage("comfy_aimdo.control.init_devices")
+        startup.init_aimdo_devices(control)
+        import comfy.memory_management
+        import comfy.model_patcher
+
+        # main.py's two assignments once aimdo's devices are up
+        comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+        comfy.memory_management.aimdo_enabled = True
+        result["loader"] = "dynamic"
+    return torch, device, stock_flag, ballast
+
+
+# --- the variants ----------------------------------------------------------------------------------------
+
+def make_variants(args, base, stock_flag: str, result: dict) -> tuple[dict, object]:
+    """(name -> patcher, the pack's installed patch or None): stock (the loaded model), the pack (the node at its
+    defaults), KJNodes' lowest-memory combination (``benchmarks.peer.LOW_MEMORY``)."""
+    from devkit.pack import submodule
+
+    variants, patch = {}, None
+    for name in args.variants:
+        if name == "stock":
+            variants[name] = base
+        elif name == "pack":
+            # measure_peak off: the cell reads every variant's peak the same way, over the whole run
+            settings = submodule("nodes.patch").Settings(backend=args.backend, measure_peak=False)
+            variants[name], patch = submodule("nodes.h3_patch").patch_model(base, settings)
+        elif name == "kjnodes":
+            variants[name] = _peer_variant(args, base, stock_flag, result)
+    return variants, patch
+
+
+def _peer_variant(args, base, stock_flag: str, result: dict):
+    from . import peer
+
+    module = peer.load_module(args.kjnodes)
+    chains = peer.LOW_MEMORY if stock_flag == "use_sage_attention" else peer.LOW_MEMORY_WITHOUT_SAGE
+    nodes = chains["kj_lowmem"]
+    try:
+        clone, applied = peer.make_variant(module, base, nodes, args.kjnodes)
+    except RuntimeError as exc:  # its sage patch refuses this SageAttention: the rest of the combination runs
+        if peer.MEM_EFF_SAGE not in nodes:
+            raise
+        result.setdefault("notes", []).append(f"KJNodes' {peer.MEM_EFF_SAGE} refused: {exc}")
+        clone, applied = peer.make_variant(module, base, peer.LOW_MEMORY_WITHOUT_SAGE["kj_lowmem"], args.kjnodes)
+    result["kjnodes"] = {"nodes": applied, "checkout": str(args.kjnodes),
+                         "commit": peer.describe(args.kjnodes, module, None)["git_commit"]}
+    return clone
+
+
+# --- one sampling run ------------------------------------------------------------------------------------
+
+def empty_latent(width: int, height: int, frames: int):
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
+
+    return EmptyMiniMaxH3LatentAV.execute(width, height, frames)[0]
+
+
+def loaded_weight_bytes(patcher) -> int | None:
+    """The weight bytes ComfyUI holds on the card for ``patcher`` (its own count)."""
+    for name in ("loaded_size", "model_loaded_memory"):
+        fn = getattr(patcher, name, None)
+        if callable(fn):
+            try:
+                return int(fn())
+            except Exception:  # noqa: BLE001  (a count is a nicety; the run matters)
+                return None
+    return None
+
+
+def sample(torch, device, patcher, conditioning, args, counter: TransferCounter) -> tuple[dict, tuple | None]:
+    """One ``args.steps``-step run of ``patcher`` from a cold start (nothing of the model on the card)."""
+    import comfy.model_management as mm
+    import comfy.utils
+    from comfy_extras import nodes_custom_sampler as ncs
+
+    mm.unload_all_models()
+    gc.collect()
+    mm.soft_empty_cache()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    latent = empty_latent(args.width, args.height, args.frames)
+    noise = ncs.RandomNoise.execute(args.seed)[0]
+    sampler = ncs.KSamplerSelect.execute(SAMPLER)[0]
+    sigmas = ncs.BasicScheduler.execute(patcher, SCHEDULER, args.steps, 1.0)[0]
+    guider = ncs.BasicGuider.execute(patcher, conditioning)[0]
+    ends, streamed, least_free = [], [], None
+    start_bytes = counter.bytes
+    start = time.perf_counter()
+
+    def progress(value, total, preview, node_id=None):
+        nonlocal least_free
+        if cuda:
+            torch.cuda.synchronize(device)
+            free = torch.cuda.mem_get_info(device)[0]
+            least_free = free if least_free is None else min(least_free, free)
+        ends.append(time.perf_counter() - start)
+        streamed.append(counter.bytes - start_bytes)
+        print(f"    step {value}/{total} at {ends[-1]:.2f} s, {streamed[-1] / 2**30:.2f} GiB copied", flush=True)
+
+    run, latents = {"steps": args.steps}, None
+    for name in ("PROGRESS_THROTTLE_MIN_INTERVAL", "PROGRESS_THROTTLE_MIN_PERCENT"):
+        if hasattr(comfy.utils, name):
+            setattr(comfy.utils, name, 0)  # every step's end, however short the step (the CPU tests' are)
+    comfy.utils.set_progress_bar_global_hook(progress)
+    try:
+        out = ncs.SamplerCustomAdvanced.execute(noise, guider, sampler, sigmas, latent)[0]
+        if cuda:
+            torch.cuda.synchronize(device)
+        run["seconds"] = time.perf_counter() - start
+        latents = tuple(t.detach().to("cpu", copy=True) for t in out["samples"].unbind())
+        run["finite"] = all(bool(torch.isfinite(t.float()).all()) for t in latents)
+    except Exception as exc:  # noqa: BLE001  (recorded; the next variant still runs)
+        run["error"] = error_record(exc)
+    finally:
+        comfy.utils.set_progress_bar_global_hook(None)
+    run["step_end_seconds"], run["copied_bytes_at_step_end"] = ends, streamed
+    later = [b - a for a, b in zip(ends, ends[1:])]
+    run["seconds_per_step"] = sum(later) / len(later) if later and "error" not in run else None
+    copied = [b - a for a, b in zip(streamed, streamed[1:])]
+    run["copied_bytes_per_step"] = int(sum(copied) / len(copied)) if copied else None
+    run["resident_weight_bytes"] = loaded_weight_bytes(patcher)
+    if cuda:
+        run["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
+        run["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+        run["least_free_bytes"] = least_free
+    return run, latents
+
+
+def compare_latents(a: tuple, b: tuple) -> dict:
+    import torch
+
+    same = all(torch.equal(x, y) for x, y in zip(a, b))
+    diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
+    return {"identical": same, "max_abs_difference": diff}
+
+
+def run_cell(args) -> int:
+    result = {"budget_gib": args.budget, "tokens_asked": args.tokens[0], "frames": args.frames, "width": args.width,
+              "height": args.height, "steps": args.steps, "variants": list(args.variants), "runs": {}}
+    recorder = Recorder(args.cell_out, result)
+    try:
+        torch, device, stock_flag, ballast = start(args, recorder)
+        from devkit import h3 as h3_model
+
+        counter = TransferCounter()
+        counter.install()
+        recorder.stage("load the checkpoint")
+        base = h3_model.load_checkpoint_model(str(args.checkpoint))
+        result["model"] = {"checkpoint": str(args.checkpoint), "bytes": Path(args.checkpoint).stat().st_size,
+                           "patcher": type(base).__name__, "blocks": len(base.model.diffusion_model.blocks)}
+        variants, patch = make_variants(args, base, stock_flag, result)
+        dm = base.model.diffusion_model
+        conditioning = h3_model.random_conditioning(args.text_tokens, dm.condition_proj.weight.shape[1], args.seed + 1)
+        result["packed_rows"] = h3_model.packed_token_count(args.width, args.height, args.frames, args.text_tokens)
+        latents = {}
+        for name, patcher in variants.items():
+            recorder.stage(f"sample {name}")
+            run, latents[name] = sample(torch, device, patcher, conditioning, args, counter)
+            if name == "pack":
+                run["report"] = patch.report.last
+            result["runs"][name] = run
+            recorder.write()
+        for name in [n for n in latents if n != "stock"]:
+            if latents.get("stock") is not None and latents[name] is not None:
+                result["runs"][name]["vs_stock"] = compare_latents(latents["stock"], latents[name])
+        recorder.stage("done")
+        del ballast  # held to here: the budget stays in place for every run
+        return 0
+    except Exception as exc:  # noqa: BLE001  (the cell's JSON says where it stopped)
+        result["error"] = error_record(exc)
+        recorder.write()
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover  (started through benchmarks.vram_budget --cell)
+    sys.exit("run this through python -m benchmarks.vram_budget")

@@ -1,0 +1,287 @@
+"""The full MiniMax H3 on smaller cards: stock ComfyUI, the pack and KJNodes' lowest-memory nodes under VRAM budgets
+emulated on a big card, with ComfyUI's own model management loading what fits and streaming the rest.
+
+    python -m benchmarks.vram_budget --make-checkpoint /dev/shm/h3-int8.safetensors     # once per machine
+    python -m benchmarks.vram_budget --checkpoint /dev/shm/h3-int8.safetensors --kjnodes ~/ComfyUI-KJNodes \\
+        --budgets 12,16,24 --tokens 37810 --steps 3 --out budget.json
+    python -m benchmarks.vram_budget --table budget.json other.json                      # the README's table
+
+Each (length, budget) cell runs in its own process (``benchmarks.budget_cell``): the budget is one raw device
+allocation of the rest of the card (``benchmarks.ballast``), so ComfyUI, comfy-aimdo and torch all see a card of
+that size. Every variant of a cell is sampled in that process, one after another, from a cold start (nothing of
+the model on the card), through ComfyUI's sampling nodes. ``--budgets`` takes ``full`` for the whole card (the
+model resident where it fits: the per-step lead with nothing streamed). The checkpoint is the full-size H3 with
+seeded random weights, written once in the bundled workflows' format (``--weights int8_convrot``: the four
+block linears int8 tensor-wise with ConvRot, the rest bf16) and loaded as ComfyUI's UNETLoader loads a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# stock last: past 2**31 elements its attention on the fused qkv buffer may fault the device, and after a fault
+# nothing more runs in the process
+VARIANTS = ("pack", "kjnodes", "stock")
+LOADERS = ("dynamic", "legacy")  # DynamicVRAM (comfy-aimdo), or the estimate-based ModelPatcher
+WIDTH, HEIGHT, TEXT_TOKENS, SEED = 1344, 768, 100, 440420  # the bundled workflows' clip (frames from --tokens)
+
+
+def log(message: str) -> None:
+    print(f"[vram-budget {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def parse_budgets(text: str) -> list[float | None]:
+    """``12,16,24,full`` -> [12.0, 16.0, 24.0, None] (GiB; None: the whole card)."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "full":
+            out.append(None)
+            continue
+        value = float(part)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"a budget must be positive GiB or 'full', got {part!r}")
+        out.append(value)
+    return out
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(p) for p in text.split(",") if p.strip()]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vram_budget", description=__doc__.split("\n\n")[0])
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--checkpoint", type=Path, help="the H3 checkpoint to sample (see --make-checkpoint)")
+    what.add_argument("--make-checkpoint", type=Path, metavar="PATH", help="write the random-weight checkpoint")
+    what.add_argument("--table", type=Path, nargs="+", metavar="JSON", help="print the markdown table of results")
+    p.add_argument("--budgets", type=parse_budgets, default=parse_budgets("12,16,24"),
+                   help="card sizes in GiB, comma separated; 'full' = the whole card (default 12,16,24)")
+    p.add_argument("--tokens", type=parse_ints, default=[37810], help="packed tokens per clip, comma separated")
+    p.add_argument("--steps", type=int, default=3, help="sampling steps per run (the first is not timed)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--kjnodes", type=Path, default=None, help="a ComfyUI-KJNodes checkout (for the kjnodes variant)")
+    p.add_argument("--backend", default="auto", help="the node's backend input for the pack (default auto)")
+    p.add_argument("--loader", choices=LOADERS, default="dynamic",
+                   help="dynamic: DynamicVRAM (ComfyUI's default with comfy-aimdo); legacy: --disable-dynamic-vram")
+    p.add_argument("--weights", choices=("int8_convrot", "bf16"), default="int8_convrot", help="--make-checkpoint")
+    p.add_argument("--blocks", type=int, default=None, help="--make-checkpoint: DiT blocks (default: all 50)")
+    p.add_argument("--tiny", action="store_true", help="--make-checkpoint: the tiny H3 config (CPU tests)")
+    p.add_argument("--width", type=int, default=WIDTH)
+    p.add_argument("--height", type=int, default=HEIGHT)
+    p.add_argument("--text-tokens", type=int, default=TEXT_TOKENS)
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--comfyui", default=None, help="ComfyUI tree (default: $COMFYUI_PATH, else <repo>/.comfyui)")
+    p.add_argument("--cell-timeout", type=int, default=1800, help="seconds a cell's process may take")
+    p.add_argument("--out", type=Path, default=Path("vram-budget.json"))
+    # one cell, in its own process (what the parent starts)
+    p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--frames", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cell-out", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    if "kjnodes" in args.variants and args.checkpoint and args.kjnodes is None:
+        p.error("the kjnodes variant needs --kjnodes (a ComfyUI-KJNodes checkout), or leave it out of --variants")
+    if args.steps < 2:
+        p.error("--steps must be at least 2: the first step loads, the later ones are timed")
+    return args
+
+
+# --- the checkpoint ----------------------------------------------------------------------------------------
+
+SAFETENSORS_DTYPES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32", "torch.int8": "I8",
+                      "torch.uint8": "U8"}
+
+
+def write_safetensors(path: Path, named_tensors, metadata: dict) -> int:
+    """A safetensors file from ``named_tensors()`` (a callable giving ``(name, tensor)`` pairs, asked twice: once for
+    the header, once for the data), written tensor by tensor: never the whole model in host memory (47 GB for the
+    int8 H3), whatever safetensors release the machine has. Returns the bytes written."""
+    import torch
+
+    header, offset = {"__metadata__": metadata}, 0
+    for name, t in named_tensors():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(t.dtype)], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the format aligns the data to 8 bytes
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for name, t in named_tensors():
+            data = t.detach().contiguous().to("cpu").view(-1).view(torch.uint8)
+            f.write(memoryview(data.numpy()))
+    os.replace(tmp, path)
+    return 8 + len(text) + offset
+
+
+def make_checkpoint(args) -> int:
+    """The random-weight H3 as a checkpoint file in ``args.weights``' format: drawn on the device, quantised there
+    one tensor at a time, streamed to the file."""
+    import torch
+
+    from devkit import comfy as comfy_host
+    from devkit import h3
+
+    cuda = args.device != "cpu"
+    comfy_host.import_comfyui(comfy_host.find_comfyui(args.comfyui), cpu=not cuda, stock_flag=None)
+    config = dict(h3.TINY_H3 if args.tiny else h3.FULL_H3)
+    if args.blocks:
+        config["num_layers"] = args.blocks
+    dtype = torch.bfloat16 if cuda else torch.float32
+    started = time.perf_counter()
+    model = h3.build_random_model(config, torch.device(args.device), dtype, args.seed).model.diffusion_model
+    groupsize = 256 if config["hidden_size"] % 256 == 0 else config["hidden_size"]
+
+    def named_tensors():
+        for key, value in model.state_dict().items():
+            if args.weights == "int8_convrot":
+                yield from h3.int8_convrot_state_dict({key: value}, groupsize).items()
+            else:
+                yield key, value
+
+    path = args.make_checkpoint
+    path.parent.mkdir(parents=True, exist_ok=True)
+    size = write_safetensors(path, named_tensors, {"source": "benchmarks.vram_budget random weights",
+                                                   "seed": str(args.seed), "weights": args.weights})
+    log(f"wrote {path}: {size / 2**30:.2f} GiB, {config['num_layers']} blocks, {args.weights}, "
+        f"in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+# --- the cells ---------------------------------------------------------------------------------------------
+
+def cell_command(args, tokens: int, frames: int, budget: float | None, out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "benchmarks.vram_budget", "--cell", "--checkpoint", str(args.checkpoint),
+           "--tokens", str(tokens), "--frames", str(frames), "--steps", str(args.steps),
+           "--variants", ",".join(args.variants), "--backend", args.backend, "--loader", args.loader,
+           "--width", str(args.width), "--height", str(args.height), "--text-tokens", str(args.text_tokens),
+           "--seed", str(args.seed), "--device", args.device, "--cell-out", str(out)]
+    if budget is not None:
+        cmd += ["--budget", str(budget)]
+    if args.kjnodes is not None:
+        cmd += ["--kjnodes", str(args.kjnodes)]
+    if args.comfyui:
+        cmd += ["--comfyui", str(args.comfyui)]
+    return cmd
+
+
+def run_cells(args) -> int:
+    from .sections import frames_for_tokens
+
+    cells, started = [], time.perf_counter()
+    data = {"what": "full H3 sampled under VRAM budgets (benchmarks.vram_budget)", "argv": sys.argv[1:],
+            "checkpoint": str(args.checkpoint), "loader": args.loader, "steps": args.steps, "cells": cells}
+    for tokens in args.tokens:
+        frames, rows = frames_for_tokens(tokens, args.width, args.height, args.text_tokens)
+        for budget in args.budgets:
+            name = f"{rows['total']}-{'full' if budget is None else f'{budget:g}gib'}"
+            out = args.out.with_name(f"{args.out.stem}.{name}.cell.json")
+            out.unlink(missing_ok=True)
+            log(f"cell {name}: {args.width}x{args.height}x{frames} ({rows['total']} tokens), "
+                f"budget {'the whole card' if budget is None else f'{budget:g} GiB'}")
+            try:
+                returncode = subprocess.run(cell_command(args, tokens, frames, budget, out),
+                                            timeout=args.cell_timeout).returncode
+            except subprocess.TimeoutExpired:  # what the cell wrote by then stays; the next cell still runs
+                returncode = f"timed out after {args.cell_timeout} s"
+            cell = json.loads(out.read_text()) if out.is_file() else {"runs": {}}
+            cell.update(name=name, returncode=returncode)
+            cells.append(cell)
+            write(args.out, data)
+            for line in cell_lines(cell):
+                log("  " + line)
+    data["seconds"] = time.perf_counter() - started
+    write(args.out, data)
+    print("\n".join(markdown_table([data])))
+    return 0 if all(c["returncode"] == 0 for c in cells) else 1
+
+
+def write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+# --- reading the results -----------------------------------------------------------------------------------
+
+def outcome(run: dict | None) -> str:
+    """One run as a table cell: seconds per step, or what stopped it."""
+    if not run:
+        return "not run"
+    error = run.get("error")
+    if error:
+        return "out of memory" if error.get("oom") else f"error ({error['type']})"
+    return f"{run['seconds_per_step']:.2f} s"
+
+
+def ratio(a: dict | None, b: dict | None) -> float | None:
+    """a's seconds per step over b's (how many times faster b is), where both completed."""
+    if not a or not b or a.get("error") or b.get("error") or not a.get("seconds_per_step"):
+        return None
+    return a["seconds_per_step"] / b["seconds_per_step"]
+
+
+def cell_lines(cell: dict) -> list[str]:
+    lines = []
+    if cell.get("error"):
+        lines.append(f"cell failed at {cell.get('stage')}: {cell['error']['type']}: {cell['error']['message']}")
+    for name, run in cell.get("runs", {}).items():
+        extra = ""
+        if not run.get("error"):
+            extra = (f", peak allocated {run['peak_allocated_bytes'] / 2**30:.2f} GiB, copied "
+                     f"{(run['copied_bytes_per_step'] or 0) / 2**30:.2f} GiB/step" if "peak_allocated_bytes" in run else "")
+        same = run.get("vs_stock", {}).get("identical")
+        lines.append(f"{name}: {outcome(run)}{extra}" + ("" if same is None else f", stock's bits: {same}"))
+    return lines
+
+
+def markdown_table(datas: list[dict]) -> list[str]:
+    """Budget x length: seconds per step (steps after the first) or why not, and the pack's lead."""
+    head = ["card", "tokens", "stock", "KJNodes (lowest memory)", "the pack", "pack vs stock", "pack vs KJNodes"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cells = [c for d in datas for c in d["cells"]]
+    cells.sort(key=lambda c: (c.get("packed_rows", {}).get("total", 0), c.get("budget_gib") or 1e9))
+    for cell in cells:
+        runs = cell.get("runs", {})
+        budget = cell.get("budget_gib")
+        rows = cell.get("packed_rows", {}).get("total", cell.get("tokens_asked"))
+        lead = [ratio(runs.get(other), runs.get("pack")) for other in ("stock", "kjnodes")]
+        lines.append("| " + " | ".join([
+            "whole card" if budget is None else f"{budget:g} GiB", f"{rows:,}",
+            outcome(runs.get("stock")), outcome(runs.get("kjnodes")), outcome(runs.get("pack")),
+            *("" if r is None else f"{r:.3f}x" for r in lead)]) + " |")
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.table:
+        print("\n".join(markdown_table([json.loads(p.read_text()) for p in args.table])))
+        return 0
+    if args.make_checkpoint:
+        return make_checkpoint(args)
+    if args.cell:
+        from .budget_cell import run_cell
+
+        return run_cell(args)
+    if not args.checkpoint.is_file():
+        raise SystemExit(f"no checkpoint at {args.checkpoint}: write one with --make-checkpoint {args.checkpoint}")
+    return run_cells(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

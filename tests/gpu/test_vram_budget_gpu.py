@@ -1,0 +1,79 @@
+"""One budgeted run of the VRAM-budget benchmark (benchmarks/vram_budget.py) on the GPU: four full-width H3 blocks in
+the bundled checkpoint's int8 ConvRot format, written as a file and loaded as ComfyUI loads one, sampled at 14,000
+tokens on a card cut down to 4 GiB (the model alone is about 4.5 GiB), so ComfyUI must stream weights every step.
+
+Checked on the cell's JSON: the ballast left the budget, stock and the pack both complete, the pack's latents are
+stock's bits, weights were copied to the card at every timed step, and the pack's peak is below stock's.
+Loader: DynamicVRAM where comfy-aimdo is installed (ComfyUI's default), else the legacy ModelPatcher.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BUDGET_GIB, TOKENS, BLOCKS = 4, 14000, 4
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def bench(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    from devkit.comfy import find_host
+
+    host = find_host()
+    if host is None:
+        pytest.skip("needs a ComfyUI host (COMFYUI_PATH)")
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    return subprocess.run([sys.executable, "-m", "benchmarks.vram_budget", "--comfyui", str(host), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def budgeted_cell(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vram_budget")
+    checkpoint = tmp / "h3-4-blocks-int8.safetensors"
+    made = bench("--make-checkpoint", str(checkpoint), "--blocks", str(BLOCKS))
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-3000:]
+    loader = "dynamic" if importlib.util.find_spec("comfy_aimdo") is not None else "legacy"
+    out = Path(os.environ.get("OUT", tmp)) / "vram_budget_gpu.json"
+    proc = bench("--checkpoint", str(checkpoint), "--variants", "pack,stock", "--budgets", str(BUDGET_GIB),
+                 "--tokens", str(TOKENS), "--steps", "3", "--loader", loader, "--out", str(out))
+    assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    cell = json.loads(out.read_text())["cells"][0]
+    assert proc.returncode == 0, json.dumps(cell.get("error") or cell.get("runs"), indent=1)[-3000:]
+    return cell, loader
+
+
+def test_the_card_shows_only_the_budget(budgeted_cell):
+    cell, loader = budgeted_cell
+    budget = cell["budget"]
+    assert cell["loader"] == loader and budget["budget_gib"] == BUDGET_GIB
+    assert budget["ballast_bytes"] == budget["card_total_bytes"] - BUDGET_GIB * 2**30
+    assert budget["free_after_bytes"] <= BUDGET_GIB * 2**30
+    assert cell["model"]["bytes"] > BUDGET_GIB * 2**30  # the weights cannot all stay on the card
+
+
+def test_stock_and_the_pack_complete_streaming_weights(budgeted_cell):
+    cell, _ = budgeted_cell
+    for name in ("stock", "pack"):
+        run = cell["runs"][name]
+        assert "error" not in run, run.get("error")
+        assert run["finite"] and len(run["step_end_seconds"]) == 3
+        assert run["copied_bytes_per_step"] > 0, f"{name}: nothing streamed per step"
+        assert run["peak_reserved_bytes"] <= BUDGET_GIB * 2**30
+
+
+def test_the_pack_gives_stocks_bits_with_less_memory(budgeted_cell):
+    cell, _ = budgeted_cell
+    stock, pack = cell["runs"]["stock"], cell["runs"]["pack"]
+    assert pack["vs_stock"] == {"identical": True, "max_abs_difference": 0.0}
+    assert pack["peak_allocated_bytes"] < stock["peak_allocated_bytes"]
+    assert pack["report"]["status"] == "ok" and pack["report"]["block_path_blocks"] == BLOCKS
