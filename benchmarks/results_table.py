@@ -12,6 +12,8 @@ and ``<!-- NAME-table:end -->`` (the markers must already be there):
 - ``--sampling``: reference-run reports with sampling: each sampled variant against stock.
 - ``--kernels``: isolated-attention reports (``benchmarks.isolated_attention``): per back-end and
   length; a back-end already shown from an earlier report is left out of the later ones.
+- ``--budget``: VRAM-budget reports (``benchmarks.vram_budget``): seconds per step per card size and length,
+  then per cell the peaks, the weight bytes copied per step and whether the latents are stock's.
 
 Variants run with a setting the pack no longer offers (``REMOVED_SETTINGS``) are left out of every
 table; their numbers stay in the JSON.
@@ -24,9 +26,10 @@ import json
 import re
 from pathlib import Path
 
+from . import vram_budget
 from .report import markdown, ratio
 
-TABLES = ("blocks", "sampling", "kernels")
+TABLES = ("blocks", "sampling", "kernels", "budget")
 # settings of variants that the pack no longer offers (removed after f9302b4)
 REMOVED_SETTINGS = {"block_path": {"fused"}, "prep": {"fused", "fused_rotated"},
                     "prep_mode": {"fused", "fused_rotated"}}
@@ -223,6 +226,37 @@ def kernels_table(paths: list[Path]) -> str:
     return "\n".join(markdown(KERNELS_HEADER, rows) + [""] + notes)
 
 
+def budget_details(data: dict) -> list[str]:
+    """Per cell: each variant's peak allocated, weights copied per step, and stock's bits or not."""
+    lines = []
+    for cell in data["cells"]:
+        card = "whole card" if cell.get("budget_gib") is None else f"{cell['budget_gib']:g} GiB"
+        parts = []
+        for name, run in cell.get("runs", {}).items():
+            if run.get("error"):
+                parts.append(f"{name} {vram_budget.outcome(run)} ({run['error']['message'][:90]})")
+                continue
+            same = run.get("vs_stock", {}).get("identical")
+            parts.append(f"{name} peak {run['peak_allocated_bytes'] / 2**30:.2f} GiB, copied "
+                         f"{(run['copied_bytes_per_step'] or 0) / 2**30:.1f} GiB/step"
+                         + ("" if same is None else (", stock's bits" if same else ", not stock's bits")))
+        tokens = cell.get("packed_rows", {}).get("total", cell.get("tokens_asked"))
+        lines.append(f"- {card}, {tokens:,} tokens: " + "; ".join(parts))
+    return lines
+
+
+def budget_table(paths: list[Path]) -> str:
+    reports = [load(p) for p in paths]
+    lines = vram_budget.markdown_table(reports) + [""]
+    for data, path in zip(reports, paths):
+        cell = next((c for c in data["cells"] if c.get("gpu")), {})
+        lines.append(f"- {cell.get('gpu', 'no GPU')}, torch {cell.get('torch')}, ComfyUI "
+                     f"{cell.get('comfyui', {}).get('version')}, loader {data.get('loader')}, {data.get('steps')} steps "
+                     f"a run: `{path}`")
+        lines += budget_details(data)
+    return "\n".join(lines)
+
+
 def replace_between_markers(text: str, block: str, kind: str) -> str:
     start, end = f"<!-- {kind}-table:start -->", f"<!-- {kind}-table:end -->"
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
@@ -237,10 +271,10 @@ def main(argv=None) -> int:
         parser.add_argument(f"--{kind}", nargs="+", type=Path, default=[], metavar="JSON")
     parser.add_argument("--doc", type=Path, help="Markdown file whose table markers to fill (docs/BENCHMARKS.md)")
     args = parser.parse_args(argv)
-    makers = {"blocks": blocks_table, "sampling": sampling_table, "kernels": kernels_table}
+    makers = {"blocks": blocks_table, "sampling": sampling_table, "kernels": kernels_table, "budget": budget_table}
     tables = {kind: makers[kind](getattr(args, kind)) for kind in TABLES if getattr(args, kind)}
     if not tables:
-        parser.error("give at least one of --blocks, --sampling, --kernels")
+        parser.error("give at least one of --blocks, --sampling, --kernels, --budget")
     if args.doc:
         text = args.doc.read_text()
         for kind, table in tables.items():
