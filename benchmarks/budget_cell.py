@@ -17,8 +17,6 @@ weight bytes copied to the card per step, ComfyUI's resident weight bytes, and t
 from __future__ import annotations
 
 import gc
-import json
-import os
 import sys
 import time
 import traceback
@@ -30,22 +28,12 @@ SAMPLER, SCHEDULER = "res_multistep", "simple"
 OOM_MARKS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA_ERROR_OUT_OF_MEMORY")
 
 
-class Recorder:
-    """The cell's JSON, rewritten at every stage: a process that dies still leaves where it was."""
-
-    def __init__(self, path: Path, result: dict):
-        self.path, self.result = path, result
+class Recorder(startup.Recorder):
+    """The cell's JSON, rewritten at every stage (a process that dies still leaves where it was); each stage logged."""
 
     def stage(self, name: str) -> None:
-        self.result["stage"] = name
         print(f"[budget-cell {time.strftime('%H:%M:%S')}] {name}", flush=True)
-        self.write()
-
-    def write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.result, indent=1, default=str) + "\n")
-        os.replace(tmp, self.path)
+        super().stage(name)
 
 
 def is_oom(exc: BaseException) -> bool:

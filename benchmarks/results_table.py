@@ -26,7 +26,6 @@ import json
 import re
 from pathlib import Path
 
-from . import vram_budget
 from .report import markdown, ratio
 
 TABLES = ("blocks", "sampling", "kernels", "budget")
@@ -226,6 +225,57 @@ def kernels_table(paths: list[Path]) -> str:
     return "\n".join(markdown(KERNELS_HEADER, rows) + [""] + notes)
 
 
+# --- the VRAM-budget run (benchmarks.vram_budget) ----------------------------------------------------
+
+def budget_outcome(run: dict | None) -> str:
+    """One run as a table cell: seconds per step, or what stopped it."""
+    if not run:
+        return "not run"
+    error = run.get("error")
+    if error:
+        return "out of memory" if error.get("oom") else f"error ({error['type']})"
+    return f"{run['seconds_per_step']:.2f} s"
+
+
+def budget_ratio(a: dict | None, b: dict | None) -> float | None:
+    """a's seconds per step over b's (how many times faster b is), where both completed."""
+    if not a or not b or a.get("error") or b.get("error") or not a.get("seconds_per_step"):
+        return None
+    return a["seconds_per_step"] / b["seconds_per_step"]
+
+
+def budget_cell_lines(cell: dict) -> list[str]:
+    lines = []
+    if cell.get("error"):
+        lines.append(f"cell failed at {cell.get('stage')}: {cell['error']['type']}: {cell['error']['message']}")
+    for name, run in cell.get("runs", {}).items():
+        extra = ""
+        if not run.get("error"):
+            extra = (f", peak allocated {run['peak_allocated_bytes'] / 2**30:.2f} GiB, copied "
+                     f"{(run['copied_bytes_per_step'] or 0) / 2**30:.2f} GiB/step" if "peak_allocated_bytes" in run else "")
+        same = run.get("vs_stock", {}).get("identical")
+        lines.append(f"{name}: {budget_outcome(run)}{extra}" + ("" if same is None else f", stock's bits: {same}"))
+    return lines
+
+
+def budget_markdown(datas: list[dict]) -> list[str]:
+    """Budget x length: seconds per step (steps after the first) or why not, and the pack's lead."""
+    head = ["card", "tokens", "stock", "KJNodes (lowest memory)", "the pack", "pack vs stock", "pack vs KJNodes"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cells = [c for d in datas for c in d["cells"]]
+    cells.sort(key=lambda c: (c.get("packed_rows", {}).get("total", 0), c.get("budget_gib") or 1e9))
+    for cell in cells:
+        runs = cell.get("runs", {})
+        budget = cell.get("budget_gib")
+        rows = cell.get("packed_rows", {}).get("total", cell.get("tokens_asked"))
+        lead = [budget_ratio(runs.get(other), runs.get("pack")) for other in ("stock", "kjnodes")]
+        lines.append("| " + " | ".join([
+            "whole card" if budget is None else f"{budget:g} GiB", f"{rows:,}",
+            budget_outcome(runs.get("stock")), budget_outcome(runs.get("kjnodes")), budget_outcome(runs.get("pack")),
+            *("" if r is None else f"{r:.3f}x" for r in lead)]) + " |")
+    return lines
+
+
 def budget_details(data: dict) -> list[str]:
     """Per cell: each variant's peak allocated, weights copied per step, and stock's bits or not."""
     lines = []
@@ -234,12 +284,14 @@ def budget_details(data: dict) -> list[str]:
         parts = []
         for name, run in cell.get("runs", {}).items():
             if run.get("error"):
-                parts.append(f"{name} {vram_budget.outcome(run)} ({run['error']['message'][:90]})")
+                parts.append(f"{name} {budget_outcome(run)} ({run['error']['message'][:90]})")
                 continue
             same = run.get("vs_stock", {}).get("identical")
-            parts.append(f"{name} peak {run['peak_allocated_bytes'] / 2**30:.2f} GiB, copied "
-                         f"{(run['copied_bytes_per_step'] or 0) / 2**30:.1f} GiB/step"
-                         + ("" if same is None else (", stock's bits" if same else ", not stock's bits")))
+            facts = [f"peak {run['peak_allocated_bytes'] / 2**30:.2f} GiB"] if "peak_allocated_bytes" in run else []
+            facts.append(f"copied {(run['copied_bytes_per_step'] or 0) / 2**30:.1f} GiB/step")
+            if same is not None:
+                facts.append("stock's bits" if same else "not stock's bits")
+            parts.append(f"{name} " + ", ".join(facts))
         tokens = cell.get("packed_rows", {}).get("total", cell.get("tokens_asked"))
         lines.append(f"- {card}, {tokens:,} tokens: " + "; ".join(parts))
     return lines
@@ -247,7 +299,7 @@ def budget_details(data: dict) -> list[str]:
 
 def budget_table(paths: list[Path]) -> str:
     reports = [load(p) for p in paths]
-    lines = vram_budget.markdown_table(reports) + [""]
+    lines = budget_markdown(reports) + [""]
     for data, path in zip(reports, paths):
         cell = next((c for c in data["cells"] if c.get("gpu")), {})
         lines.append(f"- {cell.get('gpu', 'no GPU')}, torch {cell.get('torch')}, ComfyUI "

@@ -4,7 +4,7 @@ emulated on a big card, with ComfyUI's own model management loading what fits an
     python -m benchmarks.vram_budget --make-checkpoint /dev/shm/h3-int8.safetensors     # once per machine
     python -m benchmarks.vram_budget --checkpoint /dev/shm/h3-int8.safetensors --kjnodes ~/ComfyUI-KJNodes \\
         --budgets 12,16,24 --tokens 37810 --steps 3 --out budget.json
-    python -m benchmarks.vram_budget --table budget.json other.json                      # the README's table
+    python -m benchmarks.results_table --budget budget.json other.json                   # the table, per-cell details
 
 Each (length, budget) cell runs in its own process (``benchmarks.budget_cell``): the budget is one raw device
 allocation of the rest of the card (``benchmarks.ballast``), so ComfyUI, comfy-aimdo and torch all see a card of
@@ -60,7 +60,6 @@ def parse_args(argv=None):
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", type=Path, help="the H3 checkpoint to sample (see --make-checkpoint)")
     what.add_argument("--make-checkpoint", type=Path, metavar="PATH", help="write the random-weight checkpoint")
-    what.add_argument("--table", type=Path, nargs="+", metavar="JSON", help="print the markdown table of results")
     p.add_argument("--budgets", type=parse_budgets, default=parse_budgets("12,16,24"),
                    help="card sizes in GiB, comma separated; 'full' = the whole card (default 12,16,24)")
     p.add_argument("--tokens", type=parse_ints, default=[37810], help="packed tokens per clip, comma separated")
@@ -181,6 +180,7 @@ def cell_command(args, tokens: int, frames: int, budget: float | None, out: Path
 
 
 def run_cells(args) -> int:
+    from . import results_table
     from .sections import frames_for_tokens
 
     cells, started = [], time.perf_counter()
@@ -203,11 +203,11 @@ def run_cells(args) -> int:
             cell.update(name=name, returncode=returncode)
             cells.append(cell)
             write(args.out, data)
-            for line in cell_lines(cell):
+            for line in results_table.budget_cell_lines(cell):
                 log("  " + line)
     data["seconds"] = time.perf_counter() - started
     write(args.out, data)
-    print("\n".join(markdown_table([data])))
+    print("\n".join(results_table.budget_markdown([data])))
     return 0 if all(c["returncode"] == 0 for c in cells) else 1
 
 
@@ -216,62 +216,8 @@ def write(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
 
 
-# --- reading the results -----------------------------------------------------------------------------------
-
-def outcome(run: dict | None) -> str:
-    """One run as a table cell: seconds per step, or what stopped it."""
-    if not run:
-        return "not run"
-    error = run.get("error")
-    if error:
-        return "out of memory" if error.get("oom") else f"error ({error['type']})"
-    return f"{run['seconds_per_step']:.2f} s"
-
-
-def ratio(a: dict | None, b: dict | None) -> float | None:
-    """a's seconds per step over b's (how many times faster b is), where both completed."""
-    if not a or not b or a.get("error") or b.get("error") or not a.get("seconds_per_step"):
-        return None
-    return a["seconds_per_step"] / b["seconds_per_step"]
-
-
-def cell_lines(cell: dict) -> list[str]:
-    lines = []
-    if cell.get("error"):
-        lines.append(f"cell failed at {cell.get('stage')}: {cell['error']['type']}: {cell['error']['message']}")
-    for name, run in cell.get("runs", {}).items():
-        extra = ""
-        if not run.get("error"):
-            extra = (f", peak allocated {run['peak_allocated_bytes'] / 2**30:.2f} GiB, copied "
-                     f"{(run['copied_bytes_per_step'] or 0) / 2**30:.2f} GiB/step" if "peak_allocated_bytes" in run else "")
-        same = run.get("vs_stock", {}).get("identical")
-        lines.append(f"{name}: {outcome(run)}{extra}" + ("" if same is None else f", stock's bits: {same}"))
-    return lines
-
-
-def markdown_table(datas: list[dict]) -> list[str]:
-    """Budget x length: seconds per step (steps after the first) or why not, and the pack's lead."""
-    head = ["card", "tokens", "stock", "KJNodes (lowest memory)", "the pack", "pack vs stock", "pack vs KJNodes"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    cells = [c for d in datas for c in d["cells"]]
-    cells.sort(key=lambda c: (c.get("packed_rows", {}).get("total", 0), c.get("budget_gib") or 1e9))
-    for cell in cells:
-        runs = cell.get("runs", {})
-        budget = cell.get("budget_gib")
-        rows = cell.get("packed_rows", {}).get("total", cell.get("tokens_asked"))
-        lead = [ratio(runs.get(other), runs.get("pack")) for other in ("stock", "kjnodes")]
-        lines.append("| " + " | ".join([
-            "whole card" if budget is None else f"{budget:g} GiB", f"{rows:,}",
-            outcome(runs.get("stock")), outcome(runs.get("kjnodes")), outcome(runs.get("pack")),
-            *("" if r is None else f"{r:.3f}x" for r in lead)]) + " |")
-    return lines
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.table:
-        print("\n".join(markdown_table([json.loads(p.read_text()) for p in args.table])))
-        return 0
     if args.make_checkpoint:
         return make_checkpoint(args)
     if args.cell:

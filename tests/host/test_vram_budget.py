@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import ballast, budget_cell, peer, vram_budget
+from benchmarks import ballast, budget_cell, peer, results_table, vram_budget
 from host_fixtures import import_comfy, require_host
 from peer_stand_in import write_stand_in
 
@@ -78,10 +78,12 @@ def test_the_peer_runs_its_lowest_memory_chain_and_says_so(budget_run):
 
 def test_the_table_reads_the_json(budget_run):
     proc, _, out = budget_run
-    table = run("--table", str(out))
-    assert table.returncode == 0
+    table = subprocess.run([sys.executable, "-m", "benchmarks.results_table", "--budget", str(out)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0, table.stderr
     lines = table.stdout.strip().splitlines()
-    assert lines[0].startswith("| card | tokens | stock |") and len(lines) == 4
+    assert lines[0].startswith("| card | tokens | stock |") and lines[4] == ""
+    assert lines[6].startswith("- 12 GiB, 530 tokens: pack ") and "stock's bits" in lines[6]
     assert lines[2].startswith("| 12 GiB | 530 |") and lines[3].startswith("| whole card | 530 |")
     assert lines[2].count(" s |") == 3 and lines[2].rstrip().endswith("x |")
     assert "| 12 GiB | 530 |" in proc.stdout  # the run printed it too
@@ -133,10 +135,11 @@ def test_a_run_that_failed_shows_why_and_has_no_ratio():
     done = {"seconds_per_step": 2.0}
     oom = {"error": {"type": "OutOfMemoryError", "message": "CUDA out of memory", "oom": True}}
     other = {"error": {"type": "RuntimeError", "message": "x", "oom": False}}
-    assert vram_budget.outcome(done) == "2.00 s" and vram_budget.outcome(None) == "not run"
-    assert vram_budget.outcome(oom) == "out of memory" and vram_budget.outcome(other) == "error (RuntimeError)"
-    assert vram_budget.ratio({"seconds_per_step": 3.0}, done) == 1.5
-    assert vram_budget.ratio(oom, done) is None and vram_budget.ratio(done, oom) is None
+    outcome = results_table.budget_outcome
+    assert outcome(done) == "2.00 s" and outcome(None) == "not run"
+    assert outcome(oom) == "out of memory" and outcome(other) == "error (RuntimeError)"
+    assert results_table.budget_ratio({"seconds_per_step": 3.0}, done) == 1.5
+    assert results_table.budget_ratio(oom, done) is None and results_table.budget_ratio(done, oom) is None
 
 
 def test_out_of_memory_is_told_apart():
