@@ -284,7 +284,8 @@ def budget_details(data: dict) -> list[str]:
         parts = []
         for name, run in cell.get("runs", {}).items():
             if run.get("error"):
-                parts.append(f"{name} {budget_outcome(run)} ({run['error']['message'][:90]})")
+                why = "" if run["error"].get("oom") else f" ({run['error']['message'][:90]})"
+                parts.append(f"{name} {budget_outcome(run)}{why}")
                 continue
             same = run.get("vs_stock", {}).get("identical")
             facts = [f"peak {run['peak_allocated_bytes'] / 2**30:.2f} GiB"] if "peak_allocated_bytes" in run else []
