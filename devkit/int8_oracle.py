@@ -75,3 +75,22 @@ def int8_linear(xq: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_sc
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
+
+
+def cuda_int8_linear(x, weight, weight_scale, bias=None, out_dtype=None, convrot=False, convrot_groupsize=256,
+                     input_act=None, **extended):
+    """comfy-kitchen's CUDA ``int8_linear`` (stock's int8 ConvRot call on a GPU) in torch: the quantiser above, then
+    the exact integer GEMM with its epilogue. ``extended`` (0.2.36+: act weight/eps, residual) must be defaults."""
+    assert convrot and convrot_groupsize == GROUP and all(v is None or v == 0.0 for v in extended.values())
+    flat = x.reshape(-1, x.shape[-1])
+    q, s = quantize_rows_convrot(flat, input_act)
+    y = int8_linear(q, s, weight, weight_scale, bias, out_dtype or x.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def stand_in_for_cuda_int8_linear(comfy_kitchen) -> None:
+    """Make comfy-kitchen's registry answer ``int8_linear`` with ``cuda_int8_linear`` (a CPU has no CUDA one)."""
+    registry = comfy_kitchen.registry
+    lookup = registry.get_implementation
+    registry.get_implementation = lambda name, kwargs=None: (
+        cuda_int8_linear if name == "int8_linear" else lookup(name, kwargs=kwargs))

@@ -32,18 +32,7 @@ SCRIPT = r"""
     route = pack.kernels.int8_linear
     ia = pack.kernels.int8_activation
 
-    def cuda_int8_linear(x, weight, weight_scale, bias=None, out_dtype=None, convrot=False, convrot_groupsize=256,
-                         input_act=None, **extended):  # 0.2.36+: act weight/eps, residual: all at their defaults
-        assert convrot and convrot_groupsize == 256 and all(v is None or v == 0.0 for v in extended.values())
-        flat = x.reshape(-1, x.shape[-1])
-        q, s = int8_oracle.quantize_rows_convrot(flat, input_act)
-        y = int8_oracle.int8_linear(q, s, weight, weight_scale, bias, out_dtype or x.dtype)
-        return y.reshape(*x.shape[:-1], weight.shape[0])
-
-    registry = comfy_kitchen.registry
-    stock_lookup = registry.get_implementation
-    registry.get_implementation = lambda name, kwargs=None: (
-        cuda_int8_linear if name == "int8_linear" else stock_lookup(name, kwargs=kwargs))
+    int8_oracle.stand_in_for_cuda_int8_linear(comfy_kitchen)  # stock's CUDA int8_linear, in torch
     takes = lambda x, input_act=None: None if ia.quantize_takes(x, input_act) else "declined"
     pack.kernels.int8_call_problem = takes
     pack.kernels.int8_weight_problem = lambda x, qdata, w_scale, bias, input_act=None: None

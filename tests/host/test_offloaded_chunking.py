@@ -347,17 +347,7 @@ INT8_SCRIPT = r"""
     ia = pack.kernels.int8_activation
 
     # the stand-ins of tests/host/test_int8_route.py: stock's CUDA int8_linear and the route's GEMM in torch
-    def cuda_int8_linear(x, weight, weight_scale, bias=None, out_dtype=None, convrot=False, convrot_groupsize=256,
-                         input_act=None, **extended):
-        flat = x.reshape(-1, x.shape[-1])
-        q, s = int8_oracle.quantize_rows_convrot(flat, input_act)
-        y = int8_oracle.int8_linear(q, s, weight, weight_scale, bias, out_dtype or x.dtype)
-        return y.reshape(*x.shape[:-1], weight.shape[0])
-
-    registry = comfy_kitchen.registry
-    stock_lookup = registry.get_implementation
-    registry.get_implementation = lambda name, kwargs=None: (
-        cuda_int8_linear if name == "int8_linear" else stock_lookup(name, kwargs=kwargs))
+    int8_oracle.stand_in_for_cuda_int8_linear(comfy_kitchen)
     pack.kernels.int8_call_problem = lambda x, input_act=None: None if ia.quantize_takes(x, input_act) else "declined"
     pack.kernels.int8_weight_problem = lambda x, qdata, w_scale, bias, input_act=None: None
     declines = set()
