@@ -32,24 +32,18 @@ def ballast_bytes(total_bytes: int, budget_gib: float) -> int:
 
 
 class Ballast:
-    """The device memory held back from ``device`` (a CUDA index) until ``release``."""
+    """The device memory held back from a CUDA device for the rest of the process (the driver frees it at exit)."""
 
     def __init__(self, device_index: int, nbytes: int):
         import torch
 
         torch.cuda.set_device(device_index)
         torch.cuda.synchronize(device_index)  # the primary context exists and is current on this thread
-        self.nbytes, self.device_index = nbytes, device_index
-        self._cuda = ctypes.CDLL("libcuda.so.1")
+        self.nbytes = nbytes
         self._ptr = ctypes.c_uint64(0)
-        status = self._cuda.cuMemAlloc_v2(ctypes.byref(self._ptr), ctypes.c_size_t(nbytes))
+        status = ctypes.CDLL("libcuda.so.1").cuMemAlloc_v2(ctypes.byref(self._ptr), ctypes.c_size_t(nbytes))
         if status != 0:
             raise BallastError(f"cuMemAlloc of {nbytes / GIB:.2f} GiB failed (CUresult {status})")
-
-    def release(self) -> None:
-        if self._ptr.value:
-            self._cuda.cuMemFree_v2(self._ptr)
-            self._ptr = ctypes.c_uint64(0)
 
 
 def occupy(device_index: int, budget_gib: float) -> tuple[Ballast, dict]:

@@ -126,6 +126,11 @@ def start(args, recorder: Recorder):
         result["allocator_backend"] = torch.cuda.get_allocator_backend()
     else:
         result["budget"] = {"budget_gib": args.budget, "emulated": False, "why": "no device memory on a CPU"}
+    import comfy.utils
+
+    for name in ("PROGRESS_THROTTLE_MIN_INTERVAL", "PROGRESS_THROTTLE_MIN_PERCENT"):
+        if hasattr(comfy.utils, name):
+            setattr(comfy.utils, name, 0)  # the progress hook sees every step's end, however short (the CPU tests')
     result["loader"] = "legacy"
     if dynamic:
         recorder.stage("comfy_aimdo.control.init_devices")
@@ -231,9 +236,6 @@ def sample(torch, device, patcher, conditioning, args, counter: TransferCounter)
         print(f"    step {value}/{total} at {ends[-1]:.2f} s, {streamed[-1] / 2**30:.2f} GiB copied", flush=True)
 
     run, latents = {"steps": args.steps}, None
-    for name in ("PROGRESS_THROTTLE_MIN_INTERVAL", "PROGRESS_THROTTLE_MIN_PERCENT"):
-        if hasattr(comfy.utils, name):
-            setattr(comfy.utils, name, 0)  # every step's end, however short the step (the CPU tests' are)
     comfy.utils.set_progress_bar_global_hook(progress)
     try:
         out = ncs.SamplerCustomAdvanced.execute(noise, guider, sampler, sigmas, latent)[0]

@@ -180,12 +180,15 @@ def cell_command(args, tokens: int, frames: int, budget: float | None, out: Path
 
 
 def run_cells(args) -> int:
+    from devkit.aimdo_emulation import Recorder
+
     from . import results_table
     from .sections import frames_for_tokens
 
     cells, started = [], time.perf_counter()
     data = {"what": "full H3 sampled under VRAM budgets (benchmarks.vram_budget)", "argv": sys.argv[1:],
             "checkpoint": str(args.checkpoint), "loader": args.loader, "steps": args.steps, "cells": cells}
+    report = Recorder(args.out, data)
     for tokens in args.tokens:
         frames, rows = frames_for_tokens(tokens, args.width, args.height, args.text_tokens)
         for budget in args.budgets:
@@ -202,18 +205,13 @@ def run_cells(args) -> int:
             cell = json.loads(out.read_text()) if out.is_file() else {"runs": {}}
             cell.update(name=name, returncode=returncode)
             cells.append(cell)
-            write(args.out, data)
+            report.write()
             for line in results_table.budget_cell_lines(cell):
                 log("  " + line)
     data["seconds"] = time.perf_counter() - started
-    write(args.out, data)
+    report.write()
     print("\n".join(results_table.budget_markdown([data])))
     return 0 if all(c["returncode"] == 0 for c in cells) else 1
-
-
-def write(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
 
 
 def main(argv=None) -> int:
