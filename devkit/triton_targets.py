@@ -103,8 +103,8 @@ def norm_rope_launches(cc: int) -> list[Launch]:
 
 def sage2_prep_launches(cc: int) -> list[Launch]:
     """The sage2 prepared path's passes: the V absmax, the finalisation, and the quantisation per mode, whole
-    (``quantize_operands``) or Q by token chunks and K/V after (``RowOperands``); an operand a launch does not
-    touch is handed Q's output or Q's scales in its place."""
+    (``quantize_operands``) or Q by token chunks, then K, then V (``RowOperands``); an operand a launch does not
+    touch is handed one the launch uses in its place (``_quant_launch``)."""
     mod = submodule("kernels.sage2_quant")
     d = mod.HEAD_DIM
     out = [
@@ -112,17 +112,21 @@ def sage2_prep_launches(cc: int) -> list[Launch]:
                (("D", d), ("ROWS", mod.VMAX_ROWS), ("RB", mod.VMAX_TILE_ROWS), ("BC", mod.VMAX_COLS)),
                mod.VMAX_WARPS),
         Launch("sage2_quant", "_finalize_kernel",
-               (("VMAX", "*fp32"), ("KMEAN_IN", "*bf16"), *_types("KMEAN VSCALE VRECP", "*fp32"),
-                *_types("VSPLIT H", "i32"), ("scale_max", "fp32")), (("D", d),), 1),
+               (*_types("VMAX VSCALE VRECP", "*fp32"), *_types("VSPLIT H", "i32"), ("scale_max", "fp32")),
+               (("D", d),), 1),
     ]
     for mode, rotate in mod.MODES.items():
-        for do_q, do_kv, label in ((True, True, "whole"), (True, False, "Q rows"), (False, True, "K/V")):
-            q_in = "*bf16" if do_q else "*i8"
-            kv_in, kv_out, v_out = ("*bf16", "*i8", "*fp8e4nv") if do_kv else ("*i8", "*i8", "*i8")
-            sig = ((("Q", q_in), ("K", kv_in), ("V", kv_in)) + tuple(_types("KM VR", "*fp32"))
-                   + (("QO", "*i8"), ("QS", "*fp32"), ("KO", kv_out), ("KS", "*fp32"), ("VO", v_out))
+        for do_q, do_k, do_v, label in ((True, True, True, "whole"), (True, False, False, "Q rows"),
+                                        (False, True, False, "K"), (False, False, True, "V")):
+            # an input a launch does not read is the launch's first input; an output it does not write its first
+            given = "*bf16"
+            written = "*i8" if do_q or do_k else "*fp8e4nv"
+            sig = ((("Q", given), ("K", given), ("V", given)) + tuple(_types("KM VR", "*fp32"))
+                   + (("QO", "*i8" if do_q else written), ("QS", "*fp32"), ("KO", "*i8" if do_k else written),
+                      ("KS", "*fp32"), ("VO", "*fp8e4nv" if do_v else written))
                    + tuple(_types("S SQ ROW0 H NQB NKB LPAD sqs sqh sks skh svs svh", "i32")))
-            consts = (("D", d), ("ROTATE", rotate), _flag("EMULATE_FP8", cc), ("DO_Q", do_q), ("DO_KV", do_kv))
+            consts = (("D", d), ("ROTATE", rotate), _flag("EMULATE_FP8", cc), ("DO_Q", do_q), ("DO_K", do_k),
+                      ("DO_V", do_v))
             out.append(Launch("sage2_quant", "_quant_kernel", sig, consts, mod.QUANT_WARPS[rotate],
                               f"{mode} {label}"))
     return out

@@ -133,17 +133,19 @@ class BackendChain:
         """The prepared path on a projection by token chunks, or (None, None): the caller projects whole."""
         if not self.prepared or norm is None or not norm.by_rows:
             return None, None
-        kv = projection.kv  # K/V projected ahead (a projection that splits by columns), or a buffer for them
-        if kv is None:
+        if projection.k is not None:  # K projected ahead: Q and V will be its shape, dtype and place
+            kv, views = None, [projection.k.view(1, projection.seq, heads, head_dim)] * 3
+        else:  # whole rows by chunks: a buffer for K/V
             kv = torch.empty(projection.seq, 2 * heads * head_dim, dtype=projection.dtype, device=projection.device)
-        views = [*kv.unflatten(1, (2, heads, head_dim)).unsqueeze(0).unbind(2)]
-        views.insert(0, views[0])  # q is k's shape, dtype and place
+            views = [*kv.unflatten(1, (2, heads, head_dim)).unsqueeze(0).unbind(2)]
+            views.insert(0, views[0])  # q is k's shape, dtype and place
         skipped: list[Skip] = []
-        # the scan holds ``views`` while it is suspended: emptied below, so K/V are freed before the kernel
+        # the scan holds ``views`` while it is suspended: emptied before the preparation, which frees K first
         for backend in self._candidates(views, "NHD", None, skipped):
             if not (backend.prepares_projected and prepared_mode in backend.prepared_modes
                     and backend.prepared_verdict(*views)):
                 return None, None  # the call runs as run_handed runs it
+            views.clear()
             seen = len(backend.compile_events)
             try:
                 prepared = backend.prepare_projected(projection, kv, heads=heads, mode=prepared_mode, scale=scale,
@@ -152,13 +154,12 @@ class BackendChain:
                 raise_if_context_lost(exc)
                 if projection.released:
                     raise  # its input is gone: the projection cannot be taken whole for a fallback
-                projection.kv = None  # K/V taken ahead may be normalised in part: the fallback projects anew
+                projection.k = None  # K taken ahead may be normalised in part: the fallback projects anew
                 _log_skips(self.requested, backend.name, [Skip(
                     backend.name, "raised", f"prepared path on a projection by token chunks raised "
                     f"{type(exc).__name__}: {exc}", "raised")])
                 return None, None
-            del kv
-            views.clear()  # K and V are in the operands now
+            del kv  # K and V are in the operands now
             return backend.attend(prepared), self._record(
                 backend, skipped, seen, prepared=prepared.mode, head_chunks=len(prepared.head_chunks),
                 projected_chunks=prepared.projected_chunks)

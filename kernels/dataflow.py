@@ -72,18 +72,22 @@ def _token_major_result(out: torch.Tensor, record: CallRecord) -> tuple[torch.Te
 
 class RowProjection:
     """The fused qkv projection of one call, taken by token ranges (``rows(a, b)`` = ``project(x[a:b])``), its
-    input freed (``release``) before the kernel. ``columns``: ``(project_q, project_kv)`` where column blocks give the
-    product's bits: K/V of every row at once (``kv``, while the call is planned), Q by rows or ``whole``."""
+    input freed (``release``) before the kernel. ``columns``: ``(project_q, project_k, project_v)`` where column
+    blocks give the product's bits: K of every row at once (``k``, while the call is planned), Q by rows, then V
+    (``v``), so that K's and V's rows need not be alive together."""
 
     def __init__(self, project, x: torch.Tensor, columns=None):
-        self._project, self._x = project, [x]
-        self._project_q = columns[0] if columns is not None else None
-        self.kv = columns[1](x) if columns is not None else None
+        self._project, self._x, self._columns = project, [x], columns
+        self.k = columns[1](x) if columns is not None else None
         self.seq, self.dtype, self.device = x.shape[0], x.dtype, x.device
 
     @property
     def released(self) -> bool:
         return not self._x
+
+    @property
+    def by_columns(self) -> bool:
+        return self._columns is not None
 
     def _input(self) -> torch.Tensor:
         if self.released:
@@ -94,22 +98,28 @@ class RowProjection:
         return self._project(self._input()[start:stop])
 
     def q_rows(self, start: int, stop: int) -> torch.Tensor:
-        """Q rows [n, H*D] alone (``kv`` holds K and V)."""
-        return self._project_q(self._input()[start:stop])
+        """Q rows [n, H*D] alone (by columns)."""
+        return self._columns[0](self._input()[start:stop])
+
+    def v(self) -> torch.Tensor:
+        """V of every row [S, H*D] (by columns), then ``release``: the projection's last product."""
+        v = self._columns[2](self._input())
+        self.release()
+        return v
 
     def whole(self, heads: int, head_dim: int) -> list[torch.Tensor]:
-        """Every row as ``[q, k, v]`` [1, S, H, D] views, then ``release``; nothing is projected twice."""
-        if self.kv is None:
+        """Every row as ``[q, k, v]`` [1, S, H, D] views, then ``release``; K as taken ahead (else anew)."""
+        if not self.by_columns:
             views = list(split_fused_qkv(self.rows(0, self.seq), heads, head_dim))
         else:
-            q = self.q_rows(0, self.seq).view(1, self.seq, heads, head_dim)
-            views = [q, *self.kv.unflatten(1, (2, heads, head_dim)).unsqueeze(0).unbind(2)]
+            k = self.k if self.k is not None else self._columns[1](self._input())
+            views = [t.view(1, self.seq, heads, head_dim) for t in (self.q_rows(0, self.seq), k, self.v())]
         self.release()
         return views
 
     def release(self) -> None:
         self._x.clear()
-        self.kv = None
+        self.k = None
 
 
 def attention_from_projection(projection: RowProjection, heads: int, head_dim: int, *, chain: BackendChain,

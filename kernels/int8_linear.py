@@ -294,8 +294,10 @@ def int8_quantized_rows(x: torch.Tensor, modulation: list | None = None) -> Quan
     return QuantizedRows(*_quantize(x, None, modulation), x.dtype)
 
 
-def int8_column_products(qdata: torch.Tensor, w_scale: torch.Tensor, inner: int):
-    """``(project_q, project_kv)``: the GEMM on the first ``inner`` weight rows, then the rest (``GemmDeclined``)."""
+def int8_column_products(qdata: torch.Tensor, w_scale: torch.Tensor, inner: int | None = None):
+    """``(project_q, project_k, project_v)``: the GEMM on weight rows [0, inner), [inner, 2*inner), [2*inner, ...)
+    (``GemmDeclined``); ``inner`` None: ``(project,)`` on every row. Rows are independent int32 sums: any column
+    block gives the whole product's bits."""
     def block(a: int, b: int | None):
         w = qdata[a:b]
         ws = w_scale if w_scale.numel() == 1 else w_scale.reshape(-1)[a:b]
@@ -307,4 +309,6 @@ def int8_column_products(qdata: torch.Tensor, w_scale: torch.Tensor, inner: int)
             return out
         return project
 
-    return block(0, inner), block(inner, None)
+    if inner is None:
+        return (block(0, None),)
+    return block(0, inner), block(inner, 2 * inner), block(2 * inner, None)

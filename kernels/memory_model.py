@@ -13,6 +13,7 @@ from .sage2_quant import K_BLOCK, Q_BLOCK, padded_len
 WEIGHT_FORMATS = ("bf16", "int8")  # int8: int8 tensor-wise linears, their inputs quantised per row
 # H3's DiT block (comfy/ldm/minimax/model.py defaults) and its rotated head dims (rope_inv_freq_len 16 x 3 axes x 2)
 H3_DIMS = {"hidden": 5376, "heads": 56, "head_dim": 128, "ffn": 14336}
+H3_VIDEO_PATCH = 96  # a video token's patch as the embedding takes it: latents_dim 24 x a 1x2x2 patch
 H3_ROPE_DIMS = 96
 
 
@@ -40,7 +41,7 @@ def block_phases(tokens: int, *, hidden: int = H3_DIMS["hidden"], heads: int = H
     ``prepared``: SageAttention 2's sm90 prepared path takes the attention (else a plain kernel call). ``chunked``:
     the block's GEMMs may run on token chunks (bf16/fp16 on CUDA, rows independent: nodes/h3_block.py); the qkv
     projection then comes by ``qkv_chunk_tokens`` rows on the prepared path past that many rows, ``qkv_by_columns``
-    where its weight is a plain or int8 product (K/V in one product, Q by rows; else whole rows, RowProjection without
+    where its weight is a plain or int8 product (K whole, Q by rows, then V; else whole rows, RowProjection without
     columns), and the MLP by the weight format's chunk setting. ``cast_weights``: ComfyUI casts each linear's weight
     for its calls (offloaded, streamed, DynamicVRAM): a cast lies beside its call's rows; chunked, it is cast once
     per block and held (the qkv weight through the attention, fc1's and fc2's through the MLP, beside norm2's rows
@@ -68,17 +69,23 @@ def block_phases(tokens: int, *, hidden: int = H3_DIMS["hidden"], heads: int = H
     qkv_weight = weight(3 * inner, hidden)
     phases = {}
     if prepared and chunked and s > qkv_chunk_tokens:
+        k_ops, v_ops = kv_ops - (heads * head_dim * padded_len(s)), heads * head_dim * padded_len(s)
         if qkv_by_columns:
-            # K/V of every row in one product while the call is planned, beside the input (and its int8 rows);
-            # then Q by chunks of three times the setting's rows into Q's operands (sage2's prepare_projected)
+            # K of every row in one product while the call is planned, beside the input (and its int8 rows); then Q
+            # by chunks of three times the setting's rows into Q's operands (sage2's prepare_projected), K's operand
+            # and K freed; then V, the input released, and V's operand
             q_rows = first_chunk(s, max(K_BLOCK, 3 * qkv_chunk_tokens // K_BLOCK * K_BLOCK), K_BLOCK)
-            phases["kv projection"] = normed + quantised(s, hidden) + kv
-            phases["q by chunks"] = (quantised(s, hidden) if int8 else normed) + kv + q_ops + rows(q_rows, inner)
+            source = quantised(s, hidden) if int8 else normed  # the projection's input, kept until V is taken
+            phases["k projection"] = normed + quantised(s, hidden) + rows(s, inner)
+            phases["q by chunks"] = source + rows(s, inner) + q_ops + rows(q_rows, inner)
+            phases["k operand"] = source + rows(s, inner) + q_ops + k_ops
+            phases["v projection"] = source + rows(s, inner) + q_ops + k_ops
+            phases["v operand"] = rows(s, inner) + q_ops + kv_ops
         else:
             # whole rows by chunks into an empty K/V buffer, each chunk quantised by its own linear call
             q_rows = first_chunk(s, max(K_BLOCK, qkv_chunk_tokens // K_BLOCK * K_BLOCK), K_BLOCK)
             phases["q by chunks"] = normed + kv + q_ops + quantised(q_rows, hidden) + rows(q_rows, 3 * inner)
-        phases["k/v operands"] = kv + q_ops + kv_ops  # the input released; K/V quantised beside their bf16 rows
+            phases["k/v operands"] = kv + q_ops + kv_ops  # the input released; K/V quantised beside their bf16 rows
         phases["attention"] = q_ops + kv_ops + rows(s, inner)  # K/V freed before the kernel writes its output
         phases = {name: nbytes + qkv_weight for name, nbytes in phases.items()}  # a weight cast once is held
     else:
@@ -110,9 +117,10 @@ def block_peak_bytes(tokens: int, **how) -> int:
 
 
 def model_call_bytes(tokens: int, block_peak: int, *, hidden: int = H3_DIMS["hidden"], act_bytes: int = 2,
-                     rope_dims: int = H3_ROPE_DIMS) -> int:
-    """One H3 model call (batch 1) above what was allocated before it: the residual stream [S, hidden] and the rope
-    rotation table [S, rope_dims/2, 2, 2] held through every block, beside the larger of the block's peak and stock's
-    embedding or final layer (an fp32 copy beside a bf16 one of at most every row)."""
-    resident = tokens * hidden * act_bytes + tokens * rope_dims * 2 * act_bytes
+                     rope_dims: int = H3_ROPE_DIMS, video_patch: int = H3_VIDEO_PATCH) -> int:
+    """One H3 model call (batch 1) above what was allocated before it: what stock's forward holds through every
+    block (the residual stream [S, hidden], the video embedding it was assembled from, the fp32 patch rows, the rope
+    rotation table [S, rope_dims/2, 2, 2]; every row counted as a video row), beside the larger of the block's peak
+    and stock's embedding or final layer (an fp32 copy beside a bf16 one of at most every row)."""
+    resident = 2 * tokens * hidden * act_bytes + tokens * video_patch * 4 + tokens * rope_dims * 2 * act_bytes
     return resident + max(block_peak, tokens * hidden * (4 + act_bytes))

@@ -110,13 +110,12 @@ if triton is not None:
         tl.store(VMAX + split * HD + c, tl.max(acc, axis=0), mask=cm)
 
     @triton.jit
-    def _finalize_kernel(VMAX, KMEAN_IN, KMEAN, VSCALE, VRECP, VSPLIT, H, scale_max, D: tl.constexpr):
+    def _finalize_kernel(VMAX, VSCALE, VRECP, VSPLIT, H, scale_max, D: tl.constexpr):
         h = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, D)
         vm = tl.zeros([D], dtype=tl.float32)
         for sp in range(0, VSPLIT):
             vm = tl.maximum(vm, tl.load(VMAX + (sp * H + h) * D + c))
-        tl.store(KMEAN + h * D + c, tl.load(KMEAN_IN + h * D + c).to(tl.float32))
         smax = tl.zeros([D], dtype=tl.float32) + scale_max
         tl.store(VSCALE + h * D + c, vm / smax)
         tl.store(VRECP + h * D + c, smax / vm)
@@ -173,8 +172,8 @@ if triton is not None:
     @triton.jit
     def _quant_kernel(Q, K, V, KM, VR, QO, QS, KO, KS, VO, S, SQ, ROW0, H, NQB, NKB, LPAD, sqs, sqh, sks, skh,
                       svs, svh, D: tl.constexpr, ROTATE: tl.constexpr, EMULATE_FP8: tl.constexpr,
-                      DO_Q: tl.constexpr, DO_KV: tl.constexpr):
-        # One head, one 128-token block, in 32-row sub-tiles (register pressure); DO_Q / DO_KV: what it writes.
+                      DO_Q: tl.constexpr, DO_K: tl.constexpr, DO_V: tl.constexpr):
+        # One head, one 128-token block, in 32-row sub-tiles (register pressure); DO_Q / DO_K / DO_V: what it writes.
         pid = tl.program_id(0).to(tl.int64)
         h = pid % H
         b = pid // H
@@ -184,10 +183,11 @@ if triton is not None:
         if DO_Q:
             for qs in tl.range(0, 4):
                 _quant_q_subtile(Q, QO, QS, b, qs, h, c, i, S, SQ, ROW0, NQB, sqs, sqh, sylvester, D, ROTATE)
-        if DO_KV:
+        if DO_K:
             km = tl.load(KM + h * D + c)
             for t in tl.range(0, 4):
                 _quant_k_subtile(K, KO, KS, km, b, t, h, c, i, S, NKB, sks, skh, sylvester, D, ROTATE, EMULATE_FP8)
+        if DO_V:
             recp = tl.load(VR + h * D + c)
             for part in tl.range(0, 4):
                 _quant_v_subtile(V, VO, recp, b, part, h, c, i, S, LPAD, svs, svh, D, EMULATE_FP8)
@@ -234,16 +234,26 @@ def v_absmax_partials(v):
     return out
 
 
+def k_mean(k):
+    """K's mean over its tokens, fp32 [H, D]: SageAttention's own ``k.mean`` (its bits), widened exactly."""
+    _, _, h, d = k.shape
+    return k.mean(dim=1, keepdim=True).reshape(h, d).to(torch.float32)
+
+
+def v_scales(v):
+    """(v_scale [1, H, D], v_recp [H, D]) fp32: V's channel absmax over every token, over fp8 e4m3's largest."""
+    _require_triton()
+    _, _, h, d = v.shape
+    vmax = v_absmax_partials(v)
+    vscale = torch.empty(1, h, d, dtype=torch.float32, device=v.device)
+    vrecp = torch.empty(h, d, dtype=torch.float32, device=v.device)
+    _finalize_kernel[(h,)](vmax, vscale, vrecp, vmax.shape[0], h, FP8_MAX, D=d, num_warps=1)
+    return vscale, vrecp
+
+
 def _reduce_impl(k, v):
     _require_triton()
-    s, h, d, _, _, _ = _geometry(k)
-    vmax = v_absmax_partials(v)
-    kmean_in = k.mean(dim=1, keepdim=True)  # SageAttention's own call, same bits
-    kmean = torch.empty(h, d, dtype=torch.float32, device=k.device)
-    vscale = torch.empty(1, h, d, dtype=torch.float32, device=k.device)
-    vrecp = torch.empty(h, d, dtype=torch.float32, device=k.device)
-    _finalize_kernel[(h,)](vmax, kmean_in, kmean, vscale, vrecp, vmax.shape[0], h, FP8_MAX, D=d, num_warps=1)
-    return kmean, vscale, vrecp
+    return (k_mean(k), *v_scales(v))
 
 
 @torch.library.custom_op(f"{LIB}::sage2_reduce", mutates_args=())
@@ -263,32 +273,43 @@ def _(k, v):
 
 
 def _empty_operands(s, h, d, dev, parts="qkv"):
-    """(q_int8, q_scale, k_int8, k_scale, v_fp8) for ``parts`` "qkv", "q" or "kv"; the others None."""
+    """(q_int8, q_scale, k_int8, k_scale, v_fp8) for those of Q, K and V named in ``parts``; the others None."""
     nqb, nkb, lpad = -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
     q = (torch.empty(h, s, d, dtype=torch.int8, device=dev),
          torch.empty(1, h, nqb * 32, dtype=torch.float32, device=dev)) if "q" in parts else (None, None)
-    kv = (torch.empty(h, s, d, dtype=torch.int8, device=dev), torch.empty(1, h, nkb * 4, dtype=torch.float32, device=dev),
-          torch.empty(h, d, lpad, dtype=torch.float8_e4m3fn, device=dev)) if "kv" in parts else (None, None, None)
-    return q + kv
+    k = (torch.empty(h, s, d, dtype=torch.int8, device=dev),
+         torch.empty(1, h, nkb * 4, dtype=torch.float32, device=dev)) if "k" in parts else (None, None)
+    v = (torch.empty(h, d, lpad, dtype=torch.float8_e4m3fn, device=dev),) if "v" in parts else (None,)
+    return q + k + v
 
 
-def _quant_launch(q, k, v, k_mean, v_recp, rotate, out, *, row0=0, do_q=True, do_kv=True):
-    """One quantisation launch into ``out``: Q (rows from ``row0``, a multiple of 128), K and V, or both."""
+def _quant_launch(q, k, v, k_mean, v_recp, rotate, out, *, row0=0):
+    """One quantisation launch into ``out``: whichever of Q (rows from ``row0``, a multiple of 128), K and V are
+    given (the others None)."""
     _require_triton()
     qo, qs, ko, ks, vo = out
-    h, s, d = qo.shape
+    if qo is not None:
+        h, s, d = qo.shape
+    else:
+        _, s, h, d = (k if k is not None else v).shape
     nqb, nkb, lpad = -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
+    do_q, do_k, do_v = q is not None, k is not None, v is not None
     sq = q.shape[1] if do_q else 0
     if do_q and (row0 % K_BLOCK or row0 + sq > s):
         raise ValueError(f"Q rows {row0}:{row0 + sq} must start at a multiple of {K_BLOCK} within {s} rows")
-    blocks = nkb if do_kv else -(-sq // K_BLOCK)
-    # operands a launch does not touch are dead code in the kernel; any tensor stands in for them
-    q, k, v, ko, vo = (t if t is not None else qo for t in (q, k, v, ko, vo))
-    km, vr, ks = (t if t is not None else qs for t in (k_mean, v_recp, ks))
+    blocks = nkb if do_k or do_v else -(-sq // K_BLOCK)
+    # operands a launch does not touch are dead code in the kernel; any tensor of the launch stands in for them
+    given = next(t for t in (q, k, v) if t is not None)
+    q, k, v = (t if t is not None else given for t in (q, k, v))
+    written = next(t for t in (qo, ko, vo) if t is not None)
+    qo, ko, vo = (t if t is not None else written for t in (qo, ko, vo))
+    scales = next(t for t in (qs, ks, k_mean, v_recp) if t is not None)
+    qs, km, vr, ks = (t if t is not None else scales for t in (qs, k_mean, v_recp, ks))
     _quant_kernel[(blocks * h,)](
         q, k, v, km, vr, qo, qs, ko, ks, vo, s, sq, row0, h, nqb, nkb, lpad,
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-        D=d, ROTATE=rotate, EMULATE_FP8=interpreting(), DO_Q=do_q, DO_KV=do_kv, num_warps=QUANT_WARPS[rotate])
+        D=d, ROTATE=rotate, EMULATE_FP8=interpreting(), DO_Q=do_q, DO_K=do_k, DO_V=do_v,
+        num_warps=QUANT_WARPS[rotate])
 
 
 def _quantize_impl(q, k, v, k_mean, v_recp, rotate):
@@ -337,32 +358,55 @@ def quantize_operands(q, k, v, *, mode="exact"):
 
 
 class RowOperands:
-    """``quantize_operands``' bits in two steps: Q rows per token chunk (``add_q_rows``), then K/V (``finish``)."""
+    """``quantize_operands``' bits in steps: Q rows per token chunk (``add_q_rows``), then K (``add_k``), then V
+    (``add_v``), so that K's and V's bf16 rows need not be alive at once; ``operands()`` once all three are in."""
 
     def __init__(self, seq, heads, device, *, mode="exact"):
         self.rotate = rotates(mode)
         self.seq, self.heads, self.device = seq, heads, device
-        # Q's outputs now, K's and V's only in finish: they would sit unused beside every chunk
+        # Q's outputs now, K's and V's only when they come: they would sit unused beside every chunk
         self.q_out = _empty_operands(seq, heads, HEAD_DIM, device, parts="q")
         self.rows_done = 0
+        self.k_out = self.v_out = None
 
     def add_q_rows(self, q):
         """Quantise Q's next rows: ``q`` [1, n, H, 128] (n a multiple of 128 but for the last chunk)."""
-        problem = operand_problem(q, q, q)
-        if problem:
-            raise ValueError(f"sage2 preparation: {problem[1]}")
-        _quant_launch(q, None, None, None, None, self.rotate, self.q_out, row0=self.rows_done, do_kv=False)
+        self._check(q, "Q")  # its rows' place: the launch checks it
+        _quant_launch(q, None, None, None, None, self.rotate, self.q_out, row0=self.rows_done)
         self.rows_done += q.shape[1]
+
+    def add_k(self, k):
+        """Quantise K, every row [1, S, H, 128], smoothed by its own mean (normalised already)."""
+        self._check(k, "K")
+        mean = k_mean(k)  # before K's operand exists: torch's reduction stages partial sums of its own
+        ko, ks = _empty_operands(self.seq, self.heads, HEAD_DIM, self.device, parts="k")[2:4]
+        _quant_launch(None, k, None, mean, None, self.rotate, (None, None, ko, ks, None))
+        self.k_out = ko, ks
+
+    def add_v(self, v):
+        """Quantise V, every row [1, S, H, 128], to fp8 by its channel absmax."""
+        self._check(v, "V")
+        vo = _empty_operands(self.seq, self.heads, HEAD_DIM, self.device, parts="v")[4]
+        vscale, vrecp = v_scales(v)
+        _quant_launch(None, None, v, None, vrecp, self.rotate, (None, None, None, None, vo))
+        self.v_out = vo, vscale
 
     def finish(self, k, v) -> dict:
         """K and V (all rows) -> the operand dict of :func:`quantize_operands`."""
-        if self.rows_done != self.seq:
-            raise ValueError(f"Q has {self.rows_done} of {self.seq} rows quantised")
-        problem = operand_problem(k, k, v)
-        if problem or k.shape[1] != self.seq:
-            raise ValueError(f"sage2 preparation: {problem[1] if problem else f'K/V have {k.shape[1]} rows, Q {self.seq}'}")
-        kmean, vscale, vrecp = _reduce_impl(k, v)
-        qo, qs, _, _, _ = self.q_out
-        out = (qo, qs, *_empty_operands(self.seq, self.heads, HEAD_DIM, self.device, parts="kv")[2:])
-        _quant_launch(None, k, v, kmean, vrecp, self.rotate, out, do_q=False)
-        return _operand_dict(*out, vscale)
+        self.add_k(k)
+        self.add_v(v)
+        return self.operands()
+
+    def operands(self) -> dict:
+        if self.rows_done != self.seq or self.k_out is None or self.v_out is None:
+            raise ValueError(f"Q has {self.rows_done} of {self.seq} rows quantised, K {'done' if self.k_out else 'not'}, "
+                             f"V {'done' if self.v_out else 'not'}")
+        return _operand_dict(*self.q_out[:2], *self.k_out, *self.v_out)
+
+    def _check(self, x, name: str) -> None:
+        problem = operand_problem(x, x, x)
+        if problem:
+            raise ValueError(f"sage2 preparation: {problem[1]}")
+        if x.shape[2] != self.heads or (name != "Q" and x.shape[1] != self.seq):
+            raise ValueError(f"sage2 preparation: {name} is {list(x.shape)}, the call has {self.seq} rows "
+                             f"of {self.heads} heads")

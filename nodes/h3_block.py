@@ -239,7 +239,7 @@ def mlp_chunk_rows(mlp, x, chunk: int, route: bool = False) -> int | None:
 
 
 def column_products(linear, x, inner: int, cast=None):
-    """``(project_q, project_kv)`` for ``kernels.RowProjection`` when ``linear`` is the plain product
+    """``(project_q, project_k, project_v)`` for ``kernels.RowProjection`` when ``linear`` is the plain product
     ``x @ weight.T`` (nothing cast or patched per call), whose column blocks give its bits; else None.
     ``cast``: the ``(weight, bias)`` as cast once for this call (then the product is on that weight)."""
     w, bias = cast if cast is not None else (getattr(linear, "weight", None), getattr(linear, "bias", None))
@@ -249,7 +249,8 @@ def column_products(linear, x, inner: int, cast=None):
                                   or getattr(linear, "comfy_cast_weights", False)))):
         return None
     return (lambda rows: torch.nn.functional.linear(rows, w[:inner]),
-            lambda rows: torch.mm(rows, w[inner:].t()))
+            lambda rows: torch.mm(rows, w[inner:2 * inner].t()),
+            lambda rows: torch.mm(rows, w[2 * inner:].t()))
 
 
 def projection_chunking(linear, x, chunk: int, route: bool = False) -> Chunking:

@@ -150,7 +150,7 @@ class H3AttentionForward:
         rows, project, columns = form
         del form
         try:
-            return kernels.RowProjection(project, rows, columns=columns)  # K/V projected here
+            return kernels.RowProjection(project, rows, columns=columns)  # K projected here
         except kernels.GemmDeclined as exc:
             self.patch.report.record_int8(str(exc))
             return None  # by rows, each chunk as stock computes it

@@ -215,8 +215,8 @@ def quantized_columns(layer, x, inner: int, record=None, cast=None):
     rows = kernels.int8_quantized_rows(x, pending.segments if pending is not None else None)
     _tell(record, None)
     qdata, scale = weight._qdata, weight._params.scale
-    return rows, kernels.int8_column_products(qdata, scale, 3 * inner)[0], kernels.int8_column_products(
-        qdata, scale, inner)
+    (project,) = kernels.int8_column_products(qdata, scale)
+    return rows, project, kernels.int8_column_products(qdata, scale, inner)
 
 
 def route_on(settings) -> bool:

@@ -80,8 +80,9 @@ class PreparedPath(Protocol):
 
     def prepare_projected(self, projection, kv, *, heads: int, mode: str, scale: float | None, norm,
                           chunk: int) -> Prepared:
-        """Optional (``prepares_projected``): from a projection taken by token chunks (``rows(a, b)``, then
-        ``release()``), never whole; ``kv`` [S, 2*H*D]: the caller's K/V buffer; ``norm``: applied by row ranges."""
+        """Optional (``prepares_projected``): from a projection taken by token chunks, never whole: by columns (K
+        taken ahead as ``projection.k``, Q by ``q_rows(a, b)``, then V by ``v()``; ``kv`` None) or by whole rows
+        (``rows(a, b)``, then ``release()``; ``kv`` [S, 2*H*D]: the caller's K/V buffer); ``norm``: by row ranges."""
 
 
 class AttentionBackend:

@@ -92,16 +92,22 @@ class Sage2Backend(AttentionBackend):
                         float(d ** -0.5 if scale is None else scale), q.dtype, s, h, d, head_chunks(s, h, d))
 
     def prepare_projected(self, projection, kv, *, heads, mode="exact", scale=None, norm=None, chunk=8192) -> Prepared:
-        """``prepare``'s operands and bits from a projection taken by token chunks (Q normalised per chunk)."""
+        """``prepare``'s operands and bits from a projection taken by token chunks (Q normalised per chunk, with K's
+        rows). By columns, K's bf16 rows are freed once its operand is made, before V is projected."""
         if norm is not None and not norm.by_rows:
             raise ValueError("the pending Q/K normalisation cannot be applied by token chunks")
-        seq, d = kv.shape[0], sage2_quant.HEAD_DIM
+        seq, d = projection.seq, sage2_quant.HEAD_DIM
         inner = heads * d
-        if kv.shape[1] != 2 * inner:
-            raise ValueError(f"kv buffer has {kv.shape[1]} columns, expected 2*{heads}*{d}")
-        ops = sage2_quant.RowOperands(seq, heads, kv.device, mode=mode)
-        k_all, v = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)
-        by_columns = kv is projection.kv  # K/V in one product, Q by rows; else whole rows, K/V copied
+        by_columns = kv is None  # K projected, Q by rows, V after K; else whole rows, K/V copied into ``kv``
+        if by_columns:
+            if projection.k is None or tuple(projection.k.shape) != (seq, inner):
+                raise ValueError(f"K taken ahead must be [{seq}, {inner}]")
+            k_all = projection.k.view(1, seq, heads, d)
+        else:
+            if tuple(kv.shape) != (seq, 2 * inner):
+                raise ValueError(f"kv buffer is {list(kv.shape)}, expected [{seq}, 2*{heads}*{d}]")
+            k_all, v = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)
+        ops = sage2_quant.RowOperands(seq, heads, projection.device, mode=mode)
         rows_per_chunk = chunk * 3 if by_columns else chunk  # Q rows are a third of a whole row
         step = sage2_quant.K_BLOCK  # Q is quantised in 128-token blocks: chunks start on one
         chunks = token_chunks(seq, max(step, rows_per_chunk // step * step), align=step)
@@ -118,11 +124,19 @@ class Sage2Backend(AttentionBackend):
             if not by_columns:
                 kv[a:b].copy_(rows[:, inner:])
             del rows, q, k
-        projection.release()
-        if norm is not None:
+        ops.add_k(k_all)
+        if by_columns:
+            del k_all
+            projection.k = None  # K's rows are freed: V's take their place
+            v = projection.v().view(1, seq, heads, d)  # the projection's last product; its input released
+        else:
+            projection.release()
+        ops.add_v(v)
+        del v
+        if norm is not None:  # only now: a fallback from a failure before this projects and normalises anew
             norm.mark_applied()
-        return Prepared(self.name, mode, ops.finish(k_all, v), float(d ** -0.5 if scale is None else scale), kv.dtype,
-                        seq, heads, d, head_chunks(seq, heads, d), projected_chunks=len(chunks))
+        return Prepared(self.name, mode, ops.operands(), float(d ** -0.5 if scale is None else scale),
+                        projection.dtype, seq, heads, d, head_chunks(seq, heads, d), projected_chunks=len(chunks))
 
     def attend(self, prepared: Prepared, out=None) -> torch.Tensor:
         """SageAttention 2's sm90 kernel on prepared operands -> contiguous NHD [1, S, H, 128] (``out`` if given)."""

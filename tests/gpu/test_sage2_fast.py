@@ -185,24 +185,32 @@ def test_long_sequences_head_and_tail_rows(seq):
     assert row["rel_err_head"] < 6e-2 and row["rel_err_tail"] < 6e-2
 
 
+@pytest.mark.parametrize("how", ["rows", "columns"])
 @pytest.mark.parametrize("seq,mode", [(37810, "exact"), (37810, "rotated"), (320000, "exact")])
-def test_prepare_projected_gives_the_whole_preparation_bits(seq, mode):
-    """The projection handed over by 8,192-token chunks (K/V gathered in a buffer): the operands of
-    ``prepare`` on the whole buffer, bit for bit; at 320,000 tokens every buffer passes 2**31 elements."""
+def test_prepare_projected_gives_the_whole_preparation_bits(seq, mode, how):
+    """The projection handed over by 8,192-token chunks of whole rows (K/V gathered in a buffer) or by columns (K
+    of every row, Q by chunks, then V): the operands of ``prepare`` on the whole buffer, bit for bit; at 320,000
+    tokens every buffer passes 2**31 elements."""
     qkv, table, qw, kw = fused_buffer(seq, 5)
 
     def norm():
         return kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=EPS)
-    projection = kernels.RowProjection(lambda rows: rows.clone(), qkv.clone())
-    kv = torch.empty(seq, 2 * HEADS * D, dtype=qkv.dtype, device=qkv.device)
-    got = B.prepare_projected(projection, kv, heads=HEADS, mode=mode, norm=norm(), chunk=8192)
+    inner = HEADS * D
+    if how == "rows":
+        projection = kernels.RowProjection(lambda rows: rows.clone(), qkv.clone())
+        kv = torch.empty(seq, 2 * inner, dtype=qkv.dtype, device=qkv.device)
+    else:
+        columns = tuple((lambda rows, a=a: rows[:, a:a + inner].clone()) for a in (0, inner, 2 * inner))
+        projection, kv = kernels.RowProjection(None, qkv.clone(), columns=columns), None
+    got = B.prepare_projected(projection, kv, heads=HEADS, mode=mode, norm=norm(), chunk=8192 if kv is not None
+                              else -(-8192 // 3))
     del kv
     q, k, v = views(qkv)
     q, k = norm().apply(q, k)  # the whole buffer normalised in place by the same pass, then prepared
     want = B.prepare(q, k, v, mode=mode)
     results = mismatches(got.operands, want.operands)
-    log_result({"check": "prepare_projected_vs_prepare", "seq": seq, "mode": mode, "chunks": got.projected_chunks,
-                "mismatches": results})
+    log_result({"check": "prepare_projected_vs_prepare", "seq": seq, "mode": mode, "how": how,
+                "chunks": got.projected_chunks, "mismatches": results})
     assert got.projected_chunks == -(-seq // 8192) and projection.released and got.mode == want.mode
     assert all(n == 0 for n in results.values()), results
 

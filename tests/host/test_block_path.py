@@ -160,7 +160,7 @@ def test_mlp_chunk_rows_follow_the_weight_format(pack):
 
 
 def test_column_products_only_for_a_plain_product(pack, model):
-    """K/V in one product and Q by rows only where the projection is ``x @ weight.T`` as it stands."""
+    """Q, K and V by column blocks only where the projection is ``x @ weight.T`` as it stands."""
     h3 = pack.nodes.h3_block
     inner = CONFIG["num_attention_heads"] * CONFIG["attention_head_dim"]
     qkv = model.model.diffusion_model.blocks[0].attn.qkv_proj
@@ -169,10 +169,8 @@ def test_column_products_only_for_a_plain_product(pack, model):
     if not isinstance(qkv.weight, torch.nn.Parameter) or qkv.weight.dtype != torch.bfloat16:
         assert columns is None  # int8 weights: the module's own quantised product, by rows
         return
-    project_q, project_kv = columns
-    kv = project_kv(x)
     whole = qkv(x)
-    torch.testing.assert_close(torch.cat([project_q(x), kv], 1), whole)  # the GPU checks the bits
+    torch.testing.assert_close(torch.cat([project(x) for project in columns], 1), whole)  # the GPU checks the bits
     w = qkv.weight
     for layer in (SimpleNamespace(weight=w, bias=torch.zeros(3 * inner)),              # a bias
                   SimpleNamespace(weight=w.float()),                                   # cast per call

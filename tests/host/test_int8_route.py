@@ -42,14 +42,8 @@ SCRIPT = r"""
     own_pass = block_ops.scale_shift_
     block_ops.scale_shift_ = lambda h, scale1, shift: (modulated.append(h.shape[0]), own_pass(h, scale1, shift))[1]
 
-    declines = set()  # output widths CUTLASS "declines" (stock would take cuBLAS)
-
-    def gemm(xq, xs, qdata, w_scale, bias, out_dtype):
-        if qdata.shape[0] in declines:
-            return None
-        widths.append(qdata.shape[0])
-        return int8_oracle.int8_linear(xq, xs, qdata, w_scale, bias, out_dtype)
-    route.gemm = gemm
+    declines = set()  # output widths CUTLASS "declines" (stock would take cuBLAS); "k": the qkv weight's K rows
+    route.gemm = int8_oracle.declining_gemm(declines, widths)
 
     # loaded as on a GPU: int8 weights computing in bf16 (on the CPU ComfyUI picks fp32 compute, and
     # linear_input_act then dequantises fc2's weight instead of running the int8 kernels)
@@ -60,7 +54,7 @@ SCRIPT = r"""
     assert model.model.diffusion_model.blocks[1].mlp.fc2.weight._params.orig_dtype == torch.bfloat16
     out = {{}}
     for chunk, qkv_chunk, declined, masked in ((30, 8192, (), False), (8192, 8192, (), False), (30, 32, (), False),
-                                               (30, 32, (512, 768), False), (30, 8192, (), True),
+                                               (30, 32, ("k", 768), False), (30, 8192, (), True),
                                                (30, 8192, (1024,), False)):
         inputs = dh.random_block_inputs(model.model.diffusion_model.blocks[1], 100, seed=chunk, dtype=torch.bfloat16,
                                         masked=masked)
@@ -92,7 +86,7 @@ def routed(comfy_inprocess):
     return run_interpreted(SCRIPT.format(root=str(REPO_ROOT)))
 
 
-# GEMM widths (output columns) of the narrow H3: qkv 3 x 256, K/V 2 x 256, Q 256, out and fc2 256, fc1 1024
+# GEMM widths (output columns) of the narrow H3: qkv 3 x 256, Q, K and V 256 each, out and fc2 256, fc1 1024
 def test_exact_block_takes_the_route_with_stocks_bits(routed):
     # qkv (whole) + out + fc1 and fc2 per MLP chunk (30 rows: 4 of 100)
     # ... and no modulation pass of its own: both modulations folded into the quantisers (qkv's, fc1's)
@@ -107,18 +101,18 @@ def test_per_token_modulation_rows_folded_into_the_quantiser(routed):
 
 
 def test_qkv_projection_by_columns_on_its_input_quantised_once(routed):
-    """Past qkv_chunk_tokens the projection is taken by columns (no prepared path on the CPU: Q whole
-    beside the K/V projected ahead): one quantiser call, the 768-wide product never formed."""
-    assert routed["exact 30 32"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 512, 1024], 0]
+    """Past qkv_chunk_tokens the projection is taken by columns (no prepared path on the CPU: Q and V whole
+    beside the K projected ahead): one quantiser call, the 768-wide product never formed."""
+    assert routed["exact 30 32"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 1024], 0]
 
 
 def test_a_declined_gemm_leaves_the_projection_to_stocks_call(routed):
-    """CUTLASS declining the K/V product (as it might a shape): the projection goes by rows, each
+    """CUTLASS declining the K product (as it might a shape): the projection goes by rows, each
     chunk stock's own int8 linear (the whole 768-wide product declined too), with stock's bits."""
     diff, calls, declined, widths, modulated = routed["exact 30 32 declined"]
     assert diff == 0.0 and widths == [256, 1024] and calls == 1 + 1 + 4 + 4
     assert modulated > 0  # the projection by rows takes the modulated rows: the modulation ran first
-    assert set(declined) == {"CUTLASS declined an int8 GEMM of 100 x 512 x 256", "CUTLASS declined the shape"}
+    assert set(declined) == {"CUTLASS declined an int8 GEMM of 100 x 256 x 256", "CUTLASS declined the shape"}
 
 
 def test_a_declined_gemm_with_the_modulation_owed_applies_it_once(routed):

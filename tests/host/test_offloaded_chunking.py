@@ -351,10 +351,7 @@ INT8_SCRIPT = r"""
     pack.kernels.int8_call_problem = lambda x, input_act=None: None if ia.quantize_takes(x, input_act) else "declined"
     pack.kernels.int8_weight_problem = lambda x, qdata, w_scale, bias, input_act=None: None
     declines = set()
-
-    def gemm(xq, xs, qdata, w_scale, bias, out_dtype):
-        return None if qdata.shape[0] in declines else int8_oracle.int8_linear(xq, xs, qdata, w_scale, bias, out_dtype)
-    pack.kernels.int8_linear.gemm = gemm
+    pack.kernels.int8_linear.gemm = int8_oracle.declining_gemm(declines)
 
     import comfy.model_management
     comfy.model_management.unet_manual_cast = lambda *args, **kwargs: torch.bfloat16
@@ -371,7 +368,7 @@ INT8_SCRIPT = r"""
     comfy.ops.cast_bias_weight = counted
     out = {{}}
     for case, offloaded, declined in (("offloaded", ("attn.qkv_proj", "mlp.fc1", "mlp.fc2", "norm2"), ()),
-                                      ("kv declined", ("attn.qkv_proj", "mlp.fc1", "mlp.fc2"), (512, 768)),
+                                      ("k declined", ("attn.qkv_proj", "mlp.fc1", "mlp.fc2"), ("k", 768)),
                                       ("fc1 offloaded", ("mlp.fc1",), ())):
         for name in offloaded:
             block.get_submodule(name).comfy_cast_weights = True
@@ -419,11 +416,11 @@ def test_int8_route_casts_each_offloaded_weight_once_with_stocks_bits(int8_runs)
 
 
 def test_int8_projection_by_rows_on_the_weight_cast_once(int8_runs):
-    """CUTLASS declining the K/V product: the projection goes by rows on the held cast (stock's int8 linear on it,
+    """CUTLASS declining the K product: the projection goes by rows on the held cast (stock's int8 linear on it,
     the wide product declined too), with stock's bits and one cast."""
-    run = int8_runs["kv declined"]
+    run = int8_runs["k declined"]
     assert run["diff"] == 0.0 and run["casts"] == run["stock"] == STOCK_CASTS
-    assert run["declined"] == ["CUTLASS declined an int8 GEMM of 100 x 512 x 256", "CUTLASS declined the shape"]
+    assert run["declined"] == ["CUTLASS declined an int8 GEMM of 100 x 256 x 256", "CUTLASS declined the shape"]
 
 
 def test_a_resident_fc2_beside_an_offloaded_fc1_keeps_its_own_calls(int8_runs):

@@ -288,8 +288,8 @@ def test_a_projection_by_chunks_gives_the_whole_projection_bits(backend, expect_
 @pytest.mark.parametrize("layout", ["strided_nhd", "hnd"])
 @pytest.mark.parametrize("backend", ["plain_prepared", "sdpa"])
 def test_a_projection_by_columns_projects_every_column_once(backend, layout, gen):
-    """K/V are projected as the projection is made; where no back-end takes it by chunks, Q is projected
-    whole beside them: no column is projected twice and the fused product is never formed. Small
+    """K is projected as the projection is made; where no back-end takes it by chunks, Q and V are projected
+    whole beside it: no column is projected twice and the fused product is never formed. Small
     integers keep every product exact, so the bits must equal the fused projection's. (The sage2
     projected path on a column form: tests/unit/test_sage2_quant.py.)"""
     heads, head_dim, seq = 2, 32, 50
@@ -300,32 +300,33 @@ def test_a_projection_by_columns_projects_every_column_once(backend, layout, gen
     expect, _ = run(x @ w.T, heads, head_dim, layout, table, qw, kw, scale=0.25)
     calls = []
     columns = (lambda rows: (calls.append(("q", rows.shape[0])), rows @ w[:inner].T)[1],
-               lambda rows: (calls.append(("kv", rows.shape[0])), rows @ w[inner:].T)[1])
+               lambda rows: (calls.append(("k", rows.shape[0])), rows @ w[inner:2 * inner].T)[1],
+               lambda rows: (calls.append(("v", rows.shape[0])), rows @ w[2 * inner:].T)[1])
     projection = kernels.RowProjection(lambda rows: calls.append(("whole", rows.shape[0])), x, columns=columns)
-    assert calls == [("kv", seq)]  # at once, before the call is planned
+    assert calls == [("k", seq)]  # at once, before the call is planned
     fake = {"plain_prepared": FakePrepared(), "sdpa": SdpaBackend()}[backend]
     norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
     out, rec = kernels.attention_from_projection(projection, heads, head_dim, chunk=20, norm=norm, scale=0.25,
                                                  chain=kernels.BackendChain("x", [fake]), layout=layout,
                                                  prepared_mode="exact")
-    assert torch.equal(out, expect) and projection.released and projection.kv is None
-    assert ("whole", seq) not in calls and calls.count(("kv", seq)) == 1
+    assert torch.equal(out, expect) and projection.released and projection.k is None
+    assert ("whole", seq) not in calls and calls.count(("k", seq)) == calls.count(("v", seq)) == 1
     assert sum(n for what, n in calls if what == "q") == seq  # every Q row once
 
 
 class FailsAfterNormingK(FakeProjected):
-    """A projected preparation that normalises the first chunk's K rows in ``kv`` in place, then fails."""
+    """A projected preparation that normalises the first chunk's K rows taken ahead in place, then fails."""
 
     def prepare_projected(self, projection, kv, *, heads, mode, scale, norm, chunk):
-        d = kv.shape[1] // (2 * heads)
-        k = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)[0]
+        d = projection.k.shape[1] // heads
+        k = projection.k.view(1, projection.seq, heads, d)
         q = projection.q_rows(0, chunk).view(1, chunk, heads, d)
         norm.apply_rows(q, k[:, :chunk], 0)
         raise RuntimeError("projected preparation failed after touching K in this test")
 
 
 def test_a_failing_preparation_leaves_no_half_normalised_k_behind(gen, caplog):
-    """K/V taken ahead and normalised in part by a preparation that then failed are dropped: the
+    """K taken ahead and normalised in part by a preparation that then failed is dropped: the
     fallback projects anew and normalises once (the bits of the fused projection's call)."""
     heads, head_dim, seq = 2, 32, 50
     inner = heads * head_dim
@@ -334,7 +335,8 @@ def test_a_failing_preparation_leaves_no_half_normalised_k_behind(gen, caplog):
     _, table, qw, kw = fused_inputs(seq, heads, head_dim, 16, gen, torch.float32)
     expect, _ = run(x @ w.T, heads, head_dim, "strided_nhd", table, qw, kw, scale=0.25)
     projection = kernels.RowProjection(lambda rows: rows @ w.T, x,
-                                       columns=(lambda rows: rows @ w[:inner].T, lambda rows: rows @ w[inner:].T))
+                                       columns=(lambda rows: rows @ w[:inner].T, lambda rows: rows @ w[inner:2 * inner].T,
+                                                lambda rows: rows @ w[2 * inner:].T))
     norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
     out, rec = kernels.attention_from_projection(projection, heads, head_dim, chunk=20, norm=norm, scale=0.25,
                                                  chain=kernels.BackendChain("x", [FailsAfterNormingK()]),

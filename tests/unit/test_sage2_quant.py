@@ -24,6 +24,7 @@ from devkit.interpreted import run_interpreted
 
 INTERPRETED_CHECKS = r"""
     import os
+    import weakref
     import triton
     import triton.language as tl
     from comfyui_sage_strided_nhd import kernels
@@ -72,7 +73,18 @@ INTERPRETED_CHECKS = r"""
             wq, wk, wv = whole.unflatten(1, (3, heads, 128)).unsqueeze(0).unbind(2)
             wq, wk = kernels.norm_rope(wq, wk, table, qw, kw, 1e-5)
             inner = heads * 128
-            columns = (lambda rows: rows[:, :inner].clone(), lambda x: x[:, inner:].clone())
+            k_refs, k_alive_at_v = [], []  # K's rows must be freed before V is projected
+
+            def project_k(x):
+                k = x[:, inner:2 * inner].clone()
+                k_refs.append(weakref.ref(k))
+                return k
+
+            def project_v(x):
+                k_alive_at_v.append(k_refs[-1]() is not None)
+                return x[:, 2 * inner:].clone()
+
+            columns = (lambda rows: rows[:, :inner].clone(), project_k, project_v)
             for mode in sq.MODES:
                 want = sq.quantize_operands(wq, wk, wv, mode=mode)
                 p = Sage2Backend().prepare(wq, wk, wv, mode=mode, scale=0.1)
@@ -88,11 +100,12 @@ INTERPRETED_CHECKS = r"""
                     norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
                     # rows: 150 rounded down to 128; columns: Q chunks of 3x the rows, 3 * 50 = 150, the same
                     p = Sage2Backend().prepare_projected(
-                        projection, projection.kv if how == "columns" else torch.empty(seq, 2 * inner, dtype=qkv.dtype),
+                        projection, None if how == "columns" else torch.empty(seq, 2 * inner, dtype=qkv.dtype),
                         heads=heads, mode=mode, norm=norm, chunk=150 if how == "projected" else 50)
                     results["prepare"][f"{mode}/{how}"] = {
                         "mode": p.mode, "chunks": p.projected_chunks, "applied": norm.applied,
                         "released": projection.released, "diffs": differing(p.operands, want)}
+                results["prepare"][f"{mode}/columns"]["k_alive_at_v"] = k_alive_at_v[-1:]
                 results["prepare"][f"{mode}/projected"]["rows_taken"] = taken
 
     # Q rows out of order, or K/V before every Q row: clear errors, nothing written past the buffers
@@ -198,11 +211,13 @@ def test_backend_prepare_gives_the_reference_operands(interpreted, mode):
 @pytest.mark.parametrize("mode", sage2_quant.MODES)
 @pytest.mark.parametrize("how", ["projected", "columns"])
 def test_backend_prepare_projected_gives_prepare_bits_on_the_whole_projection(interpreted, mode, how):
-    """By rows (K/V copied from each chunk) or by columns (K/V of every row first, Q by rows)."""
+    """By rows (K/V copied from each chunk) or by columns (K of every row first, Q by rows, then V)."""
     got = interpreted["prepare"][f"{mode}/{how}"]
     assert {k: n for k, n in got["diffs"].items() if n != 0} == {}, got["diffs"]
     assert (got["mode"], got["chunks"], got["applied"]) == (mode, 2, True)
     assert got.get("released", True)
+    if how == "columns":  # K's bf16 rows were freed (its operand made) before V was projected
+        assert got["k_alive_at_v"] == [False]
     if "rows_taken" in got:  # 200 tokens in chunks of 128: never the whole projection at once
         assert got["rows_taken"] == [128, 72], got["rows_taken"]
 
