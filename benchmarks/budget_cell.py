@@ -25,7 +25,8 @@ from pathlib import Path
 from devkit import aimdo_emulation as startup
 
 SAMPLER, SCHEDULER = "res_multistep", "simple"
-OOM_MARKS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA_ERROR_OUT_OF_MEMORY")
+# comfy-aimdo's "VRAM grow failed": its weight cast buffer could not grow on the card (DynamicVRAM's out of memory)
+OOM_MARKS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA_ERROR_OUT_OF_MEMORY", "VRAM grow failed")
 
 
 class Recorder(startup.Recorder):

@@ -215,9 +215,10 @@ def write_checkpoint(model, path) -> None:
 
 
 def random_block_inputs(block, seq: int, seed: int, text_rows: int = 100, audio_rows: int = 414,
-                        dtype: torch.dtype | None = None, masked: bool = False):
+                        dtype: torch.dtype | None = None, masked: bool = False, device: torch.device | None = None):
     """Inputs of one H3 ``DiTBlock`` call at ``seq`` packed tokens, on the block's device and dtype
-    (or ``dtype``: a manual-cast model, such as the int8 one, computes in its inputs' dtype):
+    (or ``dtype``: a manual-cast model, such as the int8 one, computes in its inputs' dtype; ``device``: a block
+    whose weights ComfyUI offloaded computes where its inputs lie):
     ``(x, t_emb, mod_segments, rope_freqs)`` with the packed layout's segments (text, audio, video;
     three modulation rows) and a random rope rotation table (rot_dim 96 of head_dim 128, as H3).
     ``masked``: as current ComfyUI under a partial denoise mask, two timesteps (six modulation rows)
@@ -225,7 +226,7 @@ def random_block_inputs(block, seq: int, seed: int, text_rows: int = 100, audio_
     from .rope import make_rope_table
 
     weight = block.norm1.weight
-    device, dtype = weight.device, dtype or weight.dtype
+    device, dtype = device or weight.device, dtype or weight.dtype
     gen = torch.Generator().manual_seed(seed)
     text_rows, audio_rows = min(text_rows, seq // 3), min(audio_rows, seq // 3)
     x = torch.randn(seq, weight.shape[0], generator=gen).to(device, dtype)

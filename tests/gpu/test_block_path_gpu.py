@@ -205,7 +205,8 @@ def test_offloaded_block_chunks_on_weights_cast_once_with_stock_bits(pack, offlo
 
     seq = 20000
     settings = pack.nodes.patch.Settings(backend="sage2")  # 12,800 / 8,192 MLP rows, 8,192 qkv rows
-    x, t_emb, segments, rope = dh.random_block_inputs(block, seq, seed=11, dtype=torch.bfloat16)
+    x, t_emb, segments, rope = dh.random_block_inputs(block, seq, seed=11, dtype=torch.bfloat16,
+                                                      device=torch.device("cuda"))
     with torch.inference_mode():
         want = block(x.clone(), t_emb, segments, rope, transformer_options={})
         stock_casts = dict(casts)

@@ -1,6 +1,7 @@
 """One budgeted run of the VRAM-budget benchmark (benchmarks/vram_budget.py) on the GPU: four full-width H3 blocks in
 the bundled checkpoint's int8 ConvRot format, written as a file and loaded as ComfyUI loads one, sampled at 14,000
-tokens on a card cut down to 4 GiB (the model alone is about 4.5 GiB), so ComfyUI must stream weights every step.
+tokens on a card cut down to 4 GiB (the model alone is about 4.5 GiB; the GPU tests' own process is given its
+share besides), so ComfyUI must stream weights every step.
 
 Checked on the cell's JSON: the ballast left the budget, stock and the pack both complete, the pack's latents are
 stock's bits, weights were copied to the card at every timed step, and the pack's peak is below stock's.
@@ -36,33 +37,43 @@ def bench(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def budget_beside_this_process() -> float:
+    """The budget to ask for, in GiB: ``BUDGET_GIB`` plus what this test process (and any other) holds on the card,
+    so that the cell sees what a ``BUDGET_GIB`` card alone would give it (the ballast takes the card's total less
+    the budget, and the other GPU tests' process keeps its context and whatever it cannot free)."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return round(BUDGET_GIB + (total - free) / 2**30, 3)
+
+
 @pytest.fixture(scope="module")
 def budgeted_cell(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vram_budget")
+    budget = budget_beside_this_process()
     checkpoint = tmp / "h3-4-blocks-int8.safetensors"
     made = bench("--make-checkpoint", str(checkpoint), "--blocks", str(BLOCKS))
     assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-3000:]
     loader = "dynamic" if importlib.util.find_spec("comfy_aimdo") is not None else "legacy"
     out = Path(os.environ.get("OUT", tmp)) / "vram_budget_gpu.json"
-    proc = bench("--checkpoint", str(checkpoint), "--variants", "pack,stock", "--budgets", str(BUDGET_GIB),
+    proc = bench("--checkpoint", str(checkpoint), "--variants", "pack,stock", "--budgets", str(budget),
                  "--tokens", str(TOKENS), "--steps", "3", "--loader", loader, "--out", str(out))
     assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     cell = json.loads(out.read_text())["cells"][0]
     assert proc.returncode == 0, json.dumps(cell.get("error") or cell.get("runs"), indent=1)[-3000:]
-    return cell, loader
+    return cell, loader, budget
 
 
 def test_the_card_shows_only_the_budget(budgeted_cell):
-    cell, loader = budgeted_cell
+    cell, loader, asked = budgeted_cell
     budget = cell["budget"]
-    assert cell["loader"] == loader and budget["budget_gib"] == BUDGET_GIB
-    assert budget["ballast_bytes"] == budget["card_total_bytes"] - BUDGET_GIB * 2**30
+    assert cell["loader"] == loader and budget["budget_gib"] == asked
+    assert abs(budget["ballast_bytes"] - (budget["card_total_bytes"] - asked * 2**30)) < 2**21  # to 2 MiB pages
     assert budget["free_after_bytes"] <= BUDGET_GIB * 2**30
     assert cell["model"]["bytes"] > BUDGET_GIB * 2**30  # the weights cannot all stay on the card
 
 
 def test_stock_and_the_pack_complete_streaming_weights(budgeted_cell):
-    cell, _ = budgeted_cell
+    cell, _, _ = budgeted_cell
     for name in ("stock", "pack"):
         run = cell["runs"][name]
         assert "error" not in run, run.get("error")
@@ -72,7 +83,7 @@ def test_stock_and_the_pack_complete_streaming_weights(budgeted_cell):
 
 
 def test_the_pack_gives_stocks_bits_with_less_memory(budgeted_cell):
-    cell, _ = budgeted_cell
+    cell, _, _ = budgeted_cell
     stock, pack = cell["runs"]["stock"], cell["runs"]["pack"]
     assert pack["vs_stock"] == {"identical": True, "max_abs_difference": 0.0}
     assert pack["peak_allocated_bytes"] < stock["peak_allocated_bytes"]
