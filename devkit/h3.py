@@ -29,6 +29,10 @@ TINY_H3 = {
     "time_embed_hidden_size": 64, "time_embed_dim": 32, "rope_inv_freq_len": 4,
 }
 
+# TINY_H3 wide enough for the int8 ConvRot route (every linear's input a multiple of its 256-wide groups) and for
+# SageAttention's head dim 128: the CPU tests of the int8 route, the block path and the memory estimate.
+INT8_TINY_H3 = dict(TINY_H3, hidden_size=256, num_attention_heads=2, attention_head_dim=128, ffn_hidden_size=512)
+
 ROPE_THETA = 10000.0
 
 

@@ -233,11 +233,6 @@ def mlp_chunking(mlp, x, chunk: int, route: bool = False) -> Chunking:
     return Chunking(rows=chunk, modes=tuple(modes))
 
 
-def mlp_chunk_rows(mlp, x, chunk: int, route: bool = False) -> int | None:
-    """Rows per MLP chunk, or None: the MLP runs whole (or another node's MLP forward runs as it is)."""
-    return mlp_chunking(mlp, x, chunk, route).rows
-
-
 def column_products(linear, x, inner: int, cast=None):
     """``(project_q, project_k, project_v)`` for ``kernels.RowProjection`` when ``linear`` is the plain product
     ``x @ weight.T`` (nothing cast or patched per call), whose column blocks give its bits; else None.
@@ -261,11 +256,6 @@ def projection_chunking(linear, x, chunk: int, route: bool = False) -> Chunking:
         return Chunking()
     mode, why = linear_chunking(linear, x, None, route)
     return Chunking(reason=why) if mode is None else Chunking(rows=chunk, modes=(mode,))
-
-
-def projection_chunk_rows(linear, x, chunk: int, route: bool = False) -> int | None:
-    """Rows per qkv-projection chunk, or None: project whole (torch.compile, bits at risk, one chunk)."""
-    return projection_chunking(linear, x, chunk, route).rows
 
 
 def cast_once(layer, x, input_act: str | None = None, record=None):

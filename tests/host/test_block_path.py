@@ -16,13 +16,8 @@ import torch
 
 from devkit import h3 as dh
 
-CONFIG = dict(dh.TINY_H3, hidden_size=256, num_attention_heads=2, attention_head_dim=128, ffn_hidden_size=512)
+CONFIG = dh.INT8_TINY_H3
 SEQ = 100
-
-
-@pytest.fixture(scope="module")
-def pack(comfy_inprocess):
-    return comfy_inprocess
 
 
 @pytest.fixture(scope="module", params=dh.WEIGHT_FORMATS)
@@ -99,7 +94,9 @@ def test_attention_only_setting_keeps_the_stock_block(pack, model):
 
 
 def test_mlp_runs_whole_where_chunks_would_cost_or_change_bits(pack):
-    chunk_rows = pack.nodes.h3_block.mlp_chunk_rows
+    def chunk_rows(*args):
+        return pack.nodes.h3_block.mlp_chunking(*args).rows
+
     layer = SimpleNamespace(weight=torch.empty(1), weight_function=[])
     mlp = SimpleNamespace(fc1=layer, fc2=layer)
     x = torch.empty(20, 4, dtype=torch.bfloat16)
@@ -136,10 +133,10 @@ def test_token_chunks_only_where_each_output_row_depends_on_its_own_input_row(pa
     assert not h3.rows_independent(layer(fp8))
     assert h3.rows_independent(layer(fp8, input_scale=torch.tensor(0.5)))    # a fixed activation scale
     x = torch.empty(20, 8, dtype=torch.bfloat16)
-    assert h3.projection_chunk_rows(layer(w), x, 8) == 8 and h3.projection_chunk_rows(layer(w), x, 32) is None
-    assert h3.projection_chunk_rows(layer(fp8), x, 8) is None
-    assert h3.projection_chunk_rows(layer(w), x.float(), 8) is None
-    assert h3.mlp_chunk_rows(SimpleNamespace(fc1=layer(fp8), fc2=layer(w)), x, 8) is None
+    assert h3.projection_chunking(layer(w), x, 8).rows == 8 and h3.projection_chunking(layer(w), x, 32).rows is None
+    assert h3.projection_chunking(layer(fp8), x, 8).rows is None
+    assert h3.projection_chunking(layer(w), x.float(), 8).rows is None
+    assert h3.mlp_chunking(SimpleNamespace(fc1=layer(fp8), fc2=layer(w)), x, 8).rows is None
 
 
 def test_mlp_chunk_rows_follow_the_weight_format(pack):
@@ -188,9 +185,9 @@ def test_a_restored_mlp_forward_is_not_another_nodes(pack, model):
     saved = vars(mlp).get("forward")
     try:
         mlp.forward = type(mlp).forward.__get__(mlp)  # what unpatch_model leaves behind
-        assert pack.nodes.h3_block.mlp_chunk_rows(mlp, x, 8) == 8
+        assert pack.nodes.h3_block.mlp_chunking(mlp, x, 8).rows == 8
         mlp.forward = lambda h: h
-        assert pack.nodes.h3_block.mlp_chunk_rows(mlp, x, 8) is None
+        assert pack.nodes.h3_block.mlp_chunking(mlp, x, 8).rows is None
     finally:
         if saved is None:
             vars(mlp).pop("forward", None)

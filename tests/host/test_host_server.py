@@ -17,12 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from host_fixtures import TINY_H3, h3_graph, patch_inputs, tiny_h3_model, wan_graph
+from host_fixtures import h3_graph, patch_inputs, tiny_h3_model, wan_graph
 
 STEPS = 2
 ROOT = Path(__file__).resolve().parents[2]
-# H3 blocks wide enough for ConvRot groups of 256, stored as the bundled workflows' checkpoint stores them
-INT8_H3 = dict(TINY_H3, hidden_size=256, num_attention_heads=2, attention_head_dim=128, ffn_hidden_size=512)
 INT8_CKPT = "sage_nhd_test_h3_tiny_int8_convrot.safetensors"
 
 
@@ -183,10 +181,10 @@ def int8_checkpoint(comfy_server):
     """A tiny H3 checkpoint with int8 ConvRot block linears, in the server's diffusion_models folder."""
     from safetensors.torch import save_file
 
-    from devkit.h3 import int8_convrot_state_dict
+    from devkit.h3 import INT8_TINY_H3, int8_convrot_state_dict
 
     path = comfy_server.host / "models" / "diffusion_models" / INT8_CKPT
-    state = int8_convrot_state_dict(tiny_h3_model(seed=4, config=INT8_H3).state_dict(), groupsize=256)
+    state = int8_convrot_state_dict(tiny_h3_model(seed=4, config=INT8_TINY_H3).state_dict(), groupsize=256)
     save_file({k: v.contiguous() for k, v in state.items()}, str(path))
     return INT8_CKPT
 

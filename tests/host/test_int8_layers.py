@@ -11,12 +11,7 @@ import torch
 
 from devkit import h3 as dh
 
-CONFIG = dict(dh.TINY_H3, hidden_size=256, num_attention_heads=2, attention_head_dim=128, ffn_hidden_size=512)
-
-
-@pytest.fixture(scope="module")
-def pack(comfy_inprocess):
-    return comfy_inprocess
+CONFIG = dh.INT8_TINY_H3
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ SCRIPT = r"""
     # linear_input_act then dequantises fc2's weight instead of running the int8 kernels)
     import comfy.model_management
     comfy.model_management.unet_manual_cast = lambda *args, **kwargs: torch.bfloat16
-    config = dict(dh.TINY_H3, hidden_size=256, num_attention_heads=2, attention_head_dim=128, ffn_hidden_size=512)
+    config = dh.INT8_TINY_H3
     model = dh.build_model(config, torch.device("cpu"), torch.bfloat16, 0, "int8_convrot")
     assert model.model.diffusion_model.blocks[1].mlp.fc2.weight._params.orig_dtype == torch.bfloat16
     out = {{}}

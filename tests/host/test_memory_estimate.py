@@ -15,7 +15,7 @@ import torch
 
 from devkit import h3 as dh
 
-CONFIG = dict(dh.TINY_H3, hidden_size=256, num_attention_heads=2, attention_head_dim=128, ffn_hidden_size=512)
+CONFIG = dh.INT8_TINY_H3
 SIZE = (64, 64, 5)  # the empty AV latent's width, height and frames (current_comfyui_standins.sample)
 TEXT_TOKENS = 8
 

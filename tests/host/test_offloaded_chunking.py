@@ -24,13 +24,8 @@ import torch
 from devkit import h3 as dh
 from devkit.interpreted import run_interpreted
 
-CONFIG = dict(dh.TINY_H3, hidden_size=256, num_attention_heads=2, attention_head_dim=128, ffn_hidden_size=512)
+CONFIG = dh.INT8_TINY_H3
 SEQ = 100
-
-
-@pytest.fixture(scope="module")
-def pack(comfy_inprocess):
-    return comfy_inprocess
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +101,7 @@ def test_torch_compile_keeps_resident_mlp_chunks_and_nothing_cast_once(pack, mon
     cast = SimpleNamespace(fc1=linear(32, 16, device="meta", comfy_cast_weights=True), fc2=linear(16, 16))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert h3.mlp_chunking(resident, x, 8) == h3.Chunking(rows=8, modes=(h3.RESIDENT, h3.RESIDENT))
-    assert "torch.compile" in h3.mlp_chunking(cast, x, 8).reason and h3.mlp_chunk_rows(cast, x, 8) is None
+    assert "torch.compile" in h3.mlp_chunking(cast, x, 8).reason and h3.mlp_chunking(cast, x, 8).rows is None
     assert "torch.compile" in h3.projection_chunking(linear(48, 16), x, 8).reason
 
 
@@ -130,7 +125,7 @@ def test_mlp_chunking_gives_each_linears_mode_or_why_it_runs_whole(pack, monkeyp
     plain = SimpleNamespace(fc1=linear(32, 16), fc2=linear(16, 16, device="meta"))
     assert h3.mlp_chunking(plain, x, 8).reason.startswith("fc2: ")
     assert h3.projection_chunking(fc1, x, 8) == h3.Chunking(rows=8, modes=(h3.CAST_ONCE,))
-    assert h3.projection_chunk_rows(linear(48, 16, device="meta"), x, 8) is None
+    assert h3.projection_chunking(linear(48, 16, device="meta"), x, 8).rows is None
 
 
 def test_int8_linears_cast_once_where_the_route_takes_their_calls(pack, int8_block, monkeypatch):
@@ -355,7 +350,7 @@ INT8_SCRIPT = r"""
 
     import comfy.model_management
     comfy.model_management.unet_manual_cast = lambda *args, **kwargs: torch.bfloat16
-    config = dict(dh.TINY_H3, hidden_size=256, num_attention_heads=2, attention_head_dim=128, ffn_hidden_size=512)
+    config = dh.INT8_TINY_H3
     model = dh.build_model(config, torch.device("cpu"), torch.bfloat16, 0, "int8_convrot")
     block = model.model.diffusion_model.blocks[1]
     names = {{id(m): n for n, m in block.named_modules()}}
