@@ -117,10 +117,13 @@ def block_peak_bytes(tokens: int, **how) -> int:
 
 
 def model_call_bytes(tokens: int, block_peak: int, *, hidden: int = H3_DIMS["hidden"], act_bytes: int = 2,
-                     rope_dims: int = H3_ROPE_DIMS, video_patch: int = H3_VIDEO_PATCH) -> int:
+                     rope_dims: int = H3_ROPE_DIMS, video_patch: int = H3_VIDEO_PATCH,
+                     embedding_released: bool = False) -> int:
     """One H3 model call (batch 1) above what was allocated before it: what stock's forward holds through every
-    block (the residual stream [S, hidden], the video embedding it was assembled from, the fp32 patch rows, the rope
-    rotation table [S, rope_dims/2, 2, 2]; every row counted as a video row), beside the larger of the block's peak
-    and stock's embedding or final layer (an fp32 copy beside a bf16 one of at most every row)."""
-    resident = 2 * tokens * hidden * act_bytes + tokens * video_patch * 4 + tokens * rope_dims * 2 * act_bytes
+    block (the residual stream [S, hidden], the video embedding it was assembled from unless the first block
+    released it, the fp32 patch rows, the rope rotation table [S, rope_dims/2, 2, 2]; every row counted as a video
+    row), beside the larger of the block's peak and stock's embedding or final layer (an fp32 copy beside a bf16
+    one of at most every row)."""
+    streams = 1 if embedding_released else 2
+    resident = streams * tokens * hidden * act_bytes + tokens * video_patch * 4 + tokens * rope_dims * 2 * act_bytes
     return resident + max(block_peak, tokens * hidden * (4 + act_bytes))

@@ -322,6 +322,8 @@ class H3BlockForward:
 
     def __call__(self, x, t_emb, mod_segments, rope_freqs, transformer_options={}, attention=None):
         blk = self.block
+        if self.patch.embedding is not None:  # the first block of a model call: stock's video embedding is dead
+            self.patch.embedding.release(x)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = blk.adaln_proj(t_emb)
         # the modulation owed: the qkv projection's int8 quantiser applies it where it takes the call
         handed = [pending_modulation(blk.norm1(x), shift_msa, scale_msa, mod_segments)]

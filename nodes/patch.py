@@ -3,6 +3,7 @@ sampling run in progress (decided once when sampling starts, read by the patched
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -98,6 +99,7 @@ class InstalledPatch:
         self.planner = planner
         self.plan = plan  # before the first sampling run: the node's own chain everywhere
         self.latent_shapes = None  # the sampling run's video and audio latent shapes, while it runs
+        self.embedding = None  # H3 block path: an embedding_release.EmbeddingRelease (scoped by APPLY_MODEL)
 
     def install(self, clone) -> None:
         """The wrappers on the clone: OUTER_SAMPLE; on the H3 path also the memory estimate (PREPARE_SAMPLING) and
@@ -139,10 +141,15 @@ class InstalledPatch:
             return executor(model, noise_shape, conds, *args, **kwargs)
 
     def apply_model_wrapper(self, executor, x, *args, **kwargs):
-        """ComfyUI APPLY_MODEL wrapper: the model call's peak allocation goes to the report (CUDA)."""
-        if not self.settings.measure_peak:
-            return executor(x, *args, **kwargs)
-        return memory.measured_call(executor, x, args, kwargs, self.report.measured_peak)
+        """ComfyUI APPLY_MODEL wrapper: the model call's peak allocation goes to the report (CUDA); with the block
+        path, the call is the scope of the video embedding's release."""
+        with contextlib.ExitStack() as scope:
+            if self.embedding is not None:
+                model = getattr(executor, "class_obj", None)
+                scope.enter_context(self.embedding.model_call(getattr(model, "get_dtype_inference", lambda: None)()))
+            if not self.settings.measure_peak:
+                return executor(x, *args, **kwargs)
+            return memory.measured_call(executor, x, args, kwargs, self.report.measured_peak)
 
     def _vet_backends(self, device) -> None:
         """Each chain's back-ends check themselves on the model's device (once a process), in order up to the first

@@ -42,9 +42,11 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
                                "reason": null | "..."},   # its release and the int8 route, when int8 linears ran
       "int8_gemm": null | {"kernel": "pack" | "comfy_kitchen", "reason": null | "..."},  # the route's GEMM, and why
       "memory": null | {"peak_bytes": 2400000000 | null, "estimate_bytes": 2500000000 | null,
-                        "estimate_by": "pack" | "comfyui" | null},   # H3: the largest model call's peak allocation
+                        "estimate_by": "pack" | "comfyui" | null,
+                        "released_bytes": 1600000000 | null},   # H3: the largest model call's peak allocation
                                            # above its start (CUDA), and what ComfyUI was told one model call needs
-                                           # when it loaded the model (CUDA), by whose estimate
+                                           # when it loaded the model (CUDA), by whose estimate; the video embedding
+                                           # stock's forward keeps, handed back at the first block (per call)
       "notes": [{"code": "sparse_composed", "text": "..."}],   # decisions taken at patching or sampling start
       "messages": ["..."]                  # human-readable lines (also logged)
     }
@@ -97,10 +99,15 @@ class RunReport:
         self.error: dict | None = None
         self.peak_bytes: int | None = None   # the largest model call's peak allocation above its start
         self.estimate: dict | None = None    # {"bytes", "by"}: ComfyUI's estimate for one model call, and whose
+        self.released_bytes: int | None = None   # stock's video embedding handed back in a model call
 
     def measured_peak(self, nbytes) -> None:
         """One model call's peak allocation above what was allocated when it began (memory.measured_call)."""
         self.peak_bytes = max(self.peak_bytes or 0, int(nbytes))
+
+    def released(self, nbytes) -> None:
+        """Stock's video embedding handed back at the first block of a model call (embedding_release.py)."""
+        self.released_bytes = max(self.released_bytes or 0, int(nbytes))
 
     def estimated(self, nbytes, by: str) -> None:
         """An answer of ``memory_required`` for the run's latent while ComfyUI prepared sampling (memory.run_estimate):
@@ -170,11 +177,11 @@ class RunReport:
         return p
 
     def _memory(self) -> dict | None:
-        if self.peak_bytes is None and self.estimate is None:
+        if self.peak_bytes is None and self.estimate is None and self.released_bytes is None:
             return None
         estimate = self.estimate or {}
         return {"peak_bytes": self.peak_bytes, "estimate_bytes": estimate.get("bytes"),
-                "estimate_by": estimate.get("by")}
+                "estimate_by": estimate.get("by"), "released_bytes": self.released_bytes}
 
     def finish_run(self) -> dict:
         p = self.last = self.payload()
@@ -287,13 +294,17 @@ def byte_size(nbytes) -> str:
 
 
 def memory_line(memory: dict) -> str:
-    """"model call needed: 2.2 GiB (ComfyUI told 2.3 GiB)"; ", its own estimate" where stock's estimate stood."""
-    told = memory.get("estimate_bytes")
+    """"model call needed: 2.2 GiB (ComfyUI told 2.3 GiB)"; ", its own estimate" where stock's estimate stood;
+    "; 1.5 GiB of stock's video embedding handed back" where the first block released it."""
+    told, released = memory.get("estimate_bytes"), memory.get("released_bytes")
     whose = ", its own estimate" if memory.get("estimate_by") == "comfyui" else ""
-    if memory.get("peak_bytes") is None:
-        return f"ComfyUI told: {byte_size(told)} a model call{whose}"
-    return f"model call needed: {byte_size(memory['peak_bytes'])}" + (
-        f" (ComfyUI told {byte_size(told)}{whose})" if told is not None else "")
+    if memory.get("peak_bytes") is not None:
+        line = f"model call needed: {byte_size(memory['peak_bytes'])}" + (
+            f" (ComfyUI told {byte_size(told)}{whose})" if told is not None else "")
+    else:
+        line = f"ComfyUI told: {byte_size(told)} a model call{whose}" if told is not None else ""
+    return "; ".join(p for p in (line, released and f"{byte_size(released)} of stock's video embedding handed back")
+                     if p)
 
 
 def _prompt_server():

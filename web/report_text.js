@@ -129,13 +129,18 @@ export function formatBytes(bytes) {
 }
 
 // "model call needed: 2.2 GiB (ComfyUI told 2.3 GiB)": the largest model call's peak and what ComfyUI was told
-// one needs when it loaded the model (", its own estimate" where the pack's did not stand); "" without (null).
+// one needs when it loaded the model (", its own estimate" where the pack's did not stand), then
+// "1.5 GiB of stock's video embedding handed back" where the first block released it; "" without (null).
 export function formatMemory(memory) {
   if (!memory || typeof memory !== "object" || Array.isArray(memory)) return "";
   const told = isNumber(memory.estimate_bytes) ? formatBytes(memory.estimate_bytes) : "";
   const whose = memory.estimate_by === "comfyui" ? ", its own estimate" : "";
-  if (!isNumber(memory.peak_bytes)) return told ? `ComfyUI told: ${told} a model call${whose}` : "";
-  return `model call needed: ${formatBytes(memory.peak_bytes)}${told ? ` (ComfyUI told ${told}${whose})` : ""}`;
+  const line = isNumber(memory.peak_bytes)
+    ? `model call needed: ${formatBytes(memory.peak_bytes)}${told ? ` (ComfyUI told ${told}${whose})` : ""}`
+    : (told ? `ComfyUI told: ${told} a model call${whose}` : "");
+  const released = isNumber(memory.released_bytes) && memory.released_bytes > 0
+    ? `${formatBytes(memory.released_bytes)} of stock's video embedding handed back` : "";
+  return [line, released].filter(Boolean).join("; ");
 }
 
 // "comfy-kitchen 0.2.40: verified for the int8 route"; "" when the report has no int8 linears (null).

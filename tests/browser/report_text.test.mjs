@@ -201,6 +201,10 @@ test("memory: the largest model call's peak beside what ComfyUI was told, and wh
   assert.equal(formatMemory({ ...pack, peak_bytes: null }), "ComfyUI told: 2.3 GiB a model call");
   assert.equal(formatMemory({ ...pack, estimate_bytes: null, estimate_by: null }), "model call needed: 2.2 GiB");
   assert.equal(formatMemory({ peak_bytes: null, estimate_bytes: null, estimate_by: null }), "");
+  assert.equal(formatMemory({ ...pack, released_bytes: 1.5 * 2 ** 30 }),
+    "model call needed: 2.2 GiB (ComfyUI told 2.3 GiB); 1.5 GiB of stock's video embedding handed back");
+  assert.equal(formatMemory({ peak_bytes: null, estimate_bytes: null, released_bytes: 385 * 2 ** 20 }),
+    "385 MiB of stock's video embedding handed back");
   for (const none of [null, undefined, [], "2 GiB"]) assert.equal(formatMemory(none), "");
   assert.ok(!formatReport(REPORT).some((l) => l.includes("model call") || l.startsWith("ComfyUI told")));
   assert.deepEqual([840 * 2 ** 20, 3.5 * 2 ** 20, 2 ** 30, 1944 * 2 ** 20].map(formatBytes),

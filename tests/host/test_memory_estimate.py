@@ -76,14 +76,20 @@ def stocks(patcher) -> tuple:
     return tuple(type(patcher.model).memory_required(patcher.model, [b, 1, n]) for b in (2, 1))
 
 
-def packs_model_call() -> int:
-    """The pack's bytes of one model call here: bf16, the tiny model's dimensions, sdpa (no prepared path)."""
+def packs_model_call(embedding_released: bool = True) -> int:
+    """The pack's bytes of one model call here: bf16, the tiny model's dimensions, sdpa (no prepared path), the
+    video embedding handed back at the first block unless a compiled forward keeps it."""
     tokens = dh.packed_token_count(*SIZE, TEXT_TOKENS)["total"]
     dims = dict(hidden=CONFIG["hidden_size"], heads=2, head_dim=128, ffn=CONFIG["ffn_hidden_size"])
     from comfyui_sage_strided_nhd import kernels
 
     peak = kernels.block_peak_bytes(tokens, prepared=False, **dims)  # a full load (a CPU): the weights as they lie
-    return kernels.model_call_bytes(tokens, peak, hidden=dims["hidden"])
+    return kernels.model_call_bytes(tokens, peak, hidden=dims["hidden"], embedding_released=embedding_released)
+
+
+def released_embedding_bytes() -> int:
+    """Stock's video embedding of one model call here: every video row, bf16."""
+    return dh.packed_token_count(*SIZE, TEXT_TOKENS)["video"] * CONFIG["hidden_size"] * 2
 
 
 def test_the_clone_is_loaded_on_the_packs_estimate_and_every_other_model_on_stocks(pack, cur, loads, on_cpu):
@@ -98,18 +104,21 @@ def test_the_clone_is_loaded_on_the_packs_estimate_and_every_other_model_on_stoc
     for patcher in (base, other, attention_only):
         assert loads[patcher] == stocks(base), "another model was told the pack's estimate"
     assert "memory_required" not in vars(base.model), "the shared model kept the clone's estimate"
-    assert patch.report.last["memory"] == {"peak_bytes": None, "estimate_bytes": per_call, "estimate_by": "pack"}
+    assert patch.report.last["memory"] == {"peak_bytes": None, "estimate_bytes": per_call, "estimate_by": "pack",
+                                           "released_bytes": released_embedding_bytes()}
     assert pack.nodes.report.memory_line(patch.report.last["memory"]) in patch.report.last["messages"]
     # the attention-only clone's blocks are stock's: ComfyUI's own estimate stood, and the report says so
     assert attention_patch.report.last["memory"] == {"peak_bytes": None, "estimate_bytes": int(stocks(base)[1]),
-                                                     "estimate_by": "comfyui"}
+                                                     "estimate_by": "comfyui", "released_bytes": None}
 
 
-def test_a_cpu_load_device_keeps_stocks_estimate_and_the_report_has_no_memory(pack, cur, loads):
+def test_a_cpu_load_device_keeps_stocks_estimate_and_the_report_has_no_estimate(pack, cur, loads):
     base = model()
     clone, patch = pack.nodes.h3_patch.patch_model(base, settings(pack))
     sample(cur, clone)
-    assert loads[clone] == stocks(base) and patch.report.last["memory"] is None
+    assert loads[clone] == stocks(base)
+    assert patch.report.last["memory"] == {"peak_bytes": None, "estimate_bytes": None, "estimate_by": None,
+                                           "released_bytes": released_embedding_bytes()}
 
 
 def test_a_preparation_outside_a_sampling_run_keeps_stocks_estimate(pack, loads, on_cpu):
@@ -162,7 +171,7 @@ def test_another_patch_of_memory_required_answers_for_itself(pack, cur, loads, o
     clone, patch = pack.nodes.h3_patch.patch_model(base, settings(pack))
     clone.add_object_patch("memory_required", lambda input_shape, cond_shapes={}: 12345 * input_shape[0])
     sample(cur, clone)
-    assert patch.report.last["memory"] is None  # neither the pack's estimate nor a record of theirs
+    assert patch.report.last["memory"]["estimate_bytes"] is None  # neither the pack's estimate nor a record of theirs
     assert pack.nodes.memory.model_call_estimate(patch, clone, {}, None) is None  # and no tokens outside a run
 
 
@@ -224,11 +233,17 @@ def test_each_model_calls_peak_is_measured_around_it_and_the_largest_reported(pa
         assert wrapper(lambda x, *args, **kwargs: (args, kwargs), x, 1, c=2) == ((1,), {"c": 2})
     assert counters.resets == 3 and patch.report.peak_bytes == int(2.2 * gib)
     memory = patch.report.payload()["memory"]
-    assert memory == {"peak_bytes": int(2.2 * gib), "estimate_bytes": None, "estimate_by": None}
+    assert memory == {"peak_bytes": int(2.2 * gib), "estimate_bytes": None, "estimate_by": None, "released_bytes": None}
     assert pack.nodes.report.memory_line(memory) == "model call needed: 2.2 GiB"
     patch.report.estimated(2.4 * gib, "comfyui")
     assert pack.nodes.report.memory_line(patch.report.payload()["memory"]) == (
         "model call needed: 2.2 GiB (ComfyUI told 2.4 GiB, its own estimate)")
+    patch.report.released(1.5 * gib)
+    assert pack.nodes.report.memory_line(patch.report.payload()["memory"]) == (
+        "model call needed: 2.2 GiB (ComfyUI told 2.4 GiB, its own estimate); "
+        "1.5 GiB of stock's video embedding handed back")
+    assert pack.nodes.report.memory_line({"released_bytes": 385 * 2**20}) == (
+        "385 MiB of stock's video embedding handed back")
 
 
 def test_no_peak_is_measured_off_cuda_or_when_the_settings_say_so(pack, monkeypatch):

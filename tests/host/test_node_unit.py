@@ -161,7 +161,8 @@ def test_patch_model_patches_a_clone_only(pack):
     keys = sorted(clone.object_patches)
     assert keys == sorted([f"diffusion_model.blocks.{i}.attn.forward" for i in range(2)]
                           + [f"diffusion_model.blocks.{i}.forward" for i in range(2)]  # the block fast path
-                          + [f"diffusion_model.token_refiner.blocks.{i}.attn.forward" for i in range(2)])
+                          + [f"diffusion_model.token_refiner.blocks.{i}.attn.forward" for i in range(2)]
+                          + ["diffusion_model.video_patch_proj.forward"])  # the video embedding's release
     assert patch.report.static["blocks_patched"] == 2 and patch.report.static["refiner_blocks_patched"] == 2
     attention_only, _ = pack.nodes.h3_patch.patch_model(mp, settings(pack, block_path="attention_only"))
     assert not any(k.endswith("blocks.0.forward") for k in attention_only.object_patches)
@@ -213,6 +214,8 @@ def test_own_patch_applied_twice_is_replaced_and_reported(pack):
     first, _ = pack.nodes.h3_patch.patch_model(mp, settings(pack, "hnd", "sdpa"))
     second, patch = pack.nodes.h3_patch.patch_model(first, settings(pack, patch_refiner=False))
     assert patch.report.static["replaced_own_patch"] is True
+    release = second.object_patches.pop("diffusion_model.video_patch_proj.forward")
+    assert release is patch.embedding and release is not first.object_patches["diffusion_model.video_patch_proj.forward"]
     assert sorted(second.object_patches) == sorted(f"diffusion_model.blocks.{i}.{what}forward"
                                                    for i in range(2) for what in ("attn.", ""))
     assert all(f.patch.settings.layout == "strided_nhd" for f in second.object_patches.values())

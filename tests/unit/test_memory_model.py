@@ -105,6 +105,11 @@ def test_a_model_call_holds_what_stocks_forward_keeps_beside_the_block():
     assert kernels.model_call_bytes(10, 1, hidden=64) == 2 * 10 * 64 * 2 + 10 * 96 * 4 + 10 * 96 * 2 * 2 + 10 * 64 * 6
     long = kernels.model_call_bytes(149936, kernels.block_peak_bytes(149936, weights="int8"))
     assert 8.0 < long / 2**30 < 8.71  # below the whole run's peak, which holds the sampler's tensors too
+    # the pack hands the video embedding back at the first block: one [S, hidden] less through every block
+    released = kernels.model_call_bytes(149936, kernels.block_peak_bytes(149936, weights="int8"),
+                                        embedding_released=True)
+    assert long - released == 149936 * 5376 * 2
+    assert kernels.model_call_bytes(37810, peak, embedding_released=True) == peak + held - 37810 * 5376 * 2
 
 
 @pytest.mark.parametrize("bad", [dict(weights="fp8"), dict(act_bytes=0), dict(heads=0)])

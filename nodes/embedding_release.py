@@ -1,0 +1,66 @@
+"""Stock's H3 forward assembles the residual stream from the video embedding (``video_patch_proj``'s output in the
+model's dtype, [video rows, hidden]) and keeps that tensor alive, as a local, through every block: 1.5 GiB at
+149,936 tokens, as large as the residual stream itself. Nothing reads it after the assembly (0.33 and current
+upstream), so on the block fast path the pack hands its memory back when the first DiT block starts.
+
+How: the video patch projection's forward records its output, already cast to the call's dtype (the same cast
+stock's ``.to(dtype)`` makes, which then returns that very tensor); the APPLY_MODEL wrapper tells it the dtype
+and scopes the record to one model call; the first block call releases the storage. A reader of the
+released tensor would raise (a storage of size 0), never read stale values. Under torch.compile nothing is
+recorded: the compiled forward keeps the embedding, as stock does."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+VIDEO_PROJECTION = "diffusion_model.video_patch_proj"
+
+
+class EmbeddingRelease:
+    """One clone's state: the model call in progress, its compute dtype and the embedding recorded in it."""
+
+    sage_strided_nhd = True  # ownership mark (see ownership.py)
+
+    def __init__(self, projection, report):
+        self.projection = projection  # the video patch projection module (stock's forward on its class)
+        self.report = report
+        self.dtype: torch.dtype | None = None  # the model call's compute dtype, while one runs
+        self.embedding: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def model_call(self, dtype: torch.dtype | None):
+        """One model call's scope (the clone's APPLY_MODEL wrapper, outside any compiled region): ``dtype`` is the
+        call's compute dtype, the one ComfyUI casts H3's context to (``BaseModel.get_dtype_inference``)."""
+        self.dtype, self.embedding = dtype, None
+        try:
+            yield
+        finally:
+            self.dtype = self.embedding = None
+
+    def __call__(self, rows, *args, **kwargs):
+        """The video patch projection's forward (this object is the patch): stock's, cast to the call's dtype,
+        recorded."""
+        out = type(self.projection).forward(self.projection, rows, *args, **kwargs)
+        if torch.compiler.is_compiling() or self.dtype is None:
+            return out
+        out = out.to(self.dtype)
+        self.embedding = out
+        return out
+
+    def release(self, residual: torch.Tensor) -> int:
+        """At a block's start: the recorded embedding's memory handed back (bytes; 0 when nothing was recorded).
+        Never the residual stream's own storage."""
+        if torch.compiler.is_compiling():
+            return 0
+        embedding, self.embedding = self.embedding, None
+        if embedding is None:
+            return 0
+        storage = embedding.untyped_storage()
+        if storage.data_ptr() == residual.untyped_storage().data_ptr():
+            return 0
+        nbytes = storage.nbytes()
+        storage.resize_(0)
+        self.report.released(nbytes)
+        return nbytes
