@@ -227,10 +227,29 @@ def kernels_table(paths: list[Path]) -> str:
 
 # --- the VRAM-budget run (benchmarks.vram_budget) ----------------------------------------------------
 
+def budget_crashed(cell: dict) -> str | None:
+    """The variant a cell's process died in (a signal or an exit code before its run was recorded), or None."""
+    stage, code = cell.get("stage") or "", cell.get("returncode")
+    name = stage.removeprefix("sample ")
+    if isinstance(code, int) and code != 0 and name != stage and name not in cell.get("runs", {}):
+        return name
+    return None
+
+
+def budget_runs(cell: dict) -> dict:
+    """The cell's runs by variant, with the one its process died in as ``{"crashed": exit code}``."""
+    runs = dict(cell.get("runs", {}))
+    if (name := budget_crashed(cell)) is not None:
+        runs[name] = {"crashed": cell["returncode"]}
+    return runs
+
+
 def budget_outcome(run: dict | None) -> str:
     """One run as a table cell: seconds per step, or what stopped it."""
     if not run:
         return "not run"
+    if "crashed" in run:
+        return "process died"
     error = run.get("error")
     if error:
         return "out of memory" if error.get("oom") else f"error ({error['type']})"
@@ -239,7 +258,7 @@ def budget_outcome(run: dict | None) -> str:
 
 def budget_ratio(a: dict | None, b: dict | None) -> float | None:
     """a's seconds per step over b's (how many times faster b is), where both completed."""
-    if not a or not b or a.get("error") or b.get("error") or not a.get("seconds_per_step"):
+    if not a or not b or a.get("error") or b.get("error") or not a.get("seconds_per_step") or not b.get("seconds_per_step"):
         return None
     return a["seconds_per_step"] / b["seconds_per_step"]
 
@@ -248,9 +267,11 @@ def budget_cell_lines(cell: dict) -> list[str]:
     lines = []
     if cell.get("error"):
         lines.append(f"cell failed at {cell.get('stage')}: {cell['error']['type']}: {cell['error']['message']}")
-    for name, run in cell.get("runs", {}).items():
+    for name, run in budget_runs(cell).items():
         extra = ""
-        if not run.get("error"):
+        if "crashed" in run:
+            extra = f" while sampling (exit code {run['crashed']}): see the cell's log"
+        elif not run.get("error"):
             extra = (f", peak allocated {run['peak_allocated_bytes'] / 2**30:.2f} GiB, copied "
                      f"{(run['copied_bytes_per_step'] or 0) / 2**30:.2f} GiB/step" if "peak_allocated_bytes" in run else "")
         same = run.get("vs_stock", {}).get("identical")
@@ -265,7 +286,7 @@ def budget_markdown(datas: list[dict]) -> list[str]:
     cells = [c for d in datas for c in d["cells"]]
     cells.sort(key=lambda c: (c.get("packed_rows", {}).get("total", 0), c.get("budget_gib") or 1e9))
     for cell in cells:
-        runs = cell.get("runs", {})
+        runs = budget_runs(cell)
         budget = cell.get("budget_gib")
         rows = cell.get("packed_rows", {}).get("total", cell.get("tokens_asked"))
         lead = [budget_ratio(runs.get(other), runs.get("pack")) for other in ("stock", "kjnodes")]
@@ -282,7 +303,10 @@ def budget_details(data: dict) -> list[str]:
     for cell in data["cells"]:
         card = "whole card" if cell.get("budget_gib") is None else f"{cell['budget_gib']:g} GiB"
         parts = []
-        for name, run in cell.get("runs", {}).items():
+        for name, run in budget_runs(cell).items():
+            if "crashed" in run:
+                parts.append(f"{name}: the process died while sampling (exit code {run['crashed']})")
+                continue
             if run.get("error"):
                 why = "" if run["error"].get("oom") else f" ({run['error']['message'][:90]})"
                 parts.append(f"{name} {budget_outcome(run)}{why}")
