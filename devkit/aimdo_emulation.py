@@ -432,13 +432,17 @@ def _storage_key(tensor):
 
 def make_tracer(device_type: str):
     """An ``AllocationTracer`` (a TorchDispatchMode, so torch is imported only here)."""
+    import weakref
+
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class AllocationTracer(TorchDispatchMode):
         """Every new storage an op creates on ``device_type`` -> ``sink.on_alloc(token, bytes)``; every traced
-        storage found freed (its weak reference expired, checked before each op and each graph call) ->
-        ``sink.on_free(token)``, oldest first. Temporaries inside a custom op or a C++ kernel are not seen."""
+        storage found freed (its weak reference expired, or resized to nothing while the tensor that made it
+        lives: ``untyped_storage().resize_(0)`` frees the memory at once; checked before each op and each graph
+        call) -> ``sink.on_free(token)``, oldest first. Temporaries inside a custom op or a C++ kernel are not
+        seen."""
 
         def __init__(self):
             super().__init__()
@@ -460,12 +464,13 @@ def make_tracer(device_type: str):
             if storage.nbytes() == 0:
                 return
             self.count += 1
-            self.live[key] = (StorageWeakRef(storage), self.count)
+            self.live[key] = (StorageWeakRef(storage), self.count, weakref.ref(tensor))
             if self.sink is not None:
                 self.sink.on_alloc(key, storage.nbytes())
 
         def poll(self) -> None:
-            gone = sorted((seq, key) for key, (ref, seq) in self.live.items() if ref.expired())
+            gone = sorted((seq, key) for key, (ref, seq, made) in self.live.items()
+                          if ref.expired() or ((t := made()) is not None and t.untyped_storage().nbytes() == 0))
             for _, key in gone:
                 del self.live[key]
                 if self.sink is not None:
@@ -686,6 +691,19 @@ def h3_forward(session: Session, x, timestep, context, transformer_options):
     return out
 
 
+def apply_model(session: Session, x, timestep, context, transformer_options):
+    """``BaseModel.apply_model``: the model's APPLY_MODEL wrappers (the node's scope of a model call) around
+    ``h3_forward``, in ``_apply_model``'s argument order."""
+    from comfy.patcher_extension import WrapperExecutor, WrappersMP, get_all_wrappers
+
+    def forward(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs):
+        return h3_forward(session, x, t, c_crossattn, transformer_options)
+
+    wrappers = get_all_wrappers(WrappersMP.APPLY_MODEL, transformer_options)
+    return WrapperExecutor.new_class_executor(forward, session.patcher.model, wrappers).execute(
+        x, timestep, None, context, None, transformer_options)
+
+
 def one_step(session: Session, run: dict, step: int, x, context, sigma: float, transformer_options):
     """One model call as ``model_base._apply_model`` makes it (inputs cast, timestep = sigma * 1000,
     options copied), timed, with this forward's breaks and graph stats."""
@@ -698,7 +716,7 @@ def one_step(session: Session, run: dict, step: int, x, context, sigma: float, t
                    sigmas=timestep / 1000.0)
     sync(session)
     started = time.perf_counter()
-    out = h3_forward(session, xc, timestep, context, options)
+    out = apply_model(session, xc, timestep, context, options)
     sync(session)
     run["step_seconds"].append(round(time.perf_counter() - started, 4))
     run["breaks_per_step"].append(len(session.compiler.sites))
@@ -888,7 +906,9 @@ def patch_variant(base, name: str, result: dict):
         return base, None
     from devkit.pack import submodule
 
-    settings = submodule("nodes.patch").Settings(**spec.settings())
+    # measure_peak off: the run's torch peak is read over the whole run, as for stock (the APPLY_MODEL wrapper
+    # would reset it at every model call)
+    settings = submodule("nodes.patch").Settings(**spec.settings(), measure_peak=False)
     clone, patch = submodule("nodes").patch_any_model(base, settings)
     result["settings"] = dataclasses.asdict(settings)
     return clone, patch

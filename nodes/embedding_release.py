@@ -6,8 +6,8 @@ upstream), so on the block fast path the pack hands its memory back when the fir
 How: the video patch projection's forward records its output, already cast to the call's dtype (the same cast
 stock's ``.to(dtype)`` makes, which then returns that very tensor); the APPLY_MODEL wrapper tells it the dtype
 and scopes the record to one model call; the first block call releases the storage. A reader of the
-released tensor would raise (a storage of size 0), never read stale values. Under torch.compile nothing is
-recorded: the compiled forward keeps the embedding, as stock does."""
+released tensor would raise (a storage of size 0), never read stale values. Under torch.compile and under
+current ComfyUI's Comfy Compiler nothing is recorded: the forward keeps the embedding, as stock does."""
 
 from __future__ import annotations
 
@@ -30,10 +30,13 @@ class EmbeddingRelease:
         self.embedding: torch.Tensor | None = None
 
     @contextlib.contextmanager
-    def model_call(self, dtype: torch.dtype | None):
-        """One model call's scope (the clone's APPLY_MODEL wrapper, outside any compiled region): ``dtype`` is the
-        call's compute dtype, the one ComfyUI casts H3's context to (``BaseModel.get_dtype_inference``)."""
-        self.dtype, self.embedding = dtype, None
+    def model_call(self, model, device):
+        """One model call of ``model`` (a BaseModel) on ``device``: the clone's APPLY_MODEL wrapper, outside any
+        compiled region. The call's compute dtype is the one ComfyUI casts H3's context to. Nothing is recorded
+        where the Comfy Compiler records the forward (``comfy_compiler_records``)."""
+        dtype = getattr(model, "get_dtype_inference", lambda: None)()
+        self.dtype = None if device is None or comfy_compiler_records(device) else dtype
+        self.embedding = None
         try:
             yield
         finally:
@@ -64,3 +67,14 @@ class EmbeddingRelease:
         storage.resize_(0)
         self.report.released(nbytes)
         return nbytes
+
+
+def comfy_compiler_records(device) -> bool:
+    """Current ComfyUI's "Comfy Compiler" (comfy-aimdo's malloc graph, 0.34+) records the forwards on ``device``.
+    There an allocation must be freed in the scope that made it, or live to the forward's end: the embedding is
+    the forward's, and freeing it in a block's scope would fail the graph (comfy-aimdo then aborts the process).
+    The graph plans the forward's memory itself; the embedding stays, as stock keeps it."""
+    import comfy.model_prefetch
+
+    enabled = getattr(comfy.model_prefetch, "malloc_graph_enabled", None)
+    return enabled is not None and bool(enabled(device))

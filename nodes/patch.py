@@ -7,6 +7,7 @@ import contextlib
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import torch
 from comfy.patcher_extension import WrappersMP
 
 from .. import kernels
@@ -89,6 +90,14 @@ class Plan:
         return self.chains.get(key, self.default)
 
 
+def input_device(x):
+    """The device of a model call's input: a tensor's, or the first tensor's of a list (H3's video and audio)."""
+    for t in x if isinstance(x, (list, tuple)) else (x,):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return None
+
+
 class InstalledPatch:
     """The node's state on one clone. ``planner(model_patcher, model_options) -> Plan`` runs when
     sampling starts (it may raise ``conflicts.PatchConflictError``)."""
@@ -145,8 +154,7 @@ class InstalledPatch:
         path, the call is the scope of the video embedding's release."""
         with contextlib.ExitStack() as scope:
             if self.embedding is not None:
-                model = getattr(executor, "class_obj", None)
-                scope.enter_context(self.embedding.model_call(getattr(model, "get_dtype_inference", lambda: None)()))
+                scope.enter_context(self.embedding.model_call(getattr(executor, "class_obj", None), input_device(x)))
             if not self.settings.measure_peak:
                 return executor(x, *args, **kwargs)
             return memory.measured_call(executor, x, args, kwargs, self.report.measured_peak)

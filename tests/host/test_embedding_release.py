@@ -6,6 +6,7 @@ node replaced the video patch projection or the block path is off; a reader of a
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -87,6 +88,20 @@ def test_nothing_is_released_where_another_node_replaced_the_projection_or_the_b
         assert (patch.report.last["memory"] or {}).get("released_bytes") is None
 
 
+def test_nothing_is_released_where_the_comfy_compiler_records_the_forward(pack, cur, monkeypatch):
+    """Current ComfyUI's malloc graph: an allocation freed outside the scope that made it fails the graph."""
+    import comfy.model_prefetch
+
+    asked = []
+    monkeypatch.setattr(comfy.model_prefetch, "malloc_graph_enabled", lambda device: asked.append(device) or True,
+                        raising=False)
+    base = dh.build_model(CONFIG, torch.device("cpu"), torch.bfloat16, 0, "bf16")
+    clone, patch = pack.nodes.h3_patch.patch_model(base, settings(pack))
+    cur.sample(clone, conditioning(), steps=1, size=SIZE)
+    assert asked == [torch.device("cpu")] and patch.embedding is not None
+    assert (patch.report.last["memory"] or {}).get("released_bytes") is None
+
+
 def test_a_released_embedding_raises_when_read_and_the_residual_is_never_released(pack):
     release_cls = pack.nodes.embedding_release.EmbeddingRelease
     projection = torch.nn.Linear(4, 8, dtype=torch.float32)
@@ -94,7 +109,8 @@ def test_a_released_embedding_raises_when_read_and_the_residual_is_never_release
                                          settings=pack.nodes.patch.Settings())
     release = release_cls(projection, report)
     rows = torch.randn(5, 4)
-    with release.model_call(torch.bfloat16):
+    model = SimpleNamespace(get_dtype_inference=lambda: torch.bfloat16)
+    with release.model_call(model, torch.device("cpu")):
         embedding = release(rows)
         assert embedding.dtype == torch.bfloat16 and torch.equal(embedding, projection(rows).to(torch.bfloat16))
         assert release.release(embedding.view(-1)) == 0  # the same storage as the residual: kept
