@@ -21,7 +21,7 @@ from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 
 from .. import kernels
 from . import h3_block, int8_layers
-from .embedding_release import VIDEO_PROJECTION
+from .embedding_release import VIDEO_PROJECTION, comfy_compiler_records
 
 log = logging.getLogger("sage_strided_nhd")
 
@@ -139,14 +139,15 @@ def model_call_estimate(patch, patcher, conds: dict, model_options, force_full_l
     formats = weight_formats(block)
     peak = max(kernels.block_peak_bytes(tokens, weights=w, **form, **how) for w in formats for form in forms)
     return kernels.model_call_bytes(tokens, peak, hidden=dims["hidden"], act_bytes=dtype.itemsize,
-                                    embedding_released=embedding_released(patch, patcher, model_options))
+                                    embedding_released=embedding_released(patch, patcher, model_options, device))
 
 
-def embedding_released(patch, patcher, model_options) -> bool:
+def embedding_released(patch, patcher, model_options, device) -> bool:
     """The first block hands stock's video embedding back (embedding_release.py): the pack's release is the video
-    patch projection's forward on this patcher, and no torch.compile wrapper traces the forward (it keeps it)."""
+    patch projection's forward on this patcher, and neither a torch.compile wrapper nor the Comfy Compiler takes
+    the forward (both keep it)."""
     on = patch.embedding is not None and patcher.object_patches.get(VIDEO_PROJECTION + ".forward") is patch.embedding
-    return on and TORCH_COMPILE_KWARGS not in (model_options or {})
+    return on and TORCH_COMPILE_KWARGS not in (model_options or {}) and not comfy_compiler_records(device)
 
 
 @contextlib.contextmanager

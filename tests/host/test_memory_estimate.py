@@ -112,6 +112,17 @@ def test_the_clone_is_loaded_on_the_packs_estimate_and_every_other_model_on_stoc
                                                      "estimate_by": "comfyui", "released_bytes": None}
 
 
+def test_where_the_comfy_compiler_keeps_the_embedding_the_estimate_counts_it(pack, cur, loads, on_cpu, monkeypatch):
+    import comfy.model_prefetch
+
+    monkeypatch.setattr(comfy.model_prefetch, "malloc_graph_enabled", lambda device: True, raising=False)
+    clone, patch = pack.nodes.h3_patch.patch_model(model(), settings(pack))
+    sample(cur, clone)
+    kept = packs_model_call(embedding_released=False)
+    assert loads[clone] == (2 * kept, kept) and kept > packs_model_call()
+    assert patch.report.last["memory"]["released_bytes"] is None
+
+
 def test_a_cpu_load_device_keeps_stocks_estimate_and_the_report_has_no_estimate(pack, cur, loads):
     base = model()
     clone, patch = pack.nodes.h3_patch.patch_model(base, settings(pack))
