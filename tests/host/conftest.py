@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 
@@ -9,3 +11,9 @@ import pytest
 def pack(comfy_inprocess):
     """The pack with ComfyUI importable in this process (CPU)."""
     return comfy_inprocess
+
+
+@pytest.fixture(scope="module")
+def cur(pack):
+    """The current-ComfyUI stand-ins (tests/current_comfyui_standins.py), importable once the host is."""
+    return importlib.import_module("current_comfyui_standins")

@@ -7,7 +7,6 @@ extended arguments and the prologue/epilogue Linear forward keep stock's calls.
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
@@ -16,12 +15,6 @@ from devkit import h3 as dh
 
 CONFIG = dh.INT8_TINY_H3
 SEQ = 100
-
-
-@pytest.fixture(scope="module")
-def cur(pack):
-    """The stand-ins (they import ComfyUI, so only once the host is imported)."""
-    return importlib.import_module("current_comfyui_standins")
 
 
 def fresh_model(weights: str):

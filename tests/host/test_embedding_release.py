@@ -5,7 +5,6 @@ node replaced the video patch projection or the block path is off; a reader of a
 
 from __future__ import annotations
 
-import importlib
 from types import SimpleNamespace
 
 import pytest
@@ -17,18 +16,6 @@ CONFIG = dh.INT8_TINY_H3
 SIZE = (64, 64, 5)  # the empty AV latent's width, height and frames (current_comfyui_standins.sample)
 TEXT_TOKENS = 8
 PROJECTION = "diffusion_model.video_patch_proj.forward"
-
-
-@pytest.fixture(scope="module")
-def pack(comfy_inprocess):
-    torch.set_grad_enabled(False)
-    yield comfy_inprocess
-    torch.set_grad_enabled(True)
-
-
-@pytest.fixture(scope="module")
-def cur(pack):
-    return importlib.import_module("current_comfyui_standins")
 
 
 def conditioning():

@@ -6,7 +6,6 @@ that need it add the CPU to ``memory.ESTIMATED_DEVICES``. The peak per model cal
 
 from __future__ import annotations
 
-import importlib
 import math
 from types import SimpleNamespace
 
@@ -25,11 +24,6 @@ def pack(comfy_inprocess):
     torch.set_grad_enabled(False)
     yield comfy_inprocess
     torch.set_grad_enabled(True)
-
-
-@pytest.fixture(scope="module")
-def cur(pack):
-    return importlib.import_module("current_comfyui_standins")
 
 
 @pytest.fixture
