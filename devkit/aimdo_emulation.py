@@ -917,7 +917,7 @@ def patch_variant(base, name: str, result: dict):
 # --- the runs and the result ---------------------------------------------------------------------------
 REPORT_KEYS = ("status", "error", "attention_calls", "backends_ran", "prepared", "prepared_skipped", "fallbacks",
                "skipped", "layout", "backend_requested", "prep_mode", "block_path", "blocks_patched",
-               "refiner_blocks_patched", "block_path_blocks", "copies_per_call", "compile_events", "notes")
+               "refiner_blocks_patched", "block_path_blocks", "copies_per_call", "compile_events", "memory", "notes")
 
 
 def run_all(args, result: dict, recorder: Recorder) -> None:

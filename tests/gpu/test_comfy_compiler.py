@@ -209,6 +209,8 @@ def check_report(data: dict) -> None:
     assert data["plan_prepared"] is spec.prepared, data["plan_prepared"]
     # the block fast path ran on every DiT block (block_path exact) or on none (attention_only)
     assert report["block_path_blocks"] == (0 if spec.block_path == "attention_only" else BLOCKS), report
+    # the graph records the forward: stock's video embedding is the forward's and stays (embedding_release.py)
+    assert (report["memory"] or {}).get("released_bytes") is None, report["memory"]
     if spec.backend == "sdpa":
         assert set(data["backends_ran"]) == {"sdpa"}, data["backends_ran"]
         return

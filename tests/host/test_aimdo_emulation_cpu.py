@@ -113,6 +113,8 @@ def test_patched_runs_report_through_the_outer_sample_wrapper(runs, variant, blo
     assert report["block_path"] == block_path
     assert report["block_path_blocks"] == (BLOCKS if block_path == "exact" else 0), report
     assert data["plan_prepared"] is prepared and data["prepared"] == []  # the settings reached the plan
+    # the graph records the forward: stock's video embedding is the forward's and stays (embedding_release.py)
+    assert (report["memory"] or {}).get("released_bytes") is None, report["memory"]
 
 
 def test_patched_steps_give_stock_bits(runs):
