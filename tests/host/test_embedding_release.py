@@ -1,7 +1,8 @@
 """Stock's video embedding handed back at the first block (nodes/embedding_release.py), in a real ComfyUI 0.33 host on
 the CPU: sampling through ComfyUI's nodes gives the same latents bit for bit with and without the release, in both
 weight formats; the embedding's storage is empty once the first block has started; nothing is released where another
-node replaced the video patch projection or the block path is off; a reader of a released embedding raises."""
+node replaced the video patch projection, the block path is off or current ComfyUI's Comfy Compiler records the
+forward; a reader of a released embedding raises."""
 
 from __future__ import annotations
 
