@@ -391,13 +391,8 @@ class RowOperands:
         _quant_launch(None, None, v, None, vrecp, self.rotate, (None, None, None, None, vo))
         self.v_out = vo, vscale
 
-    def finish(self, k, v) -> dict:
-        """K and V (all rows) -> the operand dict of :func:`quantize_operands`."""
-        self.add_k(k)
-        self.add_v(v)
-        return self.operands()
-
     def operands(self) -> dict:
+        """The operand dict of :func:`quantize_operands`, once Q's rows, K and V are all in."""
         if self.rows_done != self.seq or self.k_out is None or self.v_out is None:
             raise ValueError(f"Q has {self.rows_done} of {self.seq} rows quantised, K {'done' if self.k_out else 'not'}, "
                              f"V {'done' if self.v_out else 'not'}")

@@ -59,7 +59,9 @@ INTERPRETED_CHECKS = r"""
             by_rows = sq.RowOperands(seq, heads, q.device, mode=mode)
             for a in range(0, seq, 128):
                 by_rows.add_q_rows(q[:, a:a + 128])
-            results["rows"][f"{mode}/S={seq}/H={heads}"] = differing(by_rows.finish(k, v), got)
+            by_rows.add_k(k)
+            by_rows.add_v(v)
+            results["rows"][f"{mode}/S={seq}/H={heads}"] = differing(by_rows.operands(), got)
         if seed == 1:  # heads not adjacent in memory ([S, H, 3, D]): every pass takes the head stride
             g2 = torch.Generator().manual_seed(7)
             mixed = (torch.randn(seq, 2, 3, 128, generator=g2) * 1.5).to(torch.bfloat16)
@@ -117,7 +119,9 @@ INTERPRETED_CHECKS = r"""
         try:
             for part in steps:
                 by_rows.add_q_rows(part)
-            by_rows.finish(k, v)
+            by_rows.add_k(k)
+            by_rows.add_v(v)
+            by_rows.operands()
             results["row_errors"].append("no error")
         except ValueError as exc:
             results["row_errors"].append(str(exc))

@@ -64,7 +64,8 @@ INTERPRETED = r"""
             rows = sage2_quant.RowOperands(256, 1, q.device, mode=mode)
             rows.add_q_rows(q[:, :128])
             rows.add_q_rows(q[:, 128:])
-            rows.finish(k, v)
+            rows.add_k(k)
+            rows.add_v(v)
     report([[l.module, l.kernel, [list(a) for a in l.signature], [list(c) for c in l.constexprs], l.num_warps]
             for l in launches])
 """
