@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .. import kernels
-from .ownership import describe, is_own, plain_function
+from .ownership import describe, is_foreign, is_own, plain_function
 from .patch import Note, Plan
 
 SPARSE_CALLBACK_KEY = "block_sparse_attention"   # core Model Sparse Attention's ON_PREPARE_STATE key
@@ -125,7 +125,7 @@ def check_object_patches(model_patcher, keys) -> tuple[bool, dict[str, str]]:
     each known stock-equal forward this node takes over); another node's forward is refused."""
     patches = model_patcher.object_patches
     taken_over = {key: node for key in keys if (node := stock_equal(patches.get(key)))}
-    foreign = [key for key in keys if _foreign(patches.get(key)) and key not in taken_over]
+    foreign = [key for key in keys if is_foreign(patches.get(key)) and key not in taken_over]
     if foreign:
         raise forward_conflict(model_patcher, foreign, "already replaced")
     return any(is_own(patches.get(key)) for key in keys), taken_over
@@ -135,10 +135,6 @@ def stock_equal(obj) -> str | None:
     """The node name of a known attention forward that computes stock's result (rule 8), else None."""
     fn = plain_function(obj)
     return STOCK_EQUAL_FORWARDS.get(getattr(fn, "__name__", "")) if getattr(fn, "_uses_optimized_attention", 0) else None
-
-
-def _foreign(obj) -> bool:
-    return obj is not None and not is_own(obj)
 
 
 def forward_conflict(model_patcher, foreign: list[str], how: str) -> PatchConflictError:
@@ -229,7 +225,7 @@ def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default,
     notes = check_override_at_sampling(model_patcher, model_options, "h3_forward_patch") + _block_notes(
         model_patcher, forwards, taken_over) + block_notes
     active = [key for key, fwd in forwards.items() if model_patcher.object_patches.get(key) is fwd]
-    foreign = [key for key in forwards if _foreign(model_patcher.object_patches.get(key))]
+    foreign = [key for key in forwards if is_foreign(model_patcher.object_patches.get(key))]
     if foreign:
         raise forward_conflict(model_patcher, foreign, "replaced (after this node)")
     chains, preference_notes = _preference_plan(model_patcher, active, backend, default)
@@ -247,7 +243,7 @@ def _block_notes(model_patcher, forwards, taken_over) -> list[Note]:
     """Rule 8: other nodes' block forwards (they call the block's attention: this node's forward,
     which takes an input handed over in a list) and the stock-equal attention forwards taken over."""
     blocks = {key.rsplit(".attn.", 1)[0] + ".forward" for key in forwards}
-    theirs = [obj for key in sorted(blocks) if _foreign(obj := model_patcher.object_patches.get(key))]
+    theirs = [obj for key in sorted(blocks) if is_foreign(obj := model_patcher.object_patches.get(key))]
     notes = [Note("block_forwards", f"composed with another node's block forward ({describe(theirs[0])}) on "
                                     f"{len(theirs)} blocks: the attention it calls runs this node's forward; "
                                     "the block fast path does not run there")] if theirs else []
@@ -273,7 +269,7 @@ def check_block_forwards(model_patcher, keys) -> tuple[list[str], dict[str, str]
     patches = model_patcher.object_patches
     names = {k: getattr(plain_function(patches.get(k)), "__name__", "") for k in keys}
     taken_over = {k: node for k in keys if (node := STOCK_EQUAL_BLOCK_FORWARDS.get(names[k]))}
-    return [k for k in keys if not _foreign(patches.get(k)) or k in taken_over], taken_over
+    return [k for k in keys if not is_foreign(patches.get(k)) or k in taken_over], taken_over
 
 
 def _block_path_notes(model_patcher, blocks: BlockPath) -> tuple[int, list[Note]]:
@@ -286,7 +282,7 @@ def _block_path_notes(model_patcher, blocks: BlockPath) -> tuple[int, list[Note]
     notes = [Note("block_forward_taken_over", f"{node}'s block forward (stock-equal) on {n} blocks was taken "
                                               "over by this node's block fast path")
              for node, n in sorted(Counter(blocks.taken_over.values()).items())]
-    mlp = [k for k in (key[: -len("forward")] + "mlp.forward" for key in fast) if _foreign(patches.get(k))]
+    mlp = [k for k in (key[: -len("forward")] + "mlp.forward" for key in fast) if is_foreign(patches.get(k))]
     if mlp:
         notes.append(Note("mlp_forward_composed", f"another node's MLP forward ({describe(patches[mlp[0]])}) runs "
                                                   f"inside this node's block fast path on {len(mlp)} blocks "

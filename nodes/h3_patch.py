@@ -13,7 +13,7 @@ import torch
 from .. import kernels
 from . import conflicts, h3_block, int8_layers
 from .embedding_release import VIDEO_PROJECTION, EmbeddingRelease
-from .ownership import is_own
+from .ownership import is_foreign, is_own
 from .patch import NODE, InstalledPatch, Note, Plan, Settings
 from .report import RunReport
 
@@ -223,7 +223,7 @@ def patch_model(model_patcher, settings: Settings, node_id=None, notes=()):
     patch = InstalledPatch(settings, report, lambda patcher, options: conflicts.plan_h3(
         patcher, options, forwards, settings.backend, default, taken_over, blocks), Plan(default))
     blocks = _install_block_path(model_patcher, clone, diffusion_model, patch)
-    patch.embedding = _install_embedding_release(model_patcher, clone, blocks, report)
+    patch.embedding = _install_embedding_release(model_patcher, clone, diffusion_model, blocks, report)
     for prefix in prefixes:
         forwards[prefix + ".forward"] = H3AttentionForward(model_patcher.get_model_object(prefix),
                                                            prefix + ".forward", patch)
@@ -263,14 +263,13 @@ def _install_block_path(model_patcher, clone, diffusion_model, patch: InstalledP
     return conflicts.BlockPath(forwards=forwards, taken_over=taken_over)
 
 
-def _install_embedding_release(model_patcher, clone, blocks: conflicts.BlockPath, report) -> EmbeddingRelease | None:
+def _install_embedding_release(model_patcher, clone, diffusion_model, blocks: conflicts.BlockPath,
+                               report) -> EmbeddingRelease | None:
     """The video embedding's release (embedding_release.py) where the block path runs the first DiT block and no
     other node has replaced the video patch projection's forward; None elsewhere (stock keeps the embedding)."""
     key = VIDEO_PROJECTION + ".forward"
-    if h3_block.block_keys(model_patcher.get_model_object("diffusion_model"))[:1] != list(blocks.forwards)[:1]:
-        return None
-    current = clone.object_patches.get(key)
-    if current is not None and not is_own(current):
+    first = h3_block.block_keys(diffusion_model)[:1]
+    if not first or first[0] not in blocks.forwards or is_foreign(clone.object_patches.get(key)):
         return None
     release = EmbeddingRelease(model_patcher.get_model_object(VIDEO_PROJECTION), report)
     clone.add_object_patch(key, release)

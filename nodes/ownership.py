@@ -10,6 +10,11 @@ def is_own(obj) -> bool:
     return bool(getattr(obj, OWN_MARK, False))
 
 
+def is_foreign(obj) -> bool:
+    """Another node's callable (None: nothing installed)."""
+    return obj is not None and not is_own(obj)
+
+
 def plain_function(obj):
     """The plain function behind a bound method (object patches are often ``types.MethodType``)."""
     return getattr(obj, "__func__", obj)
