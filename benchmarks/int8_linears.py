@@ -8,6 +8,8 @@ their sum per block, interleaved rep by rep, CUDA events, median of ``--reps``:
   pack_layer    -- the pack's quantiser + the int8 route's GEMM (the pack's where it runs, else comfy-kitchen's)
   kitchen_gemm  -- comfy-kitchen's CUTLASS GEMM alone, on the pack's quantised rows
   pack_gemm     -- the pack's GEMM alone, on the same rows (absent where it does not run: the reason is printed)
+  portable_gemm -- where the pack's GEMM is its warp-specialised Hopper kernel: its portable Triton kernel, the same
+                   rows (the bits twin it replaced)
 TOPS = 2 M N K / time. Each layer's output is compared with stock's, bit for bit."""
 
 from __future__ import annotations
@@ -52,10 +54,18 @@ def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
     gemm_why = gemm_mod.gemm_problem(x.device, k)
     if gemm_why is None:
         runners["pack_gemm"] = lambda: gemm_mod.int8_gemm(xq, xs, w, ws, bias)
+    portable = None
+    if gemm_why is None and gemm_mod.ws_problem(x.device, n) is None:
+        portable = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+        runners["portable_gemm"] = lambda: gemm_mod._launch_portable(xq, xs.reshape(m), w, ws.reshape(1), bias,
+                                                                     portable)
     want = runners["stock_layer"]()
     got = runners["pack_layer"]()
     identical = got is not None and torch.equal(got, want)
     gemm_identical = gemm_why is None and torch.equal(runners["pack_gemm"](), runners["kitchen_gemm"]())
+    if portable is not None:
+        runners["portable_gemm"]()
+        gemm_identical = gemm_identical and torch.equal(portable, runners["pack_gemm"]())
     del want, got
     times = interleaved_times({v: event_timed(f) for v, f in runners.items()}, reps, warmup)
     flops = 2 * m * n * k
@@ -78,7 +88,8 @@ def times_ratio(row: dict, base: str, new: str) -> float:
 
 def block_sum(rows: list[dict]) -> dict:
     """The four linears of one block, summed (each variant's p50)."""
-    variants = [v for v in ("stock_layer", "pack_layer", "kitchen_gemm", "pack_gemm") if v in rows[0]]
+    variants = [v for v in ("stock_layer", "pack_layer", "kitchen_gemm", "pack_gemm", "portable_gemm")
+                if all(v in r for r in rows)]
     out = {"linear": "block (4 linears)", "tokens": rows[0]["tokens"],
            "identical_to_stock": all(r["identical_to_stock"] for r in rows)}
     flops = sum(2 * r["tokens"] * r["in"] * r["out"] for r in rows)
@@ -93,14 +104,15 @@ def block_sum(rows: list[dict]) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = ("| linear | tokens | stock layer ms | pack layer ms | layer x | comfy-kitchen GEMM ms (TOPS) | "
-            "pack GEMM ms (TOPS) | GEMM x | bits |")
-    lines = [head, "|" + "---|" * 9]
+            "pack GEMM ms (TOPS) | GEMM x | portable GEMM ms (TOPS) | bits |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
-        g = r.get("pack_gemm")
+        g, p = r.get("pack_gemm"), r.get("portable_gemm")
         lines.append(f"| {r['linear']} | {r['tokens']:,} | {r['stock_layer']['ms']:.2f} | "
                      f"{r['pack_layer']['ms']:.2f} | "
                      f"{r['layer_speedup']:.3f} | {r['kitchen_gemm']['ms']:.2f} ({r['kitchen_gemm']['tops']:,.0f}) | "
                      + (f"{g['ms']:.2f} ({g['tops']:,.0f}) | {r['gemm_speedup']:.3f}" if g else "- | -")
+                     + (f" | {p['ms']:.2f} ({p['tops']:,.0f})" if p else " | -")
                      + f" | {'identical' if r['identical_to_stock'] else 'DIFFER'} |")
     return "\n".join(lines)
 

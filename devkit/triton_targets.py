@@ -237,14 +237,18 @@ def gate(launch: Launch, arch: int) -> Gate | None:
 
 
 def jit_kernels() -> dict[tuple[str, str], object]:
-    """Every Triton function the kernels package defines, by (module, name); a module path below ``kernels``."""
+    """Every Triton function the kernels package defines, by (module, name); a module path below ``kernels``. Gluon
+    kernels are not among them: their launchers fix layouts and descriptors this table does not model, and
+    devkit/gluon_aot.py builds them (tests/unit/test_int8_gemm_sm90.py)."""
     package = submodule("kernels")
     found = {}
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         module = importlib.import_module(info.name)
         for name, value in vars(module).items():
             fn = getattr(value, "fn", None)
-            if callable(getattr(value, "run", None)) and inspect.isfunction(fn) and fn.__module__ == module.__name__:
+            gluon = callable(getattr(value, "is_gluon", None)) and value.is_gluon()
+            if (callable(getattr(value, "run", None)) and inspect.isfunction(fn) and fn.__module__ == module.__name__
+                    and not gluon):
                 found[info.name[len(package.__name__) + 1:], name] = value
     return found
 

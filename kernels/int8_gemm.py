@@ -7,7 +7,9 @@ through TMA descriptors (out-of-bounds reads are zeros, so edge tiles need no ma
 int32 accumulator sits in registers across K. int32 sums are exact in any order, so the tiling is free; only the
 epilogue's fp32 steps fix the bits, and they follow the CUTLASS kernel's (``epilogue_reference``: the same in torch).
 It runs where it was measured faster than comfy-kitchen's GEMM (``CONFIGS``, per compute capability); elsewhere the
-caller keeps stock's.
+caller keeps stock's. On Hopper, with a Triton release whose Gluon it was measured with (``GLUON_TRITON``), the
+warp-specialised kernel of ``int8_gemm_sm90`` runs instead (same bits, faster: docs/BENCHMARKS.md); this kernel is
+then its bits twin and its fallback.
 Element offsets of the output are int64; TMA coordinates are element indices (< 2**31 rows and columns)."""
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 
 import torch
 
+from . import int8_gemm_sm90
 from .triton_support import TRITON_ERROR, exact_device, interpreting, round_bf16, tl, triton, version_key
 
 LIB = "sage_strided_nhd"
@@ -43,6 +46,11 @@ MEASURED_TRITON = (3, 6)  # the oldest Triton it was measured with (older ones k
 # Small tiles under the interpreter: the CPU tests' shapes cross several tiles in every dimension.
 INTERPRETER_CONFIG = GemmConfig(block_m=32, block_n=32, block_k=32, stages=1, warps=4, group_m=2)
 K_ALIGN = 16  # TMA: the row pitch of an int8 operand must be a multiple of 16 bytes
+# The warp-specialised kernel: per compute capability, and the Triton release lines whose Gluon it was measured with
+# (Gluon's API moves between releases; elsewhere this file's kernel runs).
+WS_CONFIGS = {(9, 0): int8_gemm_sm90.SM90}
+GLUON_TRITON = ((3, 6),)
+N_ALIGN = 8  # its TMA store: the row pitch of the bf16 output must be a multiple of 16 bytes
 
 
 if triton is not None:
@@ -142,6 +150,7 @@ def triton_problem() -> str | None:
 
 
 FAILED: dict[torch.device, str] = {}  # devices where a launch failed (a compiler's error): comfy-kitchen's GEMM runs
+WS_FAILED: dict[torch.device, str] = {}  # devices where the warp-specialised kernel failed: this file's kernel runs
 
 
 def record_failure(device: torch.device, exc: Exception) -> str:
@@ -168,6 +177,33 @@ def gemm_problem(device: torch.device, k: int) -> str | None:
         return FAILED[exact_device(device)]
     if k % K_ALIGN:
         return f"rows {k} wide: TMA needs a multiple of {K_ALIGN}"
+    return None
+
+
+@functools.cache
+def gluon_problem() -> str | None:
+    """Why the installed Triton does not run the warp-specialised kernel (None: it does)."""
+    if int8_gemm_sm90.GLUON_ERROR is not None:
+        return int8_gemm_sm90.GLUON_ERROR
+    if version_key(triton.__version__)[:2] not in GLUON_TRITON:
+        measured = ", ".join(".".join(map(str, v)) for v in GLUON_TRITON)
+        return f"its Gluon kernel was measured with Triton {measured}, not {triton.__version__}"
+    return None
+
+
+def ws_problem(device: torch.device, n: int | None = None) -> str | None:
+    """Why the warp-specialised kernel does not run on ``device`` for outputs ``n`` wide (this file's kernel then
+    does, where ``gemm_problem`` is None); None: it runs. ``n`` None: for any width that is a multiple of 8."""
+    if interpreting() or device.type != "cuda" or torch.version.hip is not None:
+        return "not on a CUDA device"
+    capability = _device_facts(exact_device(device).index)[0]
+    if capability not in WS_CONFIGS:
+        return f"warp-specialised kernel measured only on sm90, not sm{capability[0]}{capability[1]}"
+    why = gluon_problem() or WS_FAILED.get(exact_device(device))
+    if why is not None:
+        return why
+    if n is not None and n % N_ALIGN:
+        return f"outputs {n} wide: its TMA store needs a multiple of {N_ALIGN}"
     return None
 
 
@@ -198,15 +234,32 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def _launch(xq, x_scale, qdata, w_scale, bias, out):
     m, k = xq.shape
     n = qdata.shape[0]
-    cfg = config_for(xq.device)
     xq, qdata = (_aligned(t.contiguous()) for t in (xq, qdata))
+    x_scale = x_scale.reshape(m).contiguous()
+    w_scale = w_scale.to(device=xq.device, dtype=torch.float32).reshape(-1).contiguous()
+    bias = bias.to(device=xq.device, dtype=torch.bfloat16).reshape(n).contiguous() if bias is not None else None
+    if ws_problem(xq.device, n) is None:
+        cfg = WS_CONFIGS[_device_facts(exact_device(xq.device).index)[0]]
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        try:
+            int8_gemm_sm90.launch(cfg, xq, x_scale, qdata, w_scale, bias, out,
+                                  min(tiles, _device_facts(exact_device(xq.device).index)[1]))
+            return
+        except Exception as exc:  # noqa: BLE001 - a build failure of the Gluon kernel: this file's kernel runs
+            first_line = next(iter(str(exc).strip().splitlines()), "")[:200]
+            WS_FAILED[exact_device(xq.device)] = f"its Gluon kernel failed here ({type(exc).__name__}: {first_line})"
+            log.warning("[Sage Strided NHD] the warp-specialised int8 GEMM is off on %s: %s", xq.device, first_line)
+    _launch_portable(xq, x_scale, qdata, w_scale, bias, out)
+
+
+def _launch_portable(xq, x_scale, qdata, w_scale, bias, out):
+    m, k = xq.shape
+    n = qdata.shape[0]
+    cfg = config_for(xq.device)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a_desc = TensorDescriptor.from_tensor(xq, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(qdata, [cfg.block_n, cfg.block_k])
-    x_scale = x_scale.reshape(m).contiguous()
-    w_scale = w_scale.to(device=xq.device, dtype=torch.float32).reshape(-1).contiguous()
-    bias = bias.to(device=xq.device, dtype=torch.bfloat16).reshape(n).contiguous() if bias is not None else None
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     sms = 4 if xq.device.type == "cpu" else _device_facts(exact_device(xq.device).index)[1]
     programs = min(tiles, sms)

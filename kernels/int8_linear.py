@@ -259,12 +259,19 @@ def kitchen_release_status(device=None) -> dict:
 
 
 def gemm_status(device=None) -> dict:
-    """For the report: ``{"kernel": "pack" | "comfy_kitchen", "reason": why comfy-kitchen's GEMM runs, or None}``, for
-    the int8 route's GEMM on ``device`` (default: the current CUDA device)."""
+    """For the report: ``{"kernel": "pack_sm90" | "pack" | "comfy_kitchen", "reason": ...}`` for the int8 route's
+    GEMM on ``device`` (default: the current CUDA device): the pack's warp-specialised Hopper kernel, its portable
+    Triton kernel (the reason: why not the former, on a GPU) or comfy-kitchen's (the reason: why)."""
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    why = int8_gemm.gemm_problem(torch.device(device), int8_gemm.K_ALIGN)
-    return {"kernel": "comfy_kitchen" if why else "pack", "reason": why}
+    device = torch.device(device)
+    why = int8_gemm.gemm_problem(device, int8_gemm.K_ALIGN)
+    if why:
+        return {"kernel": "comfy_kitchen", "reason": why}
+    ws_why = int8_gemm.ws_problem(device)
+    if ws_why is None:
+        return {"kernel": "pack_sm90", "reason": None}
+    return {"kernel": "pack", "reason": ws_why if device.type == "cuda" else None}
 
 
 class GemmDeclined(RuntimeError):

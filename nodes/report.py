@@ -40,7 +40,7 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "int8_stock_quantizer": [{"reason": "...", "count": 8}],   # int8 ConvRot linear calls left to stock's, and why
       "comfy_kitchen": null | {"release": "0.2.40" | null, "route": "verified" | "self_checked" | "stock",
                                "reason": null | "..."},   # its release and the int8 route, when int8 linears ran
-      "int8_gemm": null | {"kernel": "pack" | "comfy_kitchen", "reason": null | "..."},  # the route's GEMM, and why
+      "int8_gemm": null | {"kernel": "pack_sm90" | "pack" | "comfy_kitchen", "reason": null | "..."},  # its GEMM, why
       "memory": null | {"peak_bytes": 2400000000 | null, "estimate_bytes": 2500000000 | null,
                         "estimate_by": "pack" | "comfyui" | null,
                         "released_bytes": 1600000000 | null},   # H3: the largest model call's peak allocation
@@ -272,7 +272,8 @@ def kitchen_line(status: dict) -> str:
     return f"comfy-kitchen {release}: {route}" + (f" ({status['reason']})" if status.get("reason") else "")
 
 
-GEMM_KERNELS = {"pack": "the pack's (Triton)", "comfy_kitchen": "comfy-kitchen's CUTLASS"}
+GEMM_KERNELS = {"pack_sm90": "the pack's (Gluon, warp-specialised)", "pack": "the pack's (Triton)",
+                "comfy_kitchen": "comfy-kitchen's CUTLASS"}
 
 
 def gemm_status() -> dict:

@@ -58,6 +58,7 @@ export const KITCHEN_ROUTE_LABELS = {
 
 // Which int8 GEMM the route ran (nodes/report.py: GEMM_KERNELS has the same keys).
 export const GEMM_KERNEL_LABELS = {
+  pack_sm90: "the pack's (Gluon, warp-specialised)",
   pack: "the pack's (Triton)",
   comfy_kitchen: "comfy-kitchen's CUTLASS",
 };
@@ -232,7 +233,10 @@ export function formatReport(report) {
   if (gemm && typeof gemm === "object" && !Array.isArray(gemm)) {
     const kernel = Object.hasOwn(GEMM_KERNEL_LABELS, gemm.kernel) ? GEMM_KERNEL_LABELS[gemm.kernel] : text(gemm.kernel);
     lines.push(`int8 GEMM: ${kernel}`);
-    if (gemm.reason) details.push(`why comfy-kitchen's int8 GEMM runs: ${text(gemm.reason)}`);
+    if (gemm.reason) {
+      const why = gemm.kernel === "pack" ? "why not the warp-specialised int8 GEMM" : "why comfy-kitchen's int8 GEMM runs";
+      details.push(`${why}: ${text(gemm.reason)}`);
+    }
   }
 
   // one attention call per block on the H3 path, per call of the model on the override path

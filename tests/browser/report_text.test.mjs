@@ -189,6 +189,12 @@ test("the int8 route's GEMM: which kernel ran, and why comfy-kitchen's where it 
   assert.ok(kitchen.includes(`int8 GEMM: ${GEMM_KERNEL_LABELS.comfy_kitchen}`), show(kitchen));
   assert.ok(kitchen.includes(`why comfy-kitchen's int8 GEMM runs: ${why}`), show(kitchen));
   assert.ok(!formatReport(REPORT).some((l) => l.startsWith("int8 GEMM")));
+  const sm90 = formatReport({ ...REPORT, int8_own_quantizer_calls: 800, int8_gemm: { kernel: "pack_sm90", reason: null } });
+  assert.ok(sm90.includes(`int8 GEMM: ${GEMM_KERNEL_LABELS.pack_sm90}`), show(sm90));
+  const gluon = "its Gluon kernel was measured with Triton 3.6, not 3.8.0";
+  const portable = formatReport({ ...REPORT, int8_own_quantizer_calls: 800, int8_gemm: { kernel: "pack", reason: gluon } });
+  assert.ok(portable.includes(`why not the warp-specialised int8 GEMM: ${gluon}`), show(portable));
+  assert.ok(!portable.some((l) => l.startsWith("why comfy-kitchen")), show(portable));
 });
 
 test("memory: the largest model call's peak beside what ComfyUI was told, and whose estimate that was", () => {

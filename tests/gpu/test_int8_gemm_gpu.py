@@ -3,7 +3,9 @@ linears run, bit for bit: H3's four linears (qkv 5,376 -> 21,504, out 7,168 -> 5
 14,336 -> 5,376) at rows off the tiles, with and without a bias (where the epilogue's single rounding of
 acc * scale + bias shows), a weight scale per column, row and weight slices as the block path takes them, and an
 output past 2**31 elements (64-bit offsets). Its epilogue's torch reference (the CPU tests' oracle) is tied to
-CUTLASS's output here too. Runs where the GEMM runs (``gemm_problem`` None: sm90); elsewhere it says why."""
+CUTLASS's output here too. Runs where the GEMM runs (``gemm_problem`` None: sm90); elsewhere it says why. Where the
+warp-specialised Hopper kernel runs (kernels/int8_gemm_sm90.py), the tests above check it, and it is tied to the
+portable kernel (the interpreter's twin) bit for bit at tile edges."""
 
 from __future__ import annotations
 
@@ -89,6 +91,24 @@ def test_output_past_int32_offsets(mods):
     assert torch.equal(got[tail], want), differ(got[tail], want)
     head = route.kitchen_gemm(xq[:300], xs[:300], w, ws, None, torch.bfloat16)
     assert torch.equal(got[:300], head), differ(got[:300], head)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("per_column", [False, True])
+def test_warp_specialised_kernel_gives_the_portable_kernels_bits(mods, bias, per_column):
+    """M, N and K off the 128 x 256 x 64 tiles, one row, fewer tiles than SMs and many tiles a program."""
+    _, gemm = mods
+    why = gemm.ws_problem(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(f"the warp-specialised kernel does not run here: {why}")
+    for m, n, k in ((1, 136, 48), (5, 8, 16), (129, 264, 272), (777, 520, 1040), (4099, 5376, 7168),
+                    (20000, 3 * INNER, HIDDEN)):
+        xq, xs, w, ws, b = operands(m, k, n, seed=m + n + k, bias=bias, per_column=per_column)
+        portable = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        gemm._launch_portable(xq, xs.reshape(m), w, ws.reshape(-1), b, portable)
+        got = gemm.int8_gemm(xq, xs, w, ws, b)
+        assert torch.equal(got, portable), f"{m}x{n}x{k}: {differ(got, portable)}"
+    assert gemm.WS_FAILED == {}
 
 
 def test_traced_call_records_the_custom_op(mods):

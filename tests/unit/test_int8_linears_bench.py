@@ -29,4 +29,7 @@ def test_table_marks_differing_bits_and_a_missing_pack_gemm():
     del rows[1]["pack_gemm"], rows[1]["gemm_speedup"]
     lines = bench.table(rows).splitlines()
     assert len(lines) == 4 and lines[2].endswith("| identical |") and lines[3].endswith("| DIFFER |")
-    assert "| - | - |" in lines[3]
+    assert "| - | - | - |" in lines[3]
+    rows[0]["portable_gemm"] = {"ms": 0.8, "tops": 1000.0}
+    assert "| 0.80 (1,000) | identical |" in bench.table(rows).splitlines()[2]
+    assert "portable_gemm" not in bench.block_sum([_row(name, 1.0) for name in bench.LINEARS][:3] + [rows[0]])
