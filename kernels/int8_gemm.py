@@ -245,6 +245,8 @@ def _launch(xq, x_scale, qdata, w_scale, bias, out):
             int8_gemm_sm90.launch(cfg, xq, x_scale, qdata, w_scale, bias, out,
                                   min(tiles, _device_facts(exact_device(xq.device).index)[1]))
             return
+        except torch.OutOfMemoryError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a build failure of the Gluon kernel: this file's kernel runs
             first_line = next(iter(str(exc).strip().splitlines()), "")[:200]
             WS_FAILED[exact_device(xq.device)] = f"its Gluon kernel failed here ({type(exc).__name__}: {first_line})"
@@ -284,7 +286,8 @@ if hasattr(torch, "library") and hasattr(torch.library, "custom_op"):
     @torch.library.custom_op(f"{LIB}::int8_gemm", mutates_args=())
     def _int8_gemm_op(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
-        """-> bf16 [m, n]: the int8 GEMM with CUTLASS's epilogue."""
+        """-> bf16 [m, n]: the int8 GEMM with CUTLASS's epilogue (the operands checked when it runs, not traced)."""
+        _check_operands(xq, x_scale, qdata, w_scale, bias, torch.bfloat16)
         return _gemm_impl(xq, x_scale, qdata, w_scale, bias)
 
     @_int8_gemm_op.register_fake
@@ -296,10 +299,13 @@ def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_sc
               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``bf16(int32(xq @ qdata.T) * x_scale * w_scale + bias)`` with CUTLASS's bits; ``gemm_problem`` must be None.
     xq [m, k] int8, x_scale [m, 1] fp32, qdata [n, k] int8, w_scale one value or [n] fp32, bias [n] or None.
-    Eager calls skip the dispatcher; a traced call records the custom op (fake implementation, no graph break)."""
-    _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype)
+    Eager calls skip the dispatcher; a traced call records the custom op (fake implementation, no graph break), whose
+    implementation checks the operands when it runs (the checks ask the installed Triton, which a trace cannot)."""
     if torch.compiler.is_compiling():
+        if out_dtype != torch.bfloat16:
+            raise ValueError(f"int8 GEMM: bf16 output only, got {out_dtype}")
         return torch.ops.sage_strided_nhd.int8_gemm(xq, x_scale, qdata, w_scale, bias)
+    _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype)
     return _gemm_impl(xq, x_scale, qdata, w_scale, bias)
 
 

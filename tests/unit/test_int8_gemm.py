@@ -41,6 +41,10 @@ INTERPRETED = r"""
     sat_x[1::2] = -127
     case("sums past 2**24", sat_x, sat_w, scales(40), torch.tensor(1e-3), (torch.randn(36, generator=g)).bfloat16())
     case("no rows", i8(0, 48), i8(24, 48), scales(0), torch.tensor(1.0), None)
+    # traced whole (fullgraph): the custom op, the same bits as the eager call
+    args = (i8(70, 96), scales(70), i8(40, 96), torch.tensor(3.1e-3), (4 * torch.randn(40, generator=g)).bfloat16())
+    traced = torch.compile(lambda *a: int8_gemm.int8_gemm(*a), fullgraph=True, backend="eager")(*args)
+    out["traced"] = [int((traced != int8_gemm.int8_gemm(*args)).sum()), list(traced.shape), str(traced.dtype), True]
     report(out)
 """
 
@@ -51,7 +55,7 @@ def interpreted():
 
 
 def test_gemm_gives_the_exact_products_epilogue_bits(interpreted):
-    assert len(interpreted) == 17
+    assert len(interpreted) == 18
     for name, (differ, shape, dtype, finite) in interpreted.items():
         assert differ == 0, f"{name}: {differ} outputs differ"
         assert dtype == "torch.bfloat16" and finite, name
