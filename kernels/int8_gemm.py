@@ -153,10 +153,14 @@ FAILED: dict[torch.device, str] = {}  # devices where a launch failed (a compile
 WS_FAILED: dict[torch.device, str] = {}  # devices where the warp-specialised kernel failed: this file's kernel runs
 
 
+def _failure_text(exc: Exception) -> str:
+    """"RuntimeError: <the first line of its message>", for a reason in the report."""
+    return f"{type(exc).__name__}: " + next(iter(str(exc).strip().splitlines()), "")[:200]
+
+
 def record_failure(device: torch.device, exc: Exception) -> str:
     """Keep the pack's GEMM off ``device`` for the rest of the process after ``exc``; returns the reason."""
-    first_line = next(iter(str(exc).strip().splitlines()), "")[:200]
-    why = f"it failed on this GPU ({type(exc).__name__}: {first_line})"
+    why = f"it failed on this GPU ({_failure_text(exc)})"
     FAILED[exact_device(device)] = why
     log.warning("[Sage Strided NHD] the pack's int8 GEMM is off on %s, comfy-kitchen's runs: %s", device, why)
     return why
@@ -239,18 +243,17 @@ def _launch(xq, x_scale, qdata, w_scale, bias, out):
     w_scale = w_scale.to(device=xq.device, dtype=torch.float32).reshape(-1).contiguous()
     bias = bias.to(device=xq.device, dtype=torch.bfloat16).reshape(n).contiguous() if bias is not None else None
     if ws_problem(xq.device, n) is None:
-        cfg = WS_CONFIGS[_device_facts(exact_device(xq.device).index)[0]]
+        capability, sms = _device_facts(exact_device(xq.device).index)
+        cfg = WS_CONFIGS[capability]
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         try:
-            int8_gemm_sm90.launch(cfg, xq, x_scale, qdata, w_scale, bias, out,
-                                  min(tiles, _device_facts(exact_device(xq.device).index)[1]))
+            int8_gemm_sm90.launch(cfg, xq, x_scale, qdata, w_scale, bias, out, min(tiles, sms))
             return
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - a build failure of the Gluon kernel: this file's kernel runs
-            first_line = next(iter(str(exc).strip().splitlines()), "")[:200]
-            WS_FAILED[exact_device(xq.device)] = f"its Gluon kernel failed here ({type(exc).__name__}: {first_line})"
-            log.warning("[Sage Strided NHD] the warp-specialised int8 GEMM is off on %s: %s", xq.device, first_line)
+            why = WS_FAILED[exact_device(xq.device)] = f"its Gluon kernel failed here ({_failure_text(exc)})"
+            log.warning("[Sage Strided NHD] the warp-specialised int8 GEMM is off on %s: %s", xq.device, why)
     _launch_portable(xq, x_scale, qdata, w_scale, bias, out)
 
 
