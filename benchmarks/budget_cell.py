@@ -11,7 +11,8 @@ weights it can and streams the rest every step.
 Per variant: seconds per step (steps after the first; the first also loads), peak memory torch allocated and
 reserved (comfy-aimdo's weight pages are not torch's: the card's least free memory at a step's end says more),
 weight bytes copied to the card per step, ComfyUI's resident weight bytes, and the error if the run failed
-(``oom``: out of memory). The latents are compared with stock's, bit for bit.
+(``oom``: out of memory). The latents are compared with stock's, bit for bit. ``--timeline``: where the last step's
+time went on the device (``benchmarks.step_timeline``: kernels, copies to the card not hidden behind them, waits).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import traceback
 from pathlib import Path
 
 from devkit import aimdo_emulation as startup
+
+from .step_timeline import StepTimeline
 
 SAMPLER, SCHEDULER = "res_multistep", "simple"
 # comfy-aimdo's "VRAM grow failed": its weight cast buffer could not grow on the card (DynamicVRAM's out of memory)
@@ -223,6 +226,8 @@ def sample(torch, device, patcher, conditioning, args, counter: TransferCounter)
     sigmas = ncs.BasicScheduler.execute(patcher, SCHEDULER, args.steps, 1.0)[0]
     guider = ncs.BasicGuider.execute(patcher, conditioning)[0]
     ends, streamed, least_free = [], [], None
+    timeline = StepTimeline() if cuda and args.timeline else None
+    run, latents = {"steps": args.steps}, None
     start_bytes = counter.bytes
     start = time.perf_counter()
 
@@ -235,8 +240,11 @@ def sample(torch, device, patcher, conditioning, args, counter: TransferCounter)
         ends.append(time.perf_counter() - start)
         streamed.append(counter.bytes - start_bytes)
         print(f"    step {value}/{total} at {ends[-1]:.2f} s, {streamed[-1] / 2**30:.2f} GiB copied", flush=True)
+        if timeline is not None and value == total:
+            run["last_step_timeline"] = timeline.stop()
+        elif timeline is not None and value == total - 1:
+            timeline.start()  # the last step: where its time goes
 
-    run, latents = {"steps": args.steps}, None
     comfy.utils.set_progress_bar_global_hook(progress)
     try:
         out = ncs.SamplerCustomAdvanced.execute(noise, guider, sampler, sigmas, latent)[0]
@@ -249,6 +257,8 @@ def sample(torch, device, patcher, conditioning, args, counter: TransferCounter)
         run["error"] = error_record(exc)
     finally:
         comfy.utils.set_progress_bar_global_hook(None)
+        if timeline is not None:
+            timeline.close()  # a run that failed inside its last step: the profiler stops, nothing recorded
     run["step_end_seconds"], run["copied_bytes_at_step_end"] = ends, streamed
     later = [b - a for a, b in zip(ends, ends[1:])]
     run["seconds_per_step"] = sum(later) / len(later) if later and "error" not in run else None

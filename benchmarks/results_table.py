@@ -263,6 +263,15 @@ def budget_ratio(a: dict | None, b: dict | None) -> float | None:
     return a["seconds_per_step"] / b["seconds_per_step"]
 
 
+def timeline_text(run: dict) -> str | None:
+    """Where the run's profiled last step went (``benchmarks.step_timeline``), or None where it was not profiled."""
+    t = (run.get("last_step_timeline") or {}).get("seconds")
+    if not t:
+        return None
+    return (f"last step {t['wall']:.2f} s: kernels {t['kernels']:.2f} s, weight copies {t['host_to_device']:.2f} s "
+            f"({t['host_to_device_exposed']:.2f} s not hidden behind kernels), idle {t['idle']:.2f} s")
+
+
 def budget_cell_lines(cell: dict) -> list[str]:
     lines = []
     if cell.get("error"):
@@ -276,6 +285,8 @@ def budget_cell_lines(cell: dict) -> list[str]:
                      f"{(run['copied_bytes_per_step'] or 0) / 2**30:.2f} GiB/step" if "peak_allocated_bytes" in run else "")
         same = run.get("vs_stock", {}).get("identical")
         lines.append(f"{name}: {budget_outcome(run)}{extra}" + ("" if same is None else f", stock's bits: {same}"))
+        if timeline_text(run):
+            lines.append(f"  {name}: {timeline_text(run)}")
     return lines
 
 
@@ -316,6 +327,8 @@ def budget_details(data: dict) -> list[str]:
             facts.append(f"copied {(run['copied_bytes_per_step'] or 0) / 2**30:.1f} GiB/step")
             if same is not None:
                 facts.append("stock's bits" if same else "not stock's bits")
+            if timeline_text(run):
+                facts.append(timeline_text(run))
             parts.append(f"{name} " + ", ".join(facts))
         tokens = cell.get("packed_rows", {}).get("total", cell.get("tokens_asked"))
         lines.append(f"- {card}, {tokens:,} tokens: " + "; ".join(parts))

@@ -78,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--device", default="cuda")
     p.add_argument("--comfyui", default=None, help="ComfyUI tree (default: $COMFYUI_PATH, else <repo>/.comfyui)")
+    p.add_argument("--timeline", action="store_true",
+                   help="profile each run's last step: kernel time, weight copies not hidden behind it, waits")
     p.add_argument("--cell-timeout", type=int, default=1800, help="seconds a cell's process may take")
     p.add_argument("--out", type=Path, default=Path("vram-budget.json"))
     # one cell, in its own process (what the parent starts)
@@ -172,6 +174,8 @@ def cell_command(args, tokens: int, frames: int, budget: float | None, out: Path
            "--seed", str(args.seed), "--device", args.device, "--cell-out", str(out)]
     if budget is not None:
         cmd += ["--budget", str(budget)]
+    if args.timeline:
+        cmd.append("--timeline")
     if args.kjnodes is not None:
         cmd += ["--kjnodes", str(args.kjnodes)]
     if args.comfyui:

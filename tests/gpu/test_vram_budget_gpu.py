@@ -6,7 +6,8 @@ the benchmark; on 4 GiB cards with fewer tokens stock ran out of memory (ComfyUI
 estimate).
 
 Checked on the cell's JSON: the ballast left the budget, stock and the pack both complete, the pack's latents are
-stock's bits, weights were copied to the card at every timed step, and the pack's peak is below stock's.
+stock's bits, weights were copied to the card at every timed step, the pack's peak is below stock's, and the profiled
+last step says where its time went.
 Loader: DynamicVRAM where comfy-aimdo is installed (ComfyUI's default), else the legacy ModelPatcher.
 """
 
@@ -58,7 +59,7 @@ def budgeted_cell(tmp_path_factory):
     loader = "dynamic" if importlib.util.find_spec("comfy_aimdo") is not None else "legacy"
     out = Path(os.environ.get("OUT", tmp)) / "vram_budget_gpu.json"
     proc = bench("--checkpoint", str(checkpoint), "--variants", "pack,stock", "--budgets", str(budget),
-                 "--tokens", str(TOKENS), "--steps", "3", "--loader", loader, "--out", str(out))
+                 "--tokens", str(TOKENS), "--steps", "3", "--loader", loader, "--timeline", "--out", str(out))
     assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     cell = json.loads(out.read_text())["cells"][0]
     assert proc.returncode == 0, json.dumps(cell.get("error") or cell.get("runs"), indent=1)[-3000:]
@@ -90,3 +91,16 @@ def test_the_pack_gives_stocks_bits_with_less_memory(budgeted_cell):
     assert pack["vs_stock"] == {"identical": True, "max_abs_difference": 0.0}
     assert pack["peak_allocated_bytes"] < stock["peak_allocated_bytes"]
     assert pack["report"]["status"] == "ok" and pack["report"]["block_path_blocks"] == BLOCKS
+
+
+def test_the_last_step_says_where_its_time_went(budgeted_cell):
+    cell, _, _ = budgeted_cell
+    for name in ("stock", "pack"):
+        run = cell["runs"][name]
+        t = run["last_step_timeline"]["seconds"]
+        last_step = run["step_end_seconds"][-1] - run["step_end_seconds"][-2]
+        assert 0 < t["wall"] <= last_step * 1.01  # the profile starts and stops just after the step ends
+        assert 0 < t["kernels"] <= t["wall"] and 0 < t["host_to_device"]  # weights were streamed in that step
+        assert 0 <= t["host_to_device_exposed"] <= t["host_to_device"]
+        assert t["kernels"] + t["host_to_device_exposed"] + t["idle"] <= t["wall"] * 1.001
+        assert run["last_step_timeline"]["kernel_seconds_by_family"]["attention"] > 0

@@ -1,0 +1,52 @@
+"""benchmarks.step_timeline: where a step's device time goes, by interval arithmetic on made-up timelines."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import results_table
+from benchmarks.step_timeline import HOST_TO_DEVICE, KERNEL, OTHER_COPY, activity_kind, minus, summarize, union
+
+
+def test_activities_are_told_apart_by_their_cupti_names():
+    assert activity_kind("Memcpy HtoD (Pageable -> Device)") == HOST_TO_DEVICE
+    assert activity_kind("Memcpy DtoD (Device -> Device)") == OTHER_COPY
+    assert activity_kind("Memset (Device)") == OTHER_COPY
+    assert activity_kind("## Call CompiledFxGraph ##") is None
+    assert activity_kind("qk_int8_sv_f8_accum_f32_attn_inst_buf") == KERNEL
+
+
+def test_union_merges_overlaps_and_drops_empty_intervals():
+    assert union([(5, 7), (0, 2), (1, 3), (3, 4), (9, 9)]) == [(0, 4), (5, 7)]
+
+
+@pytest.mark.parametrize("intervals, other, left", [
+    ([(0, 10)], [(2, 3), (5, 6)], [(0, 2), (3, 5), (6, 10)]),
+    ([(0, 10)], [(-5, 15)], []),
+    ([(0, 2), (4, 6)], [(1, 5)], [(0, 1), (5, 6)]),
+    ([(0, 2)], [], [(0, 2)]),
+    ([(3, 4)], [(0, 1), (5, 6)], [(3, 4)]),
+])
+def test_minus_leaves_what_the_other_does_not_cover(intervals, other, left):
+    assert minus(intervals, other) == left
+
+
+def test_a_step_splits_into_kernels_exposed_copies_and_idle():
+    us = 1e6
+    activities = [
+        (KERNEL, 0.0 * us, 4.0 * us, "attn_kernel"),   # attention, 4 s
+        (KERNEL, 3.0 * us, 5.0 * us, "nvjet_gemm"),    # a GEMM on another stream, overlapping it
+        (KERNEL, 6.0 * us, 7.0 * us, "rms_norm"),
+        (HOST_TO_DEVICE, 1.0 * us, 2.0 * us, "Memcpy HtoD"),  # hidden behind the attention
+        (HOST_TO_DEVICE, 4.5 * us, 6.5 * us, "Memcpy HtoD"),  # 1 s of it with no kernel beside
+        (OTHER_COPY, 8.0 * us, 8.5 * us, "Memset"),
+    ]
+    t = summarize(activities, wall_seconds=10.0)
+    assert t["seconds"] == {"wall": 10.0, "kernels": 6.0, "host_to_device": 3.0, "host_to_device_exposed": 1.0,
+                            "idle": 2.5}  # busy: [0, 7] and [8, 8.5]
+    assert t["kernel_seconds_by_family"] == {"attention": 4.0, "gemm": 2.0, "other": 1.0}
+    assert t["kernel_launches"] == 3 and t["host_to_device_copies"] == 2
+    line = results_table.timeline_text({"last_step_timeline": t})
+    assert line == ("last step 10.00 s: kernels 6.00 s, weight copies 3.00 s (1.00 s not hidden behind kernels), "
+                    "idle 2.50 s")
+    assert results_table.timeline_text({}) is None
