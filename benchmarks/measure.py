@@ -166,6 +166,7 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
             fn()
             synchronize(device)
     kernels: Counter = Counter()
+    kernel_us: Counter = Counter()
     family_us: Counter = Counter()
     large_copies = 0
     for event in prof.events():
@@ -173,6 +174,7 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
             if getattr(event, "is_user_annotation", False) or event.name.startswith(("## ",) + _NOT_KERNELS):
                 continue  # a range on the device timeline (inductor's graph calls) or a transfer
             kernels[event.name] += 1
+            kernel_us[event.name] += event.time_range.elapsed_us()
             family_us[kernel_family(event.name)] += event.time_range.elapsed_us()
         elif event.name == "aten::copy_" and _is_large_copy(event, large_numel):
             large_copies += 1
@@ -180,7 +182,9 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
             "large_copy_ops": large_copies // calls,
             "kernel_ms": ({f: round(family_us[f] / 1e3 / calls, 3) for f in ("attention", "gemm", "other")}
                           if cuda else None),
-            "kernels": {n: c // calls for n, c in sorted(kernels.items())}}
+            "kernels": {n: c // calls for n, c in sorted(kernels.items())},
+            "kernel_ms_by_name": ({n: round(us / 1e3 / calls, 3) for n, us in kernel_us.most_common()}
+                                  if cuda else None)}
 
 
 def kernel_difference(baseline: dict, new: dict) -> dict:

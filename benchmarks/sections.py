@@ -299,6 +299,7 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
         result["large_bf16_layout_copy_instances_after"] = counts["strided_nhd"]["large_copy_ops"]
     result["kernels"] = {n: c["kernels"] for n, c in counts.items()}
     result["kernel_ms_by_family"] = {n: c["kernel_ms"] for n, c in counts.items()}
+    result["kernel_ms_by_name"] = {n: c["kernel_ms_by_name"] for n, c in counts.items()}
     return result
 
 
