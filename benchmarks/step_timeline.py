@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 
-from .measure import kernel_family
 
 KERNEL, HOST_TO_DEVICE, OTHER_COPY = "kernel", "host_to_device", "other_copy"
 
@@ -64,6 +63,8 @@ def summarize(activities, wall_seconds: float) -> dict:
     """Seconds of one step's ``wall_seconds``: ``kernels`` (any kernel running), ``host_to_device`` (a copy to the
     card running), ``host_to_device_exposed`` (of those, no kernel running beside), ``idle`` (neither kernel nor
     copy: the rest of the wall time), kernel seconds per family (summed, streams overlapping) and the counts."""
+    from .measure import kernel_family  # (imports torch: a budget cell must start comfy-aimdo first)
+
     by_kind: dict[str, list] = {KERNEL: [], HOST_TO_DEVICE: [], OTHER_COPY: []}
     family_us = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
     for kind, start, end, name in activities:

@@ -50,3 +50,16 @@ def test_a_step_splits_into_kernels_exposed_copies_and_idle():
     assert line == ("last step 10.00 s: kernels 6.00 s, weight copies 3.00 s (1.00 s not hidden behind kernels), "
                     "idle 2.50 s")
     assert results_table.timeline_text({}) is None
+
+
+def test_a_budget_cell_imports_no_torch_before_comfy_aimdo_starts():
+    """comfy-aimdo must be initialised before torch is imported (a budget cell starts as ComfyUI's main.py
+    does): importing the cell, and the timeline with it, must not import torch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import sys, benchmarks.budget_cell; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out == "False"
