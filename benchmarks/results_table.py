@@ -285,8 +285,8 @@ def budget_cell_lines(cell: dict) -> list[str]:
                      f"{(run['copied_bytes_per_step'] or 0) / 2**30:.2f} GiB/step" if "peak_allocated_bytes" in run else "")
         same = run.get("vs_stock", {}).get("identical")
         lines.append(f"{name}: {budget_outcome(run)}{extra}" + ("" if same is None else f", stock's bits: {same}"))
-        if timeline_text(run):
-            lines.append(f"  {name}: {timeline_text(run)}")
+        if timeline := timeline_text(run):
+            lines.append(f"  {name}: {timeline}")
     return lines
 
 
@@ -327,8 +327,8 @@ def budget_details(data: dict) -> list[str]:
             facts.append(f"copied {(run['copied_bytes_per_step'] or 0) / 2**30:.1f} GiB/step")
             if same is not None:
                 facts.append("stock's bits" if same else "not stock's bits")
-            if timeline_text(run):
-                facts.append(timeline_text(run))
+            if timeline := timeline_text(run):
+                facts.append(timeline)
             parts.append(f"{name} " + ", ".join(facts))
         tokens = cell.get("packed_rows", {}).get("total", cell.get("tokens_asked"))
         lines.append(f"- {card}, {tokens:,} tokens: " + "; ".join(parts))

@@ -118,13 +118,18 @@ def _device_facts(index: int) -> tuple[tuple[int, int], int]:
     return (props.major, props.minor), props.multi_processor_count
 
 
+def _nvidia_capability(device: torch.device) -> tuple[int, int] | None:
+    """``device``'s compute capability; None off NVIDIA CUDA (the CPU, ROCm)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    return _device_facts(exact_device(device).index)[0]
+
+
 def config_for(device: torch.device) -> GemmConfig | None:
     """The tiling for ``device``: the interpreter's on the CPU when interpreting, the capability's, else None."""
     if interpreting() and device.type == "cpu":
         return INTERPRETER_CONFIG
-    if device.type != "cuda" or torch.version.hip is not None:
-        return None
-    return CONFIGS.get(_device_facts(exact_device(device).index)[0])
+    return CONFIGS.get(_nvidia_capability(device))
 
 
 def capability_problem(capability: tuple[int, int]) -> str | None:
@@ -174,9 +179,8 @@ def gemm_problem(device: torch.device, k: int) -> str | None:
         return why
     device = torch.device(device)
     if config_for(device) is None:
-        if device.type != "cuda" or torch.version.hip is not None:
-            return "not on a CUDA device"
-        return capability_problem(_device_facts(exact_device(device).index)[0])
+        capability = _nvidia_capability(device)
+        return "not on a CUDA device" if capability is None else capability_problem(capability)
     if exact_device(device) in FAILED:
         return FAILED[exact_device(device)]
     if k % K_ALIGN:
@@ -198,9 +202,9 @@ def gluon_problem() -> str | None:
 def ws_problem(device: torch.device, n: int | None = None) -> str | None:
     """Why the warp-specialised kernel does not run on ``device`` for outputs ``n`` wide (this file's kernel then
     does, where ``gemm_problem`` is None); None: it runs. ``n`` None: for any width that is a multiple of 8."""
-    if interpreting() or device.type != "cuda" or torch.version.hip is not None:
+    capability = None if interpreting() else _nvidia_capability(device)
+    if capability is None:
         return "not on a CUDA device"
-    capability = _device_facts(exact_device(device).index)[0]
     if capability not in WS_CONFIGS:
         return f"warp-specialised kernel measured only on sm90, not sm{capability[0]}{capability[1]}"
     why = gluon_problem() or WS_FAILED.get(exact_device(device))
