@@ -6,6 +6,7 @@ Per linear (qkv 5,376 -> 21,504, out 7,168 -> 5,376, fc1 5,376 -> 28,672, fc2 th
 their sum per block, interleaved rep by rep, CUDA events, median of ``--reps``:
   stock_layer   -- comfy-kitchen's ``int8_linear`` as stock's layer calls it (its quantiser, its CUTLASS GEMM)
   pack_layer    -- the pack's quantiser + the int8 route's GEMM (the pack's where it runs, else comfy-kitchen's)
+  pack_quantiser -- the pack's activation quantiser alone (ConvRot, SwiGLU for fc2), GB/s of its HBM traffic
   kitchen_gemm  -- comfy-kitchen's CUTLASS GEMM alone, on the pack's quantised rows
   pack_gemm     -- the pack's GEMM alone, on the same rows (absent where it does not run: the reason is printed)
   portable_gemm -- where the pack's GEMM is its warp-specialised Hopper kernel: its portable Triton kernel, the same
@@ -49,6 +50,7 @@ def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
         "stock_layer": lambda: ck.int8_linear(x, w, ws, bias, torch.bfloat16, convrot=True, convrot_groupsize=GROUP,
                                               input_act=act),
         "pack_layer": lambda: route.int8_linear(x, w, ws, bias, input_act=act),
+        "pack_quantiser": lambda: act_mod.quantize_rows(x, act),
         "kitchen_gemm": lambda: route.kitchen_gemm(xq, xs, w, ws, bias, torch.bfloat16),
     }
     gemm_why = gemm_mod.gemm_problem(x.device, k)
@@ -76,10 +78,20 @@ def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
         s = summary(ts)
         row[variant] = {"ms": round(s["p50_seconds"] * 1e3, 3), "spread": round(s["spread"], 3),
                         "tops": round(flops / s["p50_seconds"] / 1e12, 1)}
+    row["pack_quantiser"] = quantiser_speed(row["pack_quantiser"]["ms"], quantiser_bytes(x, m, k))
     row["layer_speedup"] = round(times_ratio(row, "stock_layer", "pack_layer"), 3)
     if gemm_why is None:
         row["gemm_speedup"] = round(times_ratio(row, "kitchen_gemm", "pack_gemm"), 3)
     return row
+
+
+def quantiser_bytes(x: torch.Tensor, m: int, k: int) -> int:
+    """What the quantiser must move: its bf16 input read once, int8 rows and fp32 scales written."""
+    return x.numel() * x.element_size() + m * k + 4 * m
+
+
+def quantiser_speed(ms: float, nbytes: int) -> dict:
+    return {"ms": ms, "bytes": nbytes, "gbps": round(nbytes / ms / 1e6)}
 
 
 def times_ratio(row: dict, base: str, new: str) -> float:
@@ -96,6 +108,9 @@ def block_sum(rows: list[dict]) -> dict:
     for v in variants:
         ms = sum(r[v]["ms"] for r in rows)
         out[v] = {"ms": round(ms, 3), "tops": round(flops / (ms / 1e3) / 1e12, 1)}
+    if all("pack_quantiser" in r for r in rows):
+        out["pack_quantiser"] = quantiser_speed(round(sum(r["pack_quantiser"]["ms"] for r in rows), 3),
+                                                sum(r["pack_quantiser"]["bytes"] for r in rows))
     out["layer_speedup"] = round(times_ratio(out, "stock_layer", "pack_layer"), 3)
     if "pack_gemm" in out:
         out["gemm_speedup"] = round(times_ratio(out, "kitchen_gemm", "pack_gemm"), 3)
@@ -103,18 +118,23 @@ def block_sum(rows: list[dict]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| linear | tokens | stock layer ms | pack layer ms | layer x | comfy-kitchen GEMM ms (TOPS) | "
-            "pack GEMM ms (TOPS) | GEMM x | portable GEMM ms (TOPS) | bits |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| linear | tokens | stock layer ms | pack layer ms | layer x | pack quantiser ms (GB/s) | "
+            "comfy-kitchen GEMM ms (TOPS) | pack GEMM ms (TOPS) | GEMM x | portable GEMM ms (TOPS) | bits |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         g, p = r.get("pack_gemm"), r.get("portable_gemm")
         lines.append(f"| {r['linear']} | {r['tokens']:,} | {r['stock_layer']['ms']:.2f} | "
                      f"{r['pack_layer']['ms']:.2f} | "
-                     f"{r['layer_speedup']:.3f} | {r['kitchen_gemm']['ms']:.2f} ({r['kitchen_gemm']['tops']:,.0f}) | "
+                     f"{r['layer_speedup']:.3f} | {_quantiser_cell(r.get('pack_quantiser'))} | "
+                     f"{r['kitchen_gemm']['ms']:.2f} ({r['kitchen_gemm']['tops']:,.0f}) | "
                      + (f"{g['ms']:.2f} ({g['tops']:,.0f}) | {r['gemm_speedup']:.3f}" if g else "- | -")
                      + (f" | {p['ms']:.2f} ({p['tops']:,.0f})" if p else " | -")
                      + f" | {'identical' if r['identical_to_stock'] else 'DIFFER'} |")
     return "\n".join(lines)
+
+
+def _quantiser_cell(q: dict | None) -> str:
+    return f"{q['ms']:.2f} ({q['gbps']:,})" if q else "-"
 
 
 def main(argv=None) -> int:
