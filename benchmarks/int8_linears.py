@@ -4,13 +4,13 @@
 
 Per linear (qkv 5,376 -> 21,504, out 7,168 -> 5,376, fc1 5,376 -> 28,672, fc2 the SwiGLU of 28,672 -> 5,376) and
 their sum per block, interleaved rep by rep, CUDA events, median of ``--reps``:
-  stock_layer   -- comfy-kitchen's ``int8_linear`` as stock's layer calls it (its quantiser, its CUTLASS GEMM)
-  pack_layer    -- the pack's quantiser + the int8 route's GEMM (the pack's where it runs, else comfy-kitchen's)
+  stock_layer    -- comfy-kitchen's ``int8_linear`` as stock's layer calls it (its quantiser, its CUTLASS GEMM)
+  pack_layer     -- the pack's quantiser + the int8 route's GEMM (the pack's where it runs, else comfy-kitchen's)
   pack_quantiser -- the pack's activation quantiser alone (ConvRot, SwiGLU for fc2), GB/s of its HBM traffic
-  kitchen_gemm  -- comfy-kitchen's CUTLASS GEMM alone, on the pack's quantised rows
-  pack_gemm     -- the pack's GEMM alone, on the same rows (absent where it does not run: the reason is printed)
-  portable_gemm -- where the pack's GEMM is its warp-specialised Hopper kernel: its portable Triton kernel, the same
-                   rows (the bits twin it replaced)
+  kitchen_gemm   -- comfy-kitchen's CUTLASS GEMM alone, on the pack's quantised rows
+  pack_gemm      -- the pack's GEMM alone, on the same rows (absent where it does not run: the reason is printed)
+  portable_gemm  -- where the pack's GEMM is its warp-specialised Hopper kernel: its portable Triton kernel, the same
+                    rows (the bits twin it replaced)
 TOPS = 2 M N K / time. Each layer's output is compared with stock's, bit for bit."""
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def quantiser_bytes(x: torch.Tensor, m: int, k: int) -> int:
 
 
 def quantiser_speed(ms: float, nbytes: int) -> dict:
+    """A quantiser time with the bytes it moved and the rate (GB/s)."""
     return {"ms": ms, "bytes": nbytes, "gbps": round(nbytes / ms / 1e6)}
 
 
