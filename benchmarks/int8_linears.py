@@ -76,9 +76,10 @@ def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
            "route_problem": route.int8_route_problem(x, w, ws, bias, input_act=act)}
     for variant, ts in times.items():
         s = summary(ts)
-        row[variant] = {"ms": round(s["p50_seconds"] * 1e3, 3), "spread": round(s["spread"], 3),
-                        "tops": round(flops / s["p50_seconds"] / 1e12, 1)}
-    row["pack_quantiser"] = quantiser_speed(row["pack_quantiser"]["ms"], quantiser_bytes(x, m, k))
+        ms = round(s["p50_seconds"] * 1e3, 3)
+        rate = (quantiser_speed(ms, quantiser_bytes(x, m, k)) if variant == "pack_quantiser"  # moves bytes, no MACs
+                else {"ms": ms, "tops": round(flops / s["p50_seconds"] / 1e12, 1)})
+        row[variant] = {**rate, "spread": round(s["spread"], 3)}
     row["layer_speedup"] = round(times_ratio(row, "stock_layer", "pack_layer"), 3)
     if gemm_why is None:
         row["gemm_speedup"] = round(times_ratio(row, "kitchen_gemm", "pack_gemm"), 3)
