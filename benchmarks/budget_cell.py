@@ -226,7 +226,7 @@ def sample(torch, device, patcher, conditioning, args, counter: TransferCounter)
     sigmas = ncs.BasicScheduler.execute(patcher, SCHEDULER, args.steps, 1.0)[0]
     guider = ncs.BasicGuider.execute(patcher, conditioning)[0]
     ends, streamed, least_free = [], [], None
-    timeline = StepTimeline() if cuda and args.timeline else None
+    timeline = StepTimeline(device) if cuda and args.timeline else None
     run, latents = {"steps": args.steps}, None
     start_bytes = counter.bytes
     start = time.perf_counter()

@@ -265,11 +265,22 @@ def budget_ratio(a: dict | None, b: dict | None) -> float | None:
 
 def timeline_text(run: dict) -> str | None:
     """Where the run's profiled last step went (``benchmarks.step_timeline``), or None where it was not profiled."""
-    t = (run.get("last_step_timeline") or {}).get("seconds")
+    timeline = run.get("last_step_timeline") or {}
+    t = timeline.get("seconds")
     if not t:
         return None
-    return (f"last step {t['wall']:.2f} s: kernels {t['kernels']:.2f} s, weight copies {t['host_to_device']:.2f} s "
+    text = (f"last step {t['wall']:.2f} s: kernels {t['kernels']:.2f} s, weight copies {t['host_to_device']:.2f} s "
             f"({t['host_to_device_exposed']:.2f} s not hidden behind kernels), idle {t['idle']:.2f} s")
+    families = timeline.get("kernel_seconds_by_family")
+    if families:
+        text += "; " + ", ".join(f"{name} {s:.2f} s" for name, s in families.items())
+    clocks = timeline.get("clocks") or {}
+    if clocks.get("problem"):
+        text += f"; clocks not sampled ({clocks['problem']})"
+    elif clocks:
+        text += "; SM clock " + ", ".join(f"{name} {c['sm_mhz']:.0f} MHz {c['watts']:.0f} W {c['celsius']:.0f} C"
+                                          for name, c in clocks.items() if c)
+    return text
 
 
 def budget_cell_lines(cell: dict) -> list[str]:

@@ -1,6 +1,8 @@
 """Where one sampling step's time goes on the device: torch.profiler's device activity over the step, split into
 kernels (compute), weight copies to the card, the part of those copies no kernel ran beside (transfer not hidden
-behind compute) and time the device did neither (waits: the host, a stream waiting on another, a page fault).
+behind compute) and time the device did neither (waits: the host, a stream waiting on another, a page fault);
+with nvidia-ml-py installed, also the card's SM clock, power and temperature while each kernel family ran (the
+same kernel runs slower on a card held at its power cap or hotter: the clocks tell that apart from the code).
 
 ``summarize`` is plain interval arithmetic on ``(kind, start_us, end_us, name)`` activities, so the CPU tests
 check it on made-up timelines; ``StepTimeline`` collects them from the profiler on a GPU.
@@ -8,6 +10,8 @@ check it on made-up timelines; ``StepTimeline`` collects them from the profiler 
 
 from __future__ import annotations
 
+import bisect
+import threading
 import time
 
 
@@ -82,24 +86,97 @@ def summarize(activities, wall_seconds: float) -> dict:
             "kernel_launches": len(by_kind[KERNEL]), "host_to_device_copies": len(by_kind[HOST_TO_DEVICE])}
 
 
+def clocks_by_family(activities, samples, anchor) -> dict:
+    """Mean SM clock (MHz), power (W) and temperature (C) of the clock ``samples`` ``(host_s, mhz, watts, celsius)``
+    that fall inside a kernel, by the kernel's family, and over the whole step. ``anchor`` ``(host_s, device_us)``
+    ties the host clock to the profiler's: the first kernel of the step started at ``device_us``, launched on an idle
+    device at ``host_s`` (a few microseconds apart; the kernels that matter here run for milliseconds)."""
+    from .measure import kernel_family
+
+    kernels = sorted((start, end, kernel_family(name)) for kind, start, end, name in activities if kind == KERNEL)
+    starts = [k[0] for k in kernels]
+    picked: dict[str, list] = {"step": [], "attention": [], "gemm": [], "other": []}
+    host_s, device_us = anchor
+    for t, *values in samples:
+        at = device_us + (t - host_s) * 1e6
+        picked["step"].append(values)
+        i = bisect.bisect_right(starts, at) - 1
+        if i >= 0 and kernels[i][1] >= at:
+            picked[kernels[i][2]].append(values)
+
+    def mean(rows):
+        if not rows:
+            return None
+        return {"sm_mhz": round(sum(r[0] for r in rows) / len(rows), 1),
+                "watts": round(sum(r[1] for r in rows) / len(rows), 1),
+                "celsius": round(sum(r[2] for r in rows) / len(rows), 1), "samples": len(rows)}
+
+    return {family: mean(rows) for family, rows in picked.items()}
+
+
+class ClockSampler:
+    """The card's SM clock, power and temperature every ``period`` seconds on a thread (torch.cuda's NVML
+    readings: nvidia-ml-py must be installed; ``problem`` says why not when it is not)."""
+
+    def __init__(self, device, period: float = 0.02):
+        self.device, self.period = device, period
+        self.samples: list[tuple] = []
+        self.problem: str | None = None
+        self._stop = threading.Event()
+        self._thread = None
+
+    def read(self) -> tuple:
+        import torch
+
+        return (time.perf_counter(), torch.cuda.clock_rate(self.device), torch.cuda.power_draw(self.device) / 1e3,
+                torch.cuda.temperature(self.device))
+
+    def start(self) -> None:
+        try:
+            self.read()
+        except Exception as exc:  # noqa: BLE001  (no NVML: the timeline goes on without clocks)
+            self.problem = f"{type(exc).__name__}: {exc}"
+            return
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.samples.append(self.read())
+
+    def stop(self) -> list[tuple]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return self.samples
+
+
 class StepTimeline:
     """torch.profiler recording device activity only (no host events, no shapes: little overhead on a step of
     seconds) between ``start()`` and ``stop()``, the caller synchronising the device before each."""
 
-    def __init__(self):
+    def __init__(self, device=None):
         self._profile, self._started = None, None
+        self._device, self._clocks, self._anchor_s = device, None, None
 
     def start(self) -> None:
+        import torch
         from torch.profiler import ProfilerActivity, profile
 
         self._profile = profile(activities=[ProfilerActivity.CUDA])
         self._profile.start()
         self._started = time.perf_counter()
+        if self._device is not None:
+            self._clocks = ClockSampler(self._device)
+            self._clocks.start()
+            self._anchor_s = time.perf_counter()
+            torch.zeros(1, device=self._device)  # the step's first kernel, on the idle device: the clocks' anchor
 
     def stop(self) -> dict:
         import torch
 
         wall = time.perf_counter() - self._started
+        samples = self._clocks.stop() if self._clocks is not None else None
         self._profile.stop()
         activities = []
         for event in self._profile.events():
@@ -109,10 +186,18 @@ class StepTimeline:
             if kind is not None:
                 activities.append((kind, event.time_range.start, event.time_range.end, event.name))
         self._profile = None
-        return summarize(activities, wall)
+        summary = summarize(activities, wall)
+        if self._clocks is not None:
+            first = min((start for kind, start, _, _ in activities if kind == KERNEL), default=None)
+            summary["clocks"] = (clocks_by_family(activities, samples, (self._anchor_s, first))
+                                 if self._clocks.problem is None and first is not None
+                                 else {"problem": self._clocks.problem or "no kernel ran"})
+        return summary
 
     def close(self) -> None:
         """Stop a profile still running (its step failed); nothing is recorded."""
+        if self._clocks is not None:
+            self._clocks.stop()
         if self._profile is not None:
             self._profile.stop()
             self._profile = None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import results_table
-from benchmarks.step_timeline import HOST_TO_DEVICE, KERNEL, OTHER_COPY, activity_kind, minus, summarize, union
+from benchmarks.step_timeline import (HOST_TO_DEVICE, KERNEL, OTHER_COPY, activity_kind, clocks_by_family, minus,
+                                      summarize, union)
 
 
 def test_activities_are_told_apart_by_their_cupti_names():
@@ -48,8 +49,33 @@ def test_a_step_splits_into_kernels_exposed_copies_and_idle():
     assert t["kernel_launches"] == 3 and t["host_to_device_copies"] == 2
     line = results_table.timeline_text({"last_step_timeline": t})
     assert line == ("last step 10.00 s: kernels 6.00 s, weight copies 3.00 s (1.00 s not hidden behind kernels), "
-                    "idle 2.50 s")
+                    "idle 2.50 s; attention 4.00 s, gemm 2.00 s, other 1.00 s")
     assert results_table.timeline_text({}) is None
+
+
+def test_clock_samples_fall_to_the_kernel_running_then():
+    """Host seconds map onto the profiler's microseconds through the anchor; a sample between kernels counts for
+    the step only."""
+    us = 1e6
+    activities = [(KERNEL, 100.0, 100.0 + 2 * us, "qk_int8_sv_f8_attn_kernel"),
+                  (KERNEL, 100.0 + 2.5 * us, 100.0 + 3 * us, "cutlass_gemm"),
+                  (HOST_TO_DEVICE, 100.0, 100.0 + 3 * us, "Memcpy HtoD")]
+    anchor = (50.0, 100.0)  # host 50 s is the profiler's 100 us
+    samples = [(50.5, 1500, 700.0, 60), (51.5, 1600, 690.0, 62),  # attention
+               (52.2, 1900, 300.0, 58),                            # between kernels
+               (52.7, 1700, 650.0, 61)]                            # the GEMM
+    c = clocks_by_family(activities, samples, anchor)
+    assert c["attention"] == {"sm_mhz": 1550.0, "watts": 695.0, "celsius": 61.0, "samples": 2}
+    assert c["gemm"] == {"sm_mhz": 1700.0, "watts": 650.0, "celsius": 61.0, "samples": 1}
+    assert c["other"] is None
+    assert c["step"]["samples"] == 4 and c["step"]["sm_mhz"] == 1675.0
+    run = {"last_step_timeline": {"seconds": {"wall": 3.0, "kernels": 2.5, "host_to_device": 3.0,
+                                              "host_to_device_exposed": 0.5, "idle": 0.0},
+                                  "kernel_seconds_by_family": {"attention": 2.0, "gemm": 0.5, "other": 0.0},
+                                  "clocks": c}}
+    assert results_table.timeline_text(run).endswith(
+        "; attention 2.00 s, gemm 0.50 s, other 0.00 s; SM clock step 1675 MHz 585 W 60 C, "
+        "attention 1550 MHz 695 W 61 C, gemm 1700 MHz 650 W 61 C")
 
 
 def test_a_budget_cell_imports_no_torch_before_comfy_aimdo_starts():
