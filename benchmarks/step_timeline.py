@@ -153,7 +153,8 @@ class ClockSampler:
 
 class StepTimeline:
     """torch.profiler recording device activity only (no host events, no shapes: little overhead on a step of
-    seconds) between ``start()`` and ``stop()``, the caller synchronising the device before each."""
+    seconds) between ``start()`` and ``stop()``, the caller synchronising the device before each; given a
+    ``device``, its clocks too (``ClockSampler``, reported by kernel family under ``clocks``)."""
 
     def __init__(self, device=None):
         self._profile, self._started = None, None
