@@ -72,10 +72,11 @@ if triton is not None:
         return tl.fma(a, b, c)
 
     @triton.jit
-    def _int8_gemm_kernel(a_desc, b_desc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, M, N, K, NUM_PROGRAMS,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP_M: tl.constexpr, SCALE_PER_COLUMN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          EMULATE: tl.constexpr):
+    def _int8_gemm_kernel(a_desc, b_desc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, M, N, K,
+                          stride_out, NUM_PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SCALE_PER_COLUMN: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EMULATE: tl.constexpr):
+        """GATED: ``out`` is the residual, ``out += bf16(product) * gate`` (stock's ``addcmul_``, one rounding)."""
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
         tiles_per_group = GROUP_M * tiles_n
@@ -108,8 +109,13 @@ if triton is not None:
                 y = _fma_rn(t, w_scale, bias[None, :], EMULATE)
             else:
                 y = _mul_rn(t, w_scale, EMULATE)
-            y = round_bf16(y, not EMULATE).to(tl.bfloat16)
-            tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+            y = round_bf16(y, not EMULATE)
+            ok = row_ok[:, None] & col_ok[None, :]
+            ptr = out_ptr + rows[:, None] * stride_out + cols[None, :]
+            if GATED:  # the product of two bf16 values is exact in fp32: fused or not, one rounding
+                gate = tl.load(gate_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                y = round_bf16(tl.load(ptr, mask=ok, other=0.0).to(tl.float32) + y * gate[None, :], not EMULATE)
+            tl.store(ptr, y.to(tl.bfloat16), mask=ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,7 +221,7 @@ def ws_problem(device: torch.device, n: int | None = None) -> str | None:
     return None
 
 
-def _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype):
+def _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype, residual=None, gate=None):
     m, k = xq.shape
     n = qdata.shape[0]
     if xq.dtype != torch.int8 or qdata.dtype != torch.int8 or qdata.shape[1] != k:
@@ -229,6 +235,12 @@ def _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype):
         raise ValueError(f"int8 GEMM: the weight scale must be one value or {n}, got {tuple(w_scale.shape)}")
     if bias is not None and bias.numel() != n:
         raise ValueError(f"int8 GEMM: the bias must have {n} values, got {tuple(bias.shape)}")
+    if (residual is None) != (gate is None):
+        raise ValueError("int8 GEMM: a residual needs its gate, and a gate its residual")
+    if residual is not None and (residual.dtype != torch.bfloat16 or tuple(residual.shape) != (m, n)
+                                 or residual.stride(1) != 1 or gate.dtype != torch.bfloat16 or gate.numel() != n):
+        raise ValueError(f"int8 GEMM: needs a bf16 [{m}, {n}] residual with a contiguous last dim and {n} bf16 gates, "
+                         f"got {residual.dtype} {tuple(residual.shape)} and {gate.dtype} {tuple(gate.shape)}")
     why = gemm_problem(xq.device, k)
     if why is not None:
         raise ValueError(f"int8 GEMM: {why}")
@@ -239,29 +251,35 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _launch(xq, x_scale, qdata, w_scale, bias, out):
+def _tma_storable(out: torch.Tensor) -> bool:
+    """The warp-specialised kernel's TMA store can write ``out``: 16-byte aligned start and row pitch."""
+    return out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0
+
+
+def _launch(xq, x_scale, qdata, w_scale, bias, out, gate=None):
     m, k = xq.shape
     n = qdata.shape[0]
     xq, qdata = (_aligned(t.contiguous()) for t in (xq, qdata))
     x_scale = x_scale.reshape(m).contiguous()
     w_scale = w_scale.to(device=xq.device, dtype=torch.float32).reshape(-1).contiguous()
     bias = bias.to(device=xq.device, dtype=torch.bfloat16).reshape(n).contiguous() if bias is not None else None
-    if ws_problem(xq.device, n) is None:
+    gate = gate.reshape(n).contiguous() if gate is not None else None
+    if ws_problem(xq.device, n) is None and _tma_storable(out):
         capability, sms = _device_facts(exact_device(xq.device).index)
         cfg = WS_CONFIGS[capability]
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         try:
-            int8_gemm_sm90.launch(cfg, xq, x_scale, qdata, w_scale, bias, out, min(tiles, sms))
+            int8_gemm_sm90.launch(cfg, xq, x_scale, qdata, w_scale, bias, out, min(tiles, sms), gate)
             return
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - a build failure of the Gluon kernel: this file's kernel runs
             why = WS_FAILED[exact_device(xq.device)] = f"its Gluon kernel failed here ({_failure_text(exc)})"
             log.warning("[Sage Strided NHD] the warp-specialised int8 GEMM is off on %s: %s", xq.device, why)
-    _launch_portable(xq, x_scale, qdata, w_scale, bias, out)
+    _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate)
 
 
-def _launch_portable(xq, x_scale, qdata, w_scale, bias, out):
+def _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate=None):
     m, k = xq.shape
     n = qdata.shape[0]
     cfg = config_for(xq.device)
@@ -273,19 +291,25 @@ def _launch_portable(xq, x_scale, qdata, w_scale, bias, out):
     sms = 4 if xq.device.type == "cpu" else _device_facts(exact_device(xq.device).index)[1]
     programs = min(tiles, sms)
     _int8_gemm_kernel[(programs,)](
-        a_desc, b_desc, out, x_scale, w_scale, bias if bias is not None else x_scale, m, n, k, programs,
+        a_desc, b_desc, out, x_scale, w_scale, bias if bias is not None else x_scale,
+        gate if gate is not None else x_scale, m, n, k, out.stride(0), programs,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SCALE_PER_COLUMN=w_scale.numel() > 1, HAS_BIAS=bias is not None, EMULATE=interpreting(),
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        SCALE_PER_COLUMN=w_scale.numel() > 1, HAS_BIAS=bias is not None, GATED=gate is not None,
+        EMULATE=interpreting(), num_warps=cfg.warps, num_stages=cfg.stages)
 
 
-def _gemm_impl(xq, x_scale, qdata, w_scale, bias):
-    out = torch.empty(xq.shape[0], qdata.shape[0], dtype=torch.bfloat16, device=xq.device)
+def _gemm_impl(xq, x_scale, qdata, w_scale, bias, residual=None, gate=None):
+    out = residual if residual is not None else torch.empty(xq.shape[0], qdata.shape[0], dtype=torch.bfloat16,
+                                                            device=xq.device)
     if out.numel():
         if xq.shape[1] == 0:
-            out.copy_(epilogue_reference(torch.zeros_like(out, dtype=torch.int32), x_scale, w_scale, bias))
+            y = epilogue_reference(torch.zeros(out.shape, dtype=torch.int32, device=out.device), x_scale, w_scale, bias)
+            if residual is None:
+                out.copy_(y)
+            else:
+                residual.addcmul_(y, gate.reshape(1, -1))
         else:
-            _launch(xq, x_scale, qdata, w_scale, bias, out)
+            _launch(xq, x_scale, qdata, w_scale, bias, out, gate)
     return out
 
 
@@ -303,17 +327,21 @@ if hasattr(torch, "library") and hasattr(torch.library, "custom_op"):
 
 
 def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None,
-              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+              out_dtype: torch.dtype = torch.bfloat16, *, residual=None, gate=None) -> torch.Tensor:
     """``bf16(int32(xq @ qdata.T) * x_scale * w_scale + bias)`` with CUTLASS's bits; ``gemm_problem`` must be None.
     xq [m, k] int8, x_scale [m, 1] fp32, qdata [n, k] int8, w_scale one value or [n] fp32, bias [n] or None.
-    Eager calls skip the dispatcher; a traced call records the custom op (fake implementation, no graph break), whose
-    implementation checks the operands when it runs (the checks ask the installed Triton, which a trace cannot)."""
+    ``residual`` (bf16 [m, n], contiguous last dim) with ``gate`` (bf16 [n]): the epilogue adds the product to it
+    in place as stock's separate ``residual.addcmul_(product, gate)`` does (same bits) and returns it; the product
+    is never written. Eager calls skip the dispatcher; a traced call records the custom op (fake implementation, no
+    graph break), whose implementation checks the operands when it runs (the checks ask the installed Triton, which
+    a trace cannot); traced, the residual is added by a separate ``addcmul_``."""
     if torch.compiler.is_compiling():
         if out_dtype != torch.bfloat16:
             raise ValueError(f"int8 GEMM: bf16 output only, got {out_dtype}")
-        return torch.ops.sage_strided_nhd.int8_gemm(xq, x_scale, qdata, w_scale, bias)
-    _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype)
-    return _gemm_impl(xq, x_scale, qdata, w_scale, bias)
+        out = torch.ops.sage_strided_nhd.int8_gemm(xq, x_scale, qdata, w_scale, bias)
+        return out if residual is None else residual.addcmul_(out, gate.reshape(1, -1))
+    _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype, residual, gate)
+    return _gemm_impl(xq, x_scale, qdata, w_scale, bias, residual, gate)
 
 
 def epilogue_reference(acc: torch.Tensor, x_scale, w_scale, bias=None) -> torch.Tensor:

@@ -24,9 +24,10 @@ try:  # Gluon is experimental; int8_gemm.GLUON_TRITON names the Triton releases 
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6's name; later releases' name
     GLUON_ERROR = None
 except Exception as exc:  # noqa: BLE001 - whatever stops the import means the kernel is not here
-    gluon = gl = GluonDescriptor = None
+    gluon = gl = GluonDescriptor = cta_barrier = None
     GLUON_ERROR = f"Triton's Gluon is not importable ({type(exc).__name__}: {exc})"
 
 
@@ -50,6 +51,7 @@ SM90 = WsConfig()       # H100 / H200: the fastest of the tilings measured (docs
 MMA_WARPS = 8           # two warpgroups, 64 rows each; an int32 64 x 256 accumulator is 128 registers a thread
 LOADER_REGS = 40        # the loader warp holds a few scalars
 MAX_REGS = 168          # 12 warps (the MMA warpgroups and the loader's) x 32 threads x 168 <= 65,536
+GATED_ROWS = 32         # rows of the residual a gated epilogue reads at a time (32 x 256: 32 values a thread)
 
 
 if gl is not None:
@@ -92,9 +94,34 @@ if gl is not None:
                                          is_pure=True, pack=1)
 
     @gluon.jit
-    def _mma_and_epilogue(a_ring, b_ring, ready, empty, c_smem, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, M, N,
-                          K, GROUP_M: gl.constexpr, SCALE_PER_COLUMN: gl.constexpr, HAS_BIAS: gl.constexpr):
-        """The MMA warpgroups: every tile of this program, its K steps off the ring, then its epilogue."""
+    def _add_gated_residual(c_smem, out_ptr, gate_ptr, row0, col0, M, N, stride_out, ROWS: gl.constexpr):
+        """The product in ``c_smem`` (bf16, as stock's output holds it) replaced by ``residual + product * gate``,
+        the residual read from where the tile goes, ROWS rows at a time in 16-byte vectors (coalesced, few
+        registers: the accumulator is dead by now)."""
+        BLOCK_M: gl.constexpr = c_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+        layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                                warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        gate = gl.expand_dims(gl.load(gate_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+        cta_barrier()  # every warp's product is in c_smem
+        for r in gl.static_range(0, BLOCK_M, ROWS):
+            rows = row0 + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+            ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
+            at = gl.expand_dims(rows.to(gl.int64) * stride_out, 1) + gl.expand_dims(cols, 0)
+            residual = gl.load(out_ptr + at, mask=ok, other=0.0).to(gl.float32)
+            part = c_smem.slice(r, ROWS, dim=0)
+            # the product of two bf16 values is exact in fp32: fused into an FMA or not, one rounding
+            part.store((residual + part.load(layout).to(gl.float32) * gate).to(gl.bfloat16))
+
+    @gluon.jit
+    def _mma_and_epilogue(a_ring, b_ring, ready, empty, c_smem, out_desc, out_ptr, x_scale_ptr, w_scale_ptr,
+                          bias_ptr, gate_ptr, M, N, K, stride_out, GROUP_M: gl.constexpr,
+                          SCALE_PER_COLUMN: gl.constexpr, HAS_BIAS: gl.constexpr, GATED: gl.constexpr,
+                          GATED_ROWS: gl.constexpr):
+        """The MMA warpgroups: every tile of this program, its K steps off the ring, then its epilogue. GATED: the
+        output is the residual, ``out += bf16(product) * gate`` (stock's ``addcmul_``: one rounding, the product of
+        two bf16 values being exact in fp32)."""
         BLOCK_M: gl.constexpr = c_smem.type.shape[0]
         BLOCK_N: gl.constexpr = c_smem.type.shape[1]
         BLOCK_K: gl.constexpr = a_ring.type.shape[2]
@@ -141,14 +168,17 @@ if gl is not None:
                 y = _mul_rn(t, w_scale)
             tma.store_wait(0)  # the previous tile's store has left c_smem
             c_smem.store(y.to(gl.bfloat16))
+            if GATED:
+                _add_gated_residual(c_smem, out_ptr, gate_ptr, row0, col0, M, N, stride_out, GATED_ROWS)
             fence_async_shared()
             tma.async_copy_shared_to_global(out_desc, [row0, col0], c_smem)
         tma.store_wait(0)
 
     @gluon.jit
-    def _int8_gemm_sm90_kernel(a_desc, b_desc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, M, N, K,
-                               STAGES: gl.constexpr, GROUP_M: gl.constexpr, SCALE_PER_COLUMN: gl.constexpr,
-                               HAS_BIAS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    def _int8_gemm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, M,
+                               N, K, stride_out, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                               SCALE_PER_COLUMN: gl.constexpr, HAS_BIAS: gl.constexpr, GATED: gl.constexpr,
+                               GATED_ROWS: gl.constexpr, LOADER_REGS: gl.constexpr):
         a_ring = gl.allocate_shared_memory(gl.int8, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         b_ring = gl.allocate_shared_memory(gl.int8, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(gl.bfloat16, out_desc.block_type.shape, out_desc.layout)
@@ -158,8 +188,9 @@ if gl is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
-            (_mma_and_epilogue, (a_ring, b_ring, ready, empty, c_smem, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr,
-                                 M, N, K, GROUP_M, SCALE_PER_COLUMN, HAS_BIAS)),
+            (_mma_and_epilogue, (a_ring, b_ring, ready, empty, c_smem, out_desc, out_ptr, x_scale_ptr, w_scale_ptr,
+                                 bias_ptr, gate_ptr, M, N, K, stride_out, GROUP_M, SCALE_PER_COLUMN, HAS_BIAS, GATED,
+                                 GATED_ROWS)),
             (_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M)),
         ], [1], [LOADER_REGS])
 
@@ -171,10 +202,10 @@ def descriptor_layouts(cfg: WsConfig):
             gl.NVMMASharedLayout.get_default_for([cfg.block_m, cfg.block_n], gl.bfloat16))
 
 
-def launch(cfg: WsConfig, xq, x_scale, qdata, w_scale, bias, out, programs: int) -> None:
+def launch(cfg: WsConfig, xq, x_scale, qdata, w_scale, bias, out, programs: int, gate=None) -> None:
     """Run the kernel: xq [m, k] and qdata [n, k] int8, contiguous, 16-byte aligned, k a multiple of 16; x_scale [m]
-    and w_scale [1] or [n] fp32; bias [n] bf16 or None; out bf16 [m, n], contiguous, n a multiple of 8 (the TMA
-    store's 16-byte row pitch)."""
+    and w_scale [1] or [n] fp32; bias [n] bf16 or None; out bf16 [m, n], last dim contiguous, 16-byte aligned start
+    and row pitch (the TMA store's); gate [n] bf16 or None (then ``out`` is the residual the product is added to)."""
     m, k = xq.shape
     n = qdata.shape[0]
     a_layout, b_layout, c_layout = descriptor_layouts(cfg)
@@ -182,6 +213,7 @@ def launch(cfg: WsConfig, xq, x_scale, qdata, w_scale, bias, out, programs: int)
     b_desc = GluonDescriptor.from_tensor(qdata, [cfg.block_n, cfg.block_k], b_layout)
     out_desc = GluonDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n], c_layout)
     _int8_gemm_sm90_kernel[(programs,)](
-        a_desc, b_desc, out_desc, x_scale, w_scale, bias if bias is not None else x_scale, m, n, k,
-        STAGES=cfg.stages, GROUP_M=cfg.group_m, SCALE_PER_COLUMN=w_scale.numel() > 1, HAS_BIAS=bias is not None,
-        LOADER_REGS=LOADER_REGS, num_warps=MMA_WARPS, maxnreg=MAX_REGS)
+        a_desc, b_desc, out_desc, out, x_scale, w_scale, bias if bias is not None else x_scale,
+        gate if gate is not None else x_scale, m, n, k, out.stride(0), STAGES=cfg.stages, GROUP_M=cfg.group_m,
+        SCALE_PER_COLUMN=w_scale.numel() > 1, HAS_BIAS=bias is not None, GATED=gate is not None,
+        GATED_ROWS=GATED_ROWS, LOADER_REGS=LOADER_REGS, num_warps=MMA_WARPS, maxnreg=MAX_REGS)

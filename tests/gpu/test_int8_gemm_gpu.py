@@ -117,3 +117,37 @@ def test_traced_call_records_the_custom_op(mods):
     eager = gemm.int8_gemm(xq, xs, w, ws, b)
     compiled = torch.compile(lambda *a: gemm.int8_gemm(*a), fullgraph=True)(xq, xs, w, ws, b)
     assert torch.equal(eager, compiled)
+
+
+@pytest.mark.parametrize("kernel", ["warp_specialised", "portable"])
+def test_gated_residual_in_the_epilogue_gives_stocks_two_steps(mods, kernel):
+    """out_proj's and fc2's product added to the residual in the epilogue: the bits of CUTLASS's output then stock's
+    ``residual.addcmul_(product, gate)``, on a whole residual and on a token range of one (rows around it untouched,
+    M off the tiles), with the warp-specialised kernel and the portable one."""
+    route, gemm = mods
+    device = torch.device("cuda", torch.cuda.current_device())
+    if kernel == "warp_specialised" and gemm.ws_problem(device) is not None:
+        pytest.skip(f"the warp-specialised kernel does not run here: {gemm.ws_problem(device)}")
+    saved = dict(gemm.WS_FAILED)
+    if kernel == "portable":
+        gemm.WS_FAILED[gemm.exact_device(device)] = "the test runs the portable kernel"
+    try:
+        for linear in ("out", "fc2"):
+            k, n = LINEARS[linear]
+            xq, xs, w, ws, _ = operands(4099, k, n, seed=k + 1)
+            g = torch.Generator(device="cuda").manual_seed(k)
+            residual = torch.randn(5000, n, device="cuda", generator=g).bfloat16()
+            gate = torch.randn(n, device="cuda", generator=g).bfloat16()
+            product = route.kitchen_gemm(xq, xs, w, ws, None, torch.bfloat16)
+            want = residual.clone()
+            want[300:4399].addcmul_(product, gate)
+            got = residual.clone()
+            assert gemm.int8_gemm(xq, xs, w, ws, residual=got[300:4399], gate=gate).data_ptr() == got[300].data_ptr()
+            assert torch.equal(got, want), f"{linear} slice: {differ(got, want)}"
+            whole = residual[:4099].clone()
+            gemm.int8_gemm(xq, xs, w, ws, residual=whole, gate=gate)
+            stock = residual[:4099].addcmul(product, gate)
+            assert torch.equal(whole, stock), f"{linear} whole: {differ(whole, stock)}"
+    finally:
+        gemm.WS_FAILED.clear()
+        gemm.WS_FAILED.update(saved)

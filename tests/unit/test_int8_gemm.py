@@ -4,8 +4,9 @@ The kernel runs under ``TRITON_INTERPRET=1`` in a subprocess with the interprete
 bit for bit, the exact int32 product taken through the epilogue's steps in torch (``epilogue_reference``: the
 fp32 scale product, one rounding of acc * scale + bias, then bf16; the GPU test ties those steps to comfy-kitchen's
 CUTLASS output). Edges: M, N and K off the tiles, one row, an empty segment, a weight scale per column, a bias,
-row and weight slices of larger buffers (as the block path's row chunks and Q/KV column blocks take them), and
-sums near int32's reach where fp32 rounds the accumulator."""
+row and weight slices of larger buffers (as the block path's row chunks and Q/KV column blocks take them), sums
+near int32's reach where fp32 rounds the accumulator, and the gated residual added in the epilogue (stock's
+``addcmul_`` of the product: the same bits, rows outside a residual slice untouched)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,27 @@ INTERPRETED = r"""
     sat_x[1::2] = -127
     case("sums past 2**24", sat_x, sat_w, scales(40), torch.tensor(1e-3), (torch.randn(36, generator=g)).bfloat16())
     case("no rows", i8(0, 48), i8(24, 48), scales(0), torch.tensor(1.0), None)
+    # the gated residual in the epilogue: stock's two steps (the product, then residual.addcmul_(product, gate))
+    def gated(name, xq, w, x_scale, w_scale, bias, residual, gate, whole=None):
+        acc = (xq.long() @ w.long().t()).int()
+        want = residual.clone().addcmul_(int8_gemm.epilogue_reference(acc, x_scale, w_scale, bias), gate)
+        around = None if whole is None else whole.clone()
+        got = int8_gemm.int8_gemm(xq, x_scale, w, w_scale, bias, residual=residual, gate=gate)
+        assert got is residual
+        differ = int((got != want).sum())
+        if whole is not None:  # rows outside the slice untouched
+            outside = torch.ones(whole.shape[0], dtype=torch.bool)
+            outside[residual.storage_offset() // whole.shape[1]:][:residual.shape[0]] = False
+            differ += int((whole[outside] != around[outside]).sum())
+        out[name] = [differ, list(got.shape), str(got.dtype), bool(torch.isfinite(got.float()).all())]
+    bf = lambda *s: torch.randn(*s, generator=g).bfloat16()
+    gated("gated 70x96x80", i8(70, 80), i8(96, 80), scales(70), torch.tensor(3.1e-3), None, bf(70, 96), bf(96))
+    gated("gated bias, per-column scale", i8(37, 112), i8(33, 112), scales(37), torch.rand(33, generator=g) * 1e-2,
+          bf(33), bf(37, 33), bf(33))
+    whole = bf(90, 40)
+    gated("gated row slice", i8(50, 48), i8(40, 48), scales(50), torch.tensor(2e-3), None, whole[13:63], bf(40),
+          whole)
+    gated("gated no K", i8(5, 0), i8(8, 0), scales(5), torch.tensor(1.0), bf(8), bf(5, 8), bf(8))
     # traced whole (fullgraph): the custom op, the same bits as the eager call
     args = (i8(70, 96), scales(70), i8(40, 96), torch.tensor(3.1e-3), (4 * torch.randn(40, generator=g)).bfloat16())
     traced = torch.compile(lambda *a: int8_gemm.int8_gemm(*a), fullgraph=True, backend="eager")(*args)
@@ -55,12 +77,13 @@ def interpreted():
 
 
 def test_gemm_gives_the_exact_products_epilogue_bits(interpreted):
-    assert len(interpreted) == 18
+    assert len(interpreted) == 22
     for name, (differ, shape, dtype, finite) in interpreted.items():
         assert differ == 0, f"{name}: {differ} outputs differ"
         assert dtype == "torch.bfloat16" and finite, name
     assert interpreted["no rows"][1] == [0, 24]
     assert interpreted["row and weight slices"][1] == [54, 68]
+    assert interpreted["gated row slice"][1] == [50, 40]
 
 
 def test_epilogue_reference_rounds_once_with_a_bias():

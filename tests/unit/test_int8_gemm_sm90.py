@@ -42,6 +42,22 @@ def test_builds_for_sm90_as_the_kernel_it_says(bias, per_column):
     assert "mul.rn.f32" in ptx
 
 
+def test_gated_epilogue_builds_reading_the_residual_in_16_byte_vectors():
+    """The gated residual's epilogue: the residual read in coalesced 16-byte vectors, the tile still leaving by
+    TMA, within shared memory and without spilling (ptxas's report)."""
+    gluon_or_skip()
+    from devkit import gluon_aot
+
+    kernel = gluon_aot.build(False, False, gated=True)
+    ptx = kernel.asm["ptx"]
+    assert kernel.metadata.shared <= HOPPER_SHARED_BYTES
+    assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)              # the residual, 8 bf16 a load
+    assert "cp.async.bulk.tensor.2d.global.shared" in ptx                  # the TMA store
+    assert gluon_aot.spilled_bytes(kernel) == 0
+    plain = gluon_aot.build(False, False)
+    assert not re.search(r"ld\.global(\.\w+)*\.v4\.b32", plain.asm["ptx"])  # no residual read without the gate
+
+
 def test_runs_only_where_declared_and_says_why(monkeypatch):
     gemm = submodule("kernels.int8_gemm")
     cuda = torch.device("cuda", 0)
@@ -88,7 +104,7 @@ def test_hopper_launches_it_and_a_build_failure_falls_back_to_the_portable_kerne
     monkeypatch.setattr(gemm, "_device_facts", lambda index: ((9, 0), 132))
     monkeypatch.setattr(gemm, "ws_problem", lambda device, n=None: gemm.WS_FAILED.get(cuda))
     monkeypatch.setattr(gemm, "WS_FAILED", {})
-    monkeypatch.setattr(sm90, "launch", lambda cfg, *args: calls.append(("sm90", cfg, args[-1])))
+    monkeypatch.setattr(sm90, "launch", lambda cfg, *args: calls.append(("sm90", cfg, args[6])))  # its programs
     monkeypatch.setattr(gemm, "_launch_portable", lambda *args: calls.append(("portable",)))
     xq, w = torch.zeros(300, 64, dtype=torch.int8), torch.zeros(520, 64, dtype=torch.int8)
     out = torch.empty(300, 520, dtype=torch.bfloat16)
