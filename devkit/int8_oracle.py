@@ -99,12 +99,14 @@ def stand_in_for_cuda_int8_linear(comfy_kitchen) -> None:
 def declining_gemm(declines: set, ran: list | None = None):
     """The route's GEMM (``kernels.int8_linear.gemm``'s arguments) as ``int8_linear``, declining as CUTLASS may a
     shape: None for an output width in ``declines``, or, with "k" in it, for a fused qkv weight's K rows (a slice
-    that starts its own size into the weight: rows [inner, 2 * inner)). ``ran``: each GEMM's output width."""
-    def gemm(xq, xs, qdata, w_scale, bias, out_dtype):
+    that starts its own size into the weight: rows [inner, 2 * inner)). ``ran``: each GEMM's output width. A
+    ``residual`` with its ``gate`` gets the product added as stock's ``addcmul_`` does, and is returned."""
+    def gemm(xq, xs, qdata, w_scale, bias, out_dtype, residual=None, gate=None):
         k_rows = qdata.storage_offset() == qdata.shape[0] * qdata.shape[1] > 0
         if qdata.shape[0] in declines or (k_rows and "k" in declines):
             return None
         if ran is not None:
             ran.append(qdata.shape[0])
-        return int8_linear(xq, xs, qdata, w_scale, bias, out_dtype)
+        out = int8_linear(xq, xs, qdata, w_scale, bias, out_dtype)
+        return out if residual is None else residual.addcmul_(out, gate)
     return gemm

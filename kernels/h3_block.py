@@ -1,6 +1,6 @@
 """The elementwise passes of an H3 block that the fast path fuses, with stock's bits: the modulation (``scale_shift_``,
-``PendingModulation``), the ``addcmul_`` residual, the SwiGLU. Parameters are one row, or one per token (rows under
-a partial denoise mask get their own timestep). Offsets are int64."""
+``PendingModulation``), the ``addcmul_`` residual (``PendingResidual``), the SwiGLU. Parameters are one row, or one
+per token (rows under a partial denoise mask get their own timestep). Offsets are int64."""
 
 from __future__ import annotations
 
@@ -151,6 +151,34 @@ class PendingModulation:
                 scale_shift_(self.rows[a:b], scale1, shift)
             self.applied = True
         return self.rows
+
+
+class PendingResidual:
+    """``x[a:b].addcmul_(y[a:b], gate)`` owed per segment ``(a, b, gate)`` (stock's ``_mod_gate``) for a linear's
+    output ``y`` not computed yet: the int8 GEMM may fold it into its epilogue (``foldable``: one gate row a segment,
+    the segments tiling ``x``'s rows in order); anything else calls ``apply(y)``."""
+
+    def __init__(self, x: torch.Tensor, segments: list):
+        self.x, self.segments = x, segments
+        self.applied = False
+
+    @property
+    def foldable(self) -> bool:
+        at = 0
+        for a, b, gate in self.segments:
+            if a != at or b < a or gate.dim() != 1 or gate.dtype != self.x.dtype:
+                return False
+            at = b
+        return not self.applied and at == self.x.shape[0]
+
+    def apply(self, y: torch.Tensor) -> torch.Tensor:
+        """``x`` with ``y`` added per segment, in place (one pass a segment, stock's bits); once."""
+        if self.applied:
+            raise RuntimeError("[Sage Strided NHD] a residual owed once was added twice")
+        for a, b, gate in self.segments:
+            gated_residual_(self.x[a:b], y[a:b], gate)
+        self.applied = True
+        return self.x
 
 
 def settled(rows):

@@ -15,6 +15,7 @@ import importlib.metadata
 import torch
 
 from . import int8_activation, int8_gemm, int8_release_check
+from .h3_block import PendingResidual, gated_residual_
 from .triton_support import version_key
 
 
@@ -159,19 +160,22 @@ def int8_weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Ten
 
 
 def gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias,
-         out_dtype: torch.dtype) -> torch.Tensor | None:
+         out_dtype: torch.dtype, residual=None, gate=None) -> torch.Tensor | None:
     """The int8 GEMM with the bits of comfy-kitchen's CUTLASS GEMM: the pack's (kernels/int8_gemm.py) where it runs
-    on the device, else comfy-kitchen's own; None where CUTLASS declines the shape."""
+    on the device, else comfy-kitchen's own; None where CUTLASS declines the shape. ``residual`` with ``gate`` (bf16):
+    the product is added to it (``residual.addcmul_(product, gate)``, in the pack's epilogue where that runs) and
+    ``residual`` returned; None: nothing was added."""
     if out_dtype == torch.bfloat16 and int8_gemm.gemm_problem(xq.device, xq.shape[1]) is None:
         try:
-            return int8_gemm.int8_gemm(xq, x_scale, qdata, w_scale, bias)
+            return int8_gemm.int8_gemm(xq, x_scale, qdata, w_scale, bias, residual=residual, gate=gate)
         except torch.OutOfMemoryError:
             raise
         # its build or launch failed on this device: comfy-kitchen's GEMM (stock's bits) from now on, and the report
         # says why
         except Exception as exc:
             int8_gemm.record_failure(xq.device, exc)
-    return kitchen_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype)
+    out = kitchen_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype)
+    return out if out is None or residual is None else gated_residual_(residual, out, gate)
 
 
 def kitchen_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias,
@@ -207,10 +211,23 @@ def int8_linear(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bia
 
 
 def int8_linear_routed(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
-           input_act: str | None = None, modulation: list | None = None) -> torch.Tensor | None:
-    """``int8_linear`` for a call whose ``int8_route_problem`` is already known to be None."""
+                       input_act: str | None = None, modulation: list | None = None,
+                       residual: PendingResidual | None = None) -> torch.Tensor | None:
+    """``int8_linear`` for a call whose ``int8_route_problem`` is already known to be None. ``residual``: the output
+    added to it (``residual.x`` returned), in the pack's GEMM epilogue where the residual folds and that GEMM runs
+    (the product never written), else by its own pass; None where CUTLASS declines (nothing added)."""
     xq, x_scale = _quantize(x, input_act, modulation)
-    return gemm(xq, x_scale, qdata, w_scale, bias, x.dtype)
+    if residual is None or not (residual.foldable and int8_gemm.gemm_problem(xq.device, xq.shape[1]) is None):
+        out = gemm(xq, x_scale, qdata, w_scale, bias, x.dtype)
+        return out if out is None or residual is None else residual.apply(out)
+    residual.applied = True  # from here each segment is added, or the call raises
+    for a, b, gate in residual.segments:
+        if gemm(xq[a:b], x_scale[a:b], qdata, w_scale, bias, x.dtype, residual.x[a:b], gate) is None:
+            # reached only where the pack's GEMM failed to build mid-call and CUTLASS then declined: nothing can
+            # take these rows back, so the call fails loudly rather than hand on a half-added residual
+            raise GemmDeclined(f"CUTLASS declined an int8 GEMM of {b - a} x {qdata.shape[0]} x {qdata.shape[1]} "
+                               "after the pack's GEMM failed; the residual's earlier rows were added")
+    return residual.x
 
 
 def _quantize(x, input_act, modulation):

@@ -75,11 +75,15 @@ def pending_modulation(h, shift, scale, segments) -> kernels.PendingModulation:
                                      for a, b, row in segments])
 
 
+def pending_residual(x, gate, segments) -> kernels.PendingResidual:
+    """Stock's ``_mod_gate`` (``x += other * gate`` per segment, same expressions), owed for an ``other`` to come:
+    the int8 GEMM that computes it may add it in its epilogue."""
+    return kernels.PendingResidual(x, [(a, b, gate[row].to(x.dtype)) for a, b, row in segments])
+
+
 def gated_residual(x, gate, other, segments):
     """Stock's ``_mod_gate``: ``x += other * gate`` per segment, in place, one pass each (stock's bits)."""
-    for a, b, row in segments:
-        kernels.gated_residual_(x[a:b], other[a:b], gate[row].to(x.dtype))
-    return x
+    return pending_residual(x, gate, segments).apply(other)
 
 
 def weight_resident(layer, device) -> bool:
@@ -272,8 +276,9 @@ def float_cast_once(layer, x):
     once: each chunk is ``F.linear(rows, weight, bias)`` on the cast weight, the forward's own arithmetic."""
     int8_layers._every_op()  # stock's forward checks for an interrupt first
     with comfy.ops.CastBiasWeightContext(layer, x, offloadable=True) as (weight, bias):
-        held = int8_layers.HeldCast(lambda rows: torch.nn.functional.linear(kernels.settled(rows), weight, bias),
-                                    weight, bias, x)
+        # (a residual owed is added after the product, by HeldCast)
+        held = int8_layers.HeldCast(lambda rows, into=None: torch.nn.functional.linear(kernels.settled(rows), weight,
+                                                                                       bias), weight, bias, x)
         del x  # the context lasts as long as the attention: it keeps no input alive
         yield held
 
@@ -290,9 +295,9 @@ def hold_casts(stack: contextlib.ExitStack, linear, casts, x, record=None):
             return None
         held[id(layer)] = cast
 
-    def call(layer, rows, input_act=None):
+    def call(layer, rows, input_act=None, into=None):
         cast = held.get(id(layer))
-        return linear(layer, rows, input_act) if cast is None else cast(rows, input_act)
+        return linear(layer, rows, input_act, into=into) if cast is None else cast(rows, input_act, into)
     return call
 
 
@@ -302,13 +307,14 @@ def folds_swiglu(linear) -> bool:
             and not getattr(getattr(linear.weight, "_params", None), "transposed", False))
 
 
-def mlp_forward(mlp, h, linear):
+def mlp_forward(mlp, h, linear, into=None):
     """Stock's ``MLP.forward(h)``: fc1, SwiGLU (folded into fc2's quantiser, or one pass with stock's
-    bits), fc2; each linear through ``linear(layer, x, input_act=None)`` (int8_layers.caller)."""
+    bits), fc2; each linear through ``linear(layer, x, input_act=None, into=None)`` (int8_layers.caller).
+    ``into``: a ``kernels.PendingResidual`` fc2's output is added to (its ``x`` returned)."""
     u = linear(mlp.fc1, h)
     if folds_swiglu(mlp.fc2):
-        return linear(mlp.fc2, u, "swiglu")
-    return linear(mlp.fc2, kernels.swiglu(u))
+        return linear(mlp.fc2, u, "swiglu", into=into)
+    return linear(mlp.fc2, kernels.swiglu(u), into=into)
 
 
 class H3BlockForward:
@@ -328,12 +334,14 @@ class H3BlockForward:
         # the modulation owed: the qkv projection's int8 quantiser applies it where it takes the call
         handed = [pending_modulation(blk.norm1(x), shift_msa, scale_msa, mod_segments)]
         if attention is None and is_own(vars(blk.attn).get("forward")):
-            out = blk.attn(handed, rope_freqs=rope_freqs, transformer_options=transformer_options)
+            # ours adds the gated output to x (in out_proj's int8 GEMM epilogue where it runs)
+            x = blk.attn(handed, rope_freqs=rope_freqs, transformer_options=transformer_options,
+                         into=pending_residual(x, gate_msa, mod_segments))
         else:  # a block replace's attention, or another node's attention forward: a tensor, as stock hands it
             out = (attention or blk.attn)(kernels.settled(handed.pop()), rope_freqs=rope_freqs,
                                           transformer_options=transformer_options)
-        x = gated_residual(x, gate_msa, out, mod_segments)
-        del out
+            x = gated_residual(x, gate_msa, out, mod_segments)
+            del out
         return self._mlp_half(x, shift_mlp, scale_mlp, gate_mlp, mod_segments)
 
     def _mlp_half(self, x, shift, scale, gate, segments):
@@ -360,14 +368,14 @@ class H3BlockForward:
             if plan.rows is None:
                 h = pending_modulation(blk.norm2(x) if normed is None else normed, shift, scale, segments)
                 del normed
-                y = blk.mlp(kernels.settled(h)) if replaced_forward(blk.mlp) else mlp_forward(blk.mlp, h, linear)
-                return gated_residual(x, gate, y, segments)
+                if replaced_forward(blk.mlp):
+                    return gated_residual(x, gate, blk.mlp(kernels.settled(h)), segments)
+                return mlp_forward(blk.mlp, h, linear, into=pending_residual(x, gate, segments))
             for a, b in kernels.token_chunks(x.shape[0], plan.rows):
                 segs = kernels.clip_segments(segments, a, b)
                 h = pending_modulation(blk.norm2(x[a:b]) if normed is None else normed[a:b], shift, scale, segs)
-                y = mlp_forward(blk.mlp, h, linear)
+                mlp_forward(blk.mlp, h, linear, into=pending_residual(x[a:b], gate, segs))
                 del h
-                gated_residual(x[a:b], gate, y, segs)
         return x
 
 

@@ -98,7 +98,8 @@ class H3AttentionForward:
         self.key = key
         self.patch = patch
 
-    def __call__(self, x, rope_freqs=None, transformer_options={}):
+    def __call__(self, x, rope_freqs=None, transformer_options={}, into=None):
+        """``into`` (from our block forward): a ``kernels.PendingResidual`` the output is added to, returned."""
         if isinstance(x, list):  # a block forward handed its input over (KJNodes' Low VRAM Attention; ours)
             x = x.pop()
         rows = x.rows if isinstance(x, kernels.PendingModulation) else x  # ours: with the modulation still owed
@@ -118,7 +119,7 @@ class H3AttentionForward:
                 del x  # the projection, handed over, is the only thing alive while the kernel runs
                 out = _attend(self, source, device, rope_freqs, plan.rows)
                 del source, held  # nothing keeps the cast weight past its context
-        return self._linear(self.attn.out_proj)(out)
+        return self._linear(self.attn.out_proj)(out, into=into)
 
     def _held_projection(self, plan, rows):
         """Stock's cast of the qkv weight entered once for the projection by rows (``CAST_ONCE``), or nothing."""

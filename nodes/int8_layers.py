@@ -74,34 +74,42 @@ def forward_params(cls) -> tuple:
     return tuple(inspect.signature(cls.forward).parameters)
 
 
-def call(layer, x, input_act: str | None = None, record=None, **extended) -> torch.Tensor:
+def call(layer, x, input_act: str | None = None, record=None, into=None, **extended) -> torch.Tensor:
     """Stock's ``layer(x)`` / ``linear_input_act(layer, x, input_act, **extended)`` on the pack's quantiser where it
     keeps stock's bits; ``x`` may be a ``kernels.PendingModulation`` (applied by the quantiser, or here).
+    ``into``: a ``kernels.PendingResidual`` the output is added to, its ``x`` returned (in the int8 GEMM's epilogue
+    where the route runs, else by the residual's own pass after the call).
     ``extended``: ``linear_input_act``'s later arguments (EXTENDED_DEFAULTS); a call that sets one is stock's."""
     extra = _set_arguments(extended)
     if torch.compiler.is_compiling() or not is_int8_convrot(getattr(layer, "weight", None)):
-        return _stock(layer, x, input_act, **extra)  # (stock's int8 linears do not compile; a trace records nothing)
+        return _stock(layer, x, input_act, into, **extra)  # (stock's int8 linears do not compile)
     if extra:
         _tell(record, f"the call sets linear_input_act's {', '.join(extra)}: stock's call runs them")
-        return _stock(layer, x, input_act, **extra)
+        return _stock(layer, x, input_act, into, **extra)
     x, pending = _owed(x, input_act is None)
     reason = stock_quantizer_reason(layer, x, input_act)
     if reason is not None:
         _tell(record, reason)
-        return _stock(layer, pending if pending is not None else x, input_act)
+        return _stock(layer, pending if pending is not None else x, input_act, into)
     with _cast(layer, x, input_act) as (weight, bias):
         if input_act is None:
             weight = weight.to(dtype=x.dtype)
-        return _routed_on_cast(layer, x, pending, input_act, weight, bias, record)
+        return _added(_routed_on_cast(layer, x, pending, input_act, weight, bias, record, into), into)
 
 
-def _routed_on_cast(layer, x, pending, input_act, weight, bias, record):
-    """The rest of ``call`` once the weight is cast: the pack's quantiser where the cast weight keeps stock's bits,
-    else stock's computation on that weight; the reason recorded either way."""
+def _added(out, into):
+    """``out``, or ``into``'s residual with ``out`` added where the call left it owed."""
+    return out if into is None or into.applied else into.apply(out)
+
+
+def _routed_on_cast(layer, x, pending, input_act, weight, bias, record, into=None):
+    """The rest of ``call`` once the weight is cast: the pack's quantiser where the cast weight keeps stock's bits
+    (``into`` added in its GEMM's epilogue where it folds), else stock's computation on that weight; the reason
+    recorded either way."""
     reason, out = stock_quantizer_reason(layer, x, input_act, cast=(weight, bias)), None
     if reason is None:
         out = kernels.int8_linear_routed(x, weight._qdata, weight._params.scale, bias, input_act=input_act,
-                                         modulation=pending.segments if pending is not None else None)
+                                         modulation=pending.segments if pending is not None else None, residual=into)
         reason = None if out is not None else "CUTLASS declined the shape"
     _tell(record, reason)
     if out is not None:
@@ -111,20 +119,21 @@ def _routed_on_cast(layer, x, pending, input_act, weight, bias, record):
 
 class HeldCast:
     """A linear's weight as stock's cast gave it for calls on ``dtype`` rows on ``device`` with ``input_act``, held
-    over a block's token chunks: calling it on a chunk runs the layer's call with stock's arithmetic on that weight."""
+    over a block's token chunks: calling it on a chunk runs the layer's call with stock's arithmetic on that weight.
+    ``run(rows, into)`` may add the output to ``into`` itself (a ``kernels.PendingResidual``); else the call does."""
 
     def __init__(self, run, weight, bias, rows: torch.Tensor, input_act: str | None = None):
         self._run, self.weight, self.bias, self.input_act = run, weight, bias, input_act
         self.dtype, self.device = rows.dtype, rows.device
 
-    def __call__(self, x, input_act: str | None = None) -> torch.Tensor:
+    def __call__(self, x, input_act: str | None = None, into=None) -> torch.Tensor:
         rows = x.rows if isinstance(x, kernels.PendingModulation) else x
         if (input_act, rows.dtype, rows.device) != (self.input_act, self.dtype, self.device):
             # stock's call here would cast again while other weights are held (a cast may reuse their buffer)
             raise RuntimeError(f"[Sage Strided NHD] a weight cast once for {self.dtype} rows on {self.device} "
                                f"(act {self.input_act!r}) was called with {rows.dtype} rows on {rows.device} "
                                f"(act {input_act!r})")
-        return self._run(x)
+        return _added(self._run(x, into), into)
 
 
 @contextlib.contextmanager
@@ -138,13 +147,13 @@ def cast_once(layer, x, input_act: str | None = None, record=None):
         if input_act is None:
             weight = weight.to(dtype=rows.dtype)
 
-        def run(chunk):
+        def run(chunk, into=None):
             chunk_rows, pending = _owed(chunk, input_act is None)
             reason = stock_quantizer_reason(layer, chunk_rows, input_act)
             if reason is not None:  # the whole call's checks passed: only a chunk's row count could differ
                 _tell(record, reason)
                 return _stock_on_cast(kernels.settled(chunk), weight, bias, input_act)
-            return _routed_on_cast(layer, chunk_rows, pending, input_act, weight, bias, record)
+            return _routed_on_cast(layer, chunk_rows, pending, input_act, weight, bias, record, into)
 
         held = HeldCast(run, weight, bias, rows, input_act)
         del x, rows  # the context lasts as long as the attention: it keeps no input alive
@@ -259,12 +268,13 @@ def _set_arguments(extended: dict) -> dict:
             if not (v is None if EXTENDED_DEFAULTS[k] is None else v == EXTENDED_DEFAULTS[k])}
 
 
-def _stock(layer, x, input_act=None, **extra):
+def _stock(layer, x, input_act=None, into=None, **extra):
+    """Stock's call (``into``: its output then added to that residual by the residual's own pass)."""
     x = kernels.settled(x)
     if not extra:
-        return layer(x) if input_act is None else comfy.ops.linear_input_act(layer, x, input_act)
+        return _added(layer(x) if input_act is None else comfy.ops.linear_input_act(layer, x, input_act), into)
     missing = [k for k in extra if k not in inspect.signature(comfy.ops.linear_input_act).parameters]
     if missing:
         raise TypeError(f"[Sage Strided NHD] this ComfyUI's comfy.ops.linear_input_act takes no {', '.join(missing)} "
                         "(ComfyUI 0.36 added them)")
-    return comfy.ops.linear_input_act(layer, x, input_act, **extra)
+    return _added(comfy.ops.linear_input_act(layer, x, input_act, **extra), into)

@@ -41,6 +41,9 @@ SCRIPT = r"""
     block_ops = pack.kernels.h3_block
     own_pass = block_ops.scale_shift_
     block_ops.scale_shift_ = lambda h, scale1, shift: (modulated.append(h.shape[0]), own_pass(h, scale1, shift))[1]
+    gated = []  # gated residual passes run on their own (not added in a GEMM's epilogue)
+    own_gated = block_ops.gated_residual_
+    block_ops.gated_residual_ = lambda x, other, gate: (gated.append(x.shape[0]), own_gated(x, other, gate))[1]
 
     declines = set()  # output widths CUTLASS "declines" (stock would take cuBLAS); "k": the qkv weight's K rows
     route.gemm = int8_oracle.declining_gemm(declines, widths)
@@ -62,6 +65,7 @@ SCRIPT = r"""
         want = model.model.diffusion_model.blocks[1](x.clone(), t_emb, segments, rope, transformer_options={{}})
         widths.clear()
         modulated.clear()
+        gated.clear()
         declines.clear()
         declines.update(declined)
         settings = pack.nodes.patch.Settings(backend="sdpa", block_path="exact", mlp_chunk_tokens=chunk,
@@ -75,7 +79,7 @@ SCRIPT = r"""
         diff = (got.float() - want.float()).abs().max().item()
         stock_reasons = {{key[0]: n for key, n in patch.report.int8_stock.items()}}  # keys: (reason,)
         out[f"exact {{chunk}} {{qkv_chunk}}{{' declined' if declined else ''}}{{' masked' if masked else ''}}"] = [
-            diff, patch.report.int8_own, stock_reasons, sorted(set(widths)), len(modulated)]
+            diff, patch.report.int8_own, stock_reasons, sorted(set(widths)), len(modulated), len(gated)]
     report(out)
 """
 
@@ -89,27 +93,30 @@ def routed(comfy_inprocess):
 # GEMM widths (output columns) of the narrow H3: qkv 3 x 256, Q, K and V 256 each, out and fc2 256, fc1 1024
 def test_exact_block_takes_the_route_with_stocks_bits(routed):
     # qkv (whole) + out + fc1 and fc2 per MLP chunk (30 rows: 4 of 100)
-    # ... and no modulation pass of its own: both modulations folded into the quantisers (qkv's, fc1's)
-    assert routed["exact 30 8192"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 768, 1024], 0]
-    assert routed["exact 8192 8192"] == [0.0, 1 + 1 + 1 + 1, {}, [256, 768, 1024], 0]
+    # ... and no modulation pass of its own: both modulations folded into the quantisers (qkv's, fc1's), both
+    # gated residuals into the GEMMs' epilogues (out's, fc2's)
+    assert routed["exact 30 8192"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 768, 1024], 0, 0]
+    assert routed["exact 8192 8192"] == [0.0, 1 + 1 + 1 + 1, {}, [256, 768, 1024], 0, 0]
 
 
 def test_per_token_modulation_rows_folded_into_the_quantiser(routed):
     """Rows under a partial denoise mask have their own modulation row: fc1's quantiser applies each
-    token's, with stock's bits, where an MLP chunk cuts the segment too."""
-    assert routed["exact 30 8192 masked"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 768, 1024], 0]
+    token's, with stock's bits, where an MLP chunk cuts the segment too. Their gates are per token too: the
+    residual is added by its own pass, after the GEMM."""
+    *rest, gated = routed["exact 30 8192 masked"]
+    assert rest == [0.0, 1 + 1 + 4 + 4, {}, [256, 768, 1024], 0] and gated > 0
 
 
 def test_qkv_projection_by_columns_on_its_input_quantised_once(routed):
     """Past qkv_chunk_tokens the projection is taken by columns (no prepared path on the CPU: Q and V whole
     beside the K projected ahead): one quantiser call, the 768-wide product never formed."""
-    assert routed["exact 30 32"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 1024], 0]
+    assert routed["exact 30 32"] == [0.0, 1 + 1 + 4 + 4, {}, [256, 1024], 0, 0]
 
 
 def test_a_declined_gemm_leaves_the_projection_to_stocks_call(routed):
     """CUTLASS declining the K product (as it might a shape): the projection goes by rows, each
     chunk stock's own int8 linear (the whole 768-wide product declined too), with stock's bits."""
-    diff, calls, declined, widths, modulated = routed["exact 30 32 declined"]
+    diff, calls, declined, widths, modulated, _ = routed["exact 30 32 declined"]
     assert diff == 0.0 and widths == [256, 1024] and calls == 1 + 1 + 4 + 4
     assert modulated > 0  # the projection by rows takes the modulated rows: the modulation ran first
     assert set(declined) == {"CUTLASS declined an int8 GEMM of 100 x 256 x 256", "CUTLASS declined the shape"}
@@ -118,7 +125,8 @@ def test_a_declined_gemm_leaves_the_projection_to_stocks_call(routed):
 def test_a_declined_gemm_with_the_modulation_owed_applies_it_once(routed):
     """fc1's GEMM declined after the quantiser was given its rows with the modulation owed: stock's call
     runs on the rows modulated once (per chunk, by the block's own pass), with stock's bits."""
-    diff, calls, declined, widths, modulated = routed["exact 30 8192 declined"]
+    diff, calls, declined, widths, modulated, gated = routed["exact 30 8192 declined"]
     assert diff == 0.0 and widths == [256, 768] and calls == 1 + 1 + 4
     assert declined == {"CUTLASS declined the shape": 4} and modulated > 0
+    assert gated == 0  # fc2 itself is routed: its epilogue still adds the residual
 

@@ -235,9 +235,9 @@ class Counted:
         self.held, self.name, self.chunks = held, name, chunks
         self.weight, self.bias = held.weight, held.bias
 
-    def __call__(self, rows, input_act=None):
+    def __call__(self, rows, input_act=None, into=None):
         self.chunks[self.name] += 1
-        return self.held(rows, input_act)
+        return self.held(rows, input_act, into)
 
 
 def patched_call(pack, base, index, inputs, **settings):
