@@ -63,18 +63,26 @@ def minus(intervals, other) -> list[tuple[float, float]]:
     return out
 
 
+TOP_KERNELS = 16  # the longest-running kernels a summary names
+NAME_CHARS = 120  # of each name (C++ template names run to thousands of characters)
+
+
 def summarize(activities, wall_seconds: float) -> dict:
     """Seconds of one step's ``wall_seconds``: ``kernels`` (any kernel running), ``host_to_device`` (a copy to the
     card running), ``host_to_device_exposed`` (of those, no kernel running beside), ``idle`` (neither kernel nor
-    copy: the rest of the wall time), kernel seconds per family (summed, streams overlapping) and the counts."""
+    copy: the rest of the wall time), kernel seconds per family (summed, streams overlapping), the ``TOP_KERNELS``
+    kernels that took longest (summed by name: where each family's time goes) and the counts."""
     from .measure import kernel_family  # (imports torch: a budget cell must start comfy-aimdo first)
 
     by_kind: dict[str, list] = {KERNEL: [], HOST_TO_DEVICE: [], OTHER_COPY: []}
     family_us = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+    name_us: dict[str, float] = {}
     for kind, start, end, name in activities:
         by_kind[kind].append((start, end))
         if kind == KERNEL:
             family_us[kernel_family(name)] += end - start
+            name_us[name] = name_us.get(name, 0.0) + end - start
+    top = sorted(name_us.items(), key=lambda item: -item[1])[:TOP_KERNELS]
     kernels = union(by_kind[KERNEL])
     h2d = union(by_kind[HOST_TO_DEVICE])
     busy = union(kernels + h2d + by_kind[OTHER_COPY])
@@ -83,6 +91,7 @@ def summarize(activities, wall_seconds: float) -> dict:
                "idle": max(0.0, wall_seconds - length(busy) / 1e6)}
     return {"seconds": {k: round(v, 4) for k, v in seconds.items()},
             "kernel_seconds_by_family": {k: round(v / 1e6, 4) for k, v in family_us.items()},
+            "kernel_seconds_by_name": {name[:NAME_CHARS]: round(us / 1e6, 4) for name, us in top},
             "kernel_launches": len(by_kind[KERNEL]), "host_to_device_copies": len(by_kind[HOST_TO_DEVICE])}
 
 

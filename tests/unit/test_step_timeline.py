@@ -41,15 +41,18 @@ def test_a_step_splits_into_kernels_exposed_copies_and_idle():
         (HOST_TO_DEVICE, 1.0 * us, 2.0 * us, "Memcpy HtoD"),  # hidden behind the attention
         (HOST_TO_DEVICE, 4.5 * us, 6.5 * us, "Memcpy HtoD"),  # 1 s of it with no kernel beside
         (OTHER_COPY, 8.0 * us, 8.5 * us, "Memset"),
+        (KERNEL, 9.0 * us, 9.5 * us, "rms_norm"),      # the same kernel again: its seconds summed by name
     ]
     t = summarize(activities, wall_seconds=10.0)
-    assert t["seconds"] == {"wall": 10.0, "kernels": 6.0, "host_to_device": 3.0, "host_to_device_exposed": 1.0,
-                            "idle": 2.5}  # busy: [0, 7] and [8, 8.5]
-    assert t["kernel_seconds_by_family"] == {"attention": 4.0, "gemm": 2.0, "other": 1.0}
-    assert t["kernel_launches"] == 3 and t["host_to_device_copies"] == 2
+    assert t["seconds"] == {"wall": 10.0, "kernels": 6.5, "host_to_device": 3.0, "host_to_device_exposed": 1.0,
+                            "idle": 2.0}  # busy: [0, 7], [8, 8.5] and [9, 9.5]
+    assert t["kernel_seconds_by_family"] == {"attention": 4.0, "gemm": 2.0, "other": 1.5}
+    assert t["kernel_seconds_by_name"] == {"attn_kernel": 4.0, "nvjet_gemm": 2.0, "rms_norm": 1.5}
+    assert list(t["kernel_seconds_by_name"]) == ["attn_kernel", "nvjet_gemm", "rms_norm"]  # longest first
+    assert t["kernel_launches"] == 4 and t["host_to_device_copies"] == 2
     line = results_table.timeline_text({"last_step_timeline": t})
-    assert line == ("last step 10.00 s: kernels 6.00 s, weight copies 3.00 s (1.00 s not hidden behind kernels), "
-                    "idle 2.50 s; attention 4.00 s, gemm 2.00 s, other 1.00 s")
+    assert line == ("last step 10.00 s: kernels 6.50 s, weight copies 3.00 s (1.00 s not hidden behind kernels), "
+                    "idle 2.00 s; attention 4.00 s, gemm 2.00 s, other 1.50 s")
     assert results_table.timeline_text({}) is None
 
 
