@@ -407,6 +407,18 @@ def test_head_chunks_keep_every_span_below_2_31():
     assert len(head_chunks(210000, 56)) == 1 and len(head_chunks(320000, 56)) == 2
 
 
+def test_long_sequences_launch_the_kernel_by_groups_of_heads_within_each_chunk():
+    """From LAUNCH_SPLIT_TOKENS tokens each launch takes at most LAUNCH_HEADS heads (H3's 56: 4 x 14), every head
+    once, in order, never across an int32 chunk; shorter sequences launch each chunk whole."""
+    launches, head_chunks = sage2.launches, sage2.head_chunks
+    assert launches(head_chunks(8192, 56), 8192) == [(0, 56)]
+    assert launches(head_chunks(37809, 56), 37809) == [(0, 56)]
+    assert launches(head_chunks(149936, 56), 149936) == [(0, 14), (14, 28), (28, 42), (42, 56)]
+    chunks = head_chunks(320000, 56)  # two int32 chunks of 28 heads
+    assert launches(chunks, 320000) == [(0, 14), (14, 28), (28, 42), (42, 56)]
+    assert launches(((0, 20), (20, 40)), 200000) == [(0, 14), (14, 20), (20, 34), (34, 40)]
+
+
 def test_when_the_passes_raise_after_a_module_norm_the_plain_call_still_gets_normalised_q_and_k(monkeypatch, gen):
     """The real back-end's policy in a chain on CPU: prepared path 'available', passes failing, plain call spied."""
     backend = sage2.Sage2Backend()

@@ -1,0 +1,99 @@
+"""SageAttention 2's sm90 kernel on the pack's prepared operands, its heads split into launches of different sizes,
+each split run on its own long enough (about 8 s at 149,936 tokens) for the card to settle the clock its power cap
+leaves it: ms a call, SM clock, power, temperature (NVML through torch.cuda: needs nvidia-ml-py), and whether the
+output has the first split's bits. Interleaving the splits every call would give them one shared clock.
+
+    python -m benchmarks.attention_launches --tokens 149936 --heads-per-launch 56 14 7 28 56 --out launches.jsonl
+
+What ``kernels/backends/sage2.py``'s ``LAUNCH_HEADS`` rests on (docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from devkit.pack import submodule
+
+from .step_timeline import ClockSampler
+
+HEADS, HEAD_DIM = 56, 128
+
+
+def operands(seq: int, seed: int = 1) -> dict:
+    """The prepared operands (exact mode) of random Q, K (with a channel mean, as K has) and V."""
+    sage2_quant = submodule("kernels.sage2_quant")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(1, seq, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    k += 0.5 * torch.randn(1, 1, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    return sage2_quant.quantize_operands(q, k, v, mode="exact")
+
+
+def attend(op, p: dict, out: torch.Tensor, per_launch: int) -> None:
+    """The back-end's launches (head-major operands as NHD views, token-major output), ``per_launch`` heads each."""
+    for h0 in range(0, HEADS, per_launch):
+        h1 = min(HEADS, h0 + per_launch)
+        view = lambda t: t[h0:h1].permute(1, 0, 2).unsqueeze(0)  # noqa: E731
+        op(view(p["q_int8"]), view(p["k_int8"]), view(p["v_fp8"]), out[:, :, h0:h1], p["q_scale"][:, h0:h1],
+           p["k_scale"][:, h0:h1], p["v_scale"][:, h0:h1], 0, 0, 3, HEAD_DIM ** -0.5, 0)
+
+
+def run_split(op, p, out, per_launch: int, calls: int) -> dict:
+    """``calls`` timed calls of one split back to back, the clock sampled over them (the first quarter dropped)."""
+    attend(op, p, out, per_launch)
+    torch.cuda.synchronize()
+    sampler = ClockSampler(torch.device("cuda"))
+    sampler.start()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
+    events[0].record()
+    for i in range(calls):
+        attend(op, p, out, per_launch)
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    samples = sampler.stop()
+    settled = samples[len(samples) // 4:]
+    ms = sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))
+
+    def mean(column: int):
+        return round(sum(s[column] for s in settled) / len(settled), 1) if settled else None
+    return {"launches": -(-HEADS // per_launch), "heads_per_launch": per_launch, "ms_median": round(ms[calls // 2], 2),
+            "ms_min": round(ms[0], 2), "sm_mhz": mean(1), "watts": mean(2), "celsius": mean(3),
+            "clock_samples": len(settled), "clock_problem": sampler.problem}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=149936)
+    ap.add_argument("--heads-per-launch", type=int, nargs="+", default=[56, 14, 7, 28, 56])
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--out", help="JSON lines, one per split")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    op, why = submodule("kernels.backends.sage2_binding").sm90_attention_op()
+    if op is None:
+        print(why, file=sys.stderr)
+        return 2
+    p = operands(args.tokens)
+    out = torch.empty(1, args.tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    first = None
+    rows = []
+    for per_launch in args.heads_per_launch:
+        row = {"tokens": args.tokens, "gpu": torch.cuda.get_device_name(), **run_split(op, p, out, per_launch,
+                                                                                        args.calls)}
+        first = out.clone() if first is None else first
+        row["bits_as_first"] = bool(torch.equal(out, first))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
