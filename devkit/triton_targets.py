@@ -160,21 +160,22 @@ def _gemm_tiling(cc: int):
     return mod.CONFIGS.get(divmod(cc, 10), next(iter(mod.CONFIGS.values())))
 
 
-def _gemm_launch(cc: int, bias: bool, per_column: bool = False) -> Launch:
+def _gemm_launch(cc: int, bias: bool, per_column: bool = False, gated: bool = False) -> Launch:
     cfg = _gemm_tiling(cc)
     sig = ((("a_desc", f"tensordesc<i8[{cfg.block_m}, {cfg.block_k}]>"),
             ("b_desc", f"tensordesc<i8[{cfg.block_n}, {cfg.block_k}]>"), ("out_ptr", "*bf16"))
            + tuple(_types("x_scale_ptr w_scale_ptr", "*fp32")) + (("bias_ptr", "*bf16" if bias else "*fp32"),)
-           + tuple(_types("M N K NUM_PROGRAMS", "i32")))
+           + (("gate_ptr", "*bf16" if gated else "*fp32"),) + tuple(_types("M N K stride_out NUM_PROGRAMS", "i32")))
     consts = (("BLOCK_M", cfg.block_m), ("BLOCK_N", cfg.block_n), ("BLOCK_K", cfg.block_k), ("GROUP_M", cfg.group_m),
-              ("SCALE_PER_COLUMN", per_column), ("HAS_BIAS", bias), _flag("EMULATE", cc))
-    return Launch("int8_gemm", "_int8_gemm_kernel", sig, consts, cfg.warps,
-                  "with a bias" if bias else "no bias", cfg.stages)
+              ("SCALE_PER_COLUMN", per_column), ("HAS_BIAS", bias), ("GATED", gated), _flag("EMULATE", cc))
+    label = ("with a bias" if bias else "no bias") + (", a gated residual" if gated else "")
+    return Launch("int8_gemm", "_int8_gemm_kernel", sig, consts, cfg.warps, label, cfg.stages)
 
 
 def int8_gemm_launches(cc: int) -> list[Launch]:
-    """The int8 route's GEMM (tensor-wise weight scale), with and without a bias."""
-    return [_gemm_launch(cc, bias) for bias in (False, True)]
+    """The int8 route's GEMM (tensor-wise weight scale), with and without a bias, and adding out_proj's / fc2's
+    gated residual."""
+    return [_gemm_launch(cc, bias, gated=gated) for bias, gated in ((False, False), (True, False), (False, True))]
 
 
 # the runtime's Triton passes: each gives its launches on an architecture
@@ -301,5 +302,5 @@ def on_gpu(launch: Launch, cc: int) -> Launch:
     consts = tuple((n, GPU_FLAGS[n](cc) if n in GPU_FLAGS else v) for n, v in launch.constexprs)
     if launch.kernel == "_int8_gemm_kernel":
         flags = dict(consts)
-        return _gemm_launch(cc, flags["HAS_BIAS"], flags["SCALE_PER_COLUMN"])
+        return _gemm_launch(cc, flags["HAS_BIAS"], flags["SCALE_PER_COLUMN"], flags["GATED"])
     return replace(launch, constexprs=consts)

@@ -126,6 +126,16 @@ def swiglu(u: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def tiles_rows(segments, rows: int) -> bool:
+    """Segments ``(a, b, ...)`` cover rows ``[0, rows)`` in order, each once."""
+    at = 0
+    for a, b, *_ in segments:
+        if a != at or b < a:
+            return False
+        at = b
+    return at == rows
+
+
 class PendingModulation:
     """Rows owed ``h[a:b].mul_(scale1).add_(shift)`` per segment ``(a, b, scale1, shift)``: a pass may fold it
     (the int8 quantiser reads ``rows`` and ``segments``); anything else calls ``apply`` first."""
@@ -137,12 +147,7 @@ class PendingModulation:
     @property
     def foldable(self) -> bool:
         """Owed, with segments tiling the rows in order: a pass reading them once can apply it."""
-        at = 0
-        for a, b, *_ in self.segments:
-            if a != at or b < a:
-                return False
-            at = b
-        return not self.applied and at == self.rows.shape[0]
+        return not self.applied and tiles_rows(self.segments, self.rows.shape[0])
 
     def apply(self) -> torch.Tensor:
         """The rows modulated, in place (one pass a segment, stock's bits); once, however often asked."""
@@ -164,12 +169,8 @@ class PendingResidual:
 
     @property
     def foldable(self) -> bool:
-        at = 0
-        for a, b, gate in self.segments:
-            if a != at or b < a or gate.dim() != 1 or gate.dtype != self.x.dtype:
-                return False
-            at = b
-        return not self.applied and at == self.x.shape[0]
+        return (not self.applied and tiles_rows(self.segments, self.x.shape[0])
+                and all(gate.dim() == 1 and gate.dtype == self.x.dtype for *_, gate in self.segments))
 
     def apply(self, y: torch.Tensor) -> torch.Tensor:
         """``x`` with ``y`` added per segment, in place (one pass a segment, stock's bits); once."""

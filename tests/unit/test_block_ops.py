@@ -201,3 +201,24 @@ def test_a_pending_modulation_is_applied_once(gen):
     assert h3_block.settled(pending) is pending.rows and torch.equal(pending.rows, want)
     assert torch.equal(pending.apply(), want) and pending.applied and not pending.foldable
     assert h3_block.settled(want) is want  # a tensor as it is
+
+
+def test_a_pending_residual_folds_only_one_gate_row_a_segment_and_is_added_once(gen):
+    """A residual owed to a linear's output: foldable into a GEMM's epilogue only where each segment has one gate
+    row of the residual's dtype and the segments tile its rows; ``apply`` gives stock's ``addcmul_`` per segment,
+    and a second add is an error (it would change the output silently)."""
+    x = torch.randn(7, 16, generator=gen).bfloat16()
+    y = torch.randn(7, 16, generator=gen).bfloat16()
+    rows = [(0, 3, torch.randn(16, generator=gen).bfloat16()), (3, 7, torch.randn(16, generator=gen).bfloat16())]
+    assert h3_block.PendingResidual(x, rows).foldable
+    assert not h3_block.PendingResidual(x, rows[1:]).foldable  # a gap
+    per_token = [(0, 3, rows[0][2]), (3, 7, torch.randn(4, 16, generator=gen).bfloat16())]
+    assert not h3_block.PendingResidual(x, per_token).foldable
+    assert not h3_block.PendingResidual(x, [(a, b, g.float()) for a, b, g in rows]).foldable  # a wider gate
+    want = x.clone()
+    for a, b, gate in per_token:
+        want[a:b].addcmul_(y[a:b], gate)
+    pending = h3_block.PendingResidual(x.clone(), per_token)
+    assert pending.apply(y) is pending.x and torch.equal(pending.x, want) and pending.applied
+    with pytest.raises(RuntimeError, match="added twice"):
+        pending.apply(y)

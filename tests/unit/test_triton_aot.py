@@ -53,6 +53,7 @@ INTERPRETED = r"""
         for bias in (None, bf16(48)):  # the route's GEMM: tensor-wise scale, with and without a bias
             xq, w = torch.ones(3, 64, dtype=torch.int8), torch.ones(48, 64, dtype=torch.int8)
             int8_gemm.int8_gemm(xq, torch.ones(3, 1), w, torch.tensor(1e-3), bias)
+        int8_gemm.int8_gemm(xq, torch.ones(3, 1), w, torch.tensor(1e-3), residual=bf16(3, 48), gate=bf16(48))
         rot = triton_targets.ROPE_AXES * 2 * FULL_H3["rope_inv_freq_len"]
         for table_dtype in (torch.bfloat16, torch.float32):
             qkv = bf16(1, 16, 3, 2, d)  # 16 tokens, 2 heads: strided views of one fused buffer
