@@ -71,12 +71,10 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--out", help="JSON lines, one per split")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
-    op, why = submodule("kernels.backends.sage2_binding").sm90_attention_op()
+    binding = submodule("kernels.backends.sage2_binding")
+    op, why = binding.sm90_attention_op() if torch.cuda.is_available() else (None, "needs a CUDA GPU")
     if op is None:
-        print(why, file=sys.stderr)
+        print(f"[Sage Strided NHD] attention launches: {why}", file=sys.stderr)
         return 2
     p = operands(args.tokens)
     out = torch.empty(1, args.tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
