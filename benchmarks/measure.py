@@ -130,6 +130,9 @@ _FAMILIES = (("attention", ("attn_kernel", "attention", "flash", "fmha", "_attn_
              ("gemm", ("nvjet", "gemm", "Gemm", "cutlass", "sm90_xmma", "cublas")))
 
 
+FAMILIES = tuple(family for family, _ in _FAMILIES) + ("other",)
+
+
 def kernel_family(name: str) -> str:
     """The family of a CUDA kernel, by its name: "attention", "gemm" or "other"."""
     for family, needles in _FAMILIES:

@@ -72,10 +72,10 @@ def summarize(activities, wall_seconds: float) -> dict:
     card running), ``host_to_device_exposed`` (of those, no kernel running beside), ``idle`` (neither kernel nor
     copy: the rest of the wall time), kernel seconds per family (summed, streams overlapping), the ``TOP_KERNELS``
     kernels that took longest (summed by name: where each family's time goes) and the counts."""
-    from .measure import kernel_family  # (imports torch: a budget cell must start comfy-aimdo first)
+    from .measure import FAMILIES, kernel_family  # (imports torch: a budget cell must start comfy-aimdo first)
 
     by_kind: dict[str, list] = {KERNEL: [], HOST_TO_DEVICE: [], OTHER_COPY: []}
-    family_us = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+    family_us = dict.fromkeys(FAMILIES, 0.0)
     name_us: dict[str, float] = {}
     for kind, start, end, name in activities:
         by_kind[kind].append((start, end))
@@ -100,11 +100,11 @@ def clocks_by_family(activities, samples, anchor) -> dict:
     that fall inside a kernel, by the kernel's family, and over the whole step. ``anchor`` ``(host_s, device_us)``
     ties the host clock to the profiler's: the first kernel of the step started at ``device_us``, launched on an idle
     device at ``host_s`` (a few microseconds apart; the kernels that matter here run for milliseconds)."""
-    from .measure import kernel_family
+    from .measure import FAMILIES, kernel_family
 
     kernels = sorted((start, end, kernel_family(name)) for kind, start, end, name in activities if kind == KERNEL)
     starts = [k[0] for k in kernels]
-    picked: dict[str, list] = {"step": [], "attention": [], "gemm": [], "other": []}
+    picked: dict[str, list] = {family: [] for family in ("step",) + FAMILIES}
     host_s, device_us = anchor
     for t, *values in samples:
         at = device_us + (t - host_s) * 1e6
