@@ -1,7 +1,8 @@
-"""SageAttention 2's sm90 kernel on the pack's prepared operands, its heads split into launches of different sizes,
-each split run on its own long enough (about 8 s at 149,936 tokens) for the card to settle the clock its power cap
-leaves it: ms a call, SM clock, power, temperature (NVML through torch.cuda: needs nvidia-ml-py), and whether the
-output has the first split's bits. Interleaving the splits every call would give them one shared clock.
+"""SageAttention 2's sm90 kernel through the sage2 back-end's ``attend`` on its prepared operands, the heads split
+into launches of different sizes (``LAUNCH_HEADS`` set for the run), each split run on its own long enough (about
+8 s at 149,936 tokens) for the card to settle the clock its power cap leaves it: ms a call, SM clock, power,
+temperature (NVML through torch.cuda: needs nvidia-ml-py), and whether the output has the first split's bits.
+Interleaving the splits every call would give them one shared clock.
 
     python -m benchmarks.attention_launches --tokens 149936 --heads-per-launch 56 14 7 28 56 --out launches.jsonl
 
@@ -10,6 +11,7 @@ What ``kernels/backends/sage2.py``'s ``LAUNCH_HEADS`` rests on (docs/BENCHMARKS.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -22,38 +24,41 @@ from .step_timeline import ClockSampler
 HEADS, HEAD_DIM = 56, 128
 
 
-def operands(seq: int, seed: int = 1) -> dict:
-    """The prepared operands (exact mode) of random Q, K (with a channel mean, as K has) and V."""
-    sage2_quant = submodule("kernels.sage2_quant")
+def prepared(seq: int, seed: int = 1):
+    """The back-end's prepared operands (exact mode) of random Q, K (with a channel mean, as K has) and V."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(1, seq, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
                for _ in range(3))
     k += 0.5 * torch.randn(1, 1, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-    return sage2_quant.quantize_operands(q, k, v, mode="exact")
+    return submodule("kernels.backends.sage2").Sage2Backend().prepare(q, k, v, mode="exact")
 
 
-def attend(op, p: dict, out: torch.Tensor, per_launch: int) -> None:
-    """The back-end's launches (head-major operands as NHD views, token-major output), ``per_launch`` heads each."""
-    for h0 in range(0, HEADS, per_launch):
-        h1 = min(HEADS, h0 + per_launch)
-        view = lambda t: t[h0:h1].permute(1, 0, 2).unsqueeze(0)  # noqa: E731
-        op(view(p["q_int8"]), view(p["k_int8"]), view(p["v_fp8"]), out[:, :, h0:h1], p["q_scale"][:, h0:h1],
-           p["k_scale"][:, h0:h1], p["v_scale"][:, h0:h1], 0, 0, 3, HEAD_DIM ** -0.5, 0)
+@contextlib.contextmanager
+def heads_per_launch(per_launch: int):
+    """The back-end's ``attend`` launching ``per_launch`` heads at a time, at any length, while inside."""
+    sage2 = submodule("kernels.backends.sage2")
+    saved = sage2.LAUNCH_HEADS, sage2.LAUNCH_SPLIT_TOKENS
+    sage2.LAUNCH_HEADS, sage2.LAUNCH_SPLIT_TOKENS = per_launch, 0
+    try:
+        yield
+    finally:
+        sage2.LAUNCH_HEADS, sage2.LAUNCH_SPLIT_TOKENS = saved
 
 
-def run_split(op, p, out, per_launch: int, calls: int) -> dict:
+def run_split(backend, p, out, per_launch: int, calls: int) -> dict:
     """``calls`` timed calls of one split back to back, the clock sampled over them (the first quarter dropped)."""
-    attend(op, p, out, per_launch)
-    torch.cuda.synchronize()
-    sampler = ClockSampler(torch.device("cuda"))
-    sampler.start()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
-    events[0].record()
-    for i in range(calls):
-        attend(op, p, out, per_launch)
-        events[i + 1].record()
-    torch.cuda.synchronize()
-    samples = sampler.stop()
+    with heads_per_launch(per_launch):
+        backend.attend(p, out)
+        torch.cuda.synchronize()
+        sampler = ClockSampler(torch.device("cuda"))
+        sampler.start()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
+        events[0].record()
+        for i in range(calls):
+            backend.attend(p, out)
+            events[i + 1].record()
+        torch.cuda.synchronize()
+        samples = sampler.stop()
     settled = samples[len(samples) // 4:]
     ms = sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))
 
@@ -76,12 +81,12 @@ def main(argv=None) -> int:
     if op is None:
         print(f"[Sage Strided NHD] attention launches: {why}", file=sys.stderr)
         return 2
-    p = operands(args.tokens)
+    backend, p = submodule("kernels.backends.sage2").Sage2Backend(), prepared(args.tokens)
     out = torch.empty(1, args.tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     first = None
     rows = []
     for per_launch in args.heads_per_launch:
-        row = {"tokens": args.tokens, "gpu": torch.cuda.get_device_name(), **run_split(op, p, out, per_launch,
+        row = {"tokens": args.tokens, "gpu": torch.cuda.get_device_name(), **run_split(backend, p, out, per_launch,
                                                                                         args.calls)}
         first = out.clone() if first is None else first
         row["bits_as_first"] = bool(torch.equal(out, first))
