@@ -20,14 +20,22 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double() + c.double()).float()
 
 
+def rounded_reciprocal_sqrt(v: torch.Tensor) -> torch.Tensor:
+    """fp32 ``1 / sqrt(v)`` with the square root and the division each correctly rounded, as the Triton
+    interpreter computes ``rsqrt`` (numpy). Both steps run in fp64 and are rounded to fp32 (exact for a
+    square root and a quotient): torch's fp32 ``sqrt`` on the CPU is not correctly rounded on every CPU
+    (on some it differs from numpy's in the last bit), so the plain fp32 form would differ by machine."""
+    return (1.0 / torch.sqrt(v.double()).float().double()).float()
+
+
 def kitchen_cuda_norm_rope(x: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float,
-                           reciprocal_sqrt=lambda v: 1 / torch.sqrt(v), fuse_first: bool = True) -> torch.Tensor:
+                           reciprocal_sqrt=rounded_reciprocal_sqrt, fuse_first: bool = True) -> torch.Tensor:
     """comfy-kitchen's CUDA ``rms_rope_split_half`` steps on one of Q/K ([1, S, H, D] bf16), in torch:
     a warp per (token, head) row, lane l squaring elements l, l + 32, ... into its sum by fused
     multiply-adds, the 32 sums added by a shuffle-down butterfly, ``rsqrt(sum / D + eps)``, each value
     ``(x * rrms) * weight`` rounded to bf16, then the split-half rotation ``f00*a + f01*b`` (fused as
     ``fma(f00, a, f01*b)``) and ``f10*a + f11*b`` rounded to bf16; dims past the rotated prefix are
-    only normed. ``reciprocal_sqrt``: the GPU's rsqrt is approximate, the interpreter's is 1/sqrt.
+    only normed. ``reciprocal_sqrt``: the GPU's rsqrt is approximate, the interpreter's is 1/sqrt (correctly rounded).
     ``fuse_first=False``: the other contraction, ``fma(f01, b, f00*a)`` (for diagnosis)."""
     xf = x.float()
     d = xf.shape[-1]
