@@ -174,12 +174,16 @@ class PendingResidual:
 
     def apply(self, y: torch.Tensor) -> torch.Tensor:
         """``x`` with ``y`` added per segment, in place (one pass a segment, stock's bits); once."""
+        for a, b, gate in self.claim():
+            gated_residual_(self.x[a:b], y[a:b], gate)
+        return self.x
+
+    def claim(self) -> list:
+        """The segments, for a caller that adds each one (or fails loudly): from here the residual counts as added."""
         if self.applied:
             raise RuntimeError("[Sage Strided NHD] a residual owed once was added twice")
-        for a, b, gate in self.segments:
-            gated_residual_(self.x[a:b], y[a:b], gate)
         self.applied = True
-        return self.x
+        return self.segments
 
 
 def settled(rows):

@@ -220,8 +220,7 @@ def int8_linear_routed(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tens
     if residual is None or not (residual.foldable and int8_gemm.gemm_problem(xq.device, xq.shape[1]) is None):
         out = gemm(xq, x_scale, qdata, w_scale, bias, x.dtype)
         return out if out is None or residual is None else residual.apply(out)
-    residual.applied = True  # from here each segment is added, or the call raises
-    for a, b, gate in residual.segments:
+    for a, b, gate in residual.claim():  # each segment is added, or the call raises
         if gemm(xq[a:b], x_scale[a:b], qdata, w_scale, bias, x.dtype, residual.x[a:b], gate) is None:
             # reached only where the pack's GEMM failed to build mid-call and CUTLASS then declined: nothing can
             # take these rows back, so the call fails loudly rather than hand on a half-added residual
