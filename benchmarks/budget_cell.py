@@ -17,6 +17,8 @@ time went on the device (``benchmarks.step_timeline``: kernels, copies to the ca
 
 from __future__ import annotations
 
+import contextlib
+
 import gc
 import sys
 import time
@@ -160,13 +162,28 @@ def make_variants(args, base, stock_flag: str, result: dict) -> tuple[dict, obje
     for name in args.variants:
         if name == "stock":
             variants[name] = base
-        elif name == "pack":
+        elif name in ("pack", "pack_stock_estimate"):
             # measure_peak off: the cell reads every variant's peak the same way, over the whole run
             settings = submodule("nodes.patch").Settings(backend=args.backend, measure_peak=False)
             variants[name], patch = submodule("nodes.h3_patch").patch_model(base, settings)
         elif name == "kjnodes":
             variants[name] = _peer_variant(args, base, stock_flag, result)
     return variants, patch
+
+
+@contextlib.contextmanager
+def stock_estimate(on: bool):
+    """``pack_stock_estimate``: the pack's node with ComfyUI's own memory estimate (the pack's answers on no
+    device), to measure what the pack's estimate buys."""
+    from devkit.pack import submodule
+
+    memory = submodule("nodes.memory")
+    saved = memory.ESTIMATED_DEVICES
+    memory.ESTIMATED_DEVICES = () if on else saved
+    try:
+        yield
+    finally:
+        memory.ESTIMATED_DEVICES = saved
 
 
 def _peer_variant(args, base, stock_flag: str, result: dict):
@@ -301,8 +318,9 @@ def run_cell(args) -> int:
         latents = {}
         for name, patcher in variants.items():
             recorder.stage(f"sample {name}")
-            run, latents[name] = sample(torch, device, patcher, conditioning, args, counter)
-            if name == "pack":
+            with stock_estimate(name == "pack_stock_estimate"):
+                run, latents[name] = sample(torch, device, patcher, conditioning, args, counter)
+            if name.startswith("pack"):
                 run["report"] = patch.report.last
             result["runs"][name] = run
             recorder.write()
