@@ -7,6 +7,7 @@ memory.
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 from .pack import submodule
 
 
+@functools.cache  # one build per specialisation in a process (the tests ask for some twice)
 def build(bias: bool, per_column: bool, gated: bool = False):
     """The compiled kernel for one specialisation (a bias or not, one weight scale or one per column, a gated
     residual added in the epilogue or not)."""

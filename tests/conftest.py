@@ -17,6 +17,11 @@ from devkit.pack import import_pack  # noqa: E402
 import_pack()  # the pack is importable as comfyui_sage_strided_nhd in every test
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "aot: the ahead-of-time builds for every architecture (CI's own step, "
+                                       ".ci/run; scripts/test.sh runs the rest)")
+
+
 @pytest.fixture
 def gen():
     """A fresh seeded generator per test: every check draws its own random inputs."""

@@ -1,7 +1,10 @@
 """Every Triton kernel the runtime launches compiles ahead of time, without a GPU, for each architecture users run
 (devkit/triton_aot.py: sm80, sm89, sm90, sm100, sm120, sm121, down to a cubin), wherever the runtime launches it;
 and the list it compiles (devkit/triton_targets.py) is the runtime's: the kernels its source launches, and the
-specialisations a small interpreted run of each pass at H3's geometry launches, as a GPU would launch them."""
+specialisations a small interpreted run of each pass at H3's geometry launches, as a GPU would launch them.
+
+The builds (marked ``aot``, about two minutes on two cores) are CI's own step: scripts/test.sh leaves them out and
+.ci/run runs them after it (``pytest tests/unit/test_triton_aot.py -m aot``); the declaration checks run in both."""
 
 from __future__ import annotations
 
@@ -121,6 +124,7 @@ def aot(tmp_path_factory):
     return proc.stdout, json.loads(out.read_text())["results"]
 
 
+@pytest.mark.aot
 def test_aot_builds_every_declared_launch_for_every_architecture(aot):
     stdout, results = aot
     want = {(launch.name, arch) for arch in triton_targets.ARCHS for launch in triton_targets.declared(arch)}
@@ -129,6 +133,7 @@ def test_aot_builds_every_declared_launch_for_every_architecture(aot):
         assert f"sm{arch}" in stdout.splitlines()[1], "the table has a column per architecture"
 
 
+@pytest.mark.aot
 def test_every_kernel_builds_wherever_the_runtime_launches_it(aot):
     stdout, results = aot
     broken = [f"{r['name']} on sm{r['arch']}: {r['error']}" for r in results if r["launched"] and not r["ok"]]
@@ -136,6 +141,7 @@ def test_every_kernel_builds_wherever_the_runtime_launches_it(aot):
                         "reason):\n  " + "\n  ".join(broken) + f"\n\n{stdout}")
 
 
+@pytest.mark.aot
 def test_no_build_gate_is_stale(aot):
     stdout, results = aot
     stale = [f"{r['name']} on sm{r['arch']}: gated ({r['gate']}) but builds" for r in results
