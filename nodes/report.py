@@ -197,7 +197,7 @@ def _rows(counter: Counter, keys: tuple, count: str = "count") -> list[dict]:
 
 
 def _messages(p: dict) -> list[str]:
-    """The report as log lines."""
+    """The report as log lines: what was patched, how the run ended, then (when calls ran) what they did."""
     where = (f"{p['blocks_patched']} H3 blocks + {p['refiner_blocks_patched']} refiner blocks"
              if p["path"] == "h3_forward_patch" else "ComfyUI optimized_attention override")
     lines = [f"{p['model_family']}: {where}, layout {p['layout']}, back-end requested {p['backend_requested']}"]
@@ -216,8 +216,19 @@ def _messages(p: dict) -> list[str]:
                         "optimized_attention, so the node changed nothing. Remove it from this workflow."
                         if p["path"] == "attention_override" else
                         "no attention call went through the patched H3 forwards this run"]
-    lines.append(f"{p['attention_calls']} attention calls ran on: "
-                 + (", ".join(f"{b} x{c}" for b, c in p["backends_ran"].items()) or "none"))
+    lines += _attention_lines(p) + _int8_lines(p)
+    lines += [f"compiled {e.get('backend')} kernel {e.get('key')} in {e.get('seconds')} s" for e in p["compile_events"]]
+    if p["attention_calls"]:
+        lines.append(f"copies made by the pack's dataflow: {p['copies_per_call']} per call")
+    if p["replaced_own_patch"]:
+        lines.append("the input model already had this node's patch: it was replaced by this one")
+    return lines
+
+
+def _attention_lines(p: dict) -> list[str]:
+    """Which back-ends ran the attention calls, which were passed over or fell back, and how the calls ran."""
+    lines = [f"{p['attention_calls']} attention calls ran on: "
+             + (", ".join(f"{b} x{c}" for b, c in p["backends_ran"].items()) or "none")]
     if p["stock_calls"]:
         lines.append(f"{p['stock_calls']} calls were handed back to ComfyUI's own attention")
     if p["skipped"]:
@@ -230,25 +241,29 @@ def _messages(p: dict) -> list[str]:
     if p["projected_by_chunks"]:
         lines.append(f"qkv projection taken by token chunks in {p['projected_by_chunks']} calls "
                      "(its fused output never existed whole)")
+    return lines
+
+
+def _int8_lines(p: dict) -> list[str]:
+    """Whose quantiser the int8 ConvRot linears ran on, comfy-kitchen's release, and the route's GEMM."""
+    lines = []
     if p["int8_own_quantizer_calls"]:
         lines.append(f"int8 ConvRot linears: {p['int8_own_quantizer_calls']} calls quantised by the pack's pass "
                      "(stock's bits)")
     lines += [f"int8 ConvRot linears on stock's quantiser ({r['count']} calls): {r['reason']}"
               for r in p["int8_stock_quantizer"]]
     if p["comfy_kitchen"] is not None:
-        lines.append(kitchen_line(p["comfy_kitchen"]))
+        lines.append(kitchen_line(p["comfy_kitchen"], route_ran=p["int8_own_quantizer_calls"] > 0))
     if p["int8_gemm"] is not None:
         lines.append(gemm_line(p["int8_gemm"]))
-    lines += [f"compiled {e.get('backend')} kernel {e.get('key')} in {e.get('seconds')} s" for e in p["compile_events"]]
-    if p["attention_calls"]:
-        lines.append(f"copies made by the pack's dataflow: {p['copies_per_call']} per call")
-    if p["replaced_own_patch"]:
-        lines.append("the input model already had this node's patch: it was replaced by this one")
     return lines
 
 
 KITCHEN_ROUTES = {"verified": "verified for the int8 route", "self_checked": "passed the int8 route's bits self-check",
                   "stock": "int8 route off, stock's quantiser runs"}
+# the same releases where no int8 linear took the route this run (web/report_text.js: KITCHEN_UNRUN_LABELS)
+KITCHEN_UNRUN = {"verified": "int8 route not run (a release verified for it)",
+                 "self_checked": "int8 route not run (a release that passed its bits self-check)"}
 
 
 def _asked(ask, what: str, **on_error) -> dict:
@@ -265,10 +280,13 @@ def kitchen_status() -> dict:
     return _asked(lambda: kernels.kitchen_release_status(), "comfy-kitchen's release", release=None, route="stock")
 
 
-def kitchen_line(status: dict) -> str:
-    """"comfy-kitchen 0.2.40: verified for the int8 route" (and why, when the route is off)."""
+def kitchen_line(status: dict, route_ran: bool = True) -> str:
+    """"comfy-kitchen 0.2.40: verified for the int8 route" (and why, when the route is off). Where the release
+    allows the route but no call took it this run (a CPU), the line says that, not that the route ran."""
     release = status.get("release") or "(release unknown)"
     route = KITCHEN_ROUTES.get(status.get("route"), f"int8 route {status.get('route')}")
+    if not route_ran and status.get("route") in KITCHEN_UNRUN:
+        route = KITCHEN_UNRUN[status["route"]]
     return f"comfy-kitchen {release}: {route}" + (f" ({status['reason']})" if status.get("reason") else "")
 
 
@@ -288,10 +306,11 @@ def gemm_line(status: dict) -> str:
 
 
 def byte_size(nbytes) -> str:
-    """"2.3 GiB" from a GiB up, "840 MiB" below (one decimal under 10 MiB)."""
+    """"2.3 GiB" from a GiB up, "840 MiB" from a MiB up, "96 KiB" below (one decimal under 10 MiB or 10 KiB)."""
     if nbytes >= 2**30:
         return f"{nbytes / 2**30:.1f} GiB"
-    return f"{nbytes / 2**20:.{1 if nbytes < 10 * 2**20 else 0}f} MiB"
+    unit, size = ("MiB", 2**20) if nbytes >= 2**20 else ("KiB", 2**10)
+    return f"{nbytes / size:.{1 if nbytes < 10 * size else 0}f} {unit}"
 
 
 def memory_line(memory: dict) -> str:

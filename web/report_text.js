@@ -56,6 +56,13 @@ export const KITCHEN_ROUTE_LABELS = {
   stock: "int8 route off: stock's quantiser runs",
 };
 
+// The same releases where no int8 linear took the route this run, a CPU among them: the line says the route did
+// not run rather than that it was verified (nodes/report.py: KITCHEN_UNRUN, the same keys and texts).
+export const KITCHEN_UNRUN_LABELS = {
+  verified: "int8 route not run (a release verified for it)",
+  self_checked: "int8 route not run (a release that passed its bits self-check)",
+};
+
 // Which int8 GEMM the route ran (nodes/report.py: GEMM_KERNELS has the same keys).
 export const GEMM_KERNEL_LABELS = {
   pack_sm90: "the pack's (Gluon, warp-specialised)",
@@ -122,11 +129,13 @@ export function formatError(error) {
   return type || message;
 }
 
-// "2.3 GiB" from a GiB up, "840 MiB" below, one decimal under 10 MiB (nodes/report.py: byte_size).
+// "2.3 GiB" from a GiB up, "840 MiB" from a MiB up, "96 KiB" below, one decimal under 10 MiB or 10 KiB
+// (nodes/report.py: byte_size).
 export function formatBytes(bytes) {
   const n = Number(bytes);
   if (n >= 2 ** 30) return `${(n / 2 ** 30).toFixed(1)} GiB`;
-  return `${(n / 2 ** 20).toFixed(n < 10 * 2 ** 20 ? 1 : 0)} MiB`;
+  const [unit, size] = n >= 2 ** 20 ? ["MiB", 2 ** 20] : ["KiB", 2 ** 10];
+  return `${(n / size).toFixed(n < 10 * size ? 1 : 0)} ${unit}`;
 }
 
 // "model call needed: 2.2 GiB (ComfyUI told 2.3 GiB)": the largest model call's peak and what ComfyUI was told
@@ -144,11 +153,13 @@ export function formatMemory(memory) {
   return [line, released].filter(Boolean).join("; ");
 }
 
-// "comfy-kitchen 0.2.40: verified for the int8 route"; "" when the report has no int8 linears (null).
-export function formatKitchen(status) {
+// "comfy-kitchen 0.2.40: verified for the int8 route"; with routeRan false (no int8 linear took the route)
+// "comfy-kitchen 0.2.40: int8 route not run (...)"; "" when the report has no int8 linears (null).
+export function formatKitchen(status, routeRan = true) {
   if (!status || typeof status !== "object" || Array.isArray(status)) return "";
-  const route = Object.hasOwn(KITCHEN_ROUTE_LABELS, status.route)
-    ? KITCHEN_ROUTE_LABELS[status.route] : `int8 route ${text(status.route)}`;
+  const unrun = !routeRan && Object.hasOwn(KITCHEN_UNRUN_LABELS, status.route);
+  const labels = unrun ? KITCHEN_UNRUN_LABELS : KITCHEN_ROUTE_LABELS;
+  const route = Object.hasOwn(labels, status.route) ? labels[status.route] : `int8 route ${text(status.route)}`;
   return `comfy-kitchen ${text(status.release, "(release unknown)")}: ${route}`;
 }
 
@@ -223,7 +234,7 @@ export function formatReport(report) {
     lines.push(`int8 linears on stock's quantiser${times(s.count)}`);
     if (s.reason) details.push(`why int8 linears kept stock's quantiser: ${text(s.reason)}`);
   }
-  const kitchen = formatKitchen(r.comfy_kitchen);
+  const kitchen = formatKitchen(r.comfy_kitchen, Number(r.int8_own_quantizer_calls) > 0);
   if (kitchen) lines.push(kitchen);
   if (kitchen && r.comfy_kitchen.reason) {
     details.push(`${r.comfy_kitchen.route === "stock" ? "why the int8 route is off" : "comfy-kitchen"}: ${text(r.comfy_kitchen.reason)}`);

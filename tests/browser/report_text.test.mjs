@@ -6,7 +6,7 @@ import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 
 import {
-  GEMM_KERNEL_LABELS, KEYS_NOT_SHOWN, KITCHEN_ROUTE_LABELS, REASON_LABELS, STATUS_VISIBLE_LINES, formatBackendsRan,
+  GEMM_KERNEL_LABELS, KEYS_NOT_SHOWN, KITCHEN_ROUTE_LABELS, KITCHEN_UNRUN_LABELS, REASON_LABELS, STATUS_VISIBLE_LINES, formatBackendsRan,
   formatBytes, formatError, formatKitchen, formatMemory, formatPrepared, formatReport,
   pickNodeForReport, reportState, shortReason, sortOurTemplates,
 } from "../../web/report_text.js";
@@ -181,6 +181,20 @@ test("int8 reasons are whole in the details, and comfy-kitchen's release says wh
   assert.ok(!formatReport(REPORT).some((l) => l.startsWith("comfy-kitchen")));
 });
 
+test("on a CPU no int8 linear takes the route: the release line says the route did not run", () => {
+  const cpu = { ...REPORT, int8_own_quantizer_calls: 0, int8_stock_quantizer: [{ reason: "not on a CUDA device", count: 8 }] };
+  for (const [route, label] of Object.entries(KITCHEN_UNRUN_LABELS)) {
+    const lines = formatReport({ ...cpu, comfy_kitchen: { release: "0.2.40", route, reason: null } });
+    assert.ok(lines.includes(`comfy-kitchen 0.2.40: ${label}`), `${route}\n${show(lines)}`);
+    assert.ok(!lines.some((l) => l.includes(KITCHEN_ROUTE_LABELS[route])), show(lines));
+    assert.ok(lines.includes("int8 linears on stock's quantiser ×8"), show(lines));
+  }
+  assert.equal(formatKitchen({ release: "0.2.40", route: "verified" }, false),
+    "comfy-kitchen 0.2.40: int8 route not run (a release verified for it)");
+  // a release that keeps the route off says so whether or not a call could have taken it
+  assert.equal(formatKitchen({ release: "0.2.41", route: "stock" }, false), `comfy-kitchen 0.2.41: ${KITCHEN_ROUTE_LABELS.stock}`);
+});
+
 test("the int8 route's GEMM: which kernel ran, and why comfy-kitchen's where it did", () => {
   const why = "measured faster than comfy-kitchen's GEMM only on sm90, not on this sm89 GPU";
   const pack = formatReport({ ...REPORT, int8_own_quantizer_calls: 800, int8_gemm: { kernel: "pack", reason: null } });
@@ -215,6 +229,11 @@ test("memory: the largest model call's peak beside what ComfyUI was told, and wh
   assert.ok(!formatReport(REPORT).some((l) => l.includes("model call") || l.startsWith("ComfyUI told")));
   assert.deepEqual([840 * 2 ** 20, 3.5 * 2 ** 20, 2 ** 30, 1944 * 2 ** 20].map(formatBytes),
     ["840 MiB", "3.5 MiB", "1.0 GiB", "1.9 GiB"]);
+  // below a MiB in KiB, never "0.0 MiB"
+  assert.deepEqual([96 * 2 ** 10, 2.5 * 2 ** 10, 1023 * 2 ** 10, 2 ** 20].map(formatBytes),
+    ["96 KiB", "2.5 KiB", "1023 KiB", "1.0 MiB"]);
+  assert.equal(formatMemory({ peak_bytes: null, estimate_bytes: null, released_bytes: 40 * 2 ** 10 }),
+    "40 KiB of stock's video embedding handed back");
 });
 
 test("prepared and prepared_skipped lines", () => {

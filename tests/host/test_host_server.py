@@ -235,6 +235,11 @@ def test_int8_reason_and_comfy_kitchen_release_are_whole_in_payload_log_and_stat
     box = status_box_lines(r, tmp_path)
     assert "why int8 linears kept stock's quantiser: not on a CUDA device" in box, box
     assert any(b.startswith(f"comfy-kitchen {kitchen['release']}: ") and "int8 route" in b for b in box), box
+    # no call took the route: neither the log nor the box may say it was verified for it, only that it did not run
+    for said in (kitchen_line, *box):
+        assert "verified for the int8 route" not in said, said
+    if kitchen["route"] != "stock":
+        assert "int8 route not run" in kitchen_line and any("int8 route not run" in b for b in box), (kitchen_line, box)
     if kitchen["reason"]:
         assert any(b.endswith(f": {kitchen['reason']}") for b in box), box
 

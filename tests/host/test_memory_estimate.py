@@ -249,6 +249,11 @@ def test_each_model_calls_peak_is_measured_around_it_and_the_largest_reported(pa
         "1.5 GiB of stock's video embedding handed back")
     assert pack.nodes.report.memory_line({"released_bytes": 385 * 2**20}) == (
         "385 MiB of stock's video embedding handed back")
+    # a small model's embedding: in KiB, never "0.0 MiB handed back"
+    assert pack.nodes.report.memory_line({"released_bytes": 40 * 2**10}) == (
+        "40 KiB of stock's video embedding handed back")
+    assert [pack.nodes.report.byte_size(n) for n in (2.5 * 2**10, 1023 * 2**10, 2**20, 3.5 * 2**20)] == [
+        "2.5 KiB", "1023 KiB", "1.0 MiB", "3.5 MiB"]
 
 
 def test_no_peak_is_measured_off_cuda_or_when_the_settings_say_so(pack, monkeypatch):

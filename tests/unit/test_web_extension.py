@@ -174,6 +174,15 @@ def test_kitchen_route_labels_cover_the_reports_routes():
     assert labels and labels == set(routes), (sorted(labels), sorted(routes))
 
 
+def test_a_route_that_did_not_run_reads_the_same_in_the_log_and_the_status_box():
+    """Where no int8 linear took the route (a CPU), both say so in the same words, for the same routes."""
+    texts = python_dict_constant(ROOT / "nodes" / "report.py", "KITCHEN_UNRUN")
+    labels = dict(re.findall(r'^  (\w+): "([^"]+)",$', js_object_block(JS["report_text.js"], "KITCHEN_UNRUN_LABELS"), re.M))
+    assert labels and labels == texts, (labels, texts)
+    assert set(texts) < set(python_dict_constant(ROOT / "nodes" / "report.py", "KITCHEN_ROUTES"))
+    assert not any("verified for the int8 route" in t for t in texts.values())
+
+
 def test_gemm_kernel_labels_cover_the_reports_kernels():
     kernels = python_dict_constant(ROOT / "nodes" / "report.py", "GEMM_KERNELS")
     labels = set(re.findall(r"^  (\w+): \"", js_object_block(JS["report_text.js"], "GEMM_KERNEL_LABELS"), re.M))
