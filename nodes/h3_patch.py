@@ -9,9 +9,10 @@ import inspect
 
 import comfy.model_management
 import torch
+from comfy.patcher_extension import WrappersMP
 
 from .. import kernels
-from . import conflicts, h3_block, int8_layers
+from . import chunking, conflicts, h3_block, int8_layers, memory
 from .embedding_release import VIDEO_PROJECTION, EmbeddingRelease
 from .ownership import is_foreign, is_own
 from .patch import NODE, InstalledPatch, Note, Plan, Settings
@@ -87,6 +88,54 @@ def structure_problems(attn) -> list[str]:
     return problems
 
 
+class H3Patch(InstalledPatch):
+    """The node's state on an H3 clone: the generic patch's, the sampling run's latent shapes and the video
+    embedding's release; its wrappers add the memory estimate (PREPARE_SAMPLING) and the peak per model call
+    (APPLY_MODEL: outside any compiled region, around it)."""
+
+    def __init__(self, settings: Settings, report: RunReport, planner, plan: Plan):
+        super().__init__(settings, report, planner, plan)
+        self.latent_shapes = None  # the sampling run's video and audio latent shapes, while it runs
+        self.embedding = None  # block path: an embedding_release.EmbeddingRelease (scoped by APPLY_MODEL)
+
+    def wrappers(self) -> dict:
+        return super().wrappers() | {WrappersMP.PREPARE_SAMPLING: self.prepare_sampling_wrapper,
+                                     WrappersMP.APPLY_MODEL: self.apply_model_wrapper}
+
+    def outer_sample_wrapper(self, executor, *args, **kwargs):
+        """The generic OUTER_SAMPLE wrapper, the run's latent shapes kept while it runs (the estimate reads them)."""
+        self.latent_shapes = kwargs.get("latent_shapes")
+        try:
+            return super().outer_sample_wrapper(executor, *args, **kwargs)
+        finally:
+            self.latent_shapes = None
+
+    def prepare_sampling_wrapper(self, executor, model, noise_shape, conds, *args, **kwargs):
+        """ComfyUI PREPARE_SAMPLING wrapper: the model is loaded on the pack's estimate (``memory.run_estimate``)."""
+        options = kwargs.get("model_options", args[0] if args else None)
+        force_full_load = kwargs.get("force_full_load", args[1] if len(args) > 1 else False)
+        with memory.run_estimate(self, model, noise_shape, conds, options, force_full_load):
+            return executor(model, noise_shape, conds, *args, **kwargs)
+
+    def apply_model_wrapper(self, executor, x, *args, **kwargs):
+        """ComfyUI APPLY_MODEL wrapper: the model call's peak allocation goes to the report (CUDA); with the block
+        path, the call is the scope of the video embedding's release."""
+        with contextlib.ExitStack() as scope:
+            if self.embedding is not None:
+                scope.enter_context(self.embedding.model_call(getattr(executor, "class_obj", None), input_device(x)))
+            if not self.settings.measure_peak:
+                return executor(x, *args, **kwargs)
+            return memory.measured_call(executor, x, args, kwargs, self.report.measured_peak)
+
+
+def input_device(x):
+    """The device of a model call's input: a tensor's, or the first tensor's of a list (H3's video and audio)."""
+    for t in x if isinstance(x, (list, tuple)) else (x,):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return None
+
+
 class H3AttentionForward:
     """Replacement for one H3 ``Attention.forward``: same arguments, same output. Its calls use the
     chain the current sampling run's plan gives its object-patch ``key``."""
@@ -104,7 +153,7 @@ class H3AttentionForward:
             x = x.pop()
         rows = x.rows if isinstance(x, kernels.PendingModulation) else x  # ours: with the modulation still owed
         device, settings = rows.device, self.patch.settings
-        plan = h3_block.projection_chunking(self.attn.qkv_proj, rows, settings.qkv_chunk_tokens,
+        plan = chunking.projection_chunking(self.attn.qkv_proj, rows, settings.qkv_chunk_tokens,
                                             int8_layers.route_on(settings))
         if plan.rows is None or rope_freqs is None:
             del rows
@@ -123,9 +172,9 @@ class H3AttentionForward:
 
     def _held_projection(self, plan, rows):
         """Stock's cast of the qkv weight entered once for the projection by rows (``CAST_ONCE``), or nothing."""
-        if h3_block.CAST_ONCE not in plan.modes:
+        if chunking.CAST_ONCE not in plan.modes:
             return contextlib.nullcontext()
-        return h3_block.cast_once(self.attn.qkv_proj, rows, None, self.patch.report.record_int8)
+        return chunking.cast_once(self.attn.qkv_proj, rows, None, self.patch.report.record_int8)
 
     def _row_projection(self, x, held=None):
         """The projection taken by token ranges (``kernels.RowProjection``): by columns on its input quantised once
@@ -138,7 +187,7 @@ class H3AttentionForward:
         x = kernels.settled(x)
         project = self._linear(self.attn.qkv_proj) if held is None else held
         cast = None if held is None else (held.weight, held.bias)
-        return kernels.RowProjection(project, x, columns=h3_block.column_products(self.attn.qkv_proj, x, inner, cast))
+        return kernels.RowProjection(project, x, columns=chunking.column_products(self.attn.qkv_proj, x, inner, cast))
 
     def _int8_projection(self, x, inner, held=None):
         """The int8 ConvRot qkv projection by columns on its input quantised once
@@ -221,7 +270,7 @@ def patch_model(model_patcher, settings: Settings, node_id=None, notes=()):
                        refiner_blocks_patched=n_refiner, replaced_own_patch=replaced_own, notes=notes)
     default = kernels.BackendChain.for_choice(settings.backend, prepared=settings.prepared)
     forwards = {}
-    patch = InstalledPatch(settings, report, lambda patcher, options: conflicts.plan_h3(
+    patch = H3Patch(settings, report, lambda patcher, options: conflicts.plan_h3(
         patcher, options, forwards, settings.backend, default, taken_over, blocks), Plan(default))
     blocks = _install_block_path(model_patcher, clone, diffusion_model, patch)
     patch.embedding = _install_embedding_release(model_patcher, clone, diffusion_model, blocks, report)
@@ -241,19 +290,20 @@ def _declined_patch(model_patcher, settings: Settings, node_id, notes):
     report = RunReport(node_id=node_id, model_family=type(model_patcher.model).__name__, path="h3_forward_patch",
                        settings=settings, notes=notes)
     default = kernels.BackendChain.for_choice(settings.backend, prepared=settings.prepared)
-    patch = InstalledPatch(settings, report, lambda patcher, options: Plan(default), Plan(default))
+    patch = H3Patch(settings, report, lambda patcher, options: Plan(default), Plan(default))
     patch.install(clone)
     return clone, patch
 
 
-def _install_block_path(model_patcher, clone, diffusion_model, patch: InstalledPatch) -> conflicts.BlockPath:
+def _install_block_path(model_patcher, clone, diffusion_model, patch: H3Patch) -> conflicts.BlockPath:
     """The block fast path's forwards on the clone, where the settings, the block structure and the
     patch stack allow it; the rest of the blocks keep the attention-only patch (rule 9)."""
     if patch.settings.block_path == "attention_only":
         return conflicts.BlockPath(declined="the node's block_path is attention_only")
     problems = h3_block.structure_problems(diffusion_model.blocks[0]) if len(diffusion_model.blocks) else []
     if problems:
-        return conflicts.BlockPath(declined=f"the DiT block differs from the one it was written for: {'; '.join(problems)}")
+        return conflicts.BlockPath(
+            declined=f"the DiT block differs from the one it was written for: {'; '.join(problems)}")
     keys = h3_block.block_keys(diffusion_model)
     free, taken_over = conflicts.check_block_forwards(model_patcher, keys)
     forwards = {}

@@ -20,7 +20,7 @@ import torch
 from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 
 from .. import kernels
-from . import h3_block, int8_layers
+from . import chunking, int8_layers
 from .embedding_release import VIDEO_PROJECTION, comfy_compiler_records
 
 log = logging.getLogger("sage_strided_nhd")
@@ -79,7 +79,7 @@ def full_load(force_full_load: bool) -> bool:
 
 def by_columns(block, dtype) -> bool:
     """The qkv weight, on the device as it is stored, gives its product by column blocks: an int8 ConvRot weight
-    (``int8_layers.quantized_columns``) or a plain one in the compute dtype, no bias (``h3_block.column_products``)."""
+    (``int8_layers.quantized_columns``) or a plain one in the compute dtype, no bias (``chunking.column_products``)."""
     layer = block.attn.qkv_proj
     w = getattr(layer, "weight", None)
     return int8_layers.is_int8_convrot(w) or (type(w) in (torch.Tensor, torch.nn.Parameter) and w.dtype == dtype
@@ -129,7 +129,7 @@ def model_call_estimate(patch, patcher, conds: dict, model_options, force_full_l
     if not tokens:
         return None
     device, dtype, dims = torch.device(patcher.load_device), inference_dtype(patcher.model), block_dims(diffusion_model)
-    chunks = dtype in h3_block.CHUNKED_DTYPES and device.type in h3_block.CHUNKED_DEVICES
+    chunks = dtype in chunking.CHUNKED_DTYPES and device.type in chunking.CHUNKED_DEVICES
     s = patch.settings
     how = dict(dims, act_bytes=dtype.itemsize, prepared=prepared_path(patch, device, tokens, dims, dtype),
                qkv_chunk_tokens=s.qkv_chunk_tokens, mlp_chunk_tokens=s.mlp_chunk_tokens,

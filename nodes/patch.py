@@ -3,19 +3,18 @@ sampling run in progress (decided once when sampling starts, read by the patched
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-import torch
 from comfy.patcher_extension import WrappersMP
 
 from .. import kernels
-from . import memory
 from .report import RunReport
 
 NODE = "Sage Strided NHD Attention"
 WRAPPER_KEY = "sage_strided_nhd"
+# every kind of ComfyUI wrapper a patch of this node adds (the H3 patch: all three); a clone sheds them all first
+WRAPPER_KINDS = (WrappersMP.OUTER_SAMPLE, WrappersMP.PREPARE_SAMPLING, WrappersMP.APPLY_MODEL)
 # MiniMax H3 block forward: the block fast path with stock's bits (exact), or the attention-only patch
 BLOCK_PATHS = ("exact", "attention_only")
 # Node input values that earlier releases offered: a saved workflow that carries one still runs, on the
@@ -45,7 +44,8 @@ class Settings:
     measure_peak: bool = True
 
     def __post_init__(self):
-        for what, value, valid in (("layout", self.layout, kernels.LAYOUTS), ("block path", self.block_path, BLOCK_PATHS),
+        for what, value, valid in (("layout", self.layout, kernels.LAYOUTS),
+                                   ("block path", self.block_path, BLOCK_PATHS),
                                    ("back-end", self.backend, kernels.BACKEND_CHOICES),
                                    ("sage2_prep mode", self.prep_mode, tuple(kernels.PREPARED_MODES))):
             if value not in valid:
@@ -90,14 +90,6 @@ class Plan:
         return self.chains.get(key, self.default)
 
 
-def input_device(x):
-    """The device of a model call's input: a tensor's, or the first tensor's of a list (H3's video and audio)."""
-    for t in x if isinstance(x, (list, tuple)) else (x,):
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return None
-
-
 class InstalledPatch:
     """The node's state on one clone. ``planner(model_patcher, model_options) -> Plan`` runs when
     sampling starts (it may raise ``conflicts.PatchConflictError``)."""
@@ -107,25 +99,21 @@ class InstalledPatch:
         self.report = report
         self.planner = planner
         self.plan = plan  # before the first sampling run: the node's own chain everywhere
-        self.latent_shapes = None  # the sampling run's video and audio latent shapes, while it runs
-        self.embedding = None  # H3 block path: an embedding_release.EmbeddingRelease (scoped by APPLY_MODEL)
+
+    def wrappers(self) -> dict:
+        """The ComfyUI wrappers this patch puts on its clone, by kind: here OUTER_SAMPLE (the H3 patch adds its own)."""
+        return {WrappersMP.OUTER_SAMPLE: self.outer_sample_wrapper}
 
     def install(self, clone) -> None:
-        """The wrappers on the clone: OUTER_SAMPLE; on the H3 path also the memory estimate (PREPARE_SAMPLING) and
-        the peak per model call (APPLY_MODEL: outside any compiled region, around it)."""
-        wrappers = {WrappersMP.OUTER_SAMPLE: self.outer_sample_wrapper}
-        if self.report.static["path"] == "h3_forward_patch":
-            wrappers |= {WrappersMP.PREPARE_SAMPLING: self.prepare_sampling_wrapper,
-                         WrappersMP.APPLY_MODEL: self.apply_model_wrapper}
-        for kind in (WrappersMP.OUTER_SAMPLE, WrappersMP.PREPARE_SAMPLING, WrappersMP.APPLY_MODEL):
+        """``wrappers()`` on the clone, in place of any this node left there."""
+        for kind in WRAPPER_KINDS:
             clone.remove_wrappers_with_key(kind, WRAPPER_KEY)
-        for kind, wrapper in wrappers.items():
+        for kind, wrapper in self.wrappers().items():
             clone.add_wrapper_with_key(kind, WRAPPER_KEY, wrapper)
 
     def outer_sample_wrapper(self, executor, *args, **kwargs):
         """ComfyUI OUTER_SAMPLE wrapper: plan, sample, report; exceptions pass through unchanged."""
         self.report.begin_run()
-        self.latent_shapes = kwargs.get("latent_shapes")
         try:
             guider = getattr(executor, "class_obj", None)
             patcher = getattr(guider, "model_patcher", None)
@@ -139,25 +127,7 @@ class InstalledPatch:
             self.report.ended_by(exc)
             raise
         finally:
-            self.latent_shapes = None
             self.report.finish_run()
-
-    def prepare_sampling_wrapper(self, executor, model, noise_shape, conds, *args, **kwargs):
-        """ComfyUI PREPARE_SAMPLING wrapper: the model is loaded on the pack's estimate (``memory.run_estimate``)."""
-        options = kwargs.get("model_options", args[0] if args else None)
-        force_full_load = kwargs.get("force_full_load", args[1] if len(args) > 1 else False)
-        with memory.run_estimate(self, model, noise_shape, conds, options, force_full_load):
-            return executor(model, noise_shape, conds, *args, **kwargs)
-
-    def apply_model_wrapper(self, executor, x, *args, **kwargs):
-        """ComfyUI APPLY_MODEL wrapper: the model call's peak allocation goes to the report (CUDA); with the block
-        path, the call is the scope of the video embedding's release."""
-        with contextlib.ExitStack() as scope:
-            if self.embedding is not None:
-                scope.enter_context(self.embedding.model_call(getattr(executor, "class_obj", None), input_device(x)))
-            if not self.settings.measure_peak:
-                return executor(x, *args, **kwargs)
-            return memory.measured_call(executor, x, args, kwargs, self.report.measured_peak)
 
     def _vet_backends(self, device) -> None:
         """Each chain's back-ends check themselves on the model's device (once a process), in order up to the first

@@ -45,7 +45,7 @@ def comfy_inprocess():
     # (tests/gpu), and PyTorch's own CPU GEMM, not oneDNN's (on AMX CPUs). In this process the CPU is
     # such a device, so the chunked paths run here and their bits are checked against stock's.
     torch.backends.mkldnn.enabled = False
-    pack.nodes.h3_block.CHUNKED_DEVICES = ("cuda", "cpu")
+    pack.nodes.chunking.CHUNKED_DEVICES = ("cuda", "cpu")
     return pack
 
 

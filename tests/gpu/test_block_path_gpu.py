@@ -189,7 +189,7 @@ def test_offloaded_block_chunks_on_weights_cast_once_with_stock_bits(pack, offlo
     import comfy.ops
     from devkit import h3 as dh
 
-    h3 = pack.nodes.h3_block
+    rules = pack.nodes.chunking
     block = offloaded_model.model.diffusion_model.blocks[0]
     for layer in (block.attn.qkv_proj, block.mlp.fc1, block.mlp.fc2):
         assert layer.weight.device.type == "cpu" and layer.comfy_cast_weights, layer
@@ -200,8 +200,8 @@ def test_offloaded_block_chunks_on_weights_cast_once_with_stock_bits(pack, offlo
                         lambda s, *a, **k: (casts.update([names.get(id(s), "?")]), cast(s, *a, **k))[1])
     plans = []
     for name in ("mlp_chunking", "projection_chunking"):
-        decide = getattr(h3, name)
-        monkeypatch.setattr(h3, name, lambda *a, _decide=decide, **k: plans.append(_decide(*a, **k)) or plans[-1])
+        decide = getattr(rules, name)
+        monkeypatch.setattr(rules, name, lambda *a, _decide=decide, **k: plans.append(_decide(*a, **k)) or plans[-1])
 
     seq = 20000
     settings = pack.nodes.patch.Settings(backend="sage2")  # 12,800 / 8,192 MLP rows, 8,192 qkv rows
@@ -214,13 +214,13 @@ def test_offloaded_block_chunks_on_weights_cast_once_with_stock_bits(pack, offlo
         clone, patch = pack.nodes.h3_patch.patch_model(offloaded_model, settings)
         clone.patch_model(load_weights=False)
         try:
-            assert isinstance(vars(block).get("forward"), h3.H3BlockForward)
+            assert isinstance(vars(block).get("forward"), pack.nodes.h3_block.H3BlockForward)
             got = block(x.clone(), t_emb, segments, rope, transformer_options={})
         finally:
             clone.unpatch_model(unpatch_weights=False)
     projection, mlp = plans  # the attention decides first
-    assert projection == h3.Chunking(rows=settings.qkv_chunk_tokens, modes=(h3.CAST_ONCE,)), projection
-    assert mlp == h3.Chunking(rows=h3.mlp_chunk_setting(settings, block.mlp), modes=(h3.CAST_ONCE,) * 2), mlp
+    assert projection == rules.Chunking(rows=settings.qkv_chunk_tokens, modes=(rules.CAST_ONCE,)), projection
+    assert mlp == rules.Chunking(rows=rules.mlp_chunk_setting(settings, block.mlp), modes=(rules.CAST_ONCE,) * 2), mlp
     for name in ("attn.qkv_proj", "mlp.fc1", "mlp.fc2"):
         assert stock_casts[name] == casts[name] == 1, (name, stock_casts, dict(casts))
     assert casts == stock_casts  # norm2 too: one call on every row where it casts

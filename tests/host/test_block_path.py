@@ -95,7 +95,7 @@ def test_attention_only_setting_keeps_the_stock_block(pack, model):
 
 def test_mlp_runs_whole_where_chunks_would_cost_or_change_bits(pack):
     def chunk_rows(*args):
-        return pack.nodes.h3_block.mlp_chunking(*args).rows
+        return pack.nodes.chunking.mlp_chunking(*args).rows
 
     layer = SimpleNamespace(weight=torch.empty(1), weight_function=[])
     mlp = SimpleNamespace(fc1=layer, fc2=layer)
@@ -111,7 +111,7 @@ def test_mlp_runs_whole_where_chunks_would_cost_or_change_bits(pack):
     assert chunk_rows(lora, x, 8) is None
     dynamic = SimpleNamespace(weight=torch.empty(1, device="meta"), _v=(None, 0, 1), weight_function=[])
     assert chunk_rows(SimpleNamespace(fc1=dynamic, fc2=dynamic), x, 8) is None
-    assert "comfy.ops' Linear forward" in pack.nodes.h3_block.mlp_chunking(
+    assert "comfy.ops' Linear forward" in pack.nodes.chunking.mlp_chunking(
         SimpleNamespace(fc1=dynamic, fc2=dynamic), x, 8).reason
     foreign = SimpleNamespace(fc1=layer, fc2=layer, forward=lambda h: h)     # another node's MLP forward
     assert chunk_rows(foreign, x, 8) is None
@@ -122,21 +122,22 @@ def test_token_chunks_only_where_each_output_row_depends_on_its_own_input_row(pa
     would change its bits in token chunks: its MLP and qkv projection run whole."""
     from comfy.quant_ops import QuantizedTensor
 
-    h3 = pack.nodes.h3_block
+    rules = pack.nodes.chunking
     w = torch.randn(8, 8).bfloat16()
     fp8 = QuantizedTensor.from_float(w, "TensorCoreFP8Layout")
     int8 = QuantizedTensor.from_float(w, "TensorWiseINT8Layout")
 
     def layer(weight, **extra):
         return SimpleNamespace(weight=weight, weight_function=[], **extra)
-    assert h3.rows_independent(layer(w)) and h3.rows_independent(layer(int8))  # int8: a per-row quantiser
-    assert not h3.rows_independent(layer(fp8))
-    assert h3.rows_independent(layer(fp8, input_scale=torch.tensor(0.5)))    # a fixed activation scale
+    assert rules.rows_independent(layer(w)) and rules.rows_independent(layer(int8))  # int8: a per-row quantiser
+    assert not rules.rows_independent(layer(fp8))
+    assert rules.rows_independent(layer(fp8, input_scale=torch.tensor(0.5)))    # a fixed activation scale
     x = torch.empty(20, 8, dtype=torch.bfloat16)
-    assert h3.projection_chunking(layer(w), x, 8).rows == 8 and h3.projection_chunking(layer(w), x, 32).rows is None
-    assert h3.projection_chunking(layer(fp8), x, 8).rows is None
-    assert h3.projection_chunking(layer(w), x.float(), 8).rows is None
-    assert h3.mlp_chunking(SimpleNamespace(fc1=layer(fp8), fc2=layer(w)), x, 8).rows is None
+    assert rules.projection_chunking(layer(w), x, 8).rows == 8
+    assert rules.projection_chunking(layer(w), x, 32).rows is None
+    assert rules.projection_chunking(layer(fp8), x, 8).rows is None
+    assert rules.projection_chunking(layer(w), x.float(), 8).rows is None
+    assert rules.mlp_chunking(SimpleNamespace(fc1=layer(fp8), fc2=layer(w)), x, 8).rows is None
 
 
 def test_mlp_chunk_rows_follow_the_weight_format(pack):
@@ -145,7 +146,7 @@ def test_mlp_chunk_rows_follow_the_weight_format(pack):
 
     w = torch.randn(8, 8).bfloat16()
     settings = pack.nodes.patch.Settings(mlp_chunk_tokens=300, int8_mlp_chunk_tokens=200)
-    setting = pack.nodes.h3_block.mlp_chunk_setting
+    setting = pack.nodes.chunking.mlp_chunk_setting
     for weight, rows in ((w, 300), (QuantizedTensor.from_float(w, "TensorWiseINT8Layout"), 200),
                          (QuantizedTensor.from_float(w, "TensorCoreFP8Layout"), 300)):
         layer = SimpleNamespace(weight=weight)
@@ -158,11 +159,11 @@ def test_mlp_chunk_rows_follow_the_weight_format(pack):
 
 def test_column_products_only_for_a_plain_product(pack, model):
     """Q, K and V by column blocks only where the projection is ``x @ weight.T`` as it stands."""
-    h3 = pack.nodes.h3_block
+    rules = pack.nodes.chunking
     inner = CONFIG["num_attention_heads"] * CONFIG["attention_head_dim"]
     qkv = model.model.diffusion_model.blocks[0].attn.qkv_proj
     x = torch.randn(40, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(3)).bfloat16()
-    columns = h3.column_products(qkv, x, inner)
+    columns = rules.column_products(qkv, x, inner)
     if not isinstance(qkv.weight, torch.nn.Parameter) or qkv.weight.dtype != torch.bfloat16:
         assert columns is None  # int8 weights: the module's own quantised product, by rows
         return
@@ -174,7 +175,7 @@ def test_column_products_only_for_a_plain_product(pack, model):
                   SimpleNamespace(weight=w, weight_function=[abs]),                    # a LoRA hook
                   SimpleNamespace(weight=w, comfy_cast_weights=True),                  # offloaded or cast
                   SimpleNamespace(weight=w[:inner])):                                  # not a fused qkv
-        assert h3.column_products(layer, x, inner) is None
+        assert rules.column_products(layer, x, inner) is None
 
 
 def test_a_restored_mlp_forward_is_not_another_nodes(pack, model):
@@ -185,9 +186,9 @@ def test_a_restored_mlp_forward_is_not_another_nodes(pack, model):
     saved = vars(mlp).get("forward")
     try:
         mlp.forward = type(mlp).forward.__get__(mlp)  # what unpatch_model leaves behind
-        assert pack.nodes.h3_block.mlp_chunking(mlp, x, 8).rows == 8
+        assert pack.nodes.chunking.mlp_chunking(mlp, x, 8).rows == 8
         mlp.forward = lambda h: h
-        assert pack.nodes.h3_block.mlp_chunking(mlp, x, 8).rows is None
+        assert pack.nodes.chunking.mlp_chunking(mlp, x, 8).rows is None
     finally:
         if saved is None:
             vars(mlp).pop("forward", None)

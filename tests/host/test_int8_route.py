@@ -26,7 +26,7 @@ SCRIPT = r"""
     from host_fixtures import import_pack, find_host
     pack = import_pack(find_host())
     torch.backends.mkldnn.enabled = False            # row-independent CPU GEMMs, as in conftest.py
-    pack.nodes.h3_block.CHUNKED_DEVICES = ("cuda", "cpu")
+    pack.nodes.chunking.CHUNKED_DEVICES = ("cuda", "cpu")
     import comfy_kitchen
     from devkit import h3 as dh, int8_oracle
     route = pack.kernels.int8_linear

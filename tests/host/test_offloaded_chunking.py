@@ -1,4 +1,4 @@
-"""The block fast path's token chunks where ComfyUI casts a linear's weight per call (nodes/h3_block.py's cast once),
+"""The block fast path's token chunks where ComfyUI casts a linear's weight per call (nodes/chunking.py's cast once),
 in a real ComfyUI 0.33 host on the CPU: which linears are chunked and how (``Chunking``: resident, cast once, whole
 and why), and blocks whose qkv, fc1 and fc2 weights are offloaded or patched by a LoRA weight function: each weight
 cast once per block (every cast counted, the qkv's held until the attention has returned), every chunk run on it,
@@ -42,9 +42,9 @@ def int8_block(pack):
 @pytest.fixture
 def offloaded(pack, monkeypatch):
     """Layers with ``comfy_cast_weights`` count as offloaded: each call casts their weight from another device."""
-    h3 = pack.nodes.h3_block
-    resident = h3.weight_resident
-    monkeypatch.setattr(h3, "weight_resident", lambda layer, device: (
+    rules = pack.nodes.chunking
+    resident = rules.weight_resident
+    monkeypatch.setattr(rules, "weight_resident", lambda layer, device: (
         not getattr(layer, "comfy_cast_weights", False) and resident(layer, device)))
 
 
@@ -62,17 +62,17 @@ def linear(rows=32, cols=16, device="cpu", **state):
 
 # --- the decisions ---------------------------------------------------------------------------------------------
 def test_each_linear_is_resident_cast_once_or_whole_with_the_reason(pack):
-    h3 = pack.nodes.h3_block
+    rules = pack.nodes.chunking
     x = torch.empty(20, 16, dtype=torch.bfloat16)
-    assert h3.linear_chunking(linear(), x) == (h3.RESIDENT, None)
+    assert rules.linear_chunking(linear(), x) == (rules.RESIDENT, None)
     # the legacy low-VRAM load: the weight on another device, cast by each call (``comfy_cast_weights``)
-    assert h3.linear_chunking(linear(device="meta", comfy_cast_weights=True), x) == (h3.CAST_ONCE, None)
+    assert rules.linear_chunking(linear(device="meta", comfy_cast_weights=True), x) == (rules.CAST_ONCE, None)
     # DynamicVRAM: each call's cast maps the layer's pages (``_v``); a LoRA weight function applied by each cast
-    assert h3.linear_chunking(linear(comfy_cast_weights=True, _v=(None, 0, 1)), x) == (h3.CAST_ONCE, None)
-    assert h3.linear_chunking(linear(weight_function=[lambda w: w * 2]), x) == (h3.CAST_ONCE, None)
+    assert rules.linear_chunking(linear(comfy_cast_weights=True, _v=(None, 0, 1)), x) == (rules.CAST_ONCE, None)
+    assert rules.linear_chunking(linear(weight_function=[lambda w: w * 2]), x) == (rules.CAST_ONCE, None)
 
     def declined(layer, rows=x, input_act=None):
-        mode, why = h3.linear_chunking(layer, rows, input_act)
+        mode, why = rules.linear_chunking(layer, rows, input_act)
         assert mode is None and why
         return why
 
@@ -95,57 +95,57 @@ def test_each_linear_is_resident_cast_once_or_whole_with_the_reason(pack):
 
 
 def test_torch_compile_keeps_resident_mlp_chunks_and_nothing_cast_once(pack, monkeypatch):
-    h3 = pack.nodes.h3_block
+    rules = pack.nodes.chunking
     x = torch.empty(20, 16, dtype=torch.bfloat16)
     resident = SimpleNamespace(fc1=linear(32, 16), fc2=linear(16, 16))
     cast = SimpleNamespace(fc1=linear(32, 16, device="meta", comfy_cast_weights=True), fc2=linear(16, 16))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert h3.mlp_chunking(resident, x, 8) == h3.Chunking(rows=8, modes=(h3.RESIDENT, h3.RESIDENT))
-    assert "torch.compile" in h3.mlp_chunking(cast, x, 8).reason and h3.mlp_chunking(cast, x, 8).rows is None
-    assert "torch.compile" in h3.projection_chunking(linear(48, 16), x, 8).reason
+    assert rules.mlp_chunking(resident, x, 8) == rules.Chunking(rows=8, modes=(rules.RESIDENT, rules.RESIDENT))
+    assert "torch.compile" in rules.mlp_chunking(cast, x, 8).reason and rules.mlp_chunking(cast, x, 8).rows is None
+    assert "torch.compile" in rules.projection_chunking(linear(48, 16), x, 8).reason
 
 
 def test_mlp_chunking_gives_each_linears_mode_or_why_it_runs_whole(pack, monkeypatch):
     import comfy.model_management
 
-    h3 = pack.nodes.h3_block
+    rules = pack.nodes.chunking
     x = torch.empty(20, 16, dtype=torch.bfloat16)
     fc1, fc2 = linear(32, 16, device="meta", comfy_cast_weights=True), linear(16, 16, device="meta",
                                                                              comfy_cast_weights=True)
-    assert h3.mlp_chunking(SimpleNamespace(fc1=fc1, fc2=linear(16, 16)), x, 8) == h3.Chunking(
-        rows=8, modes=(h3.CAST_ONCE, h3.RESIDENT))
+    assert rules.mlp_chunking(SimpleNamespace(fc1=fc1, fc2=linear(16, 16)), x, 8) == rules.Chunking(
+        rows=8, modes=(rules.CAST_ONCE, rules.RESIDENT))
     both = SimpleNamespace(fc1=fc1, fc2=fc2)
     for streams in (0, 2):  # none: each cast allocates its own; two: consecutive casts take the other's buffer
         monkeypatch.setattr(comfy.model_management, "NUM_STREAMS", streams)
-        assert h3.mlp_chunking(both, x, 8) == h3.Chunking(rows=8, modes=(h3.CAST_ONCE, h3.CAST_ONCE))
+        assert rules.mlp_chunking(both, x, 8) == rules.Chunking(rows=8, modes=(rules.CAST_ONCE, rules.CAST_ONCE))
     monkeypatch.setattr(comfy.model_management, "NUM_STREAMS", 1)  # --async-offload 1: one buffer for every cast
-    assert "one offload stream" in h3.mlp_chunking(both, x, 8).reason
-    assert h3.mlp_chunking(SimpleNamespace(fc1=fc1, fc2=linear(16, 16)), x, 8).rows == 8  # one cast held: fine
-    assert h3.mlp_chunking(both, x, 32) == h3.Chunking()  # one chunk: whole, nothing declined
+    assert "one offload stream" in rules.mlp_chunking(both, x, 8).reason
+    assert rules.mlp_chunking(SimpleNamespace(fc1=fc1, fc2=linear(16, 16)), x, 8).rows == 8  # one cast held: fine
+    assert rules.mlp_chunking(both, x, 32) == rules.Chunking()  # one chunk: whole, nothing declined
     plain = SimpleNamespace(fc1=linear(32, 16), fc2=linear(16, 16, device="meta"))
-    assert h3.mlp_chunking(plain, x, 8).reason.startswith("fc2: ")
-    assert h3.projection_chunking(fc1, x, 8) == h3.Chunking(rows=8, modes=(h3.CAST_ONCE,))
-    assert h3.projection_chunking(linear(48, 16, device="meta"), x, 8).rows is None
+    assert rules.mlp_chunking(plain, x, 8).reason.startswith("fc2: ")
+    assert rules.projection_chunking(fc1, x, 8) == rules.Chunking(rows=8, modes=(rules.CAST_ONCE,))
+    assert rules.projection_chunking(linear(48, 16, device="meta"), x, 8).rows is None
 
 
 def test_int8_linears_cast_once_where_the_route_takes_their_calls(pack, int8_block, monkeypatch):
     """The int8 ConvRot fc1 and fc2 (SwiGLU folded into its quantiser) cast once where ``stock_quantizer_reason``
     gives the pack's quantiser the call, asked on a chunk's shape (fc2's input: [rows, 2 * ffn]); else whole."""
-    h3 = pack.nodes.h3_block
+    rules = pack.nodes.chunking
     mlp = int8_block.mlp
     for layer in (mlp.fc1, mlp.fc2):
         monkeypatch.setattr(layer, "_v", (None, 0, 1), raising=False)  # each call casts (DynamicVRAM)
     x = torch.randn(100, CONFIG["hidden_size"]).bfloat16()
-    assert "int8 route is off" in h3.mlp_chunking(mlp, x, 30).reason
-    assert h3.mlp_chunking(mlp, x, 30, route=True).reason == "fc1: not on a CUDA device"
+    assert "int8 route is off" in rules.mlp_chunking(mlp, x, 30).reason
+    assert rules.mlp_chunking(mlp, x, 30, route=True).reason == "fc1: not on a CUDA device"
     asked = []
     monkeypatch.setattr(pack.kernels, "int8_call_problem",
                         lambda rows, input_act=None: asked.append((tuple(rows.shape), input_act)))
-    assert h3.mlp_chunking(mlp, x, 30, route=True) == h3.Chunking(rows=30, modes=(h3.CAST_ONCE, h3.CAST_ONCE))
+    assert rules.mlp_chunking(mlp, x, 30, route=True) == rules.Chunking(rows=30, modes=(rules.CAST_ONCE,) * 2)
     rows = pack.kernels.token_chunks(100, 30)[0][1]
     assert asked == [((rows, CONFIG["hidden_size"]), None), ((rows, 2 * CONFIG["ffn_hidden_size"]), "swiglu")]
     monkeypatch.setattr(mlp.fc1, "weight_function", [lambda w: w])  # a LoRA: stock's forward dequantises
-    assert "would not run the int8 GEMM" in h3.mlp_chunking(mlp, x, 30, route=True).reason
+    assert "would not run the int8 GEMM" in rules.mlp_chunking(mlp, x, 30, route=True).reason
 
 
 # --- the cast once ---------------------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def test_the_cast_context_keeps_no_input_alive(pack):
     layer = linear(comfy_cast_weights=True)
     x = torch.randn(20, 16).bfloat16()
     want, ref = layer(x[:5]), weakref.ref(x)
-    with pack.nodes.h3_block.cast_once(layer, x) as held:
+    with pack.nodes.chunking.cast_once(layer, x) as held:
         assert torch.equal(held(x[:5]), want)
         del x
         gc.collect()
@@ -164,7 +164,7 @@ def test_the_cast_context_keeps_no_input_alive(pack):
 def test_a_held_cast_refuses_a_call_it_was_not_cast_for(pack):
     layer = linear(comfy_cast_weights=True)
     x = torch.randn(20, 16).bfloat16()
-    with pack.nodes.h3_block.cast_once(layer, x) as held:
+    with pack.nodes.chunking.cast_once(layer, x) as held:
         assert torch.equal(held(x[:7]), torch.nn.functional.linear(x[:7], layer.weight))
         with pytest.raises(RuntimeError, match="cast once for torch.bfloat16 rows"):
             held(x.float())
@@ -215,13 +215,13 @@ class CastLog:
         attend = pack.nodes.h3_patch._attend
         monkeypatch.setattr(pack.nodes.h3_patch, "_attend",
                             lambda *args, **kwargs: (log.events.append(("attend",)), attend(*args, **kwargs))[1])
-        cast_once = pack.nodes.h3_block.cast_once
+        cast_once = pack.nodes.chunking.cast_once
 
         @contextlib.contextmanager
         def counted(layer, x, input_act=None, record=None):
             with cast_once(layer, x, input_act, record) as held:
                 yield Counted(held, names[id(layer)], log.chunks)
-        monkeypatch.setattr(pack.nodes.h3_block, "cast_once", counted)
+        monkeypatch.setattr(pack.nodes.chunking, "cast_once", counted)
 
     def clear(self):
         self.events.clear()
@@ -332,10 +332,10 @@ INT8_SCRIPT = r"""
     from host_fixtures import import_pack, find_host
     pack = import_pack(find_host())
     torch.backends.mkldnn.enabled = False            # row-independent CPU GEMMs, as in conftest.py
-    h3 = pack.nodes.h3_block
-    h3.CHUNKED_DEVICES = ("cuda", "cpu")
-    resident = h3.weight_resident                    # comfy_cast_weights: offloaded (see the module docstring)
-    h3.weight_resident = lambda layer, device: (
+    rules = pack.nodes.chunking
+    rules.CHUNKED_DEVICES = ("cuda", "cpu")
+    resident = rules.weight_resident                    # comfy_cast_weights: offloaded (see the module docstring)
+    rules.weight_resident = lambda layer, device: (
         not getattr(layer, "comfy_cast_weights", False) and resident(layer, device))
     import comfy.ops, comfy_kitchen
     from devkit import h3 as dh, int8_oracle
