@@ -29,8 +29,13 @@ def ignore_patterns() -> list[str]:
 
 
 def ignored(path: str, patterns: list[str]) -> bool:
-    # gitwildmatch as comfy-cli applies it, for the forms used here: "dir/" and file names
+    # gitwildmatch as comfy-cli applies it, for the forms used here: "/dir/" (at the root only), "dir/" (a folder
+    # of that name anywhere) and file names
     for p in patterns:
+        if p.startswith("/") and p.endswith("/"):
+            if path.startswith(p[1:]):
+                return True
+            continue
         if p.endswith("/") and (path.startswith(p) or f"/{p}" in f"/{path}"):
             return True
         if fnmatch.fnmatch(path, p) or fnmatch.fnmatch(Path(path).name, p):
@@ -53,6 +58,15 @@ def test_published_archive_holds_only_the_runtime_web_and_workflows():
 
 # The patterns ComfyUI-Manager's scanner applies to every .py file of a repository, plus its node_list.json.
 MAPPING_PATTERNS = [r"_CLASS_MAPPINGS\s*=\s*{", r"^[^=]*_CLASS_MAPPINGS\[[\"']", r"@register_node\("]
+
+
+def test_the_nodes_help_page_ships_and_the_repositorys_docs_do_not():
+    """ComfyUI's node docs panel reads WEB_DIRECTORY/docs/<node id>.md from the installed pack."""
+    shipped = shipped_files()
+    assert "web/docs/SageStridedNHDAttention.md" in shipped
+    assert not [f for f in shipped if f.startswith("docs/")], "the repository's docs/ would ship"
+    assert ignored("web/docs/x.md", ["docs/"]) and not ignored("web/docs/x.md", ["/docs/"])
+    assert ignored("docs/BENCHMARKS.md", ["/docs/"])
 
 
 def test_a_manager_scan_credits_the_pack_with_its_one_node():

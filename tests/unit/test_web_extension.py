@@ -187,3 +187,55 @@ def test_gemm_kernel_labels_cover_the_reports_kernels():
     kernels = python_dict_constant(ROOT / "nodes" / "report.py", "GEMM_KERNELS")
     labels = set(re.findall(r"^  (\w+): \"", js_object_block(JS["report_text.js"], "GEMM_KERNEL_LABELS"), re.M))
     assert labels and labels == set(kernels), (sorted(labels), sorted(kernels))
+
+
+# --- the node's help page (web/docs/<node id>.md, ComfyUI's node docs panel) ----------------------------------------
+HELP = WEB / "docs" / "SageStridedNHDAttention.md"
+
+
+def status_line_starts() -> set[str]:
+    """The fixed start of every line the status box can show: each pushed line's text up to its first ``${``, the
+    headlines, and the idle states of the extension."""
+    src = JS["report_text.js"] + JS["sage_strided_nhd.js"]
+    starts = {m.group(2).split("${")[0] for m in re.finditer(r'(?:lines|details)\.push\(\s*([`"])((?:(?!\1).)*)\1', src)}
+    starts |= {m.group(2).split("${")[0]
+               for m in re.finditer(r'showStatus\([^,]+,\s*"\w+",\s*\[\s*([`"])((?:(?!\1).)*)\1', src)}
+    starts |= set(re.findall(r'return "(run \w+: [^"]+)";', src))
+    return {s.rstrip(" ×") for s in starts if len(s.strip()) > 3} | COMPOSED_LINES
+
+
+# lines report_text.js composes from parts (the extractor above sees only a line's literal start)
+COMPOSED_LINES = {"fallback from", "to ComfyUI attention", "fell back:", "was skipped:",
+                  "why calls went to ComfyUI attention:", "why the int8 route is off:",
+                  "why not the warp-specialised int8 GEMM:", "why comfy-kitchen's int8 GEMM runs:", "compiled in",
+                  "compiled for", "blocks + ", "attention override", "model call needed:", "ComfyUI told",
+                  "its own estimate", "of stock's video embedding handed back"}
+
+
+def test_help_page_names_every_input_with_its_values():
+    text = HELP.read_text(encoding="utf-8")
+    schema = (ROOT / "nodes" / "sage_node.py").read_text(encoding="utf-8")
+    inputs = re.findall(r'io\.\w+\.Input\("(\w+)"', schema)
+    assert inputs == ["model", "layout", "backend", "patch_text_refiner", "sage2_prep", "block_path"], inputs
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)`.*$", text.split("## Inputs")[1], re.M)}
+    assert set(inputs) <= set(rows), sorted(set(inputs) - set(rows))
+    from comfyui_sage_strided_nhd import kernels
+    tree = ast.parse((ROOT / "nodes" / "patch.py").read_text(encoding="utf-8"))  # nodes/ imports ComfyUI: read it
+    (BLOCK_PATHS,) = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                      and any(isinstance(t, ast.Name) and t.id == "BLOCK_PATHS" for t in n.targets)]
+    for name, values in (("layout", kernels.LAYOUTS), ("backend", kernels.BACKEND_CHOICES),
+                         ("sage2_prep", tuple(kernels.PREPARED_MODES)), ("block_path", BLOCK_PATHS)):
+        assert all(f"`{v}`" in rows[name] for v in values), (name, values, rows[name])
+
+
+def test_help_page_explains_every_line_the_status_box_can_show():
+    text = HELP.read_text(encoding="utf-8")
+    starts = status_line_starts()
+    assert len(starts) > 20, sorted(starts)
+    missing = sorted(s for s in starts if s not in text)
+    assert not missing, f"status lines the help page does not explain: {missing}"
+    labels = {}
+    for table in ("REASON_LABELS", "KITCHEN_ROUTE_LABELS", "KITCHEN_UNRUN_LABELS", "GEMM_KERNEL_LABELS"):
+        labels[table] = re.findall(r'^  \w+: "([^"]+)",$', js_object_block(JS["report_text.js"], table), re.M)
+    missing = {t: [label for label in found if label not in text] for t, found in labels.items()}
+    assert all(labels.values()) and not any(missing.values()), missing
