@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from .. import kernels
 from .ownership import describe, is_foreign, is_own, plain_function
-from .patch import Note, Plan
+from .patch import NODE, Note, Plan
 
 SPARSE_CALLBACK_KEY = "block_sparse_attention"   # core Model Sparse Attention's ON_PREPARE_STATE key
 SPARSE_OVERRIDE_QUALNAME = "make_attention_override.<locals>.override"
@@ -61,7 +61,7 @@ def wrapped_attention(fn, depth: int = 0) -> list:
 
 def _override_error(other, how: str) -> PatchConflictError:
     return PatchConflictError(
-        f"Sage Strided NHD Attention: another node's attention override ({describe(other)}) {how}. Both cannot "
+        f"{NODE}: another node's attention override ({describe(other)}) {how}. Both cannot "
         "run: remove the other attention node (e.g. 'Patch Sage Attention', 'Model Attention Backend') from this "
         "model's chain, or remove this one.")
 
@@ -93,7 +93,8 @@ def check_override_at_sampling(model_patcher, model_options, path: str, ours=Non
             "composed with Model Sparse Attention: its sparse calls run its own attention (block-level "
             "attention=) and are not counted here; its dense calls run this node's forward")
             if path == "h3_forward_patch" else
-            "composed with Model Sparse Attention: its override runs first and hands this node the calls it keeps dense"))
+            "composed with Model Sparse Attention: its override runs first and hands this node the calls it keeps "
+            "dense"))
     current = existing_override(model_options)
     if current is None:
         if path == "attention_override":
@@ -134,13 +135,15 @@ def check_object_patches(model_patcher, keys) -> tuple[bool, dict[str, str]]:
 def stock_equal(obj) -> str | None:
     """The node name of a known attention forward that computes stock's result (rule 8), else None."""
     fn = plain_function(obj)
-    return STOCK_EQUAL_FORWARDS.get(getattr(fn, "__name__", "")) if getattr(fn, "_uses_optimized_attention", 0) else None
+    if not getattr(fn, "_uses_optimized_attention", 0):
+        return None
+    return STOCK_EQUAL_FORWARDS.get(getattr(fn, "__name__", ""))
 
 
 def forward_conflict(model_patcher, foreign: list[str], how: str) -> PatchConflictError:
     shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
     return PatchConflictError(
-        f"Sage Strided NHD Attention: another node {how} {len(foreign)} attention forward(s) "
+        f"{NODE}: another node {how} {len(foreign)} attention forward(s) "
         f"this node patches ({shown}; first by {describe(model_patcher.object_patches[foreign[0]])}). "
         "Only one patch can own a forward: remove the other H3 attention patch node from this model's chain, "
         "or remove this one.")
@@ -177,7 +180,7 @@ def preference(model_patcher, prefix: str):
     if backend is None:
         how = "set by another node's object patch" if patched is not None else "set on the module"
         raise PatchConflictError(
-            f"Sage Strided NHD Attention: {prefix}.comfy_attention.function is {describe(function)} "
+            f"{NODE}: {prefix}.comfy_attention.function is {describe(function)} "
             f"({how}). This node's forward does not call it, so it would be silently dropped: remove the node "
             "that sets it, or remove this one.")
     return backend, f"comfy_attention.function {describe(function)}", None
@@ -216,11 +219,10 @@ def _preference_plan(model_patcher, keys, backend: str, default):
     return chains, notes
 
 
-def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default, taken_over=None,
-            blocks: "BlockPath | None" = None) -> Plan:
+def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default, taken_over: dict,
+            blocks: BlockPath) -> Plan:
     """The H3 patch's plan for one sampling run (rules 2-9): ``forwards`` key -> ours, ``taken_over`` key -> node
     of a stock-equal forward replaced when the node executed, ``blocks`` the fast path as installed."""
-    blocks = blocks or BlockPath()
     fast, block_notes = _block_path_notes(model_patcher, blocks)
     notes = check_override_at_sampling(model_patcher, model_options, "h3_forward_patch") + _block_notes(
         model_patcher, forwards, taken_over) + block_notes
@@ -247,7 +249,7 @@ def _block_notes(model_patcher, forwards, taken_over) -> list[Note]:
     notes = [Note("block_forwards", f"composed with another node's block forward ({describe(theirs[0])}) on "
                                     f"{len(theirs)} blocks: the attention it calls runs this node's forward; "
                                     "the block fast path does not run there")] if theirs else []
-    for node, n in sorted(Counter((taken_over or {}).values()).items()):
+    for node, n in sorted(Counter(taken_over.values()).items()):
         notes.append(Note("forward_taken_over", f"{node}'s attention forward (stock-equal) on {n} blocks was taken "
                                                 "over by this node's; its other patches stay"))
     return notes

@@ -52,21 +52,20 @@ class EmbeddingRelease:
         self.embedding = out
         return out
 
-    def release(self, residual: torch.Tensor) -> int:
-        """At a block's start: the recorded embedding's memory handed back (bytes; 0 when nothing was recorded).
-        Never the residual stream's own storage."""
+    def release(self, residual: torch.Tensor) -> None:
+        """At a block's start: the recorded embedding's memory handed back (the report gets its bytes), if one was
+        recorded. Never the residual stream's own storage."""
         if torch.compiler.is_compiling():
-            return 0
+            return
         embedding, self.embedding = self.embedding, None
         if embedding is None:
-            return 0
+            return
         storage = embedding.untyped_storage()
         if storage.data_ptr() == residual.untyped_storage().data_ptr():
-            return 0
+            return
         nbytes = storage.nbytes()
         storage.resize_(0)
         self.report.released(nbytes)
-        return nbytes
 
 
 def comfy_compiler_records(device) -> bool:

@@ -101,10 +101,13 @@ def test_a_released_embedding_raises_when_read_and_the_residual_is_never_release
     with release.model_call(model, torch.device("cpu")):
         embedding = release(rows)
         assert embedding.dtype == torch.bfloat16 and torch.equal(embedding, projection(rows).to(torch.bfloat16))
-        assert release.release(embedding.view(-1)) == 0  # the same storage as the residual: kept
-        assert release.release(torch.empty(3)) == 0  # recorded once, considered once
+        release.release(embedding.view(-1))  # the same storage as the residual: kept
+        assert embedding.untyped_storage().nbytes() == 5 * 8 * 2 and report.released_bytes is None
+        release.release(torch.empty(3))  # recorded once, considered once
+        assert embedding.untyped_storage().nbytes() == 5 * 8 * 2 and report.released_bytes is None
         embedding = release(rows)
-        assert release.release(torch.empty(3)) == 5 * 8 * 2
+        release.release(torch.empty(3))
+        assert embedding.untyped_storage().nbytes() == 0
     with pytest.raises(RuntimeError):
         embedding.float().sum()
     assert report.released_bytes == 5 * 8 * 2
