@@ -84,3 +84,21 @@ def test_extension_in_headless_chromium(comfy_server, tmp_path, mode):
     for wf in sorted((ROOT / "workflows").glob("*.json")):
         shot = artifacts / f"workflow-{re.sub(r'[^a-z0-9]+', '-', wf.stem.lower()).strip('-')}.png"
         assert shot.is_file() and shot.stat().st_size > 10_000, f"no screenshot {shot.name}"
+
+
+def test_help_page_in_the_node_docs_panel(comfy_server):
+    """The node's help page (web/docs/SageStridedNHDAttention.md) as ComfyUI's frontend finds it: served from the
+    pack's web directory at the URL the frontend builds from the node's python_module, and rendered in the node
+    docs panel that the selection toolbox's info button opens (tests/browser/help_page.mjs)."""
+    node = browser_tools_or_skip()
+    artifacts = ARTIFACTS / "help"
+    if artifacts.exists():
+        shutil.rmtree(artifacts)
+    proc = subprocess.run([node, str(BROWSER_DIR / "help_page.mjs"), "--url", comfy_server.url, "--out", str(artifacts),
+                           "--chromium", CHROMIUM], cwd=BROWSER_DIR, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"help page checks failed:\n{proc.stdout}{proc.stderr}\nserver log:\n" \
+                                 f"{comfy_server.log_tail(30)}"
+    results = json.loads((artifacts / "results.json").read_text())
+    assert len(results["checks"]) == 6 and all(c["ok"] for c in results["checks"]), results["checks"]
+    assert results["helpRequests"][-1] == "200 /extensions/comfyui-sage-strided-nhd/docs/SageStridedNHDAttention.md"
+    assert (artifacts / "help-panel.png").stat().st_size > 10_000

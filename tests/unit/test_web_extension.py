@@ -217,7 +217,8 @@ def test_help_page_names_every_input_with_its_values():
     schema = (ROOT / "nodes" / "sage_node.py").read_text(encoding="utf-8")
     inputs = re.findall(r'io\.\w+\.Input\("(\w+)"', schema)
     assert inputs == ["model", "layout", "backend", "patch_text_refiner", "sage2_prep", "block_path"], inputs
-    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)`.*$", text.split("## Inputs")[1], re.M)}
+    section = text.split("## Inputs")[1].split("\n## ")[0]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^- \*\*`(\w+)`\*\*.*(?:\n  .*)*", section, re.M)}
     assert set(inputs) <= set(rows), sorted(set(inputs) - set(rows))
     from comfyui_sage_strided_nhd import kernels
     tree = ast.parse((ROOT / "nodes" / "patch.py").read_text(encoding="utf-8"))  # nodes/ imports ComfyUI: read it
