@@ -119,7 +119,7 @@ def test_imported_top_levels_resolves_relative_imports():
 # --- README.md: what a user reads on GitHub, on the Comfy Registry's page and in ComfyUI-Manager ------------------------
 README = ROOT / "README.md"
 REPO_BLOB = "https://github.com/comfyui-sage-strided-nhd/comfyui-sage-strided-nhd/blob/main/"
-MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
+MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)|^\[[^\]]+\]:\s*(\S+)", re.M)  # inline, and reference definitions
 
 
 def readme_lines() -> list[str]:
@@ -128,21 +128,21 @@ def readme_lines() -> list[str]:
 
 def test_readme_is_short_with_no_long_line():
     lines = readme_lines()
-    assert len(lines) <= 200, f"README.md has {len(lines)} lines (at most 200)"
-    long = [(n, len(line)) for n, line in enumerate(lines, 1) if len(line) > 160]
-    assert not long, f"README.md lines over 160 characters (line, length): {long}"
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines (at most 150)"
+    long = [(n, len(line)) for n, line in enumerate(lines, 1) if len(line) > 120]
+    assert not long, f"README.md lines over 120 characters (line, length): {long}"
 
 
 def test_readme_links_work_without_docs():
     """A Comfy Registry install has no docs/ (.comfyignore), so links into docs/ are absolute, to files that exist;
     a relative link must point at a file that ships."""
-    links = MARKDOWN_LINK.findall(README.read_text(encoding="utf-8"))
+    links = [inline or defined for inline, defined in MARKDOWN_LINK.findall(README.read_text(encoding="utf-8"))]
     shipped = set(shipped_files())
     for link in links:
         if link.startswith("#"):
             continue
         if link.startswith(REPO_BLOB):
-            path = link[len(REPO_BLOB):].split("#", 1)[0]
+            path = link[len(REPO_BLOB):].split("#", 1)[0].split("?", 1)[0]  # "?raw=true": GitHub's image form
             assert (ROOT / path).is_file(), f"README links to {link}, but {path} is not in the repository"
         elif "://" not in link:
             path = link.split("#", 1)[0]
@@ -162,9 +162,17 @@ def test_readme_names_the_commands_ci_runs():
 
 
 def test_readme_lists_the_bundled_templates_by_their_names():
-    """The table under "Bundled workflows" names each template as the template browser shows it (its file name)."""
+    """The table under "Use" names each template as the template browser shows it (its file name), the strided
+    templates first, their HND twins (the A/B baseline) after them."""
     text = README.read_text(encoding="utf-8")
-    section = text.split("## Bundled workflows", 1)[1].split("\n## ", 1)[0]
-    listed = set(re.findall(r"^\| `([^`]+)` \|", section, re.MULTILINE))
+    section = text.split("\n## Use\n", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `([^`]+)` \|", section, re.MULTILINE)
     names = {p.stem for p in (ROOT / "workflows").glob("*.json")}
-    assert listed == names, f"README's templates {sorted(listed)} != workflows/ {sorted(names)}"
+    assert set(listed) == names, f"README's templates {sorted(listed)} != workflows/ {sorted(names)}"
+    assert [n.endswith("strided NHD") for n in listed] == [True, True, False, False], listed
+
+
+def test_readme_shows_the_chart_and_leaves_the_reference_to_the_help_page():
+    text = README.read_text(encoding="utf-8")
+    assert re.search(r"^!\[[^\]]+\]\[chart\]$", text, re.M) and f"[chart]: {REPO_BLOB}docs/results.png" in text
+    assert "help page" in text
