@@ -153,22 +153,22 @@ def start(args, recorder: Recorder):
 
 # --- the variants ----------------------------------------------------------------------------------------
 
-def make_variants(args, base, stock_flag: str, result: dict) -> tuple[dict, object]:
-    """(name -> patcher, the pack's installed patch or None): stock (the loaded model), the pack (the node at its
+def make_variants(args, base, stock_flag: str, result: dict) -> tuple[dict, dict]:
+    """(name -> patcher, name -> the pack's installed patch): stock (the loaded model), the pack (the node at its
     defaults), KJNodes' lowest-memory combination (``benchmarks.peer.LOW_MEMORY``)."""
     from devkit.pack import submodule
 
-    variants, patch = {}, None
+    variants, patches = {}, {}
     for name in args.variants:
         if name == "stock":
             variants[name] = base
         elif name in ("pack", "pack_stock_estimate"):
             # measure_peak off: the cell reads every variant's peak the same way, over the whole run
             settings = submodule("nodes.patch").Settings(backend=args.backend, measure_peak=False)
-            variants[name], patch = submodule("nodes.h3_patch").patch_model(base, settings)
+            variants[name], patches[name] = submodule("nodes.h3_patch").patch_model(base, settings)
         elif name == "kjnodes":
             variants[name] = _peer_variant(args, base, stock_flag, result)
-    return variants, patch
+    return variants, patches
 
 
 @contextlib.contextmanager
@@ -311,7 +311,7 @@ def run_cell(args) -> int:
         base = h3_model.load_checkpoint_model(str(args.checkpoint))
         result["model"] = {"checkpoint": str(args.checkpoint), "bytes": Path(args.checkpoint).stat().st_size,
                            "patcher": type(base).__name__, "blocks": len(base.model.diffusion_model.blocks)}
-        variants, patch = make_variants(args, base, stock_flag, result)
+        variants, patches = make_variants(args, base, stock_flag, result)
         dm = base.model.diffusion_model
         conditioning = h3_model.random_conditioning(args.text_tokens, dm.condition_proj.weight.shape[1], args.seed + 1)
         result["packed_rows"] = h3_model.packed_token_count(args.width, args.height, args.frames, args.text_tokens)
@@ -320,8 +320,8 @@ def run_cell(args) -> int:
             recorder.stage(f"sample {name}")
             with stock_estimate(name == "pack_stock_estimate"):
                 run, latents[name] = sample(torch, device, patcher, conditioning, args, counter)
-            if name.startswith("pack"):
-                run["report"] = patch.report.last
+            if name in patches:
+                run["report"] = patches[name].report.last
             result["runs"][name] = run
             recorder.write()
         for name in [n for n in latents if n != "stock"]:

@@ -283,24 +283,6 @@ def timeline_text(run: dict) -> str | None:
     return text
 
 
-def budget_cell_lines(cell: dict) -> list[str]:
-    lines = []
-    if cell.get("error"):
-        lines.append(f"cell failed at {cell.get('stage')}: {cell['error']['type']}: {cell['error']['message']}")
-    for name, run in budget_runs(cell).items():
-        extra = ""
-        if "crashed" in run:
-            extra = f" while sampling (exit code {run['crashed']}): see the cell's log"
-        elif not run.get("error"):
-            extra = (f", peak allocated {run['peak_allocated_bytes'] / 2**30:.2f} GiB, copied "
-                     f"{(run['copied_bytes_per_step'] or 0) / 2**30:.2f} GiB/step" if "peak_allocated_bytes" in run else "")
-        same = run.get("vs_stock", {}).get("identical")
-        lines.append(f"{name}: {budget_outcome(run)}{extra}" + ("" if same is None else f", stock's bits: {same}"))
-        if timeline := timeline_text(run):
-            lines.append(f"  {name}: {timeline}")
-    return lines
-
-
 def budget_markdown(datas: list[dict]) -> list[str]:
     """Budget x length: seconds per step (steps after the first) or why not, and the pack's lead."""
     head = ["card", "tokens", "stock", "KJNodes (lowest memory)", "the pack", "pack vs stock", "pack vs KJNodes"]
@@ -324,7 +306,8 @@ def budget_details(data: dict) -> list[str]:
     lines = []
     for cell in data["cells"]:
         card = "whole card" if cell.get("budget_gib") is None else f"{cell['budget_gib']:g} GiB"
-        parts = []
+        error = cell.get("error")
+        parts = [f"cell failed at {cell.get('stage')}: {error['type']}: {error['message']}"] if error else []
         for name, run in budget_runs(cell).items():
             if "crashed" in run:
                 parts.append(f"{name}: the process died while sampling (exit code {run['crashed']})")

@@ -206,12 +206,12 @@ def run_cells(args) -> int:
                                             timeout=args.cell_timeout).returncode
             except subprocess.TimeoutExpired:  # what the cell wrote by then stays; the next cell still runs
                 returncode = f"timed out after {args.cell_timeout} s"
-            cell = json.loads(out.read_text()) if out.is_file() else {"runs": {}}
+            cell = json.loads(out.read_text()) if out.is_file() else {"runs": {}, "tokens_asked": tokens,
+                                                                        "budget_gib": budget}
             cell.update(name=name, returncode=returncode)
             cells.append(cell)
             report.write()
-            for line in results_table.budget_cell_lines(cell):
-                log("  " + line)
+            log(results_table.budget_details({"cells": [cell]})[0])
     data["seconds"] = time.perf_counter() - started
     report.write()
     print("\n".join(results_table.budget_markdown([data])))
