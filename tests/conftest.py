@@ -17,6 +17,18 @@ from devkit.pack import import_pack  # noqa: E402
 import_pack()  # the pack is importable as comfyui_sage_strided_nhd in every test
 
 
+def pytest_collection_finish(session):
+    from host_fixtures import start_runs_ahead
+
+    start_runs_ahead(session.items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from host_fixtures import finish_runs_ahead
+
+    finish_runs_ahead()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "aot: the ahead-of-time builds for every architecture (CI's own step, "
                                        ".ci/run; scripts/test.sh runs the rest)")

@@ -337,3 +337,55 @@ def wan_graph(*, patch: dict | None, name: str, seed: int = 7, steps: int = 2):
 
 def patch_inputs(layout="strided_nhd", backend="sdpa", refiner=True) -> dict:
     return {"layout": layout, "backend": backend, "patch_text_refiner": refiner}
+
+
+# --- runs started ahead ------------------------------------------------------------------------
+# The slowest host fixtures each wait for a tool run in its own process (a benchmark or the aimdo emulation on a tiny
+# H3). Declared with ``run_ahead``, such a run starts when collection ends (if a selected test uses it), in worker
+# threads beside the tests this process runs: on two cores the two share the machine instead of taking turns. A run
+# its first test asks for before a worker took it runs there and then.
+AHEAD_WORKERS = max(1, (os.cpu_count() or 2) - 1)
+_AHEAD: dict = {}    # fixture name -> fn(folder)
+_STARTED: dict = {}  # fixture name -> its Future
+_FOLDERS: list = []
+_POOL: list = []
+
+
+def run_ahead(fn):
+    """A session fixture named as ``fn``, whose value is ``fn(folder)`` (a fresh folder), started ahead."""
+    if _AHEAD.setdefault(fn.__name__, fn) is not fn:
+        raise ValueError(f"two runs ahead are named {fn.__name__}")
+
+    @pytest.fixture(scope="session", name=fn.__name__)
+    def fixture():
+        future = _STARTED.get(fn.__name__)
+        if future is None or future.cancel():  # not taken by a worker yet
+            return fn(_folder(fn.__name__))
+        return future.result()
+    return fixture
+
+
+def _folder(name: str) -> Path:
+    import tempfile
+
+    _FOLDERS.append(Path(tempfile.mkdtemp(prefix=f"pytest-ahead-{name}-")))
+    return _FOLDERS[-1]
+
+
+def start_runs_ahead(items) -> None:
+    """Submit the runs the selected ``items`` use, in the order they are first used."""
+    import concurrent.futures
+
+    wanted = dict.fromkeys(n for item in items for n in getattr(item, "fixturenames", ()) if n in _AHEAD)
+    if wanted:
+        _POOL.append(concurrent.futures.ThreadPoolExecutor(AHEAD_WORKERS, thread_name_prefix="run-ahead"))
+        for name in wanted:
+            _STARTED[name] = _POOL[0].submit(_AHEAD[name], _folder(name))
+
+
+def finish_runs_ahead() -> None:
+    """Drop the runs no test took (one in progress ends first), then their folders."""
+    for pool in _POOL:
+        pool.shutdown(wait=True, cancel_futures=True)
+    for folder in _FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)

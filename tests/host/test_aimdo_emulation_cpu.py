@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from devkit import aimdo_emulation as emu
-from host_fixtures import import_pack, require_host
+from host_fixtures import import_pack, require_host, run_ahead
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS, STEPS, SEQ = 3, 3, 64
@@ -47,10 +47,9 @@ def emulate(host: Path, variant: str, out: Path):
     return proc, json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@run_ahead  # started when collection ends, beside the other tests (host_fixtures.run_ahead)
+def runs(workdir):
     host = require_host()
-    workdir = tmp_path_factory.mktemp("aimdo_emulation")
     return {v: emulate(host, v, workdir / f"{v}.json") for v in VARIANTS}
 
 

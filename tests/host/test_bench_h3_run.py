@@ -19,7 +19,7 @@ import pytest
 from benchmarks import schema
 from benchmarks.h3_reference_run import REFERENCE_COPY, reference_for
 from devkit.h3 import packed_token_count
-from host_fixtures import require_host, tiny_h3_model, write_checkpoint
+from host_fixtures import require_host, run_ahead, tiny_h3_model, write_checkpoint
 from peer_stand_in import write_stand_in
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,9 +40,10 @@ def run_harness(tmp_path: Path, *extra: str, env_layout: str | None = None):
     return proc, json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def ab_run(tmp_path_factory):
-    return run_harness(tmp_path_factory.mktemp("bench"))
+# Each run is a fixture started ahead (host_fixtures.run_ahead): the runs overlap the tests this process runs.
+@run_ahead
+def ab_run(folder):
+    return run_harness(folder)
 
 
 def test_ab_run_completes_every_section(ab_run):
@@ -108,8 +109,13 @@ def test_ab_run_on_cpu_ends_with_what_ran_and_the_equality_not_timings(ab_run):
     assert tail[-1].startswith("report: ")
 
 
-def test_layout_from_environment_measures_one_layout(tmp_path):
-    proc, data = run_harness(tmp_path, "--sections", "blocks", env_layout="hnd")
+@run_ahead
+def hnd_from_environment_run(folder):
+    return run_harness(folder, "--sections", "blocks", env_layout="hnd")
+
+
+def test_layout_from_environment_measures_one_layout(hnd_from_environment_run):
+    proc, data = hnd_from_environment_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert data["layout"] == "hnd" and data["layouts_measured"] == ["hnd"]
     row = data["real_block_results"][0]
@@ -117,8 +123,13 @@ def test_layout_from_environment_measures_one_layout(tmp_path):
     assert data["validation"]["blocks_stock_vs_hnd"] == "bit-exact"
 
 
-def test_setup_failure_still_writes_a_report(tmp_path):
-    proc, data = run_harness(tmp_path, "--checkpoint", str(tmp_path / "missing.safetensors"))
+@run_ahead
+def setup_failure_run(folder):
+    return run_harness(folder, "--checkpoint", str(folder / "missing.safetensors"))
+
+
+def test_setup_failure_still_writes_a_report(setup_failure_run):
+    proc, data = setup_failure_run
     assert proc.returncode != 0
     assert "setup" in data["errors"] and "missing.safetensors" in data["errors"]["setup"]["error"]
     assert data["device"].startswith("CPU") and data["sections_completed"] == []
@@ -137,13 +148,18 @@ def test_checkpoint_weights_are_loaded_like_unetloader(comfy_inprocess, tmp_path
     assert data["reference_schema"] == "follows the reference report's keys and types"
 
 
-def test_int8_convrot_weights_give_stock_bits_in_both_layouts(tmp_path):
+@run_ahead
+def int8_convrot_run(folder):
+    return run_harness(folder, "--weights", "int8_convrot", "--sections", "blocks,sampling_2_step",
+                       "--stock-sampling", "--variant", "other=strided_nhd:sdpa:exact:noprepared:whole_qkv:stock_int8q")
+
+
+def test_int8_convrot_weights_give_stock_bits_in_both_layouts(int8_convrot_run):
     """The bundled workflows' weight format (int8_tensorwise + convrot linears through ComfyUI's
     mixed_precision_ops and comfy-kitchen int8_linear): blocks and 2-step sampling equal stock's bits,
     and so does a variant with other settings (prepared paths off, the qkv projection whole, stock's
     int8 quantiser), which reach the patch as nodes.patch.Settings."""
-    proc, data = run_harness(tmp_path, "--weights", "int8_convrot", "--sections", "blocks,sampling_2_step",
-                             "--stock-sampling", "--variant", "other=strided_nhd:sdpa:exact:noprepared:whole_qkv:stock_int8q")
+    proc, data = int8_convrot_run
     assert proc.returncode == 0 and data["errors"] == {}, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert data["model"]["source"].startswith("random int8_convrot weights") and data["weights"] == "int8_convrot"
     other = data["variant_settings"]["other"]
@@ -180,11 +196,10 @@ PEER_NAMES = ["kj_lowvram", "kj_lowvram_chunkff"]
 PEER_TABLE = ["stock", "strided_nhd", "attention_only", *PEER_NAMES]
 
 
-@pytest.fixture(scope="module")
-def peer_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("peer")
-    kj = write_stand_in(tmp / "kjnodes")
-    return run_harness(tmp, "--peer-table", "--kjnodes", str(kj), "--sections", "blocks,profiler,sampling_2_step",
+@run_ahead
+def peer_run(folder):
+    kj = write_stand_in(folder / "kjnodes")
+    return run_harness(folder, "--peer-table", "--kjnodes", str(kj), "--sections", "blocks,profiler,sampling_2_step",
                        "--memory-at", "300")
 
 
@@ -265,10 +280,15 @@ def test_tables_put_the_peer_beside_stock_and_the_pack(peer_run, tmp_path):
     assert sampled.count("| identical |") == 4
 
 
-def test_int8_convrot_peer_samples_12_steps_interleaved_with_stock(tmp_path):
-    kj = write_stand_in(tmp_path / "kjnodes")
-    proc, data = run_harness(tmp_path, "--weights", "int8_convrot", "--kjnodes", str(kj), "--layout", "strided_nhd",
-                             "--sections", "sampling_12_step", "--stock-sampling", "--sample-variants", "all")
+@run_ahead
+def int8_peer_12_step_run(folder):
+    kj = write_stand_in(folder / "kjnodes")
+    return run_harness(folder, "--weights", "int8_convrot", "--kjnodes", str(kj), "--layout", "strided_nhd",
+                       "--sections", "sampling_12_step", "--stock-sampling", "--sample-variants", "all")
+
+
+def test_int8_convrot_peer_samples_12_steps_interleaved_with_stock(int8_peer_12_step_run):
+    proc, data = int8_peer_12_step_run
     assert proc.returncode == 0 and data["errors"] == {}, proc.stdout[-3000:] + proc.stderr[-3000:]
     s12 = data["sampling_12_step"]
     assert s12["order"] == ["strided_nhd", *PEER_NAMES, "stock"] and s12["steps"] == 12
@@ -359,12 +379,17 @@ def test_peer_module_loads_by_path_without_the_pack(tmp_path):
             del sys.modules[name]
 
 
-def test_compiled_blocks_time_stock_and_the_pack_under_torch_compile(tmp_path):
+@run_ahead
+def compiled_blocks_run(folder):
     import shutil
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("inductor on the CPU needs a C++ compiler (g++), none found")
-    proc, data = run_harness(tmp_path, "--layout", "strided_nhd", "--sections", "blocks", "--compile-blocks",
-                             "--variant", "other=strided_nhd:sdpa:exact:attention_only")
+    return run_harness(folder, "--layout", "strided_nhd", "--sections", "blocks", "--compile-blocks",
+                       "--variant", "other=strided_nhd:sdpa:exact:attention_only")
+
+
+def test_compiled_blocks_time_stock_and_the_pack_under_torch_compile(compiled_blocks_run):
+    proc, data = compiled_blocks_run
     assert proc.returncode == 0 and data["errors"] == {}, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = data["compiled_block_results"]
     assert len(rows) == 1 and rows[0]["block"] == 0, rows
@@ -450,10 +475,10 @@ sys.exit(run.main(sys.argv[1:]))
 """
 
 
-@pytest.fixture(scope="module")
-def first_contact_run(tmp_path_factory):
+@run_ahead
+def first_contact_run(folder):
     host = require_host()
-    out = tmp_path_factory.mktemp("first_contact") / "first-run.json"
+    out = folder / "first-run.json"
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "H3_SAGE_QKV_LAYOUT")}
     proc = subprocess.run([sys.executable, "-c", FIRST_CONTACT_DRIVER, "--first-contact", "--tiny", "--device", "cpu",
                            "--backend", "sdpa", "--reps", "2", "--warmup", "1", "--comfyui", str(host), "--out", str(out)],

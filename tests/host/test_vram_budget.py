@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import ballast, budget_cell, peer, results_table, vram_budget
-from host_fixtures import import_comfy, require_host
+from host_fixtures import import_comfy, require_host, run_ahead
 from peer_stand_in import write_stand_in
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,9 +28,8 @@ def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def budget_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("budget")
+@run_ahead  # started when collection ends, beside the other tests (host_fixtures.run_ahead)
+def budget_run(tmp):
     checkpoint = tmp / "tiny.safetensors"
     made = run("--make-checkpoint", str(checkpoint), "--tiny", "--device", "cpu")
     assert made.returncode == 0 and checkpoint.is_file(), made.stdout[-2000:] + made.stderr[-2000:]
