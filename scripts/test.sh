@@ -9,8 +9,18 @@ cd "$(dirname "$0")/.."
 if [ -z "${COMFYUI_PATH:-}" ] && [ -f .comfyui/main.py ]; then
   export COMFYUI_PATH="$PWD/.comfyui"
 fi
-.venv/bin/python -m pytest tests -rs -m "not aot" "$@"
-# without arguments: also the int8 route's CPU checks against each comfy-kitchen release it is verified on
 if [ "$#" = 0 ]; then
-  bash scripts/test_kitchen_releases.sh
+  # without arguments: also the int8 route's CPU checks against each comfy-kitchen release it is verified on, in
+  # their own processes beside the suite (their output follows the suite's)
+  releases_log=$(mktemp)
+  trap 'rm -f "$releases_log"' EXIT
+  bash scripts/test_kitchen_releases.sh >"$releases_log" 2>&1 &
+  releases=$!
 fi
+status=0
+.venv/bin/python -m pytest tests -rs -m "not aot" "$@" || status=$?
+if [ "$#" = 0 ]; then
+  wait "$releases" || status=1
+  cat "$releases_log"
+fi
+exit "$status"
