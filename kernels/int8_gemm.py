@@ -7,9 +7,10 @@ through TMA descriptors (out-of-bounds reads are zeros, so edge tiles need no ma
 int32 accumulator sits in registers across K. int32 sums are exact in any order, so the tiling is free; only the
 epilogue's fp32 steps fix the bits, and they follow the CUTLASS kernel's (``epilogue_reference``: the same in torch).
 It runs where it was measured faster than comfy-kitchen's GEMM (``CONFIGS``, per compute capability); elsewhere the
-caller keeps stock's. On Hopper, with a Triton release whose Gluon it was measured with (``GLUON_TRITON``), the
-warp-specialised kernel of ``int8_gemm_sm90`` runs instead (same bits, faster: docs/BENCHMARKS.md); this kernel is
-then its bits twin and its fallback.
+caller keeps stock's. On Hopper the warp-specialised kernel of ``int8_gemm_sm90`` runs instead (same bits, faster:
+docs/BENCHMARKS.md) with a Triton release whose Gluon it was measured with (``GLUON_TRITON``), or on another release
+once its bits matched this kernel's there at first use; this kernel is its bits twin and its fallback.
+``choice`` alone answers whose GEMM runs and why.
 Element offsets of the output are int64; TMA coordinates are element indices (< 2**31 rows and columns)."""
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import logging
 
 import torch
 
-from . import int8_gemm_sm90
-from .triton_support import TRITON_ERROR, exact_device, interpreting, round_bf16, tl, triton, version_key
+from . import gpu, int8_gemm_sm90
+from .triton_support import TRITON_ERROR, interpreting, round_bf16, tl, triton, version_key
 
 LIB = "sage_strided_nhd"
 log = logging.getLogger("sage_strided_nhd")
@@ -118,33 +119,65 @@ if triton is not None:
             tl.store(ptr, y.to(tl.bfloat16), mask=ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _device_facts(index: int) -> tuple[tuple[int, int], int]:
-    props = torch.cuda.get_device_properties(index)
-    return (props.major, props.minor), props.multi_processor_count
+@dataclasses.dataclass(frozen=True)
+class GemmChoice:
+    """Whose int8 GEMM runs on a device for rows ``k`` wide and outputs ``n`` wide, and why not a faster one."""
+    kernel: str  # "pack_sm90" (warp-specialised, Gluon), "pack" (portable Triton) or "comfy_kitchen"
+    reason: str | None = None  # why not the pack's warp-specialised kernel (None: it runs)
+    release: str = "measured"  # the Gluon kernel on this Triton: "measured", or "self_checked" (a first-use bits check)
 
 
-def _nvidia_capability(device: torch.device) -> tuple[int, int] | None:
-    """``device``'s compute capability; None off NVIDIA CUDA (the CPU, ROCm)."""
-    if device.type != "cuda" or torch.version.hip is not None:
-        return None
-    return _device_facts(exact_device(device).index)[0]
+def choice(device, k: int = K_ALIGN, n: int | None = None) -> GemmChoice:
+    """The one answer to "whose GEMM, and why" on ``device`` (``n`` None: any width that is a multiple of 8).
+    Declared per GPU and Triton release: the pack's kernels run only where they were measured faster; the Gluon
+    kernel on an unmeasured Triton release only after its bits matched the portable kernel's there."""
+    device = torch.device(device)
+    why = _portable_problem(device, k)
+    if why is not None:
+        return GemmChoice("comfy_kitchen", why)
+    cap = None if interpreting() else gpu.capability(device)
+    if cap is None:
+        return GemmChoice("pack", "not on a CUDA device")
+    if cap not in WS_CONFIGS:
+        return GemmChoice("pack", f"warp-specialised kernel measured only on sm90, not sm{cap[0]}{cap[1]}")
+    if int8_gemm_sm90.GLUON_ERROR is not None:
+        return GemmChoice("pack", int8_gemm_sm90.GLUON_ERROR)
+    measured = version_key(triton.__version__)[:2] in GLUON_TRITON
+    why = gpu.ANSWERS.reason("int8_gemm_sm90", device) if measured else gpu.ANSWERS.decide(
+        "int8_gemm_sm90", device, lambda: _gluon_bits_check(device))
+    if why is None and n is not None and n % N_ALIGN:
+        why = f"outputs {n} wide: its TMA store needs a multiple of {N_ALIGN}"
+    release = "measured" if measured else "self_checked"
+    return GemmChoice("pack", why, release) if why else GemmChoice("pack_sm90", None, release)
 
 
-def config_for(device: torch.device) -> GemmConfig | None:
-    """The tiling for ``device``: the interpreter's on the CPU when interpreting, the capability's, else None."""
-    if interpreting() and device.type == "cpu":
-        return INTERPRETER_CONFIG
-    return CONFIGS.get(_nvidia_capability(device))
+def _portable_problem(device: torch.device, k: int) -> str | None:
+    """Why the pack's portable kernel does not run on ``device`` for rows ``k`` wide (comfy-kitchen's GEMM then
+    does): the Triton release, the GPU (only where it was measured faster), a failure here, TMA's alignment."""
+    why = triton_problem()
+    if why is not None:
+        return why
+    if not (interpreting() and device.type == "cpu"):
+        cap = gpu.capability(device)
+        if cap is None:
+            return "not on a CUDA device"
+        if cap not in CONFIGS:
+            measured = ", ".join(f"sm{a}{b}" for a, b in CONFIGS)
+            return f"measured faster than comfy-kitchen's GEMM only on {measured}, not on this sm{cap[0]}{cap[1]} GPU"
+    why = gpu.ANSWERS.reason("int8_gemm", device)
+    if why is None and k % K_ALIGN:
+        why = f"rows {k} wide: TMA needs a multiple of {K_ALIGN}"
+    return why
 
 
-def capability_problem(capability: tuple[int, int]) -> str | None:
-    """Why the kernel does not run on a GPU of ``capability`` (None: it does): it runs where it was measured faster."""
-    if capability in CONFIGS:
-        return None
-    measured = ", ".join(f"sm{a}{b}" for a, b in CONFIGS)
-    return (f"measured faster than comfy-kitchen's GEMM only on {measured}, "
-            f"not on this sm{capability[0]}{capability[1]} GPU")
+def gemm_problem(device, k: int) -> str | None:
+    """Why no pack GEMM runs on ``device`` for rows ``k`` wide (comfy-kitchen's then does); None: one does."""
+    return _portable_problem(torch.device(device), k)
+
+
+def config_for(device: torch.device) -> GemmConfig:
+    """The portable kernel's tiling on ``device`` (where ``gemm_problem`` is None)."""
+    return INTERPRETER_CONFIG if device.type == "cpu" else CONFIGS[gpu.capability(device)]
 
 
 @functools.cache
@@ -160,64 +193,42 @@ def triton_problem() -> str | None:
     return None
 
 
-FAILED: dict[torch.device, str] = {}  # devices where a launch failed (a compiler's error): comfy-kitchen's GEMM runs
-WS_FAILED: dict[torch.device, str] = {}  # devices where the warp-specialised kernel failed: this file's kernel runs
-
-
-def _failure_text(exc: Exception) -> str:
-    """"RuntimeError: <the first line of its message>", for a reason in the report."""
-    return f"{type(exc).__name__}: " + next(iter(str(exc).strip().splitlines()), "")[:200]
-
-
 def record_failure(device: torch.device, exc: Exception) -> str:
     """Keep the pack's GEMM off ``device`` for the rest of the process after ``exc``; returns the reason."""
-    why = f"it failed on this GPU ({_failure_text(exc)})"
-    FAILED[exact_device(device)] = why
+    why = gpu.ANSWERS.fail("int8_gemm", device, f"it failed on this GPU ({gpu.failure_text(exc)})")
     log.warning("[Sage Strided NHD] the pack's int8 GEMM is off on %s, comfy-kitchen's runs: %s", device, why)
     return why
 
 
-def gemm_problem(device: torch.device, k: int) -> str | None:
-    """Why the pack's GEMM does not run on ``device`` for rows ``k`` wide (comfy-kitchen's then does); None: it
-    does. Declared per GPU and Triton release: it runs only where it was measured faster."""
-    why = triton_problem()
-    if why is not None:
-        return why
-    device = torch.device(device)
-    if config_for(device) is None:
-        capability = _nvidia_capability(device)
-        return "not on a CUDA device" if capability is None else capability_problem(capability)
-    if exact_device(device) in FAILED:
-        return FAILED[exact_device(device)]
-    if k % K_ALIGN:
-        return f"rows {k} wide: TMA needs a multiple of {K_ALIGN}"
-    return None
+# The Gluon kernel's first-use check on a Triton release it was not measured with: H3's out_proj and fc2 shapes
+# (rows off the tile, a bias, the gated epilogue), against the portable kernel on the same operands.
+GLUON_CHECK_SHAPES = ((300, 512, 7168, False, False), (77, 256, 5376, True, True))
 
 
-@functools.cache
-def gluon_problem() -> str | None:
-    """Why the installed Triton does not run the warp-specialised kernel (None: it does)."""
-    if int8_gemm_sm90.GLUON_ERROR is not None:
-        return int8_gemm_sm90.GLUON_ERROR
-    if version_key(triton.__version__)[:2] not in GLUON_TRITON:
-        measured = ", ".join(".".join(map(str, v)) for v in GLUON_TRITON)
-        return f"its Gluon kernel was measured with Triton {measured}, not {triton.__version__}"
-    return None
-
-
-def ws_problem(device: torch.device, n: int | None = None) -> str | None:
-    """Why the warp-specialised kernel does not run on ``device`` for outputs ``n`` wide (this file's kernel then
-    does, where ``gemm_problem`` is None); None: it runs. ``n`` None: for any width that is a multiple of 8."""
-    capability = None if interpreting() else _nvidia_capability(device)
-    if capability is None:
-        return "not on a CUDA device"
-    if capability not in WS_CONFIGS:
-        return f"warp-specialised kernel measured only on sm90, not sm{capability[0]}{capability[1]}"
-    why = gluon_problem() or WS_FAILED.get(exact_device(device))
-    if why is not None:
-        return why
-    if n is not None and n % N_ALIGN:
-        return f"outputs {n} wide: its TMA store needs a multiple of {N_ALIGN}"
+def _gluon_bits_check(device: torch.device) -> str | None:
+    """None where the Gluon kernel gives the portable kernel's bits on ``device``; else why it is kept off."""
+    release = f"its Gluon kernel was measured with Triton {', '.join('.'.join(map(str, v)) for v in GLUON_TRITON)}"
+    g = torch.Generator(device=device).manual_seed(0)
+    try:
+        for m, n, k, with_bias, gated in GLUON_CHECK_SHAPES:
+            xq = torch.randint(-127, 128, (m, k), generator=g, device=device, dtype=torch.int8)
+            qdata = torch.randint(-127, 128, (n, k), generator=g, device=device, dtype=torch.int8)
+            x_scale = torch.rand(m, generator=g, device=device) * 1e-2
+            w_scale = torch.rand(n, generator=g, device=device) * 1e-2
+            bias = torch.randn(n, generator=g, device=device).bfloat16() if with_bias else None
+            gate = torch.randn(n, generator=g, device=device).bfloat16() if gated else None
+            outs = [torch.randn(m, n, generator=g, device=device).bfloat16()]
+            outs.append(outs[0].clone())
+            int8_gemm_sm90.launch(WS_CONFIGS[gpu.capability(device)], xq, x_scale, qdata, w_scale, bias, outs[0],
+                                  min(gpu.sm_count(device), 8), gate)
+            _launch_portable(xq, x_scale, qdata, w_scale, bias, outs[1], gate)
+            if not torch.equal(*outs):
+                return (f"{release}; on Triton {triton.__version__} it differed from the portable kernel in "
+                        f"{int((outs[0] != outs[1]).sum())} of {m * n} outputs ({m} x {n} x {k})")
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a build or launch failure: the portable kernel runs
+        return f"{release}; on Triton {triton.__version__} it failed its check here ({gpu.failure_text(exc)})"
     return None
 
 
@@ -251,11 +262,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _tma_storable(out: torch.Tensor) -> bool:
-    """The warp-specialised kernel's TMA store can write ``out``: 16-byte aligned start and row pitch."""
-    return out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0
-
-
 def _launch(xq, x_scale, qdata, w_scale, bias, out, gate=None):
     m, k = xq.shape
     n = qdata.shape[0]
@@ -264,17 +270,20 @@ def _launch(xq, x_scale, qdata, w_scale, bias, out, gate=None):
     w_scale = w_scale.to(device=xq.device, dtype=torch.float32).reshape(-1).contiguous()
     bias = bias.to(device=xq.device, dtype=torch.bfloat16).reshape(n).contiguous() if bias is not None else None
     gate = gate.reshape(n).contiguous() if gate is not None else None
-    if ws_problem(xq.device, n) is None and _tma_storable(out):
-        capability, sms = _device_facts(exact_device(xq.device).index)
-        cfg = WS_CONFIGS[capability]
+    # the warp-specialised kernel's TMA store needs a 16-byte aligned start and row pitch
+    storable = out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0
+    if storable and choice(xq.device, k, n).kernel == "pack_sm90":
+        cfg = WS_CONFIGS[gpu.capability(xq.device)]
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         try:
-            int8_gemm_sm90.launch(cfg, xq, x_scale, qdata, w_scale, bias, out, min(tiles, sms), gate)
+            int8_gemm_sm90.launch(cfg, xq, x_scale, qdata, w_scale, bias, out, min(tiles, gpu.sm_count(xq.device)),
+                                  gate)
             return
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - a build failure of the Gluon kernel: this file's kernel runs
-            why = WS_FAILED[exact_device(xq.device)] = f"its Gluon kernel failed here ({_failure_text(exc)})"
+            why = gpu.ANSWERS.fail("int8_gemm_sm90", xq.device,
+                                   f"its Gluon kernel failed here ({gpu.failure_text(exc)})")
             log.warning("[Sage Strided NHD] the warp-specialised int8 GEMM is off on %s: %s", xq.device, why)
     _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate)
 
@@ -288,7 +297,7 @@ def _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate=None):
     a_desc = TensorDescriptor.from_tensor(xq, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(qdata, [cfg.block_n, cfg.block_k])
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    sms = 4 if xq.device.type == "cpu" else _device_facts(exact_device(xq.device).index)[1]
+    sms = 4 if xq.device.type == "cpu" else gpu.sm_count(xq.device)
     programs = min(tiles, sms)
     _int8_gemm_kernel[(programs,)](
         a_desc, b_desc, out, x_scale, w_scale, bias if bias is not None else x_scale,

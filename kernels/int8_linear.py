@@ -7,86 +7,16 @@ epilogue)."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import importlib
-import importlib.metadata
 
 import torch
 
 from . import int8_activation, int8_gemm, int8_release_check
 from .h3_block import PendingResidual, gated_residual_
-from .triton_support import version_key
+from .kitchen import BIAS_HELPER, VERIFIED_VERSIONS, installed_release, kitchen_cuda
 
-
-@dataclasses.dataclass(frozen=True)
-class KitchenRelease:
-    """What one comfy-kitchen release's CUDA ``int8_linear`` (ConvRot, no residual) does that the route mirrors."""
-    version: str
-    min_rows: int  # fewer rows: stock runs a GEMV (one row; two rows too since 0.2.36), not the CUTLASS GEMM
-    bias_in_out_dtype: bool  # the GEMM's bias operand: in the output dtype, 16-byte aligned (else fp32)
-    gpu_verified: bool = True  # the route gave stock's bits on a GPU with it; else it is self-checked at first use
-
-
-# comfy-kitchen releases whose CUDA int8_linear this module mirrors (its dispatch and its GEMM call, read from each
-# release's code); 0.2.36 has not run on a GPU here, so the route self-checks its bits there before it runs
-RELEASES = {r.version: r for r in (KitchenRelease("0.2.31", min_rows=2, bias_in_out_dtype=False),
-                                   KitchenRelease("0.2.36", min_rows=3, bias_in_out_dtype=True, gpu_verified=False),
-                                   KitchenRelease("0.2.40", min_rows=3, bias_in_out_dtype=True))}
-KITCHEN_VERSIONS = tuple(RELEASES)
-VERIFIED_VERSIONS = tuple(v for v, r in RELEASES.items() if r.gpu_verified)
-# the CUDA backend's private names the route calls (ConvRot dispatch, GEMM operands, the extension itself)
-CUDA_HELPERS = ("_convrot_fused_shared_memory_fits", "_DISABLE_CUTLASS_INT8",
-                "_cuda_device_supports_cutlass_int8_dequant", "_cuda_device_is_turing", "_prefer_cublas_int8_fallback",
-                "_int8_weight_scale_arg", "_empty_cuda_tensor", "_wrap_for_dlpack")
-BIAS_HELPER = "_gemm_vector_arg"  # the aligned bias operand, where the release passes it in the output dtype
 GROUP = int8_activation.GROUP
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # comfy-kitchen's output dtype codes
-
-
-def release_for(version: str) -> tuple[KitchenRelease, bool]:
-    """(the route's form for comfy-kitchen ``version``, whether it is verified on a GPU): another release takes the
-    newest known release's form not newer than it (or the oldest's), to be self-checked."""
-    if version in RELEASES:
-        return RELEASES[version], RELEASES[version].gpu_verified
-    by_age = sorted(RELEASES.values(), key=lambda r: version_key(r.version))
-    older = [r for r in by_age if version_key(r.version) <= version_key(version)]
-    return (older[-1] if older else by_age[0]), False
-
-
-@functools.cache
-def installed_release() -> tuple[str | None, KitchenRelease | None, bool]:
-    """(comfy-kitchen's installed version or None, the route's form for it, verified), asked once a process."""
-    try:
-        version = importlib.metadata.version("comfy-kitchen")
-    except importlib.metadata.PackageNotFoundError:
-        return None, None, False
-    return (version, *release_for(version))
-
-
-def _kitchen_cuda():
-    """(comfy-kitchen's CUDA backend module, None), or (None, why it cannot be used)."""
-    version = installed_release()[0]
-    if version is None:
-        return None, "comfy-kitchen is not installed"
-    try:
-        cuda = importlib.import_module("comfy_kitchen.backends.cuda")
-    except Exception as exc:
-        return None, f"comfy-kitchen's CUDA backend does not import ({type(exc).__name__}: {exc})"
-    if not getattr(cuda, "_EXT_AVAILABLE", False) or not hasattr(getattr(cuda, "_C", None), "cutlass_int8_dequant"):
-        return None, "comfy-kitchen's CUDA extension (its CUTLASS int8 GEMM) is not loaded"
-    release = installed_release()[1]
-    needed = CUDA_HELPERS + ((BIAS_HELPER,) if release.bias_in_out_dtype else ())
-    missing = [name for name in needed if not hasattr(cuda, name)]
-    if missing:
-        return None, f"comfy-kitchen {version}'s CUDA backend has no {', '.join(missing)}, which the route calls"
-    return cuda, None
-
-
-@functools.cache
-def kitchen_cuda():
-    """``_kitchen_cuda()``, asked once (the installed release and its extension do not change in a process)."""
-    return _kitchen_cuda()
 
 
 def _stock_kwargs(x, qdata, w_scale, bias, input_act):
@@ -95,23 +25,27 @@ def _stock_kwargs(x, qdata, w_scale, bias, input_act):
 
 
 def int8_call_problem(x: torch.Tensor, *, input_act: str | None = None) -> str | None:
-    """What about the call itself (not its weight) keeps stock's: None when nothing does."""
-    if torch.compiler.is_compiling():
-        return "traced by torch.compile"
+    """What about calls on rows like ``x`` (their device, dtype and width; not their count) keeps stock's: None when
+    nothing does. Fixed for a layer, a device and the installed releases within a run."""
     if not x.is_cuda:
         return "not on a CUDA device"
     return _call_shape_problem(x, input_act) or release_problem(x.device)
 
 
 def _call_shape_problem(x: torch.Tensor, input_act: str | None) -> str | None:
-    """What keeps stock's about a call on a CUDA device, the release's verification (``release_problem``) aside."""
+    """What keeps stock's about calls on a CUDA device, the release's verification (``release_problem``) aside."""
     if not int8_activation.quantize_takes(x, input_act):
         return f"the pack's quantiser does not take a {x.dtype} input {x.shape[-1]} wide (act {input_act!r})"
-    why = kitchen_cuda()[1]
-    if why is not None:
-        return why
+    return kitchen_cuda()[1]
+
+
+def int8_rows_problem(x: torch.Tensor) -> str | None:
+    """What about this one call keeps stock's: traced by torch.compile, or too few rows for the release's CUTLASS
+    GEMM (stock runs a GEMV)."""
+    if torch.compiler.is_compiling():
+        return "traced by torch.compile"
     version, release, _ = installed_release()
-    if x.shape[0] < release.min_rows:
+    if release is not None and x.shape[0] < release.min_rows:
         return (f"{x.shape[0]} row{'s' if x.shape[0] > 1 else ''}: comfy-kitchen {version} runs a GEMV for fewer than "
                 f"{release.min_rows} rows, not its CUTLASS GEMM")
     return None
@@ -133,7 +67,7 @@ def release_problem(device: torch.device) -> str | None:
 def int8_route_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias, *,
                   input_act: str | None = None) -> str | None:
     """Why stock's ConvRot ``int8_linear`` would not run the two kernels ``int8_linear`` reproduces; None: it would."""
-    return (int8_call_problem(x, input_act=input_act)
+    return (int8_rows_problem(x) or int8_call_problem(x, input_act=input_act)
             or int8_weight_problem(x, qdata, w_scale, bias, input_act=input_act))
 
 
@@ -249,7 +183,8 @@ def stock_int8_linear(x, qdata, w_scale, bias=None, *, input_act: str | None = N
 def _checked_route(x, qdata, w_scale, bias=None, *, input_act: str | None = None) -> torch.Tensor | str:
     """The route as a sampling call takes it, but for the release's verification: its output, or why it declined
     (what the self-check compares with stock's call)."""
-    why = _call_shape_problem(x, input_act) or int8_weight_problem(x, qdata, w_scale, bias, input_act=input_act)
+    why = (_call_shape_problem(x, input_act) or int8_rows_problem(x)
+           or int8_weight_problem(x, qdata, w_scale, bias, input_act=input_act))
     if why is not None:
         return why
     out = int8_linear_routed(x, qdata, w_scale, bias, input_act=input_act)
@@ -275,19 +210,15 @@ def kitchen_release_status(device=None) -> dict:
 
 
 def gemm_status(device=None) -> dict:
-    """For the report: ``{"kernel": "pack_sm90" | "pack" | "comfy_kitchen", "reason": ...}`` for the int8 route's
-    GEMM on ``device`` (default: the current CUDA device): the pack's warp-specialised Hopper kernel, its portable
-    Triton kernel (the reason: why not the former, on a GPU) or comfy-kitchen's (the reason: why)."""
+    """For the report: ``{"kernel": "pack_sm90" | "pack" | "comfy_kitchen", "reason": ..., "release": ...}`` for the
+    int8 route's GEMM on ``device`` (default: the first CUDA device), as ``int8_gemm.choice`` decides it; the reason
+    why not the warp-specialised kernel is given on a GPU only."""
     if device is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
-    why = int8_gemm.gemm_problem(device, int8_gemm.K_ALIGN)
-    if why:
-        return {"kernel": "comfy_kitchen", "reason": why}
-    ws_why = int8_gemm.ws_problem(device)
-    if ws_why is None:
-        return {"kernel": "pack_sm90", "reason": None}
-    return {"kernel": "pack", "reason": ws_why if device.type == "cuda" else None}
+    chosen = int8_gemm.choice(device)
+    reason = chosen.reason if chosen.kernel != "pack" or device.type == "cuda" else None
+    return {"kernel": chosen.kernel, "reason": reason, "release": chosen.release}
 
 
 class GemmDeclined(RuntimeError):

@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from .triton_support import exact_device
+from . import gpu
+from .gpu import exact_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,18 +73,14 @@ class Decision:
 
 
 class ReleaseCheck:
-    """The self-check's decisions for one process, per device."""
+    """The self-check of one process, decided once per device (``gpu.ANSWERS``, question "kitchen_release")."""
 
     def __init__(self, route: Callable, stock: Callable):
         self.route, self.stock = route, stock
-        self.decided: dict[torch.device, Decision] = {}
 
     def problem(self, device, min_rows: int) -> str | None:
         """Why the route may not run on ``device`` (None: it may), from the first check there."""
-        device = exact_device(device)
-        if device not in self.decided:
-            self.decided[device] = self.run(device, min_rows)
-        return self.decided[device].problem
+        return gpu.ANSWERS.decide("kitchen_release", device, lambda: self.run(device, min_rows).problem)
 
     def run(self, device, min_rows: int) -> Decision:
         """Check now (not cached): the route against stock on ``samples(min_rows)``."""

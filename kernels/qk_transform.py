@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import int8_linear
+from . import kitchen
 from .triton_support import hardware_bf16, interpreting, round_bf16, tl, triton
 
 if triton is not None:
@@ -41,9 +41,6 @@ def check_rope_table(rope_table: torch.Tensor, seq_len: int, head_dim: int) -> N
 
 # the comfy-kitchen implementation whose bits the pack's pass reproduces
 KITCHEN_BACKEND = "cuda"
-# comfy-kitchen releases whose CUDA rms_rope_split_half_ the pass was checked against bit for bit on a GPU (full-width
-# H3 blocks equal to stock's); with another release comfy-kitchen's own kernel runs: stock's bits by construction
-KITCHEN_RELEASES = ("0.2.31", "0.2.40")
 # the pass's tiling: tokens per program, heads per program (the rotations are read once for them), warps
 NORM_ROPE_TOKENS, NORM_ROPE_HEADS, NORM_ROPE_WARPS = 16, 8, 4
 LANES = 32  # comfy-kitchen's kernel: one warp per (token, head) row
@@ -190,17 +187,12 @@ def norm_rope_pass(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q
                             HW_BF16=hardware_bf16(q.device), num_warps=NORM_ROPE_WARPS)
 
 
-def release_checked() -> bool:
-    """Whether the installed comfy-kitchen (read once a process, by ``int8_linear``) is one of ``KITCHEN_RELEASES``."""
-    return int8_linear.installed_release()[0] in KITCHEN_RELEASES
-
-
 def norm_rope(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,
               k_weight: torch.Tensor, eps: float, *, inplace: bool = True):
     """RMSNorm per head, then rotate the first rot_dim dims (pairs i, i+rot/2); in place (the pack's pass) or not."""
     check_rope_table(rope_table, q.shape[1], q.shape[-1])
     rot = rope_rot_dim(rope_table)
-    if inplace and release_checked() and own_pass_takes(q, k, rope_table, q_weight, k_weight) and (
+    if inplace and kitchen.norm_rope_checked() and own_pass_takes(q, k, rope_table, q_weight, k_weight) and (
             kitchen_backend(q, k, rope_table, q_weight, k_weight, eps, rot) == KITCHEN_BACKEND):
         norm_rope_pass(q, k, rope_table, q_weight, k_weight, eps)
         return q, k

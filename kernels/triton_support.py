@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 
 import torch
+
+from . import gpu
 
 try:  # Triton ships with PyTorch's CUDA (and recent CPU) wheels; the pack must import without it.
     import triton
@@ -30,24 +31,12 @@ def version_key(version: str) -> tuple[int, ...]:
 HW_BF16_MIN_CAPABILITY = (8, 0)  # PTX's cvt.rn.bf16x2.f32
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def exact_device(device) -> torch.device:
-    """``device`` as a ``torch.device`` with its index (a bare "cuda": the current one)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def hardware_bf16(device: torch.device) -> bool:
-    """Whether ``round_bf16`` may use the GPU's conversion: not interpreted, not on ROCm, sm80+."""
-    if interpreting() or device.type != "cuda" or torch.version.hip is not None:
+    """Whether ``round_bf16`` may use the GPU's conversion: not interpreted, NVIDIA sm80+."""
+    if interpreting():
         return False
-    return _capability(exact_device(device).index) >= HW_BF16_MIN_CAPABILITY
+    cap = gpu.capability(device)
+    return cap is not None and cap >= HW_BF16_MIN_CAPABILITY
 
 
 def per_token_params(h: torch.Tensor, *params: torch.Tensor) -> bool:

@@ -67,10 +67,11 @@ class Chunking:
     reason: str | None = None
 
 
-def linear_chunking(layer, x, input_act: str | None = None, route: bool = False,
+def linear_chunking(layer, x, input_act: str | None = None, routes: dict | None = None,
                     shape: tuple | None = None) -> tuple[str | None, str | None]:
     """How ``layer``'s calls on token chunks of ``x`` give its whole call's bits with no weight transferred twice:
-    ``(RESIDENT, None)``, ``(CAST_ONCE, None)``, or ``(None, why)``: it runs whole. ``route``: the int8 route is on;
+    ``(RESIDENT, None)``, ``(CAST_ONCE, None)``, or ``(None, why)``: it runs whole. ``routes``: the run's int8 routes
+    where the int8 route is on (None: off);
     ``shape``: the ``(rows, width)`` of one chunk's input where that is not ``x``'s (fc2's)."""
     if x.dtype not in CHUNKED_DTYPES:
         return None, f"{x.dtype} activations: GEMMs split by rows may round differently"
@@ -82,11 +83,11 @@ def linear_chunking(layer, x, input_act: str | None = None, route: bool = False,
         return None, "its activation scale is taken from the whole input"
     if weight_resident(layer, x.device):
         return RESIDENT, None
-    why = cast_once_problem(layer, x if shape is None else call_input(x, *shape), input_act, route)
+    why = cast_once_problem(layer, x if shape is None else call_input(x, *shape), input_act, routes)
     return (None, why) if why else (CAST_ONCE, None)
 
 
-def cast_once_problem(layer, x, input_act: str | None = None, route: bool = False) -> str | None:
+def cast_once_problem(layer, x, input_act: str | None = None, routes: dict | None = None) -> str | None:
     """Why stock's weight cast for ``layer``'s call on ``x`` cannot be entered once for all its token chunks
     (None: it can): the cast and the arithmetic on it must be the ones the layer's own call runs."""
     if torch.compiler.is_compiling():
@@ -95,9 +96,9 @@ def cast_once_problem(layer, x, input_act: str | None = None, route: bool = Fals
         return "this ComfyUI has no comfy.ops.CastBiasWeightContext"
     weight = getattr(layer, "weight", None)
     if int8_layers.is_int8_convrot(weight):
-        if not route:
+        if routes is None:
             return "the pack's int8 route is off: stock's int8 call casts its weight per call"
-        return int8_layers.stock_quantizer_reason(layer, x, input_act)
+        return int8_layers.stock_quantizer_reason(layer, x, input_act, routes=routes)
     if type(weight) not in (torch.Tensor, torch.nn.Parameter):
         return f"a {type(weight).__name__} weight, whose cast the cast once does not mirror"
     if not float_forward_mirrored(layer):
@@ -154,9 +155,9 @@ def mlp_chunk_setting(settings, mlp) -> int:
     return settings.int8_mlp_chunk_tokens if int8_tensorwise(mlp.fc1) else settings.mlp_chunk_tokens
 
 
-def mlp_chunking(mlp, x, chunk: int, route: bool = False) -> Chunking:
+def mlp_chunking(mlp, x, chunk: int, routes: dict | None = None) -> Chunking:
     """The MLP half's token chunks of ``chunk`` rows (fc1's and fc2's modes), or why it runs whole (another node's
-    MLP forward runs as it is). ``route``: the int8 route is on."""
+    MLP forward runs as it is). ``routes``: as ``linear_chunking``'s."""
     if replaced_forward(mlp):
         return Chunking(reason="another node's MLP forward runs as it is")
     if x.shape[0] <= chunk:
@@ -167,7 +168,7 @@ def mlp_chunking(mlp, x, chunk: int, route: bool = False) -> Chunking:
     modes = []
     for name, layer, input_act, shape in (("fc1", mlp.fc1, None, (b - a, x.shape[-1])),
                                           ("fc2", mlp.fc2, act, (b - a, width))):
-        mode, why = linear_chunking(layer, x, input_act, route, shape)
+        mode, why = linear_chunking(layer, x, input_act, routes, shape)
         if mode is None:
             return Chunking(reason=f"{name}: {why}")
         modes.append(mode)
@@ -191,21 +192,21 @@ def column_products(linear, x, inner: int, cast=None):
             lambda rows: torch.mm(rows, w[2 * inner:].t()))
 
 
-def projection_chunking(linear, x, chunk: int, route: bool = False) -> Chunking:
+def projection_chunking(linear, x, chunk: int, routes: dict | None = None) -> Chunking:
     """The qkv projection's token chunks of ``chunk`` rows, or why it runs whole (torch.compile, bits at risk)."""
     if torch.compiler.is_compiling():
         return Chunking(reason="traced by torch.compile: the projection runs whole")
     if x.shape[0] <= chunk:
         return Chunking()
-    mode, why = linear_chunking(linear, x, None, route)
+    mode, why = linear_chunking(linear, x, None, routes)
     return Chunking(reason=why) if mode is None else Chunking(rows=chunk, modes=(mode,))
 
 
-def cast_once(layer, x, input_act: str | None = None, record=None):
+def cast_once(layer, x, input_act: str | None = None, record=None, routes=None):
     """Stock's weight cast for ``layer``'s calls on the token chunks of ``x`` (``linear_chunking`` gave CAST_ONCE),
     entered once: a context manager yielding an ``int8_layers.HeldCast``, left as stock's call leaves its cast."""
     if int8_layers.is_int8_convrot(getattr(layer, "weight", None)):
-        return int8_layers.cast_once(layer, x, input_act, record)
+        return int8_layers.cast_once(layer, x, input_act, record, routes)
     return float_cast_once(layer, x.rows if isinstance(x, kernels.PendingModulation) else x)
 
 
@@ -222,13 +223,13 @@ def float_cast_once(layer, x):
         yield held
 
 
-def hold_casts(stack: contextlib.ExitStack, linear, casts, x, record=None):
+def hold_casts(stack: contextlib.ExitStack, linear, casts, x, record=None, routes=None):
     """``linear`` (a ``(layer, x, input_act=None)`` caller) with each ``(layer, input_act)`` of ``casts`` served by
     its weight cast once for calls on ``x``'s rows, entered into ``stack`` (left as it closes). None, ``stack``
     closed, where two of the casts lie in the same memory (ComfyUI reused one buffer): nothing ran on them."""
     held = {}
     for layer, input_act in casts:
-        cast = stack.enter_context(cast_once(layer, x, input_act, record))
+        cast = stack.enter_context(cast_once(layer, x, input_act, record, routes))
         if any(int8_layers.shares_memory(cast, other) for other in held.values()):
             stack.close()
             return None

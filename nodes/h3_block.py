@@ -116,9 +116,8 @@ class H3BlockForward:
         """``x += mlp(modulate(norm2(x))) * gate``, by token chunks where they give the same bits. The MLP's
         input goes as its normed rows with the modulation still owed (fc1's int8 quantiser applies it)."""
         blk, settings, report = self.block, self.patch.settings, self.patch.report
-        linear = int8_layers.caller(settings, report)
-        plan = chunking.mlp_chunking(blk.mlp, x, chunking.mlp_chunk_setting(settings, blk.mlp),
-                                     int8_layers.route_on(settings))
+        linear, routes = int8_layers.caller(self.patch), int8_layers.run_routes(self.patch)
+        plan = chunking.mlp_chunking(blk.mlp, x, chunking.mlp_chunk_setting(settings, blk.mlp), routes)
         normed = None
         with contextlib.ExitStack() as held:
             if chunking.CAST_ONCE in plan.modes:
@@ -131,9 +130,9 @@ class H3BlockForward:
                 acts = (None, "swiglu" if chunking.folds_swiglu(blk.mlp.fc2) else None)
                 casts = [(layer, act) for layer, act, mode in zip((blk.mlp.fc1, blk.mlp.fc2), acts, plan.modes)
                          if mode == chunking.CAST_ONCE]
-                linear = chunking.hold_casts(held, linear, casts, x, report.record_int8)
+                linear = chunking.hold_casts(held, linear, casts, x, report.record_int8, routes)
                 if linear is None:  # the casts shared a buffer: the MLP runs whole, as stock calls it
-                    plan, linear = chunking.Chunking(), int8_layers.caller(settings, report)
+                    plan, linear = chunking.Chunking(), int8_layers.caller(self.patch)
             if plan.rows is None:
                 h = pending_modulation(blk.norm2(x) if normed is None else normed, shift, scale, segments)
                 del normed

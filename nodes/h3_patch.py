@@ -154,7 +154,7 @@ class H3AttentionForward:
         rows = x.rows if isinstance(x, kernels.PendingModulation) else x  # ours: with the modulation still owed
         device, settings = rows.device, self.patch.settings
         plan = chunking.projection_chunking(self.attn.qkv_proj, rows, settings.qkv_chunk_tokens,
-                                            int8_layers.route_on(settings))
+                                            int8_layers.run_routes(self.patch))
         if plan.rows is None or rope_freqs is None:
             del rows
             source = [self._linear(self.attn.qkv_proj)(x)]
@@ -174,7 +174,8 @@ class H3AttentionForward:
         """Stock's cast of the qkv weight entered once for the projection by rows (``CAST_ONCE``), or nothing."""
         if chunking.CAST_ONCE not in plan.modes:
             return contextlib.nullcontext()
-        return chunking.cast_once(self.attn.qkv_proj, rows, None, self.patch.report.record_int8)
+        return chunking.cast_once(self.attn.qkv_proj, rows, None, self.patch.report.record_int8,
+                                  int8_layers.run_routes(self.patch))
 
     def _row_projection(self, x, held=None):
         """The projection taken by token ranges (``kernels.RowProjection``): by columns on its input quantised once
@@ -192,9 +193,11 @@ class H3AttentionForward:
     def _int8_projection(self, x, inner, held=None):
         """The int8 ConvRot qkv projection by columns on its input quantised once
         (``int8_layers.quantized_columns``), where the route takes it; else None."""
-        if not int8_layers.route_on(self.patch.settings):
+        routes = int8_layers.run_routes(self.patch)
+        if routes is None:
             return None
         form = int8_layers.quantized_columns(self.attn.qkv_proj, x, inner, record=self.patch.report.record_int8,
+                                             routes=routes,
                                              cast=None if held is None else (held.weight, held.bias))
         if form is None:
             return None
@@ -208,7 +211,7 @@ class H3AttentionForward:
 
     def _linear(self, layer):
         """``layer``'s call (its int8 ConvRot GEMMs on the pack's quantiser with the block fast path on)."""
-        return functools.partial(int8_layers.caller(self.patch.settings, self.patch.report), layer)
+        return functools.partial(int8_layers.caller(self.patch), layer)
 
 
 @torch.compiler.disable

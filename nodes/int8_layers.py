@@ -1,7 +1,7 @@
 """int8 tensor-wise ConvRot linears (the bundled checkpoint's) called as stock calls them (``layer(x)``,
 ``linear_input_act(layer, u, "swiglu")``), the weight cast as stock casts it (once per call, or once for a block's
 token chunks: ``cast_once``), the input quantised by the pack's pass: the same bits, less time.
-``stock_quantizer_reason`` alone decides whose quantiser a call uses."""
+``route`` alone decides whose quantiser and whose GEMM a layer's calls use, once per layer in a run."""
 
 from __future__ import annotations
 
@@ -42,30 +42,67 @@ def is_int8_convrot(weight) -> bool:
             and not getattr(params, "transposed", False))
 
 
-def stock_quantizer_reason(layer, x, input_act=None, cast=None) -> str | None:
-    """Why the int8 ConvRot ``layer``'s call on ``x`` keeps stock's quantiser (None: the pack's runs). ``cast``: the
-    ``(weight, bias)`` as cast for this call; None: before the cast (what the layer and the call show)."""
-    if cast is None:
-        if replaced_forward(layer):
-            return "another node replaced the layer's forward"
-        if (getattr(layer, "weight_function", None) or getattr(layer, "bias_function", None)
-                or getattr(layer, "pre_quant_scale", None) is not None
-                or getattr(layer, "comfy_force_cast_weights", False) or getattr(layer, "_full_precision_mm", False)
-                or getattr(layer, "layout_type", None) is None):
-            return "the layer's forward would not run the int8 GEMM on its weight as stored"
-        if comfy.model_management.in_training or x.requires_grad:
-            return "training"
-        if getattr(comfy.ops, "CastBiasWeightContext", None) is None:
-            return "this ComfyUI has no comfy.ops.CastBiasWeightContext"
-        params = forward_params(type(layer))
-        if params != ROUTED_FORWARD_PARAMS:
-            return (f"this ComfyUI's Linear forward{params} is not the forward{ROUTED_FORWARD_PARAMS} the route "
-                    "mirrors (a forward with prologue/epilogue paths, ComfyUI 0.40+): stock's forward runs it")
-        return kernels.int8_call_problem(x, input_act=input_act)
-    weight, bias = cast
-    if not is_int8_convrot(weight):
-        return "the cast gave a weight that is not int8 ConvRot"
-    return kernels.int8_weight_problem(x, weight._qdata, weight._params.scale, bias, input_act=input_act)
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Whose quantiser and whose GEMM an int8 ConvRot layer's calls run in one sampling run, and why."""
+    quantizer: str                  # "pack" or "stock"
+    gemm: str                       # the pack's quantiser: "pack_sm90", "pack" or "comfy_kitchen"; else "stock"
+    reason: str | None = None       # why stock's quantiser (None: the pack's)
+    gemm_reason: str | None = None  # why not the pack's warp-specialised GEMM
+
+
+def route(layer, x, input_act=None, cast=None, routes: dict | None = None) -> Route:
+    """The one answer to "whose quantiser and whose GEMM, and why" for ``layer``'s calls on rows like ``x`` (their
+    device, dtype and width) with ``input_act``: what the layer, its weight as cast (``(weight, bias)``; None: not
+    cast yet, then only a decline is final), the device and the installed releases allow. Fixed within a run:
+    ``routes`` (the run's memo, ``Plan.int8_routes``) keeps each final answer, so it is asked once per layer and
+    form; per call only the rows are checked (``stock_quantizer_reason``)."""
+    key = (id(layer), x.device, x.dtype, x.shape[-1], input_act)
+    known = routes.get(key) if routes is not None else None
+    if known is not None and known[0] is layer:
+        return known[1]
+    reason = _layer_reason(layer, x, input_act)
+    if reason is None and cast is None:
+        return Route("pack", "undecided")  # the cast weight decides the rest
+    if reason is None:
+        weight, bias = cast
+        reason = (kernels.int8_weight_problem(x, weight._qdata, weight._params.scale, bias, input_act=input_act)
+                  if is_int8_convrot(weight) else "the cast gave a weight that is not int8 ConvRot")
+    if reason is None:
+        chosen = kernels.gemm_choice(x.device, x.shape[-1] // (2 if input_act == "swiglu" else 1))
+        answer = Route("pack", chosen.kernel, None, chosen.reason)
+    else:
+        answer = Route("stock", "stock", reason)
+    if routes is not None:
+        routes[key] = (layer, answer)  # the layer held: its id is not reused while the memo lives
+    return answer
+
+
+def _layer_reason(layer, x, input_act) -> str | None:
+    """Why the layer's calls keep stock's quantiser, from the layer, the device and the releases (not the cast)."""
+    if replaced_forward(layer):
+        return "another node replaced the layer's forward"
+    if (getattr(layer, "weight_function", None) or getattr(layer, "bias_function", None)
+            or getattr(layer, "pre_quant_scale", None) is not None
+            or getattr(layer, "comfy_force_cast_weights", False) or getattr(layer, "_full_precision_mm", False)
+            or getattr(layer, "layout_type", None) is None):
+        return "the layer's forward would not run the int8 GEMM on its weight as stored"
+    if getattr(comfy.ops, "CastBiasWeightContext", None) is None:
+        return "this ComfyUI has no comfy.ops.CastBiasWeightContext"
+    params = forward_params(type(layer))
+    if params != ROUTED_FORWARD_PARAMS:
+        return (f"this ComfyUI's Linear forward{params} is not the forward{ROUTED_FORWARD_PARAMS} the route "
+                "mirrors (a forward with prologue/epilogue paths, ComfyUI 0.40+): stock's forward runs it")
+    return kernels.int8_call_problem(x, input_act=input_act)
+
+
+def stock_quantizer_reason(layer, x, input_act=None, cast=None, routes: dict | None = None) -> str | None:
+    """Why the int8 ConvRot ``layer``'s call on ``x`` keeps stock's quantiser (None: the pack's runs): training, its
+    ``route`` (``cast``: the weight and bias as cast for this call; None: before the cast), or this call's rows
+    (``kernels.int8_rows_problem``: the only check a routed layer's call repeats)."""
+    if comfy.model_management.in_training or x.requires_grad:
+        return "training"
+    return route(layer, x, input_act, cast, routes).reason or kernels.int8_rows_problem(x)
 
 
 @functools.cache
@@ -74,11 +111,12 @@ def forward_params(cls) -> tuple:
     return tuple(inspect.signature(cls.forward).parameters)
 
 
-def call(layer, x, input_act: str | None = None, record=None, into=None, **extended) -> torch.Tensor:
+def call(layer, x, input_act: str | None = None, record=None, into=None, routes=None, **extended) -> torch.Tensor:
     """Stock's ``layer(x)`` / ``linear_input_act(layer, x, input_act, **extended)`` on the pack's quantiser where it
     keeps stock's bits; ``x`` may be a ``kernels.PendingModulation`` (applied by the quantiser, or here).
     ``into``: a ``kernels.PendingResidual`` the output is added to, its ``x`` returned (in the int8 GEMM's epilogue
     where the route runs, else by the residual's own pass after the call).
+    ``routes``: the run's memo of ``route`` answers.
     ``extended``: ``linear_input_act``'s later arguments (EXTENDED_DEFAULTS); a call that sets one is stock's."""
     extra = _set_arguments(extended)
     if torch.compiler.is_compiling() or not is_int8_convrot(getattr(layer, "weight", None)):
@@ -87,14 +125,14 @@ def call(layer, x, input_act: str | None = None, record=None, into=None, **exten
         _tell(record, f"the call sets linear_input_act's {', '.join(extra)}: stock's call runs them")
         return _stock(layer, x, input_act, into, **extra)
     x, pending = _owed(x, input_act is None)
-    reason = stock_quantizer_reason(layer, x, input_act)
+    reason = stock_quantizer_reason(layer, x, input_act, routes=routes)
     if reason is not None:
         _tell(record, reason)
         return _stock(layer, pending if pending is not None else x, input_act, into)
     with _cast(layer, x, input_act) as (weight, bias):
         if input_act is None:
             weight = weight.to(dtype=x.dtype)
-        return _added(_routed_on_cast(layer, x, pending, input_act, weight, bias, record, into), into)
+        return _added(_routed_on_cast(layer, x, pending, input_act, weight, bias, record, into, routes), into)
 
 
 def _added(out, into):
@@ -102,11 +140,11 @@ def _added(out, into):
     return out if into is None or into.applied else into.apply(out)
 
 
-def _routed_on_cast(layer, x, pending, input_act, weight, bias, record, into=None):
+def _routed_on_cast(layer, x, pending, input_act, weight, bias, record, into=None, routes=None):
     """The rest of ``call`` once the weight is cast: the pack's quantiser where the cast weight keeps stock's bits
     (``into`` added in its GEMM's epilogue where it folds), else stock's computation on that weight; the reason
     recorded either way."""
-    reason, out = stock_quantizer_reason(layer, x, input_act, cast=(weight, bias)), None
+    reason, out = route(layer, x, input_act, (weight, bias), routes).reason, None
     if reason is None:
         out = kernels.int8_linear_routed(x, weight._qdata, weight._params.scale, bias, input_act=input_act,
                                          modulation=pending.segments if pending is not None else None, residual=into)
@@ -137,7 +175,7 @@ class HeldCast:
 
 
 @contextlib.contextmanager
-def cast_once(layer, x, input_act: str | None = None, record=None):
+def cast_once(layer, x, input_act: str | None = None, record=None, routes=None):
     """``call(layer, chunk, input_act)`` for every row chunk of one call on ``x`` (its rows, or a stand-in of their
     dtype and device) on one weight cast: stock's cast for the call, entered here and left when the context ends.
     For a layer the route takes (``stock_quantizer_reason`` None for the call). Yields a ``HeldCast``; each chunk
@@ -149,11 +187,11 @@ def cast_once(layer, x, input_act: str | None = None, record=None):
 
         def run(chunk, into=None):
             chunk_rows, pending = _owed(chunk, input_act is None)
-            reason = stock_quantizer_reason(layer, chunk_rows, input_act)
+            reason = stock_quantizer_reason(layer, chunk_rows, input_act, routes=routes)
             if reason is not None:  # the whole call's checks passed: only a chunk's row count could differ
                 _tell(record, reason)
                 return _stock_on_cast(kernels.settled(chunk), weight, bias, input_act)
-            return _routed_on_cast(layer, chunk_rows, pending, input_act, weight, bias, record, into)
+            return _routed_on_cast(layer, chunk_rows, pending, input_act, weight, bias, record, into, routes)
 
         held = HeldCast(run, weight, bias, rows, input_act)
         del x, rows  # the context lasts as long as the attention: it keeps no input alive
@@ -200,7 +238,7 @@ def _stock_on_cast(x, weight, bias, input_act):
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def quantized_columns(layer, x, inner: int, record=None, cast=None):
+def quantized_columns(layer, x, inner: int, record=None, cast=None, routes=None):
     """The qkv projection by output columns on ``x`` quantised once (``kernels.RowProjection``'s column form):
     ``(rows, project, columns)``, or None (then by rows through ``call``). No bias only. ``cast``: the weight and
     bias as cast once for this call (``cast_once``: offloaded or streamed), kept until the projection is spent;
@@ -217,8 +255,7 @@ def quantized_columns(layer, x, inner: int, record=None, cast=None):
         cast = (w, getattr(layer, "bias", None))
     weight, bias = cast
     if (not is_int8_convrot(weight) or bias is not None or weight._qdata.shape[0] != 3 * inner
-            or stock_quantizer_reason(layer, x) is not None
-            or stock_quantizer_reason(layer, x, cast=(weight, None)) is not None):
+            or stock_quantizer_reason(layer, x, cast=(weight, None), routes=routes) is not None):
         return None
     _every_op()
     rows = kernels.int8_quantized_rows(x, pending.segments if pending is not None else None)
@@ -229,15 +266,22 @@ def quantized_columns(layer, x, inner: int, record=None, cast=None):
 
 
 def route_on(settings) -> bool:
-    """The patch's int8 ConvRot linears take the pack's quantiser: the block fast path is on and
-    ``settings.own_int8_quantizer``."""
-    return settings.block_path != "attention_only" and settings.own_int8_quantizer
+    """The patch's int8 ConvRot linears may take the pack's quantiser (``settings.own_int8_quantizer``); on either
+    block path, each layer's ``route`` decides."""
+    return settings.own_int8_quantizer
 
 
-def caller(settings, report):
-    """How one patch calls a linear ``(layer, x, input_act=None)``: through ``call`` where ``route_on``,
-    else stock's call."""
-    return functools.partial(call, record=report.record_int8) if route_on(settings) else _stock
+def run_routes(patch) -> dict | None:
+    """The current run's memo of ``route`` answers (on the run's plan), or None where the route is off."""
+    return patch.plan.int8_routes if route_on(patch.settings) else None
+
+
+def caller(patch):
+    """How one installed patch calls a linear ``(layer, x, input_act=None)`` in the current run: through ``call``
+    (the run's routes memoised on its plan) where ``route_on``, else stock's call."""
+    if not route_on(patch.settings):
+        return _stock
+    return functools.partial(call, record=patch.report.record_int8, routes=patch.plan.int8_routes)
 
 
 def _owed(x, fold: bool):

@@ -82,6 +82,8 @@ class Plan:
     blocks_patched: int = 0
     refiner_blocks_patched: int = 0
     block_path_blocks: int = 0   # H3 blocks whose forward is the block fast path (the rest: attention only)
+    # the run's int8 routes (``int8_layers.route``), decided at each layer's first call: a new plan, new answers
+    int8_routes: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "chains", MappingProxyType(dict(self.chains)))

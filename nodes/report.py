@@ -40,7 +40,8 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "int8_stock_quantizer": [{"reason": "...", "count": 8}],   # int8 ConvRot linear calls left to stock's, and why
       "comfy_kitchen": null | {"release": "0.2.40" | null, "route": "verified" | "self_checked" | "stock",
                                "reason": null | "..."},   # its release and the int8 route, when int8 linears ran
-      "int8_gemm": null | {"kernel": "pack_sm90" | "pack" | "comfy_kitchen", "reason": null | "..."},  # its GEMM, why
+      "int8_gemm": null | {"kernel": "pack_sm90" | "pack" | "comfy_kitchen", "reason": null | "...",
+                           "release": "measured" | "self_checked"},  # its GEMM, why
       "memory": null | {"peak_bytes": 2400000000 | null, "estimate_bytes": 2500000000 | null,
                         "estimate_by": "pack" | "comfyui" | null,
                         "released_bytes": 1600000000 | null},   # H3: the largest model call's peak allocation
@@ -290,6 +291,8 @@ def kitchen_line(status: dict, route_ran: bool = True) -> str:
     return f"comfy-kitchen {release}: {route}" + (f" ({status['reason']})" if status.get("reason") else "")
 
 
+# the Gluon kernel on a Triton release it was not measured with runs (or not) by a first-use bits check
+SELF_CHECKED_GEMM = ", Gluon bits checked on this Triton"
 GEMM_KERNELS = {"pack_sm90": "the pack's (Gluon, warp-specialised)", "pack": "the pack's (Triton)",
                 "comfy_kitchen": "comfy-kitchen's CUTLASS"}
 
@@ -302,6 +305,7 @@ def gemm_status() -> dict:
 def gemm_line(status: dict) -> str:
     """"int8 GEMM: the pack's (Triton)" or "int8 GEMM: comfy-kitchen's CUTLASS (why)"."""
     kernel = GEMM_KERNELS.get(status.get("kernel"), str(status.get("kernel")))
+    kernel += SELF_CHECKED_GEMM if status.get("release") == "self_checked" else ""
     return f"int8 GEMM: {kernel}" + (f" ({status['reason']})" if status.get("reason") else "")
 
 

@@ -64,6 +64,8 @@ export const KITCHEN_UNRUN_LABELS = {
 };
 
 // Which int8 GEMM the route ran (nodes/report.py: GEMM_KERNELS has the same keys).
+// the Gluon kernel on a Triton release it was not measured with runs (or not) by a first-use bits check
+const SELF_CHECKED_GEMM = ", Gluon bits checked on this Triton";
 export const GEMM_KERNEL_LABELS = {
   pack_sm90: "the pack's (Gluon, warp-specialised)",
   pack: "the pack's (Triton)",
@@ -243,7 +245,7 @@ export function formatReport(report) {
   const gemm = r.int8_gemm;
   if (gemm && typeof gemm === "object" && !Array.isArray(gemm)) {
     const kernel = Object.hasOwn(GEMM_KERNEL_LABELS, gemm.kernel) ? GEMM_KERNEL_LABELS[gemm.kernel] : text(gemm.kernel);
-    lines.push(`int8 GEMM: ${kernel}`);
+    lines.push(`int8 GEMM: ${kernel}${gemm.release === "self_checked" ? SELF_CHECKED_GEMM : ""}`);
     if (gemm.reason) {
       const why = gemm.kernel === "pack" ? "why not the warp-specialised int8 GEMM" : "why comfy-kitchen's int8 GEMM runs";
       details.push(`${why}: ${text(gemm.reason)}`);

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from ..triton_support import exact_device
+from ..gpu import exact_device
 
 INT32_MAX_OFFSET = 2**31 - 1
 
@@ -150,6 +150,3 @@ class AttentionBackend:
         """Attention in ``layout`` ("NHD" [B,S,H,D] or "HND" [B,H,S,D]); output in the same layout."""
         raise NotImplementedError
 
-
-def cuda_capability() -> tuple[int, int] | None:
-    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None

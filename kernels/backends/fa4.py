@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from .base import INT32_MAX_OFFSET, YES, AttentionBackend, cuda_capability, no
+from .. import gpu
+from .base import INT32_MAX_OFFSET, YES, AttentionBackend, no
 
 INSTALL_HINT = "pip install flash-attn-4"
 MODULE = "flash_attn.cute"
@@ -72,7 +73,7 @@ class Fa4Backend(AttentionBackend):
     def _check_available(self):
         if not _installed():
             return no("not_installed", f"flash-attn-4 not installed ({INSTALL_HINT})")
-        cap = cuda_capability()
+        cap = gpu.capability("cuda")  # the process's GPU family (fa4 declares its limits per process)
         if cap is None:
             return no("no_cuda", "no CUDA device")
         if cap[0] not in SUPPORTED_MAJORS:
@@ -96,7 +97,7 @@ class Fa4Backend(AttentionBackend):
         if layout not in ("NHD", "HND"):
             return no("layout", f"layout {layout!r} not supported")
         head_dim = q.shape[-1]
-        cap = self._cap or cuda_capability() or (9, 0)
+        cap = self._cap or gpu.capability(q.device) or (9, 0)
         top, extra = head_dim_rule(cap)
         if not (head_dim % 8 == 0 and (8 <= head_dim <= top or head_dim in extra)):
             sizes = f"multiples of 8 up to {top}" + "".join(f" or {e}" for e in extra)

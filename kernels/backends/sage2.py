@@ -6,10 +6,10 @@ import importlib
 
 import torch
 
-from .. import sage2_quant
+from .. import gpu, sage2_quant
 from ..offsets import token_chunks
 from . import sage2_binding
-from .base import INT32_MAX_OFFSET, YES, AttentionBackend, Prepared, Verdict, cuda_capability, no
+from .base import INT32_MAX_OFFSET, YES, AttentionBackend, Prepared, Verdict, no
 from .sage2_selftest import self_test
 
 SUPPORTED_CAPABILITIES = {(8, 0), (8, 6), (8, 9), (9, 0), (12, 0), (12, 1)}
@@ -55,25 +55,25 @@ class Sage2Backend(AttentionBackend):
         if major != 2:
             return no("wrong_version", "installed sageattention is 1.x (PyPI); SageAttention 2 must be built from "
                                        "source or a wheel")
-        cap = cuda_capability()
-        if cap is None:
-            return no("no_cuda", "no CUDA device")
-        if cap not in SUPPORTED_CAPABILITIES:
-            return no("gpu_arch", f"no SageAttention 2 kernel for compute capability {cap[0]}.{cap[1]}")
         self._sageattn = module.sageattn
         return YES
 
     def _check_device(self, device):
-        """Trusted on a device once the binding probe and the numerical self-test have passed there."""
+        """On a device with a SageAttention 2 kernel for its capability, trusted once the binding probe and the
+        numerical self-test have passed there."""
         if device.type not in SELF_TESTED_DEVICES:
             return YES
+        cap = gpu.capability(device) if device.type == "cuda" else None
+        if device.type == "cuda" and cap not in SUPPORTED_CAPABILITIES:
+            got = "a GPU that is not NVIDIA's" if cap is None else f"compute capability {cap[0]}.{cap[1]}"
+            return no("gpu_arch", f"no SageAttention 2 kernel for {got}")
         return self_test(self, device)
 
     def __call__(self, q, k, v, *, layout, scale=None, mask=None):
         return self._sageattn(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale)
 
     def prepared_verdict(self, q, k, v) -> Verdict:
-        cap = cuda_capability()
+        cap = gpu.capability(q.device)  # q's own device, not the current one
         if cap != (9, 0):
             got = "no CUDA device" if cap is None else f"{cap[0]}.{cap[1]}"
             return no("gpu_arch", f"prepared path needs sm90 (H100/H200), got {got}")

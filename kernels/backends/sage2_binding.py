@@ -6,7 +6,7 @@ import importlib
 
 import torch
 
-from .base import cuda_capability
+from .. import gpu
 
 SM90_OP = "qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf"
 _SM90_OP: list = []  # [(op or None, reason)], filled on first use (a plain list: torch.compile reads it)
@@ -26,8 +26,4 @@ def sm90_attention_op():
 
 def on_sm90(device) -> bool:
     """Whether ``device`` is an sm90 GPU: there ``sageattn`` and the prepared path run SageAttention's sm90 kernel."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return False
-    with torch.cuda.device(device):
-        return cuda_capability() == (9, 0)
+    return gpu.capability(device) == (9, 0)

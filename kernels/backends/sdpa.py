@@ -9,6 +9,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from .. import gpu
 from .base import YES, AttentionBackend
 
 
@@ -34,7 +35,7 @@ def _hopper_priority():
 
 
 def _kernel_priority(q: torch.Tensor):
-    hopper = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9
+    hopper = (gpu.capability(q.device) or (0, 0))[0] >= 9
     factory = _hopper_priority() if hopper else None
     return factory() if factory is not None else contextlib.nullcontext()
 

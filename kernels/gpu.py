@@ -1,0 +1,68 @@
+"""Which GPU a tensor is on, asked one way (from the tensor's own device, never the current one), and the process's
+answers per device: what was decided or what failed where, in one shape."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+
+def exact_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` with its index (a bare "cuda": the current one)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+@functools.lru_cache(maxsize=None)
+def _properties(index: int) -> tuple[tuple[int, int], int]:
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.multi_processor_count
+
+
+def capability(device) -> tuple[int, int] | None:
+    """``device``'s NVIDIA compute capability; None off NVIDIA CUDA (the CPU, ROCm) or without a CUDA device."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
+        return None
+    return _properties(exact_device(device).index)[0]
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of the CUDA ``device``."""
+    return _properties(exact_device(device).index)[1]
+
+
+def failure_text(exc: BaseException) -> str:
+    """"RuntimeError: <the first line of its message>", for a reason in the report."""
+    return f"{type(exc).__name__}: " + next(iter(str(exc).strip().splitlines()), "")[:200]
+
+
+class DeviceAnswers:
+    """The process's answers to one question per device ("int8_gemm", "kitchen_release", ...): a reason (why the
+    thing is off there) or None (it runs there). Each is decided once, or recorded when a launch fails."""
+
+    def __init__(self):
+        self._answers: dict[tuple[str, torch.device], str | None] = {}
+
+    def decide(self, question: str, device, decide: Callable[[], str | None]) -> str | None:
+        key = (question, exact_device(device))
+        if key not in self._answers:
+            self._answers[key] = decide()
+        return self._answers[key]
+
+    def fail(self, question: str, device, reason: str) -> str:
+        self._answers[(question, exact_device(device))] = reason
+        return reason
+
+    def reason(self, question: str, device) -> str | None:
+        return self._answers.get((question, exact_device(device)))
+
+    def clear(self) -> None:
+        self._answers.clear()
+
+
+ANSWERS = DeviceAnswers()
