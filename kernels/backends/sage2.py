@@ -113,9 +113,8 @@ class Sage2Backend(AttentionBackend):
                 raise ValueError(f"kv buffer is {list(kv.shape)}, expected [{seq}, 2*{heads}*{d}]")
             k_all, v = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)
         ops = sage2_quant.RowOperands(seq, heads, projection.device, mode=mode)
-        rows_per_chunk = chunk * 3 if by_columns else chunk  # Q rows are a third of a whole row
-        step = sage2_quant.K_BLOCK  # Q is quantised in 128-token blocks: chunks start on one
-        chunks = token_chunks(seq, max(step, rows_per_chunk // step * step), align=step)
+        step, rows_per_chunk = sage2_quant.K_BLOCK, chunk * 3 if by_columns else chunk  # Q: a third of a whole row
+        chunks = token_chunks(seq, max(step, rows_per_chunk // step * step), align=step)  # starting on Q's blocks
         for a, b in chunks:
             if by_columns:
                 rows = projection.q_rows(a, b)
