@@ -98,9 +98,9 @@ def test_output_past_int32_offsets(mods):
 def test_warp_specialised_kernel_gives_the_portable_kernels_bits(mods, bias, per_column):
     """M, N and K off the 128 x 256 x 64 tiles, one row, fewer tiles than SMs and many tiles a program."""
     _, gemm = mods
-    why = gemm.ws_problem(torch.device("cuda"))
-    if why is not None:
-        pytest.skip(f"the warp-specialised kernel does not run here: {why}")
+    chosen = gemm.choice(torch.device("cuda"))
+    if chosen.kernel != "pack_sm90":
+        pytest.skip(f"the warp-specialised kernel does not run here: {chosen.reason}")
     for m, n, k in ((1, 136, 48), (5, 8, 16), (129, 264, 272), (777, 520, 1040), (4099, 5376, 7168),
                     (20000, 3 * INNER, HIDDEN)):
         xq, xs, w, ws, b = operands(m, k, n, seed=m + n + k, bias=bias, per_column=per_column)
@@ -108,7 +108,7 @@ def test_warp_specialised_kernel_gives_the_portable_kernels_bits(mods, bias, per
         gemm._launch_portable(xq, xs.reshape(m), w, ws.reshape(-1), b, portable)
         got = gemm.int8_gemm(xq, xs, w, ws, b)
         assert torch.equal(got, portable), f"{m}x{n}x{k}: {differ(got, portable)}"
-    assert gemm.WS_FAILED == {}
+    assert gemm.gpu.ANSWERS.reason("int8_gemm_sm90", "cuda") is None
 
 
 def test_traced_call_records_the_custom_op(mods):
@@ -126,11 +126,11 @@ def test_gated_residual_in_the_epilogue_gives_stocks_two_steps(mods, kernel):
     M off the tiles), with the warp-specialised kernel and the portable one."""
     route, gemm = mods
     device = torch.device("cuda", torch.cuda.current_device())
-    if kernel == "warp_specialised" and gemm.ws_problem(device) is not None:
-        pytest.skip(f"the warp-specialised kernel does not run here: {gemm.ws_problem(device)}")
-    saved = dict(gemm.WS_FAILED)
+    if kernel == "warp_specialised" and gemm.choice(device).kernel != "pack_sm90":
+        pytest.skip(f"the warp-specialised kernel does not run here: {gemm.choice(device).reason}")
+    saved = gemm.gpu.ANSWERS.reason("int8_gemm_sm90", device)
     if kernel == "portable":
-        gemm.WS_FAILED[gemm.exact_device(device)] = "the test runs the portable kernel"
+        gemm.gpu.ANSWERS.fail("int8_gemm_sm90", device, "the test runs the portable kernel")
     try:
         for linear in ("out", "fc2"):
             k, n = LINEARS[linear]
@@ -149,5 +149,4 @@ def test_gated_residual_in_the_epilogue_gives_stocks_two_steps(mods, kernel):
             stock = residual[:4099].addcmul(product, gate)
             assert torch.equal(whole, stock), f"{linear} whole: {differ(whole, stock)}"
     finally:
-        gemm.WS_FAILED.clear()
-        gemm.WS_FAILED.update(saved)
+        gemm.gpu.ANSWERS.fail("int8_gemm_sm90", device, saved)  # back to what was decided (None: it runs)
