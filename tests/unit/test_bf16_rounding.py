@@ -11,20 +11,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfyui_sage_strided_nhd.kernels import triton_support
+from comfyui_sage_strided_nhd.kernels import gpu, triton_support
+
+
+def with_gpu(monkeypatch, capability):
+    """A CUDA device 0 of ``capability`` (the lookup's own CPU, ROCm and interpreter checks still run)."""
+    monkeypatch.setattr(gpu, "_properties", lambda index: (capability, 132))
+    monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: True)
 
 
 @pytest.mark.parametrize("capability,expected", [((7, 5), False), ((8, 0), True), ((8, 9), True), ((9, 0), True),
                                                  ((12, 0), True)])
 def test_a_gpu_takes_the_conversion_instruction_from_compute_capability_8(monkeypatch, capability, expected):
-    monkeypatch.setattr(triton_support, "_capability", lambda index: capability)
+    with_gpu(monkeypatch, capability)
     monkeypatch.setattr(triton_support, "interpreting", lambda: False)
     monkeypatch.setattr(torch.version, "hip", None)
     assert triton_support.hardware_bf16(torch.device("cuda", 0)) is expected
 
 
 def test_the_cpu_the_interpreter_and_rocm_take_the_integer_form(monkeypatch):
-    monkeypatch.setattr(triton_support, "_capability", lambda index: (9, 0))
+    with_gpu(monkeypatch, (9, 0))
     monkeypatch.setattr(triton_support, "interpreting", lambda: False)
     monkeypatch.setattr(torch.version, "hip", None)
     assert triton_support.hardware_bf16(torch.device("cuda", 0)) is True

@@ -78,7 +78,7 @@ def fake(monkeypatch):
 
 
 def with_gpu(monkeypatch, capability):
-    monkeypatch.setattr(fa4, "cuda_capability", lambda: capability)
+    monkeypatch.setattr(fa4.gpu, "capability", lambda device: capability)
 
 
 def test_registered_between_sage2_and_sdpa_in_auto_order():

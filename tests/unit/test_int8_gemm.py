@@ -140,10 +140,10 @@ def test_an_older_triton_keeps_comfy_kitchens_gemm(monkeypatch):
 def test_a_failed_launch_turns_the_gemm_off_on_that_device_and_says_why(monkeypatch):
     """A compile or launch error keeps comfy-kitchen's GEMM (stock's bits) on that device from then on, with the
     reason in the report's status and the log; running out of memory is raised, not taken as such a failure."""
-    gemm, route = submodule("kernels.int8_gemm"), submodule("kernels.int8_linear")
+    gemm, route, gpu = submodule("kernels.int8_gemm"), submodule("kernels.int8_linear"), submodule("kernels.gpu")
     device = torch.device("cpu")
-    monkeypatch.setattr(gemm, "config_for", lambda d: gemm.INTERPRETER_CONFIG)
-    monkeypatch.setattr(gemm, "FAILED", {})
+    monkeypatch.setattr(gemm, "interpreting", lambda: True)  # the pack's GEMM runs on the CPU
+    monkeypatch.setattr(gpu, "ANSWERS", gpu.DeviceAnswers())
     tries = []
 
     def broken(*args):
@@ -153,19 +153,20 @@ def test_a_failed_launch_turns_the_gemm_off_on_that_device_and_says_why(monkeypa
     monkeypatch.setattr(route, "kitchen_gemm", lambda *args: "comfy-kitchen's")
     xq, xs = torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1)
     w = torch.zeros(8, 64, dtype=torch.int8)
-    assert route.gemm_status(device) == {"kernel": "pack", "reason": None}
+    assert route.gemm_status(device) == {"kernel": "pack", "reason": None, "release": "measured"}
     assert route.gemm(xq, xs, w, torch.ones(()), None, torch.bfloat16) == "comfy-kitchen's"
     assert route.gemm(xq, xs, w, torch.ones(()), None, torch.bfloat16) == "comfy-kitchen's"
     assert len(tries) == 1  # not tried again on that device
     status = route.gemm_status(device)
     assert status["kernel"] == "comfy_kitchen"
     assert status["reason"] == "it failed on this GPU (RuntimeError: PTX .version 8.7 does not support .target sm_90)"
+    assert gpu.ANSWERS.reason("int8_gemm", device) == status["reason"]
 
-    monkeypatch.setattr(gemm, "FAILED", {})
+    gpu.ANSWERS.clear()
 
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory")
     monkeypatch.setattr(gemm, "_gemm_impl", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         route.gemm(xq, xs, w, torch.ones(()), None, torch.bfloat16)
-    assert gemm.FAILED == {}
+    assert gpu.ANSWERS.reason("int8_gemm", device) is None

@@ -58,52 +58,106 @@ def test_gated_epilogue_builds_reading_the_residual_in_16_byte_vectors():
     assert not re.search(r"ld\.global(\.\w+)*\.v4\.b32", plain.asm["ptx"])  # no residual read without the gate
 
 
-def test_runs_only_where_declared_and_says_why(monkeypatch):
-    gemm = submodule("kernels.int8_gemm")
-    cuda = torch.device("cuda", 0)
-    assert gemm.ws_problem(torch.device("cpu")) == "not on a CUDA device"
-    capability = {"now": (9, 0)}
+def hopper_everywhere(monkeypatch, gemm, gpu, capability=(9, 0)):
+    """Every device a GPU of ``capability`` with 132 SMs, on a Triton release the Gluon kernel was measured with,
+    with fresh per-device answers."""
+    if gemm.triton is None:
+        pytest.skip("Triton not importable")
     monkeypatch.setattr(gemm, "interpreting", lambda: False)
-    monkeypatch.setattr(gemm.torch.version, "hip", None)
-    monkeypatch.setattr(gemm, "exact_device", lambda device: cuda)
-    monkeypatch.setattr(gemm, "_device_facts", lambda index: (capability["now"], 132))
-    monkeypatch.setattr(gemm, "gluon_problem", lambda: None)
-    monkeypatch.setattr(gemm, "WS_FAILED", {})
-    assert gemm.ws_problem(cuda) is None and gemm.ws_problem(cuda, 21504) is None
-    assert gemm.ws_problem(cuda, 100) == "outputs 100 wide: its TMA store needs a multiple of 8"
-    gemm.WS_FAILED[cuda] = "its Gluon kernel failed here (RuntimeError: x)"
-    assert gemm.ws_problem(cuda, 64) == "its Gluon kernel failed here (RuntimeError: x)"
-    gemm.WS_FAILED.clear()
-    capability["now"] = (8, 9)
-    assert gemm.ws_problem(cuda, 64) == "warp-specialised kernel measured only on sm90, not sm89"
+    monkeypatch.setattr(gemm, "triton_problem", lambda: None)
+    monkeypatch.setattr(gemm.int8_gemm_sm90, "GLUON_ERROR", None)
+    monkeypatch.setattr(gemm, "GLUON_TRITON", (gemm.version_key(gemm.triton.__version__)[:2],))
+    monkeypatch.setattr(gpu, "capability", lambda device: capability)
+    monkeypatch.setattr(gpu, "sm_count", lambda device: 132)
+    monkeypatch.setattr(gpu, "ANSWERS", gpu.DeviceAnswers())
 
 
-def test_a_triton_it_was_not_measured_with_keeps_the_portable_kernel(monkeypatch):
-    gemm = submodule("kernels.int8_gemm")
-    if gemm.triton is None or gemm.int8_gemm_sm90.GLUON_ERROR:
-        pytest.skip("Gluon not importable")
+def test_runs_only_where_declared_and_says_why(monkeypatch):
+    gemm, gpu = submodule("kernels.int8_gemm"), submodule("kernels.gpu")
+    cuda = torch.device("cuda", 0)
+    assert gemm.choice(torch.device("cpu")).reason == "not on a CUDA device"
+    hopper_everywhere(monkeypatch, gemm, gpu)
+    assert gemm.choice(cuda) == gemm.choice(cuda, n=21504) == gemm.GemmChoice("pack_sm90", None, "measured")
+    assert gemm.choice(cuda, n=100) == gemm.GemmChoice("pack", "outputs 100 wide: its TMA store needs a multiple of 8")
+    gpu.ANSWERS.fail("int8_gemm_sm90", cuda, "its Gluon kernel failed here (RuntimeError: x)")
+    assert gemm.choice(cuda, n=64) == gemm.GemmChoice("pack", "its Gluon kernel failed here (RuntimeError: x)")
+    assert gemm.choice(torch.device("cuda", 1), n=64).kernel == "pack_sm90"  # a failure is per device
+    gpu.ANSWERS.clear()
+    monkeypatch.setattr(gpu, "capability", lambda device: (8, 9))
+    assert gemm.choice(cuda, n=64) == gemm.GemmChoice(
+        "comfy_kitchen", "measured faster than comfy-kitchen's GEMM only on sm90, not on this sm89 GPU")
+    monkeypatch.setattr(gemm, "CONFIGS", {**gemm.CONFIGS, (8, 9): gemm.INTERPRETER_CONFIG})
+    assert gemm.choice(cuda, n=64) == gemm.GemmChoice(
+        "pack", "warp-specialised kernel measured only on sm90, not sm89")
+    monkeypatch.setattr(gemm.int8_gemm_sm90, "GLUON_ERROR", "no Gluon here")
+    monkeypatch.setattr(gpu, "capability", lambda device: (9, 0))
+    assert gemm.choice(cuda, n=64) == gemm.GemmChoice("pack", "no Gluon here")
+
+
+def test_a_triton_it_was_not_measured_with_runs_it_after_a_bits_check(monkeypatch):
+    """On a Triton release the Gluon kernel was not measured with, it runs only once its bits matched the portable
+    kernel's on the device, checked once per device ("int8_gemm_sm90"); the report says it was self-checked."""
+    gemm, gpu = submodule("kernels.int8_gemm"), submodule("kernels.gpu")
+    hopper_everywhere(monkeypatch, gemm, gpu)
     monkeypatch.setattr(gemm, "GLUON_TRITON", ((3, 6),))
     monkeypatch.setattr(gemm.triton, "__version__", "3.8.0")
-    gemm.gluon_problem.cache_clear()
-    try:
-        assert gemm.gluon_problem() == "its Gluon kernel was measured with Triton 3.6, not 3.8.0"
-        monkeypatch.setattr(gemm.triton, "__version__", "3.6.0+git1234")
-        gemm.gluon_problem.cache_clear()
-        assert gemm.gluon_problem() is None
-    finally:
-        monkeypatch.undo()
-        gemm.gluon_problem.cache_clear()
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    verdicts, checked = {cuda0: None, cuda1: "it differed"}, []
+    monkeypatch.setattr(gemm, "_gluon_bits_check", lambda device: checked.append(device) or verdicts[device])
+    assert gemm.choice(cuda0) == gemm.GemmChoice("pack_sm90", None, "self_checked")
+    assert gemm.choice(cuda0, n=64) == gemm.GemmChoice("pack_sm90", None, "self_checked")
+    assert gemm.choice(cuda1) == gemm.GemmChoice("pack", "it differed", "self_checked")
+    assert gemm.choice(cuda1) == gemm.GemmChoice("pack", "it differed", "self_checked")
+    assert checked == [cuda0, cuda1]  # once per device
+    assert gpu.ANSWERS.reason("int8_gemm_sm90", cuda1) == "it differed"
+    monkeypatch.setattr(gemm.triton, "__version__", "3.6.0+git1234")
+    gpu.ANSWERS.clear()
+    assert gemm.choice(cuda1) == gemm.GemmChoice("pack_sm90", None, "measured")
+    assert checked == [cuda0, cuda1]  # a measured release is not checked
+
+
+def test_the_bits_check_compares_with_the_portable_kernel(monkeypatch):
+    """``_gluon_bits_check``: None where the Gluon kernel wrote the portable kernel's outputs on every check shape;
+    else how many differed, or how it failed (the launches stand in: the Gluon kernel needs a Hopper GPU)."""
+    gemm, gpu = submodule("kernels.int8_gemm"), submodule("kernels.gpu")
+    hopper_everywhere(monkeypatch, gemm, gpu)
+    monkeypatch.setattr(gemm, "GLUON_TRITON", ((3, 6),))
+    monkeypatch.setattr(gemm.triton, "__version__", "3.8.0")
+    monkeypatch.setattr(gemm, "GLUON_CHECK_SHAPES", ((5, 16, 32, True, False), (3, 8, 16, False, True)))
+    cpu, shapes = torch.device("cpu"), []
+
+    def portable(xq, x_scale, qdata, w_scale, bias, out, gate=None):
+        out.fill_(1.0)
+
+    def same(cfg, xq, x_scale, qdata, w_scale, bias, out, programs, gate=None):
+        shapes.append((xq.shape[0], qdata.shape[0], xq.shape[1], bias is not None, gate is not None, cfg, programs))
+        out.fill_(1.0)
+
+    monkeypatch.setattr(gemm, "_launch_portable", portable)
+    monkeypatch.setattr(gemm.int8_gemm_sm90, "launch", same)
+    assert gemm._gluon_bits_check(cpu) is None
+    sm90 = gemm.int8_gemm_sm90.SM90
+    assert shapes == [(5, 16, 32, True, False, sm90, 8), (3, 8, 16, False, True, sm90, 8)]
+
+    def one_off(cfg, xq, x_scale, qdata, w_scale, bias, out, programs, gate=None):
+        out.fill_(1.0)
+        out[0, 0] = 2.0
+    monkeypatch.setattr(gemm.int8_gemm_sm90, "launch", one_off)
+    assert gemm._gluon_bits_check(cpu) == ("its Gluon kernel was measured with Triton 3.6; on Triton 3.8.0 it "
+                                           "differed from the portable kernel in 1 of 80 outputs (5 x 16 x 32)")
+
+    def broken(*args):
+        raise RuntimeError("PassManager::run failed\nmore")
+    monkeypatch.setattr(gemm.int8_gemm_sm90, "launch", broken)
+    assert gemm._gluon_bits_check(cpu) == ("its Gluon kernel was measured with Triton 3.6; on Triton 3.8.0 it "
+                                           "failed its check here (RuntimeError: PassManager::run failed)")
 
 
 def test_hopper_launches_it_and_a_build_failure_falls_back_to_the_portable_kernel(monkeypatch):
-    gemm, route = submodule("kernels.int8_gemm"), submodule("kernels.int8_linear")
+    gemm, route, gpu = submodule("kernels.int8_gemm"), submodule("kernels.int8_linear"), submodule("kernels.gpu")
     sm90 = gemm.int8_gemm_sm90
-    cuda = torch.device("cuda", 0)
+    hopper_everywhere(monkeypatch, gemm, gpu)  # the CPU tensors below stand in for an H100's
     calls = []
-    monkeypatch.setattr(gemm, "exact_device", lambda device: cuda)
-    monkeypatch.setattr(gemm, "_device_facts", lambda index: ((9, 0), 132))
-    monkeypatch.setattr(gemm, "ws_problem", lambda device, n=None: gemm.WS_FAILED.get(cuda))
-    monkeypatch.setattr(gemm, "WS_FAILED", {})
     monkeypatch.setattr(sm90, "launch", lambda cfg, *args: calls.append(("sm90", cfg, args[6])))  # its programs
     monkeypatch.setattr(gemm, "_launch_portable", lambda *args: calls.append(("portable",)))
     xq, w = torch.zeros(300, 64, dtype=torch.int8), torch.zeros(520, 64, dtype=torch.int8)
@@ -118,12 +172,14 @@ def test_hopper_launches_it_and_a_build_failure_falls_back_to_the_portable_kerne
     gemm._launch(xq, torch.ones(300, 1), w, torch.ones(()), None, out)
     gemm._launch(xq, torch.ones(300, 1), w, torch.ones(()), None, out)
     assert calls == [("portable",), ("portable",)]
-    assert gemm.WS_FAILED == {cuda: "its Gluon kernel failed here (RuntimeError: PassManager::run failed)"}
+    why = "its Gluon kernel failed here (RuntimeError: PassManager::run failed)"
+    assert gpu.ANSWERS.reason("int8_gemm_sm90", xq.device) == why
+    assert gpu.ANSWERS.reason("int8_gemm", xq.device) is None  # the portable kernel still runs there
 
-    monkeypatch.setattr(gemm, "gemm_problem", lambda device, k: None)
-    assert route.gemm_status(cuda) == {"kernel": "pack", "reason": gemm.WS_FAILED[cuda]}
-    monkeypatch.setattr(gemm, "ws_problem", lambda device, n=None: None)
-    assert route.gemm_status(cuda) == {"kernel": "pack_sm90", "reason": None}
+    cuda = torch.device("cuda", 0)
+    assert route.gemm_status(cuda) == {"kernel": "pack_sm90", "reason": None, "release": "measured"}
+    gpu.ANSWERS.fail("int8_gemm_sm90", cuda, why)
+    assert route.gemm_status(cuda) == {"kernel": "pack", "reason": why, "release": "measured"}
 
 
 def test_its_tiling_fits_hopper_and_tma():

@@ -267,17 +267,36 @@ def test_fused_views_past_the_limit_run_as_one_compact_chunk_when_it_fits(gen):
 
 @pytest.mark.parametrize("capability,expected", [((9, 0), True), ((8, 7), False), ((10, 0), False), ((7, 5), False)])
 def test_sage2_is_only_offered_on_arches_sageattn_dispatches(capability, expected, monkeypatch):
+    """Per device (its own capability), before the self-test; the process-wide verdict is the install only."""
     import types
 
     from kernels.backends import sage2
     fake = types.SimpleNamespace(sageattn=lambda *a, **k: None, sageattn_qk_int8_pv_fp16_cuda=object())
     monkeypatch.setattr(sage2, "installed_sageattention", lambda: (fake, 2))
-    monkeypatch.setattr(sage2, "cuda_capability", lambda: capability)
-    verdict = sage2.Sage2Backend().available()
-    assert verdict.ok is expected
+    asked, tested = [], []
+    monkeypatch.setattr(sage2.gpu, "capability", lambda device: asked.append(device) or capability)
+    monkeypatch.setattr(sage2, "self_test", lambda backend, device: tested.append(device) or YES)
+    backend, cuda1 = sage2.Sage2Backend(), torch.device("cuda", 1)
+    assert backend.available()
+    verdict = backend.available(cuda1)
+    assert verdict.ok is expected and asked == [cuda1]
+    assert tested == ([cuda1] if expected else [])  # no self-test where no kernel exists
     if not expected:
-        assert f"{capability[0]}.{capability[1]}" in verdict.reason
+        assert verdict.reason == f"no SageAttention 2 kernel for compute capability {capability[0]}.{capability[1]}"
         assert verdict.code == "gpu_arch"
+
+
+def test_sage2_is_not_offered_on_a_gpu_that_is_not_nvidias(monkeypatch):
+    import types
+
+    from kernels.backends import sage2
+    fake = types.SimpleNamespace(sageattn=lambda *a, **k: None, sageattn_qk_int8_pv_fp16_cuda=object())
+    monkeypatch.setattr(sage2, "installed_sageattention", lambda: (fake, 2))
+    monkeypatch.setattr(sage2.gpu, "capability", lambda device: None)  # a ROCm build's "cuda" device
+    monkeypatch.setattr(sage2, "self_test", lambda backend, device: YES)
+    verdict = sage2.Sage2Backend().available(torch.device("cuda", 0))
+    assert not verdict and verdict.code == "gpu_arch"
+    assert verdict.reason == "no SageAttention 2 kernel for a GPU that is not NVIDIA's"
 
 
 # --- the prepared path, through a CPU fake ----------------------------------------------------------------

@@ -367,14 +367,17 @@ def test_backend_prepared_path_says_why_it_is_off_on_this_machine():
 
 @pytest.mark.parametrize("capability, got", [(None, "no CUDA device"), ((8, 9), "8.9"), ((10, 0), "10.0")])
 def test_the_prepared_path_needs_sm90(capability, got, monkeypatch):
-    monkeypatch.setattr(sage2, "cuda_capability", lambda: capability)
-    verdict = sage2.Sage2Backend().prepared_verdict(*_views())
+    asked = []
+    monkeypatch.setattr(sage2.gpu, "capability", lambda device: asked.append(device) or capability)
+    q, k, v = _views()
+    verdict = sage2.Sage2Backend().prepared_verdict(q, k, v)
+    assert asked == [q.device]  # q's own device, not the current one
     assert not verdict and verdict.code == "gpu_arch"
     assert verdict.reason == f"prepared path needs sm90 (H100/H200), got {got}"
 
 
 def test_the_prepared_path_needs_cuda_tensors(monkeypatch):
-    monkeypatch.setattr(sage2, "cuda_capability", lambda: (9, 0))
+    monkeypatch.setattr(sage2.gpu, "capability", lambda device: (9, 0))
     verdict = sage2.Sage2Backend().prepared_verdict(*_views())
     assert not verdict and verdict.code == "no_cuda" and verdict.reason == "prepared path needs CUDA tensors"
 

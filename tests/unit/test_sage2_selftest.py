@@ -124,7 +124,7 @@ def install(monkeypatch):
         setattr(compiled, sage2_selftest.SM90_OP, healthy_op if binding is None else binding)
         monkeypatch.setitem(sys.modules, "sageattention.sm90_compile", compiled)
         monkeypatch.setattr(sage2, "installed_sageattention", lambda: (module, 2))
-        monkeypatch.setattr(sage2, "cuda_capability", lambda: (9, 0))
+        monkeypatch.setattr(sage2.gpu, "capability", lambda device: (9, 0))
         monkeypatch.setattr(sage2_binding, "on_sm90", lambda device: sm90)
         monkeypatch.setattr(sage2, "SELF_TESTED_DEVICES", ("cuda", "cpu"))
         monkeypatch.setattr(sage2_binding, "sm90_attention_op", lambda: (OPS[op], ""))
