@@ -26,7 +26,6 @@ import copy
 import dataclasses
 import gc
 import os
-import platform
 import re
 import shutil
 import sys
@@ -43,6 +42,7 @@ from devkit.pack import submodule
 
 from . import peer, results_table, schema
 from . import sections as sec
+from .measure import device_facts
 from .report import LAYOUTS, Report, correctness_table, equality_verdict, first_contact_table, text_table
 
 SECTIONS = ("isolated", "blocks", "profiler", "sampling_2_step", "sampling_12_step")
@@ -295,13 +295,6 @@ def parse_peer_options(parser, args) -> None:
 
 def log(message: str) -> None:
     print(f"[h3-bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def device_facts(device: torch.device) -> dict:
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return {"device": torch.cuda.get_device_name(device), "compute_capability": f"SM{major}{minor}"}
-    return {"device": f"CPU ({platform.machine()})", "compute_capability": "cpu"}
 
 
 def resolve_backend(kernels, choice: str, device: torch.device) -> str:

@@ -6,12 +6,22 @@ by a few percent over minutes: only ratios measured side by side mean anything.
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections import Counter
 from typing import Callable
 
 import torch
+
+
+def device_facts(device) -> dict:
+    """The device's name and compute capability, as every report gives them."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return {"device": torch.cuda.get_device_name(device), "compute_capability": f"SM{major}{minor}"}
+    return {"device": f"CPU ({platform.machine()})", "compute_capability": "cpu"}
 
 
 def synchronize(device: torch.device) -> None:

@@ -34,7 +34,7 @@ from devkit import sage2_oracle
 from devkit.inputs import fused_attention_inputs
 from devkit.pack import kernels as _kernels
 
-from .measure import event_timed, interleaved_times, peak_extra_bytes, summary
+from .measure import device_facts, event_timed, interleaved_times, peak_extra_bytes, summary
 
 BACKEND = _kernels().BACKENDS["sage2"]
 HEADS, D, ROT, EPS = 56, 128, 96, 1e-5
@@ -231,9 +231,7 @@ def main(argv=None) -> dict:
     why = unavailable()
     if why:
         sys.exit(why)
-    cap = torch.cuda.get_device_capability()
-    report = {"device": torch.cuda.get_device_name(), "compute_capability": f"SM{cap[0]}{cap[1]}",
-              "torch": torch.__version__, "speed": [], "accuracy": []}
+    report = {**device_facts("cuda"), "torch": torch.__version__, "speed": [], "accuracy": []}
     parts = [("speed", args.seq, lambda s: speed(s, args.reps, args.warmup)),
              ("accuracy", args.accuracy_seq, lambda s: accuracy(s, args.accuracy_heads))]
     for part, lengths, run in [x for x in parts if args.part in (x[0], "both")]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -101,35 +100,6 @@ def parse_args(argv=None):
 
 # --- the checkpoint ----------------------------------------------------------------------------------------
 
-SAFETENSORS_DTYPES = {"torch.bfloat16": "BF16", "torch.float16": "F16", "torch.float32": "F32", "torch.int8": "I8",
-                      "torch.uint8": "U8"}
-
-
-def write_safetensors(path: Path, named_tensors, metadata: dict) -> int:
-    """A safetensors file from ``named_tensors()`` (a callable giving ``(name, tensor)`` pairs, asked twice: once for
-    the header, once for the data), written tensor by tensor: never the whole model in host memory (47 GB for the
-    int8 H3), whatever safetensors release the machine has. Returns the bytes written."""
-    import torch
-
-    header, offset = {"__metadata__": metadata}, 0
-    for name, t in named_tensors():
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[str(t.dtype)], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the format aligns the data to 8 bytes
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        for name, t in named_tensors():
-            data = t.detach().contiguous().to("cpu").view(-1).view(torch.uint8)
-            f.write(memoryview(data.numpy()))
-    os.replace(tmp, path)
-    return 8 + len(text) + offset
-
-
 def make_checkpoint(args) -> int:
     """The random-weight H3 as a checkpoint file in ``args.weights``' format: drawn on the device, quantised there
     one tensor at a time, streamed to the file."""
@@ -156,8 +126,7 @@ def make_checkpoint(args) -> int:
                 yield key, value
 
     path = args.make_checkpoint
-    path.parent.mkdir(parents=True, exist_ok=True)
-    size = write_safetensors(path, named_tensors, {"source": "benchmarks.vram_budget random weights",
+    size = h3.write_safetensors(path, named_tensors, {"source": "benchmarks.vram_budget random weights",
                                                    "seed": str(args.seed), "weights": args.weights})
     log(f"wrote {path}: {size / 2**30:.2f} GiB, {config['num_layers']} blocks, {args.weights}, "
         f"in {time.perf_counter() - started:.0f} s")

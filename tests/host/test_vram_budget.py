@@ -104,6 +104,8 @@ def test_the_checkpoint_is_a_safetensors_file_written_tensor_by_tensor(tmp_path)
     import torch
     from safetensors.torch import load_file, safe_open
 
+    from devkit.h3 import write_safetensors
+
     tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b.weight": torch.randint(-127, 127, (7,), dtype=torch.int8),
                "b.weight_scale": torch.tensor(0.5), "c": torch.arange(3, dtype=torch.uint8)}
     asked = []
@@ -112,7 +114,7 @@ def test_the_checkpoint_is_a_safetensors_file_written_tensor_by_tensor(tmp_path)
         asked.append(1)
         yield from tensors.items()
 
-    size = vram_budget.write_safetensors(tmp_path / "x.safetensors", named, {"seed": "1"})
+    size = write_safetensors(tmp_path / "x.safetensors", named, {"seed": "1"})
     assert size == (tmp_path / "x.safetensors").stat().st_size and len(asked) == 2
     loaded = load_file(tmp_path / "x.safetensors")
     assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], v) for k, v in tensors.items())
