@@ -31,14 +31,22 @@ from devkit.pack import submodule
 
 route = submodule("kernels.int8_linear")
 check = submodule("kernels.int8_release_check")
+kitchen = submodule("kernels.kitchen")
+gpu = submodule("kernels.gpu")
 kernels = submodule("kernels")
+
+
+@pytest.fixture(autouse=True)
+def fresh_answers(monkeypatch):
+    """Each test its own per-device answers (the self-check's decisions among them)."""
+    monkeypatch.setattr(gpu, "ANSWERS", gpu.DeviceAnswers())
 
 
 @pytest.fixture
 def fresh_release(monkeypatch):
     """``installed(version)`` pretends comfy-kitchen ``version`` is installed (None: none is) with its CUDA
-    extension loaded; the caches and the check's decisions are cleared after."""
-    real_kitchen_cuda = route.kitchen_cuda
+    extension loaded (where int8_linear looks it up); the caches are cleared after."""
+    real_kitchen_cuda = kitchen.kitchen_cuda
 
     def installed(version):
         def fake_version(name):
@@ -46,35 +54,36 @@ def fresh_release(monkeypatch):
                 raise importlib.metadata.PackageNotFoundError(name)
             return version
         monkeypatch.setattr(importlib.metadata, "version", fake_version)
-        route.installed_release.cache_clear()
+        kitchen.installed_release.cache_clear()
         real_kitchen_cuda.cache_clear()
         if version is not None:  # the backend stands in loaded, whichever release is really installed
             monkeypatch.setattr(route, "kitchen_cuda", lambda: (SimpleNamespace(), None))
     yield installed
-    route.installed_release.cache_clear()
+    kitchen.installed_release.cache_clear()
     real_kitchen_cuda.cache_clear()
-    route.RELEASE_CHECK.decided.clear()
 
 
 # --- the release table and its gating ----------------------------------------------------------------------------
 def test_verified_releases_are_the_table():
-    assert route.KITCHEN_VERSIONS == ("0.2.31", "0.2.36", "0.2.40")
-    assert route.VERIFIED_VERSIONS == ("0.2.31", "0.2.40")  # 0.2.36: read from its code, not yet run on a GPU
-    for version in route.KITCHEN_VERSIONS:
-        assert route.release_for(version) == (route.RELEASES[version], version in route.VERIFIED_VERSIONS)
+    assert kitchen.KITCHEN_VERSIONS == ("0.2.31", "0.2.36", "0.2.40")
+    assert kitchen.VERIFIED_VERSIONS == ("0.2.31", "0.2.40")  # 0.2.36: read from its code, not yet run on a GPU
+    assert route.VERIFIED_VERSIONS is kitchen.VERIFIED_VERSIONS  # one table
+    for version in kitchen.KITCHEN_VERSIONS:
+        assert kitchen.release_for(version) == (kitchen.RELEASES[version], version in kitchen.VERIFIED_VERSIONS)
     # the two-row GEMV and the aligned out-dtype bias came together (0.2.36)
-    assert [(r.min_rows, r.bias_in_out_dtype) for r in route.RELEASES.values()] == [(2, False), (3, True), (3, True)]
+    assert [(r.min_rows, r.bias_in_out_dtype) for r in kitchen.RELEASES.values()] == [
+        (2, False), (3, True), (3, True)]
 
 
 @pytest.mark.parametrize("version,form", [("0.2.41", "0.2.40"), ("0.3.0.dev1", "0.2.40"), ("0.2.38", "0.2.36"),
                                           ("0.2.33", "0.2.31"), ("0.2.20", "0.2.31"), ("0.2.41rc1", "0.2.40")])
 def test_another_release_takes_the_nearest_verified_form_unverified(version, form):
-    assert route.release_for(version) == (route.RELEASES[form], False)
+    assert kitchen.release_for(version) == (kitchen.RELEASES[form], False)
 
 
 def test_not_installed_keeps_stocks_quantiser(fresh_release):
     fresh_release(None)
-    assert route.kitchen_cuda() == (None, "comfy-kitchen is not installed")
+    assert route.kitchen_cuda() == kitchen.kitchen_cuda() == (None, "comfy-kitchen is not installed")
     assert kernels.kitchen_release_status() == {"release": None, "route": "stock",
                                                 "reason": "comfy-kitchen is not installed"}
 
@@ -90,13 +99,15 @@ def test_fewer_rows_than_the_release_gemm_takes_keep_stocks_call(fresh_release, 
     monkeypatch.setattr(route.int8_activation, "quantize_takes", lambda x, act=None: True)
     x = lambda rows: torch.zeros(rows, 512, dtype=torch.bfloat16)  # noqa: E731
     fresh_release("0.2.31")
-    assert route._call_shape_problem(x(1), None) == (
+    assert route.int8_rows_problem(x(1)) == (
         "1 row: comfy-kitchen 0.2.31 runs a GEMV for fewer than 2 rows, not its CUTLASS GEMM")
-    assert route._call_shape_problem(x(2), None) is None
+    assert route.int8_rows_problem(x(2)) is None
+    assert route._call_shape_problem(x(1), None) is None  # the calls' form, not their row count
     fresh_release("0.2.40")
-    assert route._call_shape_problem(x(2), "swiglu") == (
+    assert route.int8_rows_problem(x(2)) == (
         "2 rows: comfy-kitchen 0.2.40 runs a GEMV for fewer than 3 rows, not its CUTLASS GEMM")
-    assert route._call_shape_problem(x(3), None) is None
+    assert route._call_shape_problem(x(2), "swiglu") is None
+    assert route.int8_rows_problem(x(3)) is None
 
 
 def test_cpu_calls_never_self_check(fresh_release, monkeypatch):
@@ -118,8 +129,10 @@ def fake_stock(x, w, w_scale, bias, input_act=None):
 
 
 def decided(monkeypatch, route_fn, stock_fn=fake_stock):
-    """A check of ``route_fn`` against ``stock_fn`` on the tiny samples."""
+    """A check of ``route_fn`` against ``stock_fn`` on the tiny samples, no device decided yet (the decisions are
+    the process's, in ``gpu.ANSWERS``)."""
     monkeypatch.setattr(check, "samples", lambda min_rows: TINY)
+    gpu.ANSWERS.clear()
     return check.ReleaseCheck(route_fn, stock_fn)
 
 
@@ -128,7 +141,7 @@ def test_equal_bits_let_the_route_run_decided_once(monkeypatch):
     rc = decided(monkeypatch, lambda *a, **k: (calls.append(1), fake_stock(*a, **k))[1])
     assert rc.problem("cpu", 3) is None and len(calls) == len(TINY)
     assert rc.problem("cpu", 3) is None and len(calls) == len(TINY)  # cached for the device
-    assert rc.decided[torch.device("cpu")].seconds > 0
+    assert rc.run("cpu", 3).seconds > 0 and len(calls) == 2 * len(TINY)  # run: checked again, timed
 
 
 def test_a_bit_mismatch_keeps_stocks_quantiser_with_the_count(monkeypatch):
@@ -165,8 +178,8 @@ def test_the_failed_check_is_the_calls_whole_reason(fresh_release, monkeypatch):
 def test_status_reports_each_devices_decision(fresh_release, monkeypatch):
     fresh_release("0.2.41")
     monkeypatch.setattr(route.RELEASE_CHECK, "run", lambda *a: pytest.fail("a decided device was checked again"))
-    route.RELEASE_CHECK.decided[torch.device("cuda", 0)] = check.Decision(None, 0.5)
-    route.RELEASE_CHECK.decided[torch.device("cuda", 1)] = check.Decision("3 of 9 outputs differ", 0.5)
+    gpu.ANSWERS.decide("kitchen_release", torch.device("cuda", 0), lambda: None)
+    gpu.ANSWERS.fail("kitchen_release", torch.device("cuda", 1), "3 of 9 outputs differ")
     assert kernels.kitchen_release_status("cuda:0") == {"release": "0.2.41", "route": "self_checked", "reason": None}
     status = kernels.kitchen_release_status(torch.device("cuda", 1))
     assert status["route"] == "stock" and status["reason"].endswith("self-check: 3 of 9 outputs differ")
@@ -237,7 +250,7 @@ def cuda_backend():
 
 def test_private_names_exist_with_the_arguments_the_route_passes(cuda_backend):
     version, release, _ = route.installed_release()
-    assert version in route.KITCHEN_VERSIONS, f"comfy-kitchen {version} is not in {route.KITCHEN_VERSIONS}"
+    assert version in kitchen.KITCHEN_VERSIONS, f"comfy-kitchen {version} is not in {kitchen.KITCHEN_VERSIONS}"
     cpu, x = torch.device("cpu"), torch.zeros(4, 512, dtype=torch.bfloat16)
     calls = {"_convrot_fused_shared_memory_fits": (x, 512, 256), "_cuda_device_supports_cutlass_int8_dequant": (x,),
              "_cuda_device_is_turing": (0,), "_prefer_cublas_int8_fallback": (4, 8, 512, 0),
@@ -245,7 +258,7 @@ def test_private_names_exist_with_the_arguments_the_route_passes(cuda_backend):
              "_wrap_for_dlpack": (x,)}
     if release.bias_in_out_dtype:
         calls[route.BIAS_HELPER] = (torch.ones(8), cpu, torch.bfloat16)
-    assert set(calls) | {"_DISABLE_CUTLASS_INT8"} == set(route.CUDA_HELPERS) | (
+    assert set(calls) | {"_DISABLE_CUTLASS_INT8"} == set(kitchen.CUDA_HELPERS) | (
         {route.BIAS_HELPER} if release.bias_in_out_dtype else set())
     for name, args in calls.items():
         inspect.signature(getattr(cuda_backend, name)).bind(*args)  # raises TypeError where they moved

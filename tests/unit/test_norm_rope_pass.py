@@ -84,7 +84,7 @@ def test_the_pass_runs_only_on_a_comfy_kitchen_release_it_was_checked_against(ge
     qk = kernels.qk_transform
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: release if name == "comfy-kitchen" else real(name))
-    kernels.int8_linear.installed_release.cache_clear()
+    kernels.kitchen.installed_release.cache_clear()
     monkeypatch.setattr(qk, "own_pass_takes", lambda *a: True)
     monkeypatch.setattr(qk, "kitchen_backend", lambda *a: qk.KITCHEN_BACKEND)
     ran = []
@@ -95,5 +95,5 @@ def test_the_pass_runs_only_on_a_comfy_kitchen_release_it_was_checked_against(ge
         q, k, _ = (t.view(1, 8, 2, 64) for t in qkv.split(128, dim=-1))
         qk.norm_rope(q, k, make_rope_table(8, 32, dtype=torch.bfloat16), torch.ones(64), torch.ones(64), 1e-5)
     finally:
-        kernels.int8_linear.installed_release.cache_clear()
+        kernels.kitchen.installed_release.cache_clear()
     assert ran == (["pass"] if pass_runs else ["comfy-kitchen"])
