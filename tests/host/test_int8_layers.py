@@ -57,12 +57,23 @@ def test_each_declined_call_runs_stocks_call_and_says_why(pack, blocks, monkeypa
 
 
 def test_the_caller_follows_the_settings(pack):
+    """The installed patch's ``own_int8_quantizer`` turns the route on, on either block path (each layer's
+    ``route`` decides); its calls memoise their routes on the run's plan."""
     layers, patch = pack.nodes.int8_layers, pack.nodes.patch
     report = types.SimpleNamespace(record_int8=lambda problem: None)
-    assert layers.caller(patch.Settings(block_path="attention_only"), report) is layers._stock
-    assert layers.caller(patch.Settings(own_int8_quantizer=False), report) is layers._stock
-    taken = layers.caller(patch.Settings(), report)
-    assert taken.func is layers.call and taken.keywords == {"record": report.record_int8}
+
+    def installed(settings):
+        return types.SimpleNamespace(settings=settings, report=report, plan=patch.Plan(default=None))
+
+    off = installed(patch.Settings(own_int8_quantizer=False))
+    assert layers.caller(off) is layers._stock and layers.run_routes(off) is None
+    for block_path in ("exact", "attention_only"):  # attention only routes its int8 linears too
+        on = installed(patch.Settings(block_path=block_path))
+        taken = layers.caller(on)
+        assert taken.func is layers.call
+        assert taken.keywords == {"record": report.record_int8, "routes": on.plan.int8_routes}
+        assert taken.keywords["routes"] is on.plan.int8_routes is layers.run_routes(on)
+    assert patch.Plan(default=None).int8_routes is not patch.Plan(default=None).int8_routes  # a run's own
 
 
 def test_a_cast_that_dequantises_runs_the_float_linear(pack, blocks, monkeypatch):

@@ -137,15 +137,15 @@ def test_int8_linears_cast_once_where_the_route_takes_their_calls(pack, int8_blo
         monkeypatch.setattr(layer, "_v", (None, 0, 1), raising=False)  # each call casts (DynamicVRAM)
     x = torch.randn(100, CONFIG["hidden_size"]).bfloat16()
     assert "int8 route is off" in rules.mlp_chunking(mlp, x, 30).reason
-    assert rules.mlp_chunking(mlp, x, 30, route=True).reason == "fc1: not on a CUDA device"
+    assert rules.mlp_chunking(mlp, x, 30, routes={}).reason == "fc1: not on a CUDA device"  # a run's routes: on
     asked = []
     monkeypatch.setattr(pack.kernels, "int8_call_problem",
                         lambda rows, input_act=None: asked.append((tuple(rows.shape), input_act)))
-    assert rules.mlp_chunking(mlp, x, 30, route=True) == rules.Chunking(rows=30, modes=(rules.CAST_ONCE,) * 2)
+    assert rules.mlp_chunking(mlp, x, 30, routes={}) == rules.Chunking(rows=30, modes=(rules.CAST_ONCE,) * 2)
     rows = pack.kernels.token_chunks(100, 30)[0][1]
     assert asked == [((rows, CONFIG["hidden_size"]), None), ((rows, 2 * CONFIG["ffn_hidden_size"]), "swiglu")]
     monkeypatch.setattr(mlp.fc1, "weight_function", [lambda w: w])  # a LoRA: stock's forward dequantises
-    assert "would not run the int8 GEMM" in rules.mlp_chunking(mlp, x, 30, route=True).reason
+    assert "would not run the int8 GEMM" in rules.mlp_chunking(mlp, x, 30, routes={}).reason
 
 
 # --- the cast once ---------------------------------------------------------------------------------------------
@@ -218,8 +218,8 @@ class CastLog:
         cast_once = pack.nodes.chunking.cast_once
 
         @contextlib.contextmanager
-        def counted(layer, x, input_act=None, record=None):
-            with cast_once(layer, x, input_act, record) as held:
+        def counted(layer, x, input_act=None, record=None, routes=None):
+            with cast_once(layer, x, input_act, record, routes) as held:
                 yield Counted(held, names[id(layer)], log.chunks)
         monkeypatch.setattr(pack.nodes.chunking, "cast_once", counted)
 
