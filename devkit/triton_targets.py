@@ -212,13 +212,17 @@ def _sage2_prepared_gate(arch: int) -> Gate | None:
     """The prepared path's own architecture check, asked for ``arch`` (CPU tensors: a check past it says so)."""
     sage2 = submodule("kernels.backends.sage2")
     q = torch.zeros(1, 1, 1, submodule("kernels.sage2_quant").HEAD_DIM, dtype=torch.bfloat16)
-    with mock.patch.object(sage2, "cuda_capability", lambda: divmod(arch, 10)):
+    with mock.patch.object(submodule("kernels.gpu"), "capability", lambda device: divmod(arch, 10)):
         verdict = sage2.Sage2Backend().prepared_verdict(q, q, q)
     return Gate(verdict.reason) if not verdict.ok and verdict.code == "gpu_arch" else None
 
 
 def _int8_gemm_gate(arch: int) -> Gate | None:
-    why = submodule("kernels.int8_gemm").capability_problem(divmod(arch, 10))
+    """The GEMM's own answer for a GPU of ``arch`` (a stand-in device, no answers recorded yet: none is asked)."""
+    gemm, gpu = submodule("kernels.int8_gemm"), submodule("kernels.gpu")
+    with (mock.patch.object(gpu, "capability", lambda device: divmod(arch, 10)),
+          mock.patch.object(gpu, "ANSWERS", gpu.DeviceAnswers()), mock.patch.object(gemm, "interpreting", lambda: False)):
+        why = gemm.gemm_problem(torch.device("cuda", 0), gemm.K_ALIGN)
     return Gate(why) if why else None
 
 

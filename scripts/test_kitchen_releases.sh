@@ -3,7 +3,7 @@
 # on, installed in turn beside .venv's own (pip --target into a temporary folder, put first on PYTHONPATH), which
 # stays as it is. Run after scripts/setup.sh:
 #
-#   bash scripts/test_kitchen_releases.sh              # every release in kernels/int8_linear.py's RELEASES
+#   bash scripts/test_kitchen_releases.sh              # every release in kernels/kitchen.py's RELEASES
 #   bash scripts/test_kitchen_releases.sh 0.2.40       # the releases named
 #
 # Prints one line per release (release, passed/failed) and exits non-zero when any failed.
@@ -15,7 +15,7 @@ if [ "$#" -gt 0 ]; then
   releases=("$@")
 else
   read -r -a releases < <($PY -c "from devkit.pack import submodule; \
-print(' '.join(submodule('kernels.int8_linear').KITCHEN_VERSIONS))")
+print(' '.join(submodule('kernels.kitchen').KITCHEN_VERSIONS))")
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
