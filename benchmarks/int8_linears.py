@@ -57,7 +57,7 @@ def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
     if gemm_why is None:
         runners["pack_gemm"] = lambda: gemm_mod.int8_gemm(xq, xs, w, ws, bias)
     portable = None
-    if gemm_why is None and gemm_mod.ws_problem(x.device, n) is None:
+    if gemm_why is None and gemm_mod.choice(x.device, k, n).kernel == "pack_sm90":
         portable = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
         runners["portable_gemm"] = lambda: gemm_mod._launch_portable(xq, xs.reshape(m), w, ws.reshape(1), bias,
                                                                      portable)
