@@ -20,7 +20,8 @@ import_pack()  # the pack is importable as comfyui_sage_strided_nhd in every tes
 def pytest_collection_finish(session):
     from host_fixtures import start_runs_ahead
 
-    start_runs_ahead(session.items)
+    if not session.config.option.collectonly:
+        start_runs_ahead(session.items)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -78,8 +78,8 @@ def import_pack(host: Path | None = None):
 class ComfyServer:
     """A ComfyUI server process on 127.0.0.1 and the HTTP/websocket calls the tests need."""
 
-    def __init__(self, host: Path, python: str, workdir: Path):
-        self.host, self.python, self.workdir = host, python, workdir
+    def __init__(self, host: Path, python: str, workdir: Path, env: dict | None = None):
+        self.host, self.python, self.workdir, self.env = host, python, workdir, env  # env: None = this process's
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.output_dir = workdir / "output"
@@ -94,7 +94,7 @@ class ComfyServer:
                "--output-directory", str(self.output_dir), "--temp-directory", str(self.workdir / "temp"),
                "--user-directory", str(self.workdir / "user"), "--preview-method", "none"]
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=self.host, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=self.host, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.time() + SERVER_START_TIMEOUT_S
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -267,7 +267,9 @@ def _install_into_host(host: Path) -> None:
         elif link.exists():
             shutil.rmtree(link)
         link.symlink_to(ROOT, target_is_directory=True)
-    shutil.copyfile(Path(__file__).with_name("host_helper_nodes.py"), custom / HELPER_NODES)
+    helpers = Path(__file__).with_name("host_helper_nodes.py").read_bytes()
+    if not (custom / HELPER_NODES).is_file() or (custom / HELPER_NODES).read_bytes() != helpers:
+        (custom / HELPER_NODES).write_bytes(helpers)  # written once: a server starting beside may be reading it
 
 
 def start_server(host: Path, workdir: Path) -> "ComfyServer":
@@ -340,26 +342,34 @@ def patch_inputs(layout="strided_nhd", backend="sdpa", refiner=True) -> dict:
 
 
 # --- runs started ahead ------------------------------------------------------------------------
-# The slowest host fixtures each wait for a tool run in its own process (a benchmark or the aimdo emulation on a tiny
-# H3). Declared with ``run_ahead``, such a run starts when collection ends (if a selected test uses it), in worker
-# threads beside the tests this process runs: on two cores the two share the machine instead of taking turns. A run
-# its first test asks for before a worker took it runs there and then.
+# The slowest host fixtures each wait for a tool run in its own process (a benchmark, the aimdo emulation or a server
+# on a tiny H3). Declared with ``run_ahead``, such a run is queued when collection ends (if a selected test uses it)
+# for worker threads beside the tests this process runs: on two cores the two share the machine instead of taking
+# turns. The workers take the runs used last first; this process runs a run no worker took yet when its first test
+# asks for it, so the two work through the queue from either end.
 AHEAD_WORKERS = max(1, (os.cpu_count() or 2) - 1)
-_AHEAD: dict = {}    # fixture name -> fn(folder)
+_AHEAD: dict = {}    # fixture name -> (fn(folder), prepare() or None)
 _STARTED: dict = {}  # fixture name -> its Future
 _FOLDERS: list = []
 _POOL: list = []
+_OUTCOMES = (Exception, pytest.skip.Exception, pytest.fail.Exception)
 
 
-def run_ahead(fn):
-    """A session fixture named as ``fn``, whose value is ``fn(folder)`` (a fresh folder), started ahead."""
-    if _AHEAD.setdefault(fn.__name__, fn) is not fn:
+def run_ahead(fn=None, *, prepare=None):
+    """A session fixture named as ``fn``, whose value is ``fn(folder)`` (a fresh folder), started ahead; ``prepare()``
+    runs first, in this process's thread: what must not happen beside the tests (ComfyUI imported here, files the
+    session's server reads)."""
+    if fn is None:
+        return lambda f: run_ahead(f, prepare=prepare)
+    if _AHEAD.setdefault(fn.__name__, (fn, prepare))[0] is not fn:
         raise ValueError(f"two runs ahead are named {fn.__name__}")
 
     @pytest.fixture(scope="session", name=fn.__name__)
     def fixture():
         future = _STARTED.get(fn.__name__)
-        if future is None or future.cancel():  # not taken by a worker yet
+        if future is None or future.cancel():  # not taken by a worker yet: run it here
+            if prepare is not None and future is None:
+                prepare()
             return fn(_folder(fn.__name__))
         return future.result()
     return fixture
@@ -373,14 +383,23 @@ def _folder(name: str) -> Path:
 
 
 def start_runs_ahead(items) -> None:
-    """Submit the runs the selected ``items`` use, in the order they are first used."""
+    """Prepare and queue the runs the selected ``items`` use, the last used first."""
     import concurrent.futures
 
     wanted = dict.fromkeys(n for item in items for n in getattr(item, "fixturenames", ()) if n in _AHEAD)
-    if wanted:
-        _POOL.append(concurrent.futures.ThreadPoolExecutor(AHEAD_WORKERS, thread_name_prefix="run-ahead"))
-        for name in wanted:
-            _STARTED[name] = _POOL[0].submit(_AHEAD[name], _folder(name))
+    if not wanted:
+        return
+    _POOL.append(concurrent.futures.ThreadPoolExecutor(AHEAD_WORKERS, thread_name_prefix="run-ahead"))
+    for name in reversed(wanted):
+        fn, prepare = _AHEAD[name]
+        try:
+            if prepare is not None:
+                prepare()
+        except _OUTCOMES as exc:  # a skip or a failure: each test that uses the run gets it
+            _STARTED[name] = concurrent.futures.Future()
+            _STARTED[name].set_exception(exc)
+            continue
+        _STARTED[name] = _POOL[0].submit(fn, _folder(name))
 
 
 def finish_runs_ahead() -> None:

@@ -23,37 +23,47 @@ import pytest
 import torch
 
 from host_fixtures import (H3_CKPT, ComfyServer, _install_into_host, h3_graph, import_comfy, patch_inputs, require_host,
-                           tiny_h3_model, write_checkpoint)
+                           run_ahead, tiny_h3_model, write_checkpoint)
 
 STEPS = 2  # a second model call per prompt: pack state that changes per call would show as a recompile
 PACK_WORDS = ("sage", "report", "calls", "H3AttentionForward", "H3BlockForward", "AttentionOverride", "_attend", "run_chain", "comfyui_sage")
+ORDERS = ("stock", "compile_then_node", "node_then_compile")
+PROMPTS = 3  # per variant
 
 
-@pytest.fixture(scope="module")
-def compile_server(tmp_path_factory):
+def _compile_host() -> None:
+    """What the server needs, made in this process before the tests start: a C++ compiler for inductor, the tiny
+    checkpoint, the pack and the helper nodes in the host."""
     host = require_host()
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("inductor on the CPU needs a C++ compiler (g++), none found")
     import_comfy(host)
     write_checkpoint(tiny_h3_model(seed=1), host / "models" / "diffusion_models" / H3_CKPT)
     _install_into_host(host)
-    server = ComfyServer(host, sys.executable, tmp_path_factory.mktemp("comfyui_compile"))
-    saved = {k: os.environ.get(k) for k in ("TORCH_LOGS", "TORCHINDUCTOR_CACHE_DIR")}
-    os.environ["TORCH_LOGS"] = "recompiles"
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(server.workdir / "inductor_cache")  # a cold cache: real compiles
+
+
+@run_ahead(prepare=_compile_host)  # started when collection ends, beside the other tests (host_fixtures.run_ahead)
+def compile_prompts(folder):
+    """Its own server, logging every recompile, with a cold inductor cache (real compiles): per (variant, prompt)
+    whether it ran (else why), the node's reports, the latent and the recompiles it logged."""
+    env = dict(os.environ, TORCH_LOGS="recompiles", TORCHINDUCTOR_CACHE_DIR=str(folder / "inductor_cache"))
+    server = ComfyServer(require_host(), sys.executable, folder, env=env)
     try:
-        server.start()
-    except RuntimeError as exc:
-        server.stop()
-        pytest.fail(f"ComfyUI host at {host} did not start: {exc}")
+        try:
+            server.start()
+        except RuntimeError as exc:
+            pytest.fail(f"the ComfyUI host did not start: {exc}")
+        prompts, seen = {}, 0
+        for order in ORDERS:
+            for i in range(PROMPTS):
+                run = server.run_graph(compile_graph(f"compile_{order}_{i}", order), timeout=600)
+                found = recompiles(server.log_path.read_text(errors="replace"))
+                prompts[order, i] = (run.ok, f"{run.error_message()}\n{server.log_tail()}", run.reports,
+                                     run.latent("9") if run.ok else None, found[seen:])
+                seen = len(found)
+        return prompts
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    yield server
-    server.stop()
+        server.stop()
 
 
 def recompiles(log: str) -> list[str]:
@@ -93,21 +103,15 @@ def compile_graph(name: str, order: str) -> dict:
     return g
 
 
-def test_compiled_patched_model_adds_no_recompile_and_matches_compiled_stock(compile_server):
-    server = compile_server
+def test_compiled_patched_model_adds_no_recompile_and_matches_compiled_stock(compile_prompts):
     latents, new = {}, {}
-    seen = 0
-    for order in ("stock", "compile_then_node", "node_then_compile"):
-        for i in range(3):
-            run = server.run_graph(compile_graph(f"compile_{order}_{i}", order), timeout=600)
-            assert run.ok, f"{order} prompt {i} failed: {run.error_message()}\n{server.log_tail()}"
-            latents[(order, i)] = run.latent("9")
-            if order != "stock":
-                r = run.reports
-                assert len(r) == 1 and r[0]["status"] == "ok" and r[0]["attention_calls"] > 0, r
-                assert r[0]["backends_ran"] == {"sdpa": r[0]["attention_calls"]}
-            found = recompiles(server.log_path.read_text(errors="replace"))
-            new[(order, i)], seen = found[seen:], len(found)
+    assert len(compile_prompts) == len(ORDERS) * PROMPTS
+    for (order, i), (ok, why, reports, latent, found) in compile_prompts.items():
+        assert ok, f"{order} prompt {i} failed: {why}"
+        if order != "stock":
+            assert len(reports) == 1 and reports[0]["status"] == "ok" and reports[0]["attention_calls"] > 0, reports
+            assert reports[0]["backends_ran"] == {"sdpa": reports[0]["attention_calls"]}
+        latents[order, i], new[order, i] = latent, found
 
     # the failed guards themselves ("- 7/2: <guard>  # <source>  # <file>"), not the user stack traces under them
     guards = [line for blocks in new.values() for block in blocks for line in block.splitlines()
