@@ -26,10 +26,10 @@ import traceback
 from pathlib import Path
 
 from devkit import aimdo_emulation as startup
+from devkit.comfy import custom_sampling, on_each_step
 
 from .step_timeline import StepTimeline
 
-SAMPLER, SCHEDULER = "res_multistep", "simple"
 # comfy-aimdo's "VRAM grow failed": its weight cast buffer could not grow on the card (DynamicVRAM's out of memory)
 OOM_MARKS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA_ERROR_OUT_OF_MEMORY", "VRAM grow failed")
 
@@ -227,8 +227,6 @@ def loaded_weight_bytes(patcher) -> int | None:
 def sample(torch, device, patcher, conditioning, args, counter: TransferCounter) -> tuple[dict, tuple | None]:
     """One ``args.steps``-step run of ``patcher`` from a cold start (nothing of the model on the card)."""
     import comfy.model_management as mm
-    import comfy.utils
-    from comfy_extras import nodes_custom_sampler as ncs
 
     mm.unload_all_models()
     gc.collect()
@@ -237,18 +235,15 @@ def sample(torch, device, patcher, conditioning, args, counter: TransferCounter)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    latent = empty_latent(args.width, args.height, args.frames)
-    noise = ncs.RandomNoise.execute(args.seed)[0]
-    sampler = ncs.KSamplerSelect.execute(SAMPLER)[0]
-    sigmas = ncs.BasicScheduler.execute(patcher, SCHEDULER, args.steps, 1.0)[0]
-    guider = ncs.BasicGuider.execute(patcher, conditioning)[0]
+    sampling = custom_sampling(patcher, conditioning, empty_latent(args.width, args.height, args.frames), args.seed,
+                               args.steps)
     ends, streamed, least_free = [], [], None
     timeline = StepTimeline(device) if cuda and args.timeline else None
     run, latents = {"steps": args.steps}, None
     start_bytes = counter.bytes
     start = time.perf_counter()
 
-    def progress(value, total, preview, node_id=None):
+    def progress(value, total):
         nonlocal least_free
         if cuda:
             torch.cuda.synchronize(device)
@@ -262,9 +257,9 @@ def sample(torch, device, patcher, conditioning, args, counter: TransferCounter)
         elif timeline is not None and value == total - 1:
             timeline.start()  # the last step: where its time goes
 
-    comfy.utils.set_progress_bar_global_hook(progress)
     try:
-        out = ncs.SamplerCustomAdvanced.execute(noise, guider, sampler, sigmas, latent)[0]
+        with on_each_step(progress):
+            out = sampling()
         if cuda:
             torch.cuda.synchronize(device)
         run["seconds"] = time.perf_counter() - start
@@ -273,7 +268,6 @@ def sample(torch, device, patcher, conditioning, args, counter: TransferCounter)
     except Exception as exc:  # noqa: BLE001  (recorded; the next variant still runs)
         run["error"] = error_record(exc)
     finally:
-        comfy.utils.set_progress_bar_global_hook(None)
         if timeline is not None:
             timeline.close()  # a run that failed inside its last step: the profiler stops, nothing recorded
     run["step_end_seconds"], run["copied_bytes_at_step_end"] = ends, streamed

@@ -14,13 +14,12 @@ from typing import Callable
 
 import torch
 
+from devkit.comfy import SAMPLER, SCHEDULER, custom_sampling, on_each_step
 from devkit.h3 import packed_token_count
 
 from . import measure
 from .isolated_attention import compare_layouts
 
-SAMPLER = "res_multistep"
-SCHEDULER = "simple"
 PROFILED_CALLS = 3  # profiled block calls per variant: kernel counts and times are per call
 
 
@@ -331,15 +330,8 @@ def warm_sampling(bench: Bench, variants: dict) -> None:
 def run_sampling(bench: Bench, patcher, steps: int, label: str, quiet=False) -> tuple[dict, tuple]:
     """One sampling run through ComfyUI's nodes, as the bundled workflows wire them."""
     import comfy.model_management as mm
-    import comfy.utils
-    from comfy_extras import nodes_custom_sampler as ncs
 
-    latent = empty_av_latent(bench)
-    noise = ncs.RandomNoise.execute(bench.seed)[0]
-    sampler = ncs.KSamplerSelect.execute(SAMPLER)[0]
-    sigmas = ncs.BasicScheduler.execute(patcher, SCHEDULER, steps, 1.0)[0]
-    guider = ncs.BasicGuider.execute(patcher, bench.conditioning)[0]
-
+    sample = custom_sampling(patcher, bench.conditioning, empty_av_latent(bench), bench.seed, steps)
     mm.load_models_gpu([patcher], force_full_load=True)  # swap patches in before the clock starts
     if bench.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -347,17 +339,13 @@ def run_sampling(bench: Bench, patcher, steps: int, label: str, quiet=False) -> 
     step_ends = []
     start = time.perf_counter()
 
-    def progress(value, total, preview, node_id=None):
+    def progress(value, total):
         step_ends.append(time.perf_counter())
         if not quiet:
             bench.log(f"    {label}: step {value}/{total} at {step_ends[-1] - start:.2f} s")
 
-    comfy.utils.set_progress_bar_global_hook(progress)
-    try:
-        seconds, out = measure.timed(
-            lambda: ncs.SamplerCustomAdvanced.execute(noise, guider, sampler, sigmas, latent)[0], bench.device)
-    finally:
-        comfy.utils.set_progress_bar_global_hook(None)
+    with on_each_step(progress):
+        seconds, out = measure.timed(sample, bench.device)
     video, audio = out["samples"].unbind()
     run = {"seconds": seconds, "checksums": [float(video.float().sum()), float(audio.float().sum())],
            "step_end_seconds": [t - start for t in step_ends], "finite": measure.all_finite(video, audio)}

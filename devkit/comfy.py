@@ -7,6 +7,7 @@ in-process, so the flags are set on ``comfy.cli_args.args`` here, before anythin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -20,6 +21,34 @@ STOCK_FLAG_FOR_BACKEND = {
     "sdpa": "use_pytorch_cross_attention",
     "comfy_kitchen_int8": "use_ck_attention",
 }
+
+
+SAMPLER, SCHEDULER = "res_multistep", "simple"  # the bundled workflows'
+
+
+def custom_sampling(patcher, conditioning, latent: dict, seed: int, steps: int, sampler: str = SAMPLER):
+    """One sampling run as the bundled workflows wire ComfyUI's nodes (RandomNoise, KSamplerSelect, BasicScheduler,
+    BasicGuider, SamplerCustomAdvanced), as a callable that returns the output latent dict (the nodes are set up
+    here, before a caller's clock starts)."""
+    from comfy_extras import nodes_custom_sampler as ncs
+
+    noise = ncs.RandomNoise.execute(seed)[0]
+    chosen = ncs.KSamplerSelect.execute(sampler)[0]
+    sigmas = ncs.BasicScheduler.execute(patcher, SCHEDULER, steps, 1.0)[0]
+    guider = ncs.BasicGuider.execute(patcher, conditioning)[0]
+    return lambda: ncs.SamplerCustomAdvanced.execute(noise, guider, chosen, sigmas, latent)[0]
+
+
+@contextlib.contextmanager
+def on_each_step(fn):
+    """Within: ComfyUI's progress hook calls ``fn(step, steps)`` as each sampling step ends."""
+    import comfy.utils
+
+    comfy.utils.set_progress_bar_global_hook(lambda value, total, preview, node_id=None: fn(value, total))
+    try:
+        yield
+    finally:
+        comfy.utils.set_progress_bar_global_hook(None)
 
 
 class NoComfyUIHost(RuntimeError):

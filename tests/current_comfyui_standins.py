@@ -251,12 +251,9 @@ def prologue_epilogue_model(diffusion_model):
 # --- sampling -------------------------------------------------------------------------------------------------
 def sample(patcher, conditioning, *, seed: int = 7, steps: int = 2, size=(64, 64, 5)) -> tuple:
     """One sampling run through ComfyUI's nodes (empty H3 AV latent, euler, simple): (video, audio) latents."""
-    from comfy_extras import nodes_custom_sampler as ncs
     from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
 
+    from devkit.comfy import custom_sampling
+
     latent = EmptyMiniMaxH3LatentAV.execute(*size)[0]
-    noise = ncs.RandomNoise.execute(seed)[0]
-    sampler = ncs.KSamplerSelect.execute("euler")[0]
-    sigmas = ncs.BasicScheduler.execute(patcher, "simple", steps, 1.0)[0]
-    guider = ncs.BasicGuider.execute(patcher, conditioning)[0]
-    return tuple(ncs.SamplerCustomAdvanced.execute(noise, guider, sampler, sigmas, latent)[0]["samples"].unbind())
+    return tuple(custom_sampling(patcher, conditioning, latent, seed, steps, sampler="euler")()["samples"].unbind())
