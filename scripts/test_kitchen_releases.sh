@@ -17,6 +17,10 @@ else
   read -r -a releases < <($PY -c "from devkit.pack import submodule; \
 print(' '.join(submodule('kernels.kitchen').KITCHEN_VERSIONS))")
 fi
+if [ "${#releases[@]}" = 0 ]; then  # the lookup failed: say so rather than pass having checked nothing
+  echo "[Sage Strided NHD] no comfy-kitchen release to check (kernels/kitchen.py's KITCHEN_VERSIONS unreadable?)"
+  exit 1
+fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
