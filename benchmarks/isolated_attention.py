@@ -104,7 +104,8 @@ def environment(device) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 37810])
-    p.add_argument("--backends", nargs="+", choices=list(kernels.AUTO_ORDER), help="default: every available one")
+    p.add_argument("--backends", nargs="+", choices=list(kernels.backends.AUTO_ORDER),
+                   help="default: every available one")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--heads", type=int, default=56)

@@ -11,7 +11,7 @@ def describe_backends(device=None) -> list[dict]:
     """Every back-end in auto order with whether it can run here (on ``device``: its self-test too) and why not."""
     k = kernels()
     rows = []
-    for name in k.AUTO_ORDER:
+    for name in k.backends.AUTO_ORDER:
         backend = k.BACKENDS[name]
         verdict = backend.available()
         ok, code, reason = verdict.ok, verdict.code, verdict.reason

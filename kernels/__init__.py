@@ -1,26 +1,26 @@
 """Strided NHD attention, the H3 block's passes and memory model, the int8 ConvRot route; no ComfyUI import.
 nodes/ imports only it."""
 
-from .backends import AUTO_ORDER, BACKENDS
+from .backends import BACKENDS
 from .backends.base import REASON_CODES
-from .chain import BACKEND_CHOICES, BackendChain, CallRecord, NoBackendError, Skip
+from .chain import BACKEND_CHOICES, BackendChain, CallRecord, NoBackendError
 from .dataflow import (LAYOUTS, RowProjection, attention_from_fused_qkv, attention_from_projection, attention_nhd,
-                       split_fused_qkv, token_major)
-from .h3_block import PendingModulation, PendingResidual, clip_segments, gated_residual_, settled, swiglu
-from .int8_linear import GROUP as CONVROT_GROUP
+                       token_major)
+from .h3_block import PendingModulation, PendingResidual, clip_segments, settled, swiglu
 from .int8_gemm import choice as gemm_choice
-from .int8_linear import (GemmDeclined, int8_call_problem, int8_column_products, int8_linear_routed,
-                          gemm_status, int8_quantized_rows, int8_rows_problem, int8_weight_problem,
-                          kitchen_release_status, stock_int8_linear)
+from .int8_linear import GROUP as CONVROT_GROUP
+from .int8_linear import (GemmDeclined, gemm_status, int8_call_problem, int8_column_products, int8_linear_routed,
+                          int8_quantized_rows, int8_rows_problem, int8_weight_problem, kitchen_release_status,
+                          stock_int8_linear)
 from .memory_model import block_peak_bytes, block_phases, model_call_bytes
 from .offsets import token_chunks
-from .qk_transform import QKNorm, norm_rope, rope_rot_dim
+from .qk_transform import QKNorm
 from .sage2_quant import MODES as PREPARED_MODES
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "BACKEND_CHOICES", "CONVROT_GROUP", "LAYOUTS", "PREPARED_MODES", "REASON_CODES",
-           "BackendChain", "CallRecord", "GemmDeclined", "NoBackendError", "PendingModulation", "PendingResidual",
-           "QKNorm", "RowProjection", "Skip", "attention_from_fused_qkv", "attention_from_projection", "attention_nhd",
-           "block_peak_bytes", "block_phases", "clip_segments", "gated_residual_", "gemm_choice", "gemm_status", "int8_call_problem",
-           "int8_column_products", "int8_linear_routed", "int8_quantized_rows", "int8_rows_problem", "int8_weight_problem",
-           "kitchen_release_status", "model_call_bytes", "norm_rope", "rope_rot_dim", "settled", "split_fused_qkv",
-           "stock_int8_linear", "swiglu", "token_chunks", "token_major"]
+__all__ = ["BACKENDS", "BACKEND_CHOICES", "CONVROT_GROUP", "LAYOUTS", "PREPARED_MODES", "REASON_CODES", "BackendChain",
+           "CallRecord", "GemmDeclined", "NoBackendError", "PendingModulation", "PendingResidual", "QKNorm",
+           "RowProjection", "attention_from_fused_qkv", "attention_from_projection", "attention_nhd",
+           "block_peak_bytes", "block_phases", "clip_segments", "gemm_choice", "gemm_status", "int8_call_problem",
+           "int8_column_products", "int8_linear_routed", "int8_quantized_rows", "int8_rows_problem",
+           "int8_weight_problem", "kitchen_release_status", "model_call_bytes", "settled", "stock_int8_linear",
+           "swiglu", "token_chunks", "token_major"]

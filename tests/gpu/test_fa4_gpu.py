@@ -51,8 +51,8 @@ def inputs(seq, seed):
 
 def normed(qkv, table, qw, kw):
     out = qkv.clone()
-    q, k, _ = kernels.split_fused_qkv(out, HEADS, HEAD_DIM)
-    kernels.norm_rope(q, k, table, qw, kw, 1e-5)
+    q, k, _ = kernels.dataflow.split_fused_qkv(out, HEADS, HEAD_DIM)
+    kernels.qk_transform.norm_rope(q, k, table, qw, kw, 1e-5)
     return out
 
 
@@ -62,7 +62,7 @@ def check_rows(seq):
 
 def references(qkv_normed, rows):
     """fp32 attention and bf16 SDPA (the pack's sdpa back-end) for the given query rows, per checked head."""
-    q, k, v = kernels.split_fused_qkv(qkv_normed, HEADS, HEAD_DIM)
+    q, k, v = kernels.dataflow.split_fused_qkv(qkv_normed, HEADS, HEAD_DIM)
     ref, sdpa = [], []
     for h in CHECK_HEADS:
         qh = q[0, rows, h][None, None]
@@ -124,7 +124,7 @@ def test_strided_views_go_in_without_copies(fa4):
     """The only allocation of a direct call is the output: fa4 took the fused views as they are."""
     seq = 37810
     qkv, *_ = inputs(seq, seed=3)
-    q, k, v = kernels.split_fused_qkv(qkv, HEADS, HEAD_DIM)
+    q, k, v = kernels.dataflow.split_fused_qkv(qkv, HEADS, HEAD_DIM)
     out, _ = kernels.BackendChain.for_choice("fa4").run(q, k, v, layout="NHD")  # compiled and warm
     del out
     torch.cuda.empty_cache()
@@ -139,7 +139,7 @@ def test_strided_views_go_in_without_copies(fa4):
 @pytest.mark.parametrize("seq", [120_000, 320_000])
 def test_long_sequences_keep_head_and_tail_rows_correct(fa4, seq):
     qkv, table, qw, kw = inputs(seq, seed=seq)
-    q, k, v = kernels.split_fused_qkv(qkv, HEADS, HEAD_DIM)
+    q, k, v = kernels.dataflow.split_fused_qkv(qkv, HEADS, HEAD_DIM)
     past_int32 = not fits((q, k, v), 1, 128, 2**31 - 1)
     assert past_int32  # both lengths are past the fused views' int32 offsets (99,864 tokens)
     chain = kernels.BackendChain.for_choice("fa4")

@@ -44,8 +44,8 @@ def inputs(seq, seed):
 def reference_rows(qkv, table, qw, kw, rows, heads):
     """fp32 attention for the given query rows and heads. The norm and RoPE (per head) are applied to
     copies of those heads only, so the check holds no second full-size buffer at long lengths."""
-    q, k, v = kernels.split_fused_qkv(qkv, HEADS, HEAD_DIM)
-    qh, kh = kernels.norm_rope(q[:, :, heads], k[:, :, heads], table, qw, kw, 1e-5, inplace=False)
+    q, k, v = kernels.dataflow.split_fused_qkv(qkv, HEADS, HEAD_DIM)
+    qh, kh = kernels.qk_transform.norm_rope(q[:, :, heads], k[:, :, heads], table, qw, kw, 1e-5, inplace=False)
     out = []
     for i, h in enumerate(heads):
         qi = qh[0, rows, i].float()[None, None]
@@ -87,7 +87,7 @@ def test_backend_layouts_agree_and_match_fp32(name, seq):
     rows = torch.cat([torch.arange(min(256, seq)), torch.arange(max(0, seq - 256), seq)]).unique().cuda()
     heads = [0, HEADS // 2, HEADS - 1]
     ref = reference_rows(qkv, table, qw, kw, rows, heads)
-    needs_chunks = not fits(kernels.split_fused_qkv(qkv, HEADS, HEAD_DIM), 1, 128, 2**31 - 1)
+    needs_chunks = not fits(kernels.dataflow.split_fused_qkv(qkv, HEADS, HEAD_DIM), 1, 128, 2**31 - 1)
     chain = kernels.BackendChain.for_choice(name)
     outs, recs = {}, {}
     layouts = ("strided_nhd", "hnd")

@@ -69,9 +69,9 @@ def test_norm_rope_takes_the_pass_where_comfy_kitchen_picks_cuda(pack, monkeypat
     ran = []
     real = pack.kernels.qk_transform.norm_rope_pass
     monkeypatch.setattr(pack.kernels.qk_transform, "norm_rope_pass", lambda *a: ran.append(1) or real(*a))
-    pack.kernels.norm_rope(q, k, table, qw, kw, 1e-5)
+    pack.kernels.qk_transform.norm_rope(q, k, table, qw, kw, 1e-5)
     assert ran == [1]
-    pack.kernels.norm_rope(q.half(), k.half(), table, qw, kw, 1e-5)  # fp16: comfy-kitchen's own kernel
+    pack.kernels.qk_transform.norm_rope(q.half(), k.half(), table, qw, kw, 1e-5)  # fp16: comfy-kitchen's own kernel
     assert ran == [1]
 
 

@@ -412,14 +412,14 @@ def test_node_schema_has_tooltips_and_defaults(pack):
 def test_report_reads_skip_kinds_and_codes_from_the_records(pack):
     k = pack.kernels
     report = make_patch(pack, backend="auto").report
-    skipped = (k.Skip("sage2", "no_cuda", "no CUDA device", "unavailable"),
-               k.Skip("comfy_kitchen_int8", "no_cuda", "needs CUDA", "unsupported"),
-               k.Skip("sage1", "raised", "raised RuntimeError: x", "raised"))
+    skipped = (k.chain.Skip("sage2", "no_cuda", "no CUDA device", "unavailable"),
+               k.chain.Skip("comfy_kitchen_int8", "no_cuda", "needs CUDA", "unsupported"),
+               k.chain.Skip("sage1", "raised", "raised RuntimeError: x", "raised"))
     report.record(k.CallRecord("auto", backend="sdpa", skipped=skipped, head_chunks=2, copies=1,
-                               prepared_skipped=k.Skip("sage2", "gpu_arch", "not sm90", "unsupported"),
+                               prepared_skipped=k.chain.Skip("sage2", "gpu_arch", "not sm90", "unsupported"),
                                compiled=({"backend": "fa4", "key": "k1", "seconds": 1.5},)))
     report.record(k.CallRecord("sage2", backend="sage2", prepared="exact",
-                               skipped=(k.Skip("fa4", "no_cuda", "no CUDA device", "unavailable"),)))
+                               skipped=(k.chain.Skip("fa4", "no_cuda", "no CUDA device", "unavailable"),)))
     p = report.payload()
     # auto: a back-end this machine lacks is passed over; one it has that cannot take the call is a fallback.
     # A named back-end (sage2 here): only it can fall back; fa4 was passed over, never asked for.

@@ -26,7 +26,7 @@ from devkit.backends import describe_backends
 
 def fused_views(gen, s=40, h=4, d=64, dtype=torch.bfloat16):
     qkv = torch.randn(s, 3 * h * d, generator=gen).to(dtype)
-    return kernels.split_fused_qkv(qkv, h, d)
+    return kernels.dataflow.split_fused_qkv(qkv, h, d)
 
 
 class FakeCompileCache:

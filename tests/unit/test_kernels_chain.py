@@ -69,7 +69,7 @@ class Raising(AttentionBackend):
 
 def nhd_inputs(gen, b=1, s=50, h=6, d=16):
     qkv = torch.randn(b * s, 3 * h * d, generator=gen)
-    return kernels.split_fused_qkv(qkv, h, d)
+    return kernels.dataflow.split_fused_qkv(qkv, h, d)
 
 
 def sdpa_nhd(q, k, v):
@@ -177,7 +177,7 @@ def test_no_backend_error_from_the_real_chain_names_every_backend(gen):
     with pytest.raises(kernels.NoBackendError) as info:
         BackendChain.for_choice("sage2").run(q, k, v, layout="NHD")
     err = info.value
-    assert [s.backend for s in err.skipped] == list(kernels.AUTO_ORDER)
+    assert [s.backend for s in err.skipped] == list(kernels.backends.AUTO_ORDER)
     assert all(s.code in REASON_CODES and s.reason for s in err.skipped)
     sdpa = next(s for s in err.skipped if s.backend == "sdpa")
     assert (sdpa.code, sdpa.kind) == ("dtype", "unsupported") and "torch.int32" in sdpa.reason
@@ -198,11 +198,11 @@ def test_unknown_choice_and_layout_are_rejected(gen):
 
 def test_bad_fused_qkv_shapes_are_rejected():
     with pytest.raises(ValueError, match="expected 3\\*4\\*16 = 192"):
-        kernels.split_fused_qkv(torch.zeros(5, 190), 4, 16)
+        kernels.dataflow.split_fused_qkv(torch.zeros(5, 190), 4, 16)
     with pytest.raises(ValueError, match="must be \\[S, 3\\*heads\\*head_dim\\]"):
-        kernels.split_fused_qkv(torch.zeros(1, 5, 192), 4, 16)
+        kernels.dataflow.split_fused_qkv(torch.zeros(1, 5, 192), 4, 16)
     with pytest.raises(ValueError, match="contiguous last dim"):
-        kernels.split_fused_qkv(torch.zeros(192, 5).t(), 4, 16)
+        kernels.dataflow.split_fused_qkv(torch.zeros(192, 5).t(), 4, 16)
     with pytest.raises(ValueError, match="incompatible q/k/v shapes"):
         BackendChain.for_choice("sdpa").run(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 3, 2, 8),
                                             layout="NHD")
@@ -243,7 +243,7 @@ def test_a_sequence_too_long_for_even_one_head_falls_back(gen):
 
 def fused_meta_views(seq, heads=56, head_dim=128):
     qkv = torch.empty(seq, 3 * heads * head_dim, device="meta", dtype=torch.bfloat16)
-    return kernels.split_fused_qkv(qkv, heads, head_dim)
+    return kernels.dataflow.split_fused_qkv(qkv, heads, head_dim)
 
 
 def test_h3_fused_buffer_offsets_cross_int32_near_100k_tokens():
@@ -385,7 +385,7 @@ def normed_reference(q, k, v, norm_kind):
         qn, kn = q * 2.0, k * 0.5
     else:
         n = rope_norm(q)
-        qn, kn = kernels.norm_rope(q, k, n.rope_table, n.q_weight, n.k_weight, n.eps, inplace=False)
+        qn, kn = kernels.qk_transform.norm_rope(q, k, n.rope_table, n.q_weight, n.k_weight, n.eps, inplace=False)
     return SdpaBackend()(qn, kn, v, layout="NHD", scale=SCALE)
 
 

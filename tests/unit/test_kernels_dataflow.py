@@ -58,7 +58,7 @@ def test_nhd_and_hnd_agree_without_rope_table(gen):
 def test_qkv_views_share_the_fused_buffer_without_copies(gen):
     heads, head_dim, seq = 4, 16, 10
     qkv = torch.randn(seq, 3 * heads * head_dim, generator=gen)
-    q, k, v = kernels.split_fused_qkv(qkv, heads, head_dim)
+    q, k, v = kernels.dataflow.split_fused_qkv(qkv, heads, head_dim)
     inner = heads * head_dim
     for i, t in enumerate((q, k, v)):
         assert t.shape == (1, seq, heads, head_dim)
@@ -72,8 +72,8 @@ def test_norm_rope_writes_into_the_fused_buffer_in_place(gen):
     heads, head_dim, seq = 2, 32, 12
     qkv, table, qw, kw = fused_inputs(seq, heads, head_dim, 16, gen)
     before = qkv.clone()
-    q, k, _ = kernels.split_fused_qkv(qkv, heads, head_dim)
-    q2, k2 = kernels.norm_rope(q, k, table, qw, kw, 1e-5)
+    q, k, _ = kernels.dataflow.split_fused_qkv(qkv, heads, head_dim)
+    q2, k2 = kernels.qk_transform.norm_rope(q, k, table, qw, kw, 1e-5)
     assert q2.data_ptr() == q.data_ptr() and k2.data_ptr() == k.data_ptr()
     inner = heads * head_dim
     assert not torch.equal(qkv[:, :inner], before[:, :inner])

@@ -73,7 +73,7 @@ INTERPRETED_CHECKS = r"""
             # rows itself, by whole rows or by columns: the same operands
             whole = qkv.clone()
             wq, wk, wv = whole.unflatten(1, (3, heads, 128)).unsqueeze(0).unbind(2)
-            wq, wk = kernels.norm_rope(wq, wk, table, qw, kw, 1e-5)
+            wq, wk = kernels.qk_transform.norm_rope(wq, wk, table, qw, kw, 1e-5)
             inner = heads * 128
             k_refs, k_alive_at_v = [], []  # K's rows must be freed before V is projected
 
@@ -442,7 +442,7 @@ def test_when_the_passes_raise_after_a_module_norm_the_plain_call_still_gets_nor
     monkeypatch.setattr(backend, "_sageattn", plain, raising=False)
     monkeypatch.setattr(sage2.sage2_quant, "quantize_operands", failing)
     qkv = torch.randn(40, 3 * 128, generator=gen).to(torch.bfloat16)
-    q, k, _ = kernels.split_fused_qkv(qkv.clone(), 1, 128)
+    q, k, _ = kernels.dataflow.split_fused_qkv(qkv.clone(), 1, 128)
     norm = kernels.QKNorm(q_norm=lambda x: x * 2, k_norm=lambda x: x * 4)
     _, rec = kernels.attention_from_fused_qkv(qkv, 1, 128, chain=kernels.BackendChain("sage2", [backend]), norm=norm,
                                               prepared_mode="exact")
