@@ -187,7 +187,6 @@ def add_section_options(p) -> None:
     """Which sections run, and how many reps each takes."""
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma list of {', '.join(SECTIONS)} ({MEMORY_SECTION}: added by --memory-at)")
-    p.add_argument("--skip-12-step", action="store_true")
     p.add_argument("--compile-blocks", action="store_true",
                    help="also time block 0 of stock and the layouts under torch.compile (inductor), interleaved")
     p.add_argument("--reps", type=int, default=9, help="timed reps per block and variant")
@@ -226,8 +225,6 @@ def parse_sections(parser, args) -> list[str]:
     unknown = [s for s in chosen if s not in SECTIONS + (MEMORY_SECTION,)]
     if unknown:
         parser.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS + (MEMORY_SECTION,))}")
-    if args.skip_12_step and "sampling_12_step" in chosen:
-        chosen.remove("sampling_12_step")
     if args.memory_at is not None:
         if args.memory_at <= 0:
             parser.error(f"--memory-at {args.memory_at}: expected a positive token count")
