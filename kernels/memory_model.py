@@ -50,65 +50,92 @@ def block_phases(tokens: int, *, hidden: int = H3_DIMS["hidden"], heads: int = H
         raise ValueError(f"unknown weight format {weights!r}; choose one of {WEIGHT_FORMATS}")
     if min(tokens, hidden, heads, head_dim, ffn, act_bytes) < 1:
         raise ValueError("tokens, dimensions and act_bytes must be positive")
-    s, inner, int8 = tokens, heads * head_dim, weights == "int8"
+    size = _Sizes(act_bytes, weights == "int8", cast_weights)
+    if prepared and chunked and tokens > qkv_chunk_tokens:
+        phases = _projected_attention(size, tokens, hidden, heads, head_dim, qkv_chunk_tokens, qkv_by_columns)
+    else:
+        phases = _whole_attention(size, tokens, hidden, heads, head_dim, prepared)
+    inner = heads * head_dim
+    phases["out projection"] = (size.rows(tokens, inner) + size.quantised(tokens, inner) + size.rows(tokens, hidden)
+                                + size.weight(hidden, inner))
+    chunk = int8_mlp_chunk_tokens if size.int8 else mlp_chunk_tokens
+    return {**phases, **_mlp(size, tokens, hidden, ffn, first_chunk(tokens, chunk) if chunked and tokens > chunk
+                             else tokens)}
 
-    def rows(n: int, width: int) -> int:
-        return n * width * act_bytes
 
-    def quantised(n: int, width: int) -> int:
+class _Sizes:
+    """Bytes of what the dataflow allocates, by weight format and whether weights are cast for their calls."""
+
+    def __init__(self, act_bytes: int, int8: bool, cast_weights: bool):
+        self.act_bytes, self.int8, self.cast_weights = act_bytes, int8, cast_weights
+
+    def rows(self, n: int, width: int) -> int:
+        return n * width * self.act_bytes
+
+    def quantised(self, n: int, width: int) -> int:
         """The int8 activation quantiser's rows and fp32 row scales (int8_activation.quantize_rows); none in bf16."""
-        return n * width + 4 * n if int8 else 0
+        return n * width + 4 * n if self.int8 else 0
 
-    def weight(out_features: int, in_features: int) -> int:
+    def weight(self, out_features: int, in_features: int) -> int:
         """A linear's weight as cast for its calls (int8 data stays int8); none where it lies on the device."""
-        return out_features * in_features * (1 if int8 else act_bytes) if cast_weights else 0
+        return out_features * in_features * (1 if self.int8 else self.act_bytes) if self.cast_weights else 0
 
+
+def _projected_attention(size: _Sizes, s: int, hidden: int, heads: int, head_dim: int, qkv_chunk_tokens: int,
+                         by_columns: bool) -> dict[str, int]:
+    """The attention's phases where the prepared path takes the qkv projection by token chunks."""
+    inner, rows, quantised = heads * head_dim, size.rows, size.quantised
     q_ops, kv_ops = sage2_operand_bytes(s, heads, head_dim)
     normed = rows(s, hidden)  # norm1's rows, the modulation applied in place or owed to the quantiser
-    kv = rows(s, 2 * inner)
-    qkv_weight = weight(3 * inner, hidden)
     phases = {}
-    if prepared and chunked and s > qkv_chunk_tokens:
-        k_ops, v_ops = kv_ops - (heads * head_dim * padded_len(s)), heads * head_dim * padded_len(s)
-        if qkv_by_columns:
-            # K of every row in one product while the call is planned, beside the input (and its int8 rows); then Q
-            # by chunks of three times the setting's rows into Q's operands (sage2's prepare_projected), K's operand
-            # and K freed; then V, the input released, and V's operand
-            q_rows = first_chunk(s, max(K_BLOCK, 3 * qkv_chunk_tokens // K_BLOCK * K_BLOCK), K_BLOCK)
-            source = quantised(s, hidden) if int8 else normed  # the projection's input, kept until V is taken
-            phases["k projection"] = normed + quantised(s, hidden) + rows(s, inner)
-            phases["q by chunks"] = source + rows(s, inner) + q_ops + rows(q_rows, inner)
-            phases["k operand"] = source + rows(s, inner) + q_ops + k_ops
-            phases["v projection"] = source + rows(s, inner) + q_ops + k_ops
-            phases["v operand"] = rows(s, inner) + q_ops + kv_ops
-        else:
-            # whole rows by chunks into an empty K/V buffer, each chunk quantised by its own linear call
-            q_rows = first_chunk(s, max(K_BLOCK, qkv_chunk_tokens // K_BLOCK * K_BLOCK), K_BLOCK)
-            phases["q by chunks"] = normed + kv + q_ops + quantised(q_rows, hidden) + rows(q_rows, 3 * inner)
-            phases["k/v operands"] = kv + q_ops + kv_ops  # the input released; K/V quantised beside their bf16 rows
-        phases["attention"] = q_ops + kv_ops + rows(s, inner)  # K/V freed before the kernel writes its output
-        phases = {name: nbytes + qkv_weight for name, nbytes in phases.items()}  # a weight cast once is held
+    if by_columns:
+        # K of every row in one product while the call is planned, beside the input (and its int8 rows); then Q
+        # by chunks of three times the setting's rows into Q's operands (sage2's prepare_projected), K's operand
+        # and K freed; then V, the input released, and V's operand
+        k_ops = kv_ops - heads * head_dim * padded_len(s)
+        q_rows = first_chunk(s, max(K_BLOCK, 3 * qkv_chunk_tokens // K_BLOCK * K_BLOCK), K_BLOCK)
+        source = quantised(s, hidden) if size.int8 else normed  # the projection's input, kept until V is taken
+        phases["k projection"] = normed + quantised(s, hidden) + rows(s, inner)
+        phases["q by chunks"] = source + rows(s, inner) + q_ops + rows(q_rows, inner)
+        phases["k operand"] = phases["v projection"] = source + rows(s, inner) + q_ops + k_ops
+        phases["v operand"] = rows(s, inner) + q_ops + kv_ops
     else:
-        qkv = rows(s, 3 * inner)  # the fused projection, whole
-        phases["qkv projection"] = normed + quantised(s, hidden) + qkv + qkv_weight
-        if prepared:
-            phases["operands"] = qkv + q_ops + kv_ops
-            phases["attention"] = q_ops + kv_ops + rows(s, inner)
-        else:  # a plain call: the fused buffer's views, the kernel's own int8/fp8 copies (SageAttention's; no
-            # fewer bytes than a FlashAttention-style kernel's) and its output
-            phases["attention"] = qkv + q_ops + kv_ops + rows(s, inner)
-    phases["out projection"] = rows(s, inner) + quantised(s, inner) + rows(s, hidden) + weight(hidden, inner)
-    chunk = int8_mlp_chunk_tokens if int8 else mlp_chunk_tokens
-    c = first_chunk(s, chunk) if chunked and s > chunk else s
-    fc1, fc2 = weight(2 * ffn, hidden), weight(hidden, ffn)
-    held = c < s and cast_weights  # cast once: both weights held, norm2 on every row (its chunks are views)
+        # whole rows by chunks into an empty K/V buffer, each chunk quantised by its own linear call
+        q_rows = first_chunk(s, max(K_BLOCK, qkv_chunk_tokens // K_BLOCK * K_BLOCK), K_BLOCK)
+        kv = rows(s, 2 * inner)
+        phases["q by chunks"] = normed + kv + q_ops + quantised(q_rows, hidden) + rows(q_rows, 3 * inner)
+        phases["k/v operands"] = kv + q_ops + kv_ops  # the input released; K/V quantised beside their bf16 rows
+    phases["attention"] = q_ops + kv_ops + rows(s, inner)  # K/V freed before the kernel writes its output
+    qkv_weight = size.weight(3 * inner, hidden)
+    return {name: nbytes + qkv_weight for name, nbytes in phases.items()}  # a weight cast once is held
+
+
+def _whole_attention(size: _Sizes, s: int, hidden: int, heads: int, head_dim: int, prepared: bool) -> dict[str, int]:
+    """The attention's phases where the fused qkv projection is made whole."""
+    inner, rows = heads * head_dim, size.rows
+    q_ops, kv_ops = sage2_operand_bytes(s, heads, head_dim)
+    qkv = rows(s, 3 * inner)
+    phases = {"qkv projection": rows(s, hidden) + size.quantised(s, hidden) + qkv + size.weight(3 * inner, hidden)}
+    if prepared:
+        phases["operands"] = qkv + q_ops + kv_ops
+        phases["attention"] = q_ops + kv_ops + rows(s, inner)
+    else:  # a plain call: the fused buffer's views, the kernel's own int8/fp8 copies (SageAttention's; no
+        # fewer bytes than a FlashAttention-style kernel's) and its output
+        phases["attention"] = qkv + q_ops + kv_ops + rows(s, inner)
+    return phases
+
+
+def _mlp(size: _Sizes, s: int, hidden: int, ffn: int, c: int) -> dict[str, int]:
+    """The MLP's phases, by chunks of ``c`` rows (``c`` = ``s``: whole)."""
+    rows, quantised = size.rows, size.quantised
+    fc1, fc2 = size.weight(2 * ffn, hidden), size.weight(hidden, ffn)
+    held = c < s and size.cast_weights  # cast once: both weights held, norm2 on every row (its chunks are views)
     # norm2's rows stay alive through the MLP; fc1's [c, 2*ffn] output through fc2, whose input is the SwiGLU
     # (bf16) or its int8 rows (the SwiGLU folded into fc2's quantiser)
     h = rows(s if held else c, hidden)
-    phases["fc1"] = h + quantised(c, hidden) + rows(c, 2 * ffn) + fc1 + (fc2 if held else 0)
-    phases["fc2"] = (h + rows(c, 2 * ffn) + (quantised(c, ffn) if int8 else rows(c, ffn)) + rows(c, hidden) + fc2
-                     + (fc1 if held else 0))
-    return phases
+    return {"fc1": h + quantised(c, hidden) + rows(c, 2 * ffn) + fc1 + (fc2 if held else 0),
+            "fc2": (h + rows(c, 2 * ffn) + (quantised(c, ffn) if size.int8 else rows(c, ffn)) + rows(c, hidden) + fc2
+                    + (fc1 if held else 0))}
 
 
 def block_peak_bytes(tokens: int, **how) -> int:
