@@ -10,14 +10,8 @@
 import { chromium } from "playwright-core";
 import { mkdirSync, writeFileSync } from "node:fs";
 import { join, resolve } from "node:path";
+import { CHROMIUM_ARGS, NODE_TYPE, arg } from "./cli.mjs";
 
-const NODE_TYPE = "SageStridedNHDAttention";
-const CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-  "--disable-component-update", "--disable-sync", "--no-first-run"];
-function arg(name, fallback) {
-  const i = process.argv.indexOf(`--${name}`);
-  return i > 0 ? process.argv[i + 1] : fallback;
-}
 const url = arg("url");
 const out = resolve(arg("out", "test-artifacts/browser/help"));
 mkdirSync(out, { recursive: true });

@@ -23,17 +23,11 @@ import { chromium } from "playwright-core";
 import { mkdirSync, readFileSync, writeFileSync, readdirSync } from "node:fs";
 import { join, resolve } from "node:path";
 import { REASON_LABELS } from "../../web/report_text.js";
+import { CHROMIUM_ARGS, NODE_TYPE, arg } from "./cli.mjs";
 
 const PACK = "comfyui-sage-strided-nhd";
-const NODE_TYPE = "SageStridedNHDAttention";
 const SETTING = "SageStridedNHD.DefaultBackend";
-const CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-  "--disable-component-update", "--disable-sync", "--no-first-run"];
 
-function arg(name, fallback) {
-  const i = process.argv.indexOf(`--${name}`);
-  return i > 0 ? process.argv[i + 1] : fallback;
-}
 
 const url = arg("url");
 const out = resolve(arg("out", "test-artifacts"));
