@@ -49,7 +49,7 @@ def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
     runners = {
         "stock_layer": lambda: ck.int8_linear(x, w, ws, bias, torch.bfloat16, convrot=True, convrot_groupsize=GROUP,
                                               input_act=act),
-        "pack_layer": lambda: route.int8_linear(x, w, ws, bias, input_act=act),
+        "pack_layer": lambda: route.routed_or_reason(x, w, ws, bias, input_act=act),
         "pack_quantiser": lambda: act_mod.quantize_rows(x, act),
         "kitchen_gemm": lambda: route.kitchen_gemm(xq, xs, w, ws, bias, torch.bfloat16),
     }
@@ -63,7 +63,8 @@ def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
                                                                      portable)
     want = runners["stock_layer"]()
     got = runners["pack_layer"]()
-    identical = got is not None and torch.equal(got, want)
+    route_problem = got if isinstance(got, str) else None  # why stock's call runs, or None: the route ran
+    identical = route_problem is None and torch.equal(got, want)
     gemm_identical = gemm_why is None and torch.equal(runners["pack_gemm"](), runners["kitchen_gemm"]())
     if portable is not None:
         runners["portable_gemm"]()
@@ -73,7 +74,7 @@ def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
     flops = 2 * m * n * k
     row = {"linear": name, "tokens": m, "in": k, "out": n, "input_act": act, "identical_to_stock": identical,
            "gemm_identical_to_kitchen": gemm_identical, "pack_gemm_problem": gemm_why,
-           "route_problem": route.int8_route_problem(x, w, ws, bias, input_act=act)}
+           "route_problem": route_problem}
     for variant, ts in times.items():
         s = summary(ts)
         ms = round(s["p50_seconds"] * 1e3, 3)

@@ -64,16 +64,10 @@ def release_problem(device: torch.device) -> str | None:
             f"on this device the route did not give stock's bits in its self-check: {why}")
 
 
-def int8_route_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias, *,
-                  input_act: str | None = None) -> str | None:
-    """Why stock's ConvRot ``int8_linear`` would not run the two kernels ``int8_linear`` reproduces; None: it would."""
-    return (int8_rows_problem(x) or int8_call_problem(x, input_act=input_act)
-            or int8_weight_problem(x, qdata, w_scale, bias, input_act=input_act))
-
-
 def int8_weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias, *,
                    input_act: str | None = None) -> str | None:
-    """``int8_route_problem`` for a call whose ``int8_call_problem`` is already known to be None."""
+    """Why stock's ConvRot ``int8_linear`` would not run the two kernels the route reproduces, from the weight (for
+    calls whose ``int8_call_problem`` is None); None: it would."""
     cuda = kitchen_cuda()[0]
     k = x.shape[1] // (2 if input_act == "swiglu" else 1)
     if qdata.dtype != torch.int8 or qdata.dim() != 2 or qdata.shape[1] != k:
@@ -135,19 +129,12 @@ def kitchen_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w
     return out if used else None
 
 
-def int8_linear(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
-                input_act: str | None = None, modulation: list | None = None) -> torch.Tensor | None:
-    """Stock's ``int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, input_act=...)`` with the pack's
-    quantiser; None where the route objects or CUTLASS declines. ``modulation``: foldable segments, applied inside."""
-    if int8_route_problem(x, qdata, w_scale, bias, input_act=input_act) is not None:
-        return None
-    return int8_linear_routed(x, qdata, w_scale, bias, input_act=input_act, modulation=modulation)
-
-
 def int8_linear_routed(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
                        input_act: str | None = None, modulation: list | None = None,
                        residual: PendingResidual | None = None) -> torch.Tensor | None:
-    """``int8_linear`` for a call whose ``int8_route_problem`` is already known to be None. ``residual``: the output
+    """Stock's ``int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, input_act=...)`` with the pack's
+    quantiser, for a call the route takes (``nodes/int8_layers.route``). ``modulation``: foldable segments, applied
+    by the quantiser. ``residual``: the output
     added to it (``residual.x`` returned), in the pack's GEMM epilogue where the residual folds and that GEMM runs
     (the product never written), else by its own pass; None where CUTLASS declines (nothing added)."""
     xq, x_scale = _quantize(x, input_act, modulation)
@@ -180,9 +167,9 @@ def stock_int8_linear(x, qdata, w_scale, bias=None, *, input_act: str | None = N
     return ck.int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, convrot_groupsize=GROUP, input_act=input_act)
 
 
-def _checked_route(x, qdata, w_scale, bias=None, *, input_act: str | None = None) -> torch.Tensor | str:
-    """The route as a sampling call takes it, but for the release's verification: its output, or why it declined
-    (what the self-check compares with stock's call)."""
+def routed_or_reason(x, qdata, w_scale, bias=None, *, input_act: str | None = None) -> torch.Tensor | str:
+    """One whole call through the route as a sampling call takes it, the release's verification aside: its output,
+    or why stock's call runs (what the release self-check compares with stock's call)."""
     why = (_call_shape_problem(x, input_act) or int8_rows_problem(x)
            or int8_weight_problem(x, qdata, w_scale, bias, input_act=input_act))
     if why is not None:
@@ -191,7 +178,7 @@ def _checked_route(x, qdata, w_scale, bias=None, *, input_act: str | None = None
     return "CUTLASS declined the shape" if out is None else out
 
 
-RELEASE_CHECK = int8_release_check.ReleaseCheck(route=lambda *a, **k: _checked_route(*a, **k),
+RELEASE_CHECK = int8_release_check.ReleaseCheck(route=lambda *a, **k: routed_or_reason(*a, **k),
                                                 stock=lambda *a, **k: stock_int8_linear(*a, **k))
 
 
@@ -244,7 +231,7 @@ class QuantizedRows:
 
 
 def int8_quantized_rows(x: torch.Tensor, modulation: list | None = None) -> QuantizedRows:
-    """``x`` quantised as stock's route would (``int8_route_problem`` None); ``modulation`` as ``int8_linear``'s."""
+    """``x`` quantised as the route quantises it; ``modulation`` as ``int8_linear_routed``'s."""
     return QuantizedRows(*_quantize(x, None, modulation), x.dtype)
 
 

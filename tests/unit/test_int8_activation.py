@@ -101,6 +101,6 @@ def test_route_says_why_it_keeps_stocks_call():
     route = submodule("kernels.int8_linear")
     x = torch.zeros(16, 512, dtype=torch.bfloat16)
     w = torch.zeros(32, 512, dtype=torch.int8)
-    problem = route.int8_route_problem(x, w, torch.ones(()), None)
-    assert problem == "not on a CUDA device"
-    assert route.int8_linear(x, w, torch.ones(()), None) is None
+    assert route.int8_call_problem(x) == "not on a CUDA device"
+    why = route.routed_or_reason(x, w, torch.ones(()), None)  # the route itself, asked anyway: it declines
+    assert isinstance(why, str) and why.startswith("the pack's quantiser does not take")

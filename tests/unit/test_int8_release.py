@@ -219,9 +219,9 @@ INTERPRETED = r"""
     min_rows = route.installed_release()[1].min_rows
     check.samples = lambda rows: (check.Sample(rows, 256, 8), check.Sample(7, 1280, 16, "swiglu"),
                                   check.Sample(5, 512, 8, bias=True))
-    same = check.ReleaseCheck(route._checked_route, stock).run("cpu", min_rows)
-    differs = check.ReleaseCheck(route._checked_route, nudged).run("cpu", min_rows)
-    few = check.ReleaseCheck(route._checked_route, stock).run("cpu", min_rows - 1)  # fewer rows than the GEMM takes
+    same = check.ReleaseCheck(route.routed_or_reason, stock).run("cpu", min_rows)
+    differs = check.ReleaseCheck(route.routed_or_reason, nudged).run("cpu", min_rows)
+    few = check.ReleaseCheck(route.routed_or_reason, stock).run("cpu", min_rows - 1)  # fewer rows than the GEMM takes
     report({"takes": takes, "same": same.problem, "differs": differs.problem, "few": few.problem,
             "gemm_rows": gemm_calls[:3]})
 """
