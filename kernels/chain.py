@@ -140,30 +140,39 @@ class BackendChain:
             views = [*kv.unflatten(1, (2, heads, head_dim)).unsqueeze(0).unbind(2)]
             views.insert(0, views[0])  # q is k's shape, dtype and place
         skipped: list[Skip] = []
-        # the scan holds ``views`` while it is suspended: emptied before the preparation, which frees K first
-        for backend in self._candidates(views, "NHD", None, skipped):
-            if not (backend.prepares_projected and prepared_mode in backend.prepared_modes
+        backend = self.projected_backend(views, prepared_mode, skipped)
+        views.clear()  # emptied before the preparation, which frees K first
+        if backend is None:
+            return None, None  # the call runs as run_handed runs it
+        seen = len(backend.compile_events)
+        try:
+            prepared = backend.prepare_projected(projection, kv, heads=heads, mode=prepared_mode, scale=scale,
+                                                 norm=norm, chunk=chunk)
+        except Exception as exc:
+            raise_if_context_lost(exc)
+            if projection.released:
+                raise  # its input is gone: the projection cannot be taken whole for a fallback
+            projection.k = None  # K taken ahead may be normalised in part: the fallback projects anew
+            _log_skips(self.requested, backend.name, [Skip(
+                backend.name, "raised", f"prepared path on a projection by token chunks raised "
+                f"{type(exc).__name__}: {exc}", "raised")])
+            return None, None
+        del kv  # K and V are in the operands now
+        return backend.attend(prepared), self._record(
+            backend, skipped, seen, prepared=prepared.mode, head_chunks=len(prepared.head_chunks),
+            projected_chunks=prepared.projected_chunks)
+
+    def projected_backend(self, views: list, prepared_mode: str, skipped: list | None = None):
+        """The back-end that takes an NHD call on ``views`` on its prepared path by token chunks (the first that
+        takes the call at all, if it offers that path in ``prepared_mode``), or None."""
+        if not self.prepared:
+            return None
+        for backend in self._candidates(views, "NHD", None, [] if skipped is None else skipped):
+            if (backend.prepares_projected and prepared_mode in backend.prepared_modes
                     and backend.prepared_verdict(*views)):
-                return None, None  # the call runs as run_handed runs it
-            views.clear()
-            seen = len(backend.compile_events)
-            try:
-                prepared = backend.prepare_projected(projection, kv, heads=heads, mode=prepared_mode, scale=scale,
-                                                     norm=norm, chunk=chunk)
-            except Exception as exc:
-                raise_if_context_lost(exc)
-                if projection.released:
-                    raise  # its input is gone: the projection cannot be taken whole for a fallback
-                projection.k = None  # K taken ahead may be normalised in part: the fallback projects anew
-                _log_skips(self.requested, backend.name, [Skip(
-                    backend.name, "raised", f"prepared path on a projection by token chunks raised "
-                    f"{type(exc).__name__}: {exc}", "raised")])
-                return None, None
-            del kv  # K and V are in the operands now
-            return backend.attend(prepared), self._record(
-                backend, skipped, seen, prepared=prepared.mode, head_chunks=len(prepared.head_chunks),
-                projected_chunks=prepared.projected_chunks)
-        return None, None
+                return backend
+            return None
+        return None
 
     def _candidates(self, views: list, layout: str, mask, skipped: list):
         """The back-ends, in order, that take the call on ``views`` (read anew: a norm may replace Q/K)."""

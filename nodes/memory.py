@@ -101,20 +101,15 @@ def weight_forms(patcher, force_full_load: bool, chunks: bool, columns: bool = T
 
 
 def prepared_path(patch, device, tokens: int, dims: dict, dtype) -> bool:
-    """Every chain's first back-end that takes a call of this shape takes it on its prepared path (as the chain asks:
-    ``BackendChain.run_projected``), asked on a broadcast view of one row (no call-sized buffer)."""
+    """Every chain takes a call of this shape on a prepared path by token chunks (``BackendChain.projected_backend``,
+    as ``run_projected`` asks it), asked on a broadcast view of one row (no call-sized buffer)."""
     s = patch.settings
-    if not (s.prepared and s.layout == "strided_nhd") or comfy.model_management.in_training or device.type != "cuda":
+    if s.layout != "strided_nhd" or comfy.model_management.in_training or device.type != "cuda":
         return False
     one = torch.empty(1, 1, dims["heads"], dims["head_dim"], dtype=dtype, device=device)
     probe = one.expand(1, tokens, dims["heads"], dims["head_dim"])
-    for chain in (patch.plan.default, *patch.plan.chains.values()):
-        backend = next((b for b in chain.backends if b.available() and b.supports(probe, probe, probe, layout="NHD")),
-                       None)
-        if not (chain.prepared and backend is not None and backend.prepares_projected
-                and s.prep_mode in backend.prepared_modes and backend.prepared_verdict(probe, probe, probe)):
-            return False
-    return True
+    return all(chain.projected_backend([probe] * 3, s.prep_mode) is not None
+               for chain in (patch.plan.default, *patch.plan.chains.values()))
 
 
 def model_call_estimate(patch, patcher, conds: dict, model_options, force_full_load: bool = False) -> int | None:
