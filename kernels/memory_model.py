@@ -8,7 +8,7 @@ measured on an H100 (37,810 and 8,192 packed tokens, bf16 and int8 ConvRot weigh
 from __future__ import annotations
 
 from .offsets import token_chunks
-from .sage2_quant import K_BLOCK, Q_BLOCK, padded_len
+from .sage2_quant import K_BLOCK, Q_BLOCK, padded_len, projected_chunks
 
 WEIGHT_FORMATS = ("bf16", "int8")  # int8: int8 tensor-wise linears, their inputs quantised per row
 # H3's DiT block (comfy/ldm/minimax/model.py defaults) and its rotated head dims (rope_inv_freq_len 16 x 3 axes x 2)
@@ -93,7 +93,8 @@ def _projected_attention(size: _Sizes, s: int, hidden: int, heads: int, head_dim
         # by chunks of three times the setting's rows into Q's operands (sage2's prepare_projected), K's operand
         # and K freed; then V, the input released, and V's operand
         k_ops = kv_ops - heads * head_dim * padded_len(s)
-        q_rows = first_chunk(s, max(K_BLOCK, 3 * qkv_chunk_tokens // K_BLOCK * K_BLOCK), K_BLOCK)
+        a, b = projected_chunks(s, qkv_chunk_tokens, by_columns=True)[0]  # the largest chunk is the first
+        q_rows = b - a
         source = quantised(s, hidden) if size.int8 else normed  # the projection's input, kept until V is taken
         phases["k projection"] = normed + quantised(s, hidden) + rows(s, inner)
         phases["q by chunks"] = source + rows(s, inner) + q_ops + rows(q_rows, inner)
@@ -101,7 +102,8 @@ def _projected_attention(size: _Sizes, s: int, hidden: int, heads: int, head_dim
         phases["v operand"] = rows(s, inner) + q_ops + kv_ops
     else:
         # whole rows by chunks into an empty K/V buffer, each chunk quantised by its own linear call
-        q_rows = first_chunk(s, max(K_BLOCK, qkv_chunk_tokens // K_BLOCK * K_BLOCK), K_BLOCK)
+        a, b = projected_chunks(s, qkv_chunk_tokens, by_columns=False)[0]
+        q_rows = b - a
         kv = rows(s, 2 * inner)
         phases["q by chunks"] = normed + kv + q_ops + quantised(q_rows, hidden) + rows(q_rows, 3 * inner)
         phases["k/v operands"] = kv + q_ops + kv_ops  # the input released; K/V quantised beside their bf16 rows

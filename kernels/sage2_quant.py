@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .offsets import token_chunks
 from .triton_support import TRITON_ERROR, interpreting, tl, triton
 
 LIB = "sage_strided_nhd"
@@ -30,6 +31,14 @@ def rotates(mode: str) -> bool:
     if mode not in MODES:
         raise ValueError(f"unknown sage2 preparation mode {mode!r}; expected one of {list(MODES)}")
     return MODES[mode]
+
+
+def projected_chunks(seq: int, chunk: int, by_columns: bool) -> list[tuple[int, int]]:
+    """The token chunks a projection by rows is quantised in (each starts on a K_BLOCK-token block, as
+    ``RowOperands.add_q_rows`` takes them): ``chunk`` whole rows, or by columns three times as many Q rows (a third
+    of a whole row each)."""
+    rows = chunk * 3 if by_columns else chunk
+    return token_chunks(seq, max(K_BLOCK, rows // K_BLOCK * K_BLOCK), align=K_BLOCK)
 
 
 def padded_len(seq: int) -> int:

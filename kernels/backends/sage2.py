@@ -7,7 +7,6 @@ import importlib
 import torch
 
 from .. import gpu, sage2_quant
-from ..offsets import token_chunks
 from . import sage2_binding
 from .base import INT32_MAX_OFFSET, YES, AttentionBackend, Prepared, Verdict, no
 from .sage2_selftest import self_test
@@ -113,8 +112,7 @@ class Sage2Backend(AttentionBackend):
                 raise ValueError(f"kv buffer is {list(kv.shape)}, expected [{seq}, 2*{heads}*{d}]")
             k_all, v = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)
         ops = sage2_quant.RowOperands(seq, heads, projection.device, mode=mode)
-        step, rows_per_chunk = sage2_quant.K_BLOCK, chunk * 3 if by_columns else chunk  # Q: a third of a whole row
-        chunks = token_chunks(seq, max(step, rows_per_chunk // step * step), align=step)  # starting on Q's blocks
+        chunks = sage2_quant.projected_chunks(seq, chunk, by_columns)
         for a, b in chunks:
             if by_columns:
                 rows = projection.q_rows(a, b)
