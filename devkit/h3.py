@@ -8,6 +8,8 @@ weights. The shapes (and so the packed token count) follow the config exactly.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import zlib
 
@@ -115,25 +117,75 @@ def int8_convrot_state_dict(state_dict: dict, groupsize: int = 256) -> dict:
     return out
 
 
+# The other quantized formats ComfyUI's loader reads from a checkpoint's ``comfy_quant`` (comfy.quant_ops.QUANT_ALGOS),
+# each with the comfy-kitchen layout it loads as and the arguments of that layout's own ``quantize``.
+# TensorCoreSVDQuantW4A4Layout and TensorCoreAWQW4A16Layout have none: comfy-kitchen quantises neither (offline
+# calibration) and ComfyUI 0.33's loader reads neither.
+KITCHEN_FORMATS = {
+    "int8_tensorwise": ("TensorWiseINT8Layout", {}),  # without ConvRot: not the bundled checkpoint's form
+    "float8_e4m3fn": ("TensorCoreFP8Layout", {"dtype": torch.float8_e4m3fn}),
+    "float8_e5m2": ("TensorCoreFP8Layout", {"dtype": torch.float8_e5m2}),
+    "mxfp8": ("TensorCoreMXFP8Layout", {}),
+    "nvfp4": ("TensorCoreNVFP4Layout", {}),
+    "convrot_w4a4": ("TensorCoreConvRotW4A4Layout", {}),
+    "asym_w4a8_int8": ("AsymW4A8Int8Layout", {}),
+}
+# the grouping fields ComfyUI writes into ``comfy_quant`` for the int4 formats (comfy.ops' state_dict)
+GROUP_FIELDS = {"convrot_w4a4": ("convrot_groupsize",), "asym_w4a8_int8": ("group_size", "convrot_groupsize")}
+# The UNETLoader's weight_dtype choices that store a plain checkpoint's weights in fp8 (computed in manual cast)
+LOADER_DTYPES = {"loader_fp8_e4m3fn": torch.float8_e4m3fn, "loader_fp8_e5m2": torch.float8_e5m2}
+
+
+def kitchen_state_dict(state_dict: dict, fmt: str) -> dict:
+    """``state_dict`` with every DiT block's qkv/out/fc1/fc2 weight quantised by comfy-kitchen's own ``quantize`` of
+    ``fmt``'s layout (KITCHEN_FORMATS), stored as ComfyUI writes such a checkpoint: the layout's tensors under the
+    weight's name and the ``comfy_quant`` JSON. Raises ValueError where the installed comfy-kitchen lacks the layout."""
+    import comfy_kitchen.tensor as ckt
+
+    layout_name, kwargs = KITCHEN_FORMATS[fmt]
+    layout = getattr(ckt, layout_name, None)
+    if layout is None:
+        raise ValueError(f"this comfy-kitchen has no {layout_name}")
+    out = {}
+    for key, value in state_dict.items():
+        if not (key.startswith("blocks.") and key.endswith(INT8_CONVROT_LINEARS)):
+            out[key] = value
+            continue
+        qdata, params = layout.quantize(value, **kwargs)
+        out.update(ckt.QuantizedTensor(qdata, layout_name, params).state_dict(key))
+        conf = {"format": fmt, **{name: getattr(params, name) for name in GROUP_FIELDS.get(fmt, ())}}
+        out[key[: -len("weight")] + "comfy_quant"] = torch.tensor(list(json.dumps(conf).encode("utf-8")),
+                                                                  dtype=torch.uint8)
+    return out
+
+
 def build_model(config: dict, device: torch.device, dtype: torch.dtype, seed: int, weights: str = "bf16"):
-    """``build_random_model``, or the same random weights loaded as ``weights`` (WEIGHT_FORMATS) the way
-    ComfyUI's UNETLoader loads such a checkpoint (comfy.sd picks mixed_precision_ops from comfy_quant)."""
-    if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weight format {weights!r}; choose one of {WEIGHT_FORMATS}")
+    """``build_random_model``, or the same random weights loaded as ``weights`` (WEIGHT_FORMATS, KITCHEN_FORMATS,
+    LOADER_DTYPES) the way ComfyUI's UNETLoader loads such a checkpoint (comfy.sd picks mixed_precision_ops from
+    comfy_quant; a loader fp8 weight_dtype stores plain weights in fp8)."""
+    if weights not in WEIGHT_FORMATS + tuple(KITCHEN_FORMATS) + tuple(LOADER_DTYPES):
+        raise ValueError(f"unknown weight format {weights!r}; choose one of {WEIGHT_FORMATS}, "
+                         f"{tuple(KITCHEN_FORMATS)} or {tuple(LOADER_DTYPES)}")
     # drawn (and quantised) on the device: the full 50-block model is 19e9 parameters
     patcher = build_random_model(config, device, dtype, seed)
     if weights == "bf16":
         return patcher
+    if weights in KITCHEN_FORMATS:
+        convert = functools.partial(kitchen_state_dict, fmt=weights)
+    elif weights in LOADER_DTYPES:
+        convert, dtype = dict, LOADER_DTYPES[weights]  # bf16 on file, stored as the loader's fp8 dtype
+    else:
+        convert = functools.partial(int8_convrot_state_dict, groupsize=256 if config["hidden_size"] % 256 == 0
+                                    else config["hidden_size"])
     import comfy.model_management as mm
     import comfy.sd
 
-    groupsize = 256 if config["hidden_size"] % 256 == 0 else config["hidden_size"]
     with torch.inference_mode(False):  # loaded as a loader node loads: plain tensors, not inference ones
         # quantised where drawn, one tensor at a time, and copied to the CPU as a checkpoint file's
         # tensors come: the device never holds a second copy of the model (38 GB in bf16)
         state = {}
         for key, value in patcher.model.diffusion_model.state_dict().items():
-            for name, tensor in int8_convrot_state_dict({key: value}, groupsize).items():
+            for name, tensor in convert({key: value}).items():
                 state[name] = tensor.to("cpu", copy=True)
         del patcher
         # in ``dtype`` (the GPU's bf16; ComfyUI would pick fp32 on the CPU): the int8 layers' cast and

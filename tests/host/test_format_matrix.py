@@ -1,0 +1,260 @@
+"""The format matrix: every quantized layout comfy-kitchen registers, the loader's fp8 weight dtypes and the block
+variants users load, through the node on the tiny H3 in a real ComfyUI 0.33 host, on the CPU.
+
+Each layout's weights are real ``QuantizedTensor``s made by comfy-kitchen's own ``quantize`` and loaded as
+ComfyUI's UNETLoader loads such a checkpoint (``devkit.h3.build_model``). For each, one block forward with the
+node's patch must give stock's bits, and the report must say which path the linears took: int8 tensor-wise ConvRot
+linears the int8 route's (or the reason stock's ran), every other layout stock's call, never routed.
+
+On the CPU the route declines every call (no CUDA), so "never routed" would hold for any layout. Each case therefore
+runs twice: as this CPU gives it, and with the route's device and release checks answered yes and its GEMM replaced
+by a recorder that declines (stock's computation then runs on the cast weight, stock's bits). The int8 ConvRot case
+reaching the recorder is what shows the check can fail.
+
+A layout or format the installed releases lack is a skip naming the release (a skip, not a pass);
+scripts/test_kitchen_releases.sh runs this file against each comfy-kitchen release of kernels/kitchen.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+
+import pytest
+import torch
+
+from devkit import h3 as dh
+
+CONFIG = dh.INT8_TINY_H3
+SEQ = 100
+RELEASE = importlib.metadata.version("comfy-kitchen")
+HOST = "ComfyUI 0.33"
+# every layout comfy-kitchen 0.2.40 registers -> the devkit.h3 weight formats that load as it
+LAYOUTS = {
+    "TensorWiseINT8Layout": ("int8_convrot", "int8_tensorwise"),
+    "TensorCoreFP8Layout": ("float8_e4m3fn", "float8_e5m2"),
+    "TensorCoreMXFP8Layout": ("mxfp8",),
+    "TensorCoreNVFP4Layout": ("nvfp4",),
+    "AsymW4A8Int8Layout": ("asym_w4a8_int8",),
+    "TensorCoreConvRotW4A4Layout": ("convrot_w4a4",),
+    "TensorCoreSVDQuantW4A4Layout": (),
+    "TensorCoreAWQW4A16Layout": (),
+}
+CASES = [(layout, fmt) for layout, formats in LAYOUTS.items() for fmt in formats or (None,)]
+# the node's settings per forward: MLP chunks that cut the modulation segments, and everything whole
+SETTINGS = {"chunked": dict(mlp_chunk_tokens=30, int8_mlp_chunk_tokens=30),
+            "whole": dict(mlp_chunk_tokens=8192, int8_mlp_chunk_tokens=8192)}
+
+
+def skip_reason(layout: str, fmt: str | None) -> str | None:
+    """Why this release and host cannot make or load ``layout`` (None: they can)."""
+    import comfy.quant_ops
+    import comfy_kitchen.tensor as ckt
+
+    if getattr(ckt, layout, None) is None:
+        return f"comfy-kitchen {RELEASE} has no {layout}: not covered on this release (a skip, not a pass)"
+    if fmt is None:
+        return (f"comfy-kitchen {RELEASE} has {layout} but no quantize for it (offline calibration only) and "
+                f"{HOST}'s loader reads no such comfy_quant format: stock cannot load it, no bits to compare "
+                "(a skip, not a pass)")
+    if fmt != "int8_convrot" and fmt not in comfy.quant_ops.QUANT_ALGOS:
+        return (f"{HOST} with comfy-kitchen {RELEASE} loads no {fmt!r} checkpoint ({layout}): "
+                "not covered on this release (a skip, not a pass)")
+    return None
+
+
+@contextlib.contextmanager
+def route_open(pack):
+    """The int8 route's device and release checks answered yes (as on a GPU it was verified on), its GEMM a
+    recorder that declines each call: yields the list of calls that reached the route."""
+    reached = []
+
+    def declining(x, *args, **kwargs):
+        reached.append(tuple(x.shape))
+        return None  # declined: stock's computation runs on the cast weight
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pack.kernels, "int8_call_problem", lambda x, input_act=None: None)
+        mp.setattr(pack.kernels, "int8_weight_problem", lambda *args, **kwargs: None)
+        mp.setattr(pack.kernels, "int8_rows_problem", lambda x: None)
+        mp.setattr(pack.kernels, "int8_linear_routed", declining)
+        yield reached
+
+
+def block_forward(pack, model, inputs, **settings):
+    """Block 1 of ``model`` with the node's patch: (output, the forward's class name, report payload)."""
+    s = pack.nodes.patch.Settings(backend="sdpa", **settings)
+    clone, patch = pack.nodes.sage_node.patch_any_model(model, s)
+    x, t_emb, segments, rope = inputs
+    clone.patch_model(load_weights=False)
+    try:
+        block = clone.model.diffusion_model.blocks[1]
+        forward = type(vars(block).get("forward")).__name__
+        out = block(x.clone(), t_emb, segments, rope, transformer_options={})
+    finally:
+        clone.unpatch_model(unpatch_weights=False)
+    return out, forward, patch.report.payload()
+
+
+def stock_forward(model, inputs):
+    x, t_emb, segments, rope = inputs
+    return model.model.diffusion_model.blocks[1](x.clone(), t_emb, segments, rope, transformer_options={})
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{layout}-{fmt}" for layout, fmt in CASES])
+def case(request, pack):
+    """One layout's model, stock's block output and the node's on the CPU and with the route open."""
+    layout, fmt = request.param
+    reason = skip_reason(layout, fmt)
+    if reason is not None:
+        pytest.skip(reason)
+    model = dh.build_model(CONFIG, torch.device("cpu"), torch.bfloat16, 0, fmt)
+    inputs = dh.random_block_inputs(model.model.diffusion_model.blocks[1], SEQ, seed=3, dtype=torch.bfloat16)
+    runs = {}
+    for name, settings in SETTINGS.items():
+        runs[name, "cpu"] = (*block_forward(pack, model, inputs, **settings), [])
+        with route_open(pack) as reached:
+            runs[name, "route_open"] = (*block_forward(pack, model, inputs, **settings), reached)
+    return dict(layout=layout, fmt=fmt, model=model, want=stock_forward(model, inputs), runs=runs)
+
+
+def test_weights_are_the_layout_comfy_kitchen_made(case):
+    import comfy_kitchen.tensor as ckt
+
+    blocks = case["model"].model.diffusion_model.blocks
+    for layer in (blocks[1].attn.qkv_proj, blocks[1].attn.out_proj, blocks[1].mlp.fc1, blocks[1].mlp.fc2):
+        w = layer.weight
+        assert isinstance(w, ckt.QuantizedTensor), f"{case['fmt']}: {type(w).__name__}"
+        # ComfyUI loads fp8 as its own subclasses of comfy-kitchen's TensorCoreFP8Layout
+        assert issubclass(ckt.get_layout_class(w._layout_cls), getattr(ckt, case["layout"])), w._layout_cls
+
+
+def test_block_path_gives_stock_bits(case):
+    want = case["want"]
+    for (settings, mode), (got, forward, _, _) in case["runs"].items():
+        assert forward == "H3BlockForward", f"{settings}/{mode}: block forward {forward}"
+        assert torch.equal(got, want), (f"{case['fmt']} {settings}/{mode}: max abs "
+                                        f"{(got.float() - want.float()).abs().max().item()}")
+
+
+def test_report_says_which_path_the_linears_took(case):
+    for (settings, mode), (_, _, payload, reached) in case["runs"].items():
+        where = f"{case['fmt']} {settings}/{mode}"
+        assert payload["int8_own_quantizer_calls"] == 0, where  # the recorder declines; the CPU has no route
+        if case["fmt"] != "int8_convrot":
+            # never routed: no call reached the route, none was counted as an int8 ConvRot linear
+            assert reached == [] and payload["int8_stock_quantizer"] == [], (where, reached, payload)
+            assert payload["comfy_kitchen"] is None and payload["int8_gemm"] is None, where
+            continue
+        counts = {r["reason"]: r["count"] for r in payload["int8_stock_quantizer"]}
+        assert sum(counts.values()) >= 4, (where, counts)  # qkv, out, fc1, fc2 at least once each
+        if mode == "route_open":
+            # calls reached the route and were declined there (stock's computation on the cast weight), each
+            # counted with that reason; the rest with the route's reason (on the CPU fc2's cast dequantises)
+            assert 0 < len(reached) == counts.get("CUTLASS declined the shape"), (where, counts, reached)
+        else:
+            assert reached == [] and "CUTLASS declined the shape" not in counts, (where, counts)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(pack):
+    return dh.build_model(CONFIG, torch.device("cpu"), torch.bfloat16, 0, "bf16")
+
+
+@pytest.mark.parametrize("weights", tuple(dh.LOADER_DTYPES))
+def test_loader_fp8_weight_dtype(pack, weights):
+    """UNETLoader's weight_dtype fp8_e4m3fn / fp8_e5m2: plain weights stored in fp8, computed in manual cast."""
+    model = dh.build_model(CONFIG, torch.device("cpu"), torch.bfloat16, 0, weights)
+    assert model.model.diffusion_model.blocks[1].mlp.fc1.weight.dtype == dh.LOADER_DTYPES[weights]
+    inputs = dh.random_block_inputs(model.model.diffusion_model.blocks[1], SEQ, seed=4, dtype=torch.bfloat16)
+    try:
+        want = stock_forward(model, inputs)
+    except Exception as exc:  # noqa: BLE001 - stock's own failure is what the node must match
+        stock_error = f"{type(exc).__name__}: {exc}"
+        with pytest.raises(type(exc)) as raised:
+            block_forward(pack, model, inputs, **SETTINGS["chunked"])
+        assert f"{raised.type.__name__}: {raised.value}" == stock_error  # the same failure, not the pack's own
+        pytest.skip(f"{HOST} with comfy-kitchen {RELEASE} cannot run the H3 block with weight_dtype {weights} on "
+                    f"the CPU ({stock_error[:160]}); the node fails as stock does. No bits to compare "
+                    "(a skip, not a pass)")
+    for settings in SETTINGS.values():
+        got, forward, payload = block_forward(pack, model, inputs, **settings)
+        assert forward == "H3BlockForward" and torch.equal(got, want)
+        assert payload["int8_own_quantizer_calls"] == 0 and payload["int8_stock_quantizer"] == []
+
+
+class FusedView:
+    """A read-only fused ``qkv_proj`` laid over separate projections (no submodule), as split-QKV loaders do."""
+
+    def __init__(self, *projections):
+        self.projections = projections
+
+    def __call__(self, x):
+        return torch.cat([p(x) for p in self.projections], dim=-1)
+
+
+def split_linear(layer, parts: int):
+    """``layer``'s weight rows in ``parts`` new Linears of the same class (as a split checkpoint loads them)."""
+    out = []
+    for rows in layer.weight.chunk(parts, dim=0):
+        new = type(layer)(rows.shape[1], rows.shape[0], bias=False, dtype=rows.dtype)
+        new.weight = torch.nn.Parameter(rows.clone(), requires_grad=False)
+        out.append(new)
+    return out
+
+
+def variant_model(change):
+    """The bf16 tiny H3 with every attention module (DiT and refiner) rewritten by ``change``, as a checkpoint of
+    that variant would load."""
+    model = dh.build_model(CONFIG, torch.device("cpu"), torch.bfloat16, 0, "bf16")
+    dm = model.model.diffusion_model
+    for attn in [b.attn for b in dm.blocks] + [b.attn for b in dm.token_refiner.blocks]:
+        change(attn)
+    return model
+
+
+def separate_qkv(attn):
+    q, k, v = split_linear(attn.qkv_proj, 3)
+    del attn._modules["qkv_proj"]
+    attn.q_proj, attn.k_proj, attn.v_proj = q, k, v
+    attn.qkv_proj = FusedView(q, k, v)
+
+
+def keyless(attn):
+    """The "Keyless" H3 attention: one packed ``qv_proj``, no K projection (here K reads Q's columns)."""
+    q, _, v = split_linear(attn.qkv_proj, 3)
+    qv = type(attn.qkv_proj)(q.weight.shape[1], 2 * q.weight.shape[0], bias=False, dtype=q.weight.dtype)
+    qv.weight = torch.nn.Parameter(torch.cat([q.weight, v.weight]), requires_grad=False)
+    del attn._modules["qkv_proj"]
+    attn.qv_proj = qv
+    attn.qkv_proj = lambda x: (lambda q_, v_: torch.cat([q_, q_, v_], dim=-1))(*qv(x).chunk(2, dim=-1))
+
+
+@pytest.fixture(scope="module")
+def block_inputs(bf16_model):
+    return dh.random_block_inputs(bf16_model.model.diffusion_model.blocks[1], SEQ, seed=5, dtype=torch.bfloat16)
+
+
+def test_separate_qkv_projections_declined_with_stock_bits(pack, block_inputs):
+    model = variant_model(separate_qkv)
+    want = stock_forward(model, block_inputs)
+    got, forward, payload = block_forward(pack, model, block_inputs)
+    assert forward == "NoneType"  # no forward of the node's on the block
+    assert [n["code"] for n in payload["notes"]] == ["separate_qkv_declined"]
+    assert "q_proj/k_proj/v_proj" in payload["notes"][0]["text"]
+    assert payload["int8_own_quantizer_calls"] == 0 and torch.equal(got, want)
+
+
+def test_keyless_block_declined_with_a_clear_reason(pack, block_inputs):
+    """A packed qv_proj and no K projection: the node refuses (an error naming the missing projection, nothing
+    patched) or declines with a note naming qv_proj and runs stock's forward; never runs its own path on it."""
+    model = variant_model(keyless)
+    want = stock_forward(model, block_inputs)
+    try:
+        got, forward, payload = block_forward(pack, model, block_inputs)
+    except pack.nodes.h3_patch.H3StructureError as exc:
+        assert "no qkv_proj.weight" in str(exc) and "nothing was patched" in str(exc), str(exc)
+        return
+    assert not forward.startswith("H3"), forward
+    assert any("qv_proj" in n["text"] for n in payload["notes"]), payload["notes"]
+    assert payload["calls"] == 0 and torch.equal(got, want)
