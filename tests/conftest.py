@@ -17,6 +17,12 @@ from devkit.pack import import_pack  # noqa: E402
 import_pack()  # the pack is importable as comfyui_sage_strided_nhd in every test
 
 
+def pytest_collection_modifyitems(session, config, items):
+    from host_fixtures import uses_a_run_ahead
+
+    items.sort(key=uses_a_run_ahead)  # stable: the tests that wait for a run started ahead last, in their order
+
+
 def pytest_collection_finish(session):
     from host_fixtures import start_runs_ahead
 

@@ -344,11 +344,11 @@ def patch_inputs(layout="strided_nhd", backend="sdpa", refiner=True) -> dict:
 # --- runs started ahead ------------------------------------------------------------------------
 # The slowest host fixtures each wait for a tool run in its own process (a benchmark, the aimdo emulation or a server
 # on a tiny H3). Declared with ``run_ahead``, such a run is queued when collection ends (if a selected test uses it)
-# for worker threads beside the tests this process runs: on two cores the two share the machine instead of taking
-# turns. The workers take the runs used last first; this process runs a run no worker took yet when its first test
-# asks for it, so the two work through the queue from either end.
+# for worker threads, one per core but this process's; the tests that wait for such runs go last (conftest.py), so
+# the workers go through the queue while this process runs the rest. A run no worker took yet when its first test
+# asks for it runs in this process.
 AHEAD_WORKERS = max(1, (os.cpu_count() or 2) - 1)
-_AHEAD: dict = {}    # fixture name -> (fn(folder), prepare() or None)
+_AHEAD: dict = {}    # fixture name -> (fn(folder), prepare(folder) or None)
 _STARTED: dict = {}  # fixture name -> its Future
 _FOLDERS: list = []
 _POOL: list = []
@@ -356,9 +356,9 @@ _OUTCOMES = (Exception, pytest.skip.Exception, pytest.fail.Exception)
 
 
 def run_ahead(fn=None, *, prepare=None):
-    """A session fixture named as ``fn``, whose value is ``fn(folder)`` (a fresh folder), started ahead; ``prepare()``
-    runs first, in this process's thread: what must not happen beside the tests (ComfyUI imported here, files the
-    session's server reads)."""
+    """A session fixture named as ``fn``, whose value is ``fn(folder)`` (a fresh folder), started ahead;
+    ``prepare(folder)`` runs first, in this process's thread: what must not happen beside the tests (ComfyUI imported
+    here, files the session's server reads)."""
     if fn is None:
         return lambda f: run_ahead(f, prepare=prepare)
     if _AHEAD.setdefault(fn.__name__, (fn, prepare))[0] is not fn:
@@ -368,11 +368,16 @@ def run_ahead(fn=None, *, prepare=None):
     def fixture():
         future = _STARTED.get(fn.__name__)
         if future is None or future.cancel():  # not taken by a worker yet: run it here
+            folder = getattr(future, "folder", None) or _folder(fn.__name__)
             if prepare is not None and future is None:
-                prepare()
-            return fn(_folder(fn.__name__))
+                prepare(folder)
+            return fn(folder)
         return future.result()
     return fixture
+
+
+def uses_a_run_ahead(item) -> bool:
+    return any(name in _AHEAD for name in getattr(item, "fixturenames", ()))
 
 
 def _folder(name: str) -> Path:
@@ -383,23 +388,24 @@ def _folder(name: str) -> Path:
 
 
 def start_runs_ahead(items) -> None:
-    """Prepare and queue the runs the selected ``items`` use, the last used first."""
+    """Prepare and queue the runs the selected ``items`` use, in the order they are first used."""
     import concurrent.futures
 
     wanted = dict.fromkeys(n for item in items for n in getattr(item, "fixturenames", ()) if n in _AHEAD)
     if not wanted:
         return
     _POOL.append(concurrent.futures.ThreadPoolExecutor(AHEAD_WORKERS, thread_name_prefix="run-ahead"))
-    for name in reversed(wanted):
-        fn, prepare = _AHEAD[name]
+    for name in wanted:
+        (fn, prepare), folder = _AHEAD[name], _folder(name)
         try:
             if prepare is not None:
-                prepare()
+                prepare(folder)
         except _OUTCOMES as exc:  # a skip or a failure: each test that uses the run gets it
             _STARTED[name] = concurrent.futures.Future()
             _STARTED[name].set_exception(exc)
             continue
-        _STARTED[name] = _POOL[0].submit(fn, _folder(name))
+        _STARTED[name] = _POOL[0].submit(fn, folder)
+        _STARTED[name].folder = folder  # where a run taken back from the queue runs
 
 
 def finish_runs_ahead() -> None:

@@ -19,7 +19,7 @@ import pytest
 from benchmarks import schema
 from benchmarks.h3_reference_run import REFERENCE_COPY, reference_for
 from devkit.h3 import packed_token_count
-from host_fixtures import require_host, run_ahead, tiny_h3_model, write_checkpoint
+from host_fixtures import import_comfy, require_host, run_ahead, tiny_h3_model, write_checkpoint
 from peer_stand_in import write_stand_in
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,10 +135,19 @@ def test_setup_failure_still_writes_a_report(setup_failure_run):
     assert data["device"].startswith("CPU") and data["sections_completed"] == []
 
 
-def test_checkpoint_weights_are_loaded_like_unetloader(comfy_inprocess, tmp_path):  # noqa: F811
-    ckpt = tmp_path / "h3_tiny.safetensors"
-    write_checkpoint(tiny_h3_model(seed=3), ckpt)
-    proc, data = run_harness(tmp_path, "--checkpoint", str(ckpt), "--sections", "blocks,sampling_2_step")
+def _tiny_checkpoint(folder) -> None:
+    import_comfy(require_host())  # ComfyUI's own model classes, in this process before the tests start
+    write_checkpoint(tiny_h3_model(seed=3), folder / "h3_tiny.safetensors")
+
+
+@run_ahead(prepare=_tiny_checkpoint)
+def checkpoint_run(folder):
+    ckpt = folder / "h3_tiny.safetensors"
+    return (*run_harness(folder, "--checkpoint", str(ckpt), "--sections", "blocks,sampling_2_step"), ckpt)
+
+
+def test_checkpoint_weights_are_loaded_like_unetloader(checkpoint_run):
+    proc, data, ckpt = checkpoint_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert data["model"]["source"] == f"checkpoint {ckpt}"
     assert data["model"]["config"]["text_dim"] == 32 and data["model"]["config"]["num_layers"] == 2

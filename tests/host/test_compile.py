@@ -31,7 +31,7 @@ ORDERS = ("stock", "compile_then_node", "node_then_compile")
 PROMPTS = 3  # per variant
 
 
-def _compile_host() -> None:
+def _compile_host(folder) -> None:
     """What the server needs, made in this process before the tests start: a C++ compiler for inductor, the tiny
     checkpoint, the pack and the helper nodes in the host."""
     host = require_host()
