@@ -54,9 +54,16 @@ def skip_reason(layout: str, fmt: str | None) -> str | None:
     if getattr(ckt, layout, None) is None:
         return f"comfy-kitchen {RELEASE} has no {layout}: not covered on this release (a skip, not a pass)"
     if fmt is None:
-        return (f"comfy-kitchen {RELEASE} has {layout} but no quantize for it (offline calibration only) and "
-                f"{HOST}'s loader reads no such comfy_quant format: stock cannot load it, no bits to compare "
-                "(a skip, not a pass)")
+        loads = [name for name, algo in comfy.quant_ops.QUANT_ALGOS.items()
+                 if algo["comfy_tensor_layout"] == layout]
+        try:
+            getattr(ckt, layout).quantize(torch.randn(64, 256, dtype=torch.bfloat16))
+            made = "a quantize for it"
+        except NotImplementedError:
+            made = "no quantize for it (offline calibration only)"
+        assert not loads, f"{HOST} loads {layout} as {loads}: give it a format in devkit.h3.KITCHEN_FORMATS"
+        return (f"comfy-kitchen {RELEASE} has {layout} with {made}, and {HOST}'s loader reads no comfy_quant "
+                "format as it: stock cannot load it, no bits to compare (a skip, not a pass)")
     if fmt != "int8_convrot" and fmt not in comfy.quant_ops.QUANT_ALGOS:
         return (f"{HOST} with comfy-kitchen {RELEASE} loads no {fmt!r} checkpoint ({layout}): "
                 "not covered on this release (a skip, not a pass)")
