@@ -62,6 +62,18 @@ def separate_projections_note(model_patcher, prefixes) -> Note | None:
         "attention and bits. Remove this node for this checkpoint, or load a checkpoint with a fused qkv_proj."))
 
 
+def keyless_note(model_patcher, prefixes) -> Note | None:
+    """Why the node declines a "Keyless" H3 checkpoint (a packed ``qv_proj`` and no K projection), or None."""
+    found = [p for p in prefixes if getattr(model_patcher.get_model_object(p), "_modules", {}).get("qv_proj")
+             is not None]
+    if not found:
+        return None
+    return Note("keyless_declined", (
+        f"no K projection: {len(found)} of {len(prefixes)} H3 attention modules project a packed qv_proj (a "
+        "\"Keyless\" H3 checkpoint) instead of one fused qkv_proj, so there is no fused Q/K/V buffer to take views "
+        "of. Nothing was patched: stock ComfyUI runs every block, with its own attention and bits."))
+
+
 def structure_problems(attn) -> list[str]:
     """Everything about ``attn`` that differs from the H3 attention the patch was written for."""
     problems = [f"no {name}.weight" for name in ("qkv_proj", "q_norm", "k_norm", "out_proj")
@@ -254,7 +266,7 @@ def patch_model(model_patcher, settings: Settings, node_id=None, notes=()):
     if not is_h3_model(diffusion_model):
         raise ValueError(f"{NODE}: {type(diffusion_model).__name__} is not {H3_MODEL_CLASS}")
     prefixes = attention_keys(diffusion_model, settings.patch_refiner)
-    declined = separate_projections_note(model_patcher, prefixes)
+    declined = separate_projections_note(model_patcher, prefixes) or keyless_note(model_patcher, prefixes)
     if declined is not None:
         return _declined_patch(model_patcher, settings, node_id, tuple(notes) + (declined,))
     conflicts.check_override_at_patch(model_patcher, "h3_forward_patch")
