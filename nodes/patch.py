@@ -64,9 +64,34 @@ class Note:
     text: str
 
 
-def current_value(name: str, value: str) -> tuple[str, Note | None]:
-    """A node input's value as it runs now: a removed value mapped to its replacement, with the note."""
-    runs = REMOVED_VALUES.get(name, {}).get(value)
+# the values these node inputs offer now (a removed value still runs, mapped: REMOVED_VALUES)
+OFFERED_VALUES = {"sage2_prep": tuple(kernels.PREPARED_MODES), "block_path": BLOCK_PATHS}
+
+
+def value_problem(name: str, value) -> str | None:
+    """Why ``value`` cannot run as node input ``name`` (a sentence naming the input and the values it takes), or None.
+    A removed value can run (``current_value`` maps it). Anything but text (a JSON object, a list, None) is refused."""
+    offered = ", ".join(OFFERED_VALUES[name])
+    if not isinstance(value, str):
+        what = {dict: "a JSON object", list: "a list", type(None): "no value"}.get(type(value), f"a {type(value).__name__}")
+        shown = "" if value is None else f" {_cut(repr(value))}"
+        return f"{name} takes one of {offered} (text); it got {what}{shown}"
+    if value in OFFERED_VALUES[name] or value in REMOVED_VALUES[name]:
+        return None
+    return f"{name} {value!r} is not one of {offered}"
+
+
+def _cut(text: str, most: int = 60) -> str:
+    return text if len(text) <= most else text[:most - 1] + "…"
+
+
+def current_value(name: str, value) -> tuple[str, Note | None]:
+    """A node input's value as it runs now: a removed value mapped to its replacement, with the note. A value that
+    cannot run raises ValueError naming the input and the values it takes."""
+    problem = value_problem(name, value)
+    if problem is not None:
+        raise ValueError(f"{NODE}: {problem}")
+    runs = REMOVED_VALUES[name].get(value)
     if runs is None:
         return value, None
     return runs, Note("removed_value", f"{name} {value!r} was removed from the node: this workflow runs {runs!r}")

@@ -3,11 +3,12 @@ forwards replaced (h3_patch.py), any other model an attention override (override
 
 from __future__ import annotations
 
+from comfy.patcher_extension import WrappersMP
 from comfy_api.latest import ComfyExtension, io
 
 from .. import kernels
 from . import h3_patch, override
-from .patch import BLOCK_PATHS, NODE, REMOVED_VALUES, Settings, current_value
+from .patch import BLOCK_PATHS, NODE, WRAPPER_KEY, Settings, current_value, value_problem
 
 CATEGORY = "advanced/model_patches"
 
@@ -61,23 +62,107 @@ class SageStridedNHDAttention(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, sage2_prep="exact", block_path="exact"):
         """These two inputs are checked here, not against their options, so that a workflow saved with a
-        removed value (``REMOVED_VALUES``) still runs; any other value is refused as ComfyUI would."""
-        for name, value, offered in (("sage2_prep", sage2_prep, kernels.PREPARED_MODES),
-                                     ("block_path", block_path, BLOCK_PATHS)):
-            if value not in offered and value not in REMOVED_VALUES[name]:
-                return f"{name} {value!r} is not one of {', '.join(offered)}"
+        removed value (``REMOVED_VALUES``) still runs. A value linked from another node (a primitive, a switch)
+        comes as None here, before that node ran: ``execute`` checks the value that arrives."""
+        for name, value in (("sage2_prep", sage2_prep), ("block_path", block_path)):
+            problem = None if value is None else value_problem(name, value)
+            if problem is not None:
+                return problem
         return True
 
     @classmethod
     def execute(cls, model, layout, backend, patch_text_refiner=True, sage2_prep="exact",
                 block_path="exact") -> io.NodeOutput:
+        problem = model_problem(model)
+        if problem is not None:
+            raise TypeError(f"{NODE}: {problem}")
         prep_mode, prep_note = current_value("sage2_prep", sage2_prep)
         block_path, block_note = current_value("block_path", block_path)
         settings = Settings(layout=layout, backend=backend, prep_mode=prep_mode, patch_refiner=patch_text_refiner,
                             block_path=block_path)
         notes = tuple(n for n in (prep_note, block_note) if n is not None)
-        clone, _ = patch_any_model(model, settings, node_id=cls.hidden.unique_id, notes=notes)
+        replaced = own_reports(model)
+        clone, patch = patch_any_model(model, settings, node_id=cls.hidden.unique_id, notes=notes)
+        PROMPT_END.watch(patch.report, replaced)
         return io.NodeOutput(clone)
+
+
+def model_problem(model) -> str | None:
+    """Why ``model`` is not a diffusion model this node can patch (what it got, what it needs, what to do), or None.
+    A custom node can hand any object to a MODEL input: a CLIP or VAE, or a MODEL around a text encoder."""
+    todo = ("Connect the MODEL output of a diffusion model loader (Load Diffusion Model, Load Checkpoint) or of a "
+            "node that passes such a model on.")
+    if not callable(getattr(model, "get_model_object", None)):
+        what = type(model)
+        return (f"the model input got a {what.__module__}.{what.__qualname__} object, not a diffusion model "
+                f"(a ComfyUI MODEL). {todo}")
+    try:
+        model.get_model_object("diffusion_model")
+    except AttributeError:
+        inner = type(getattr(model, "model", None)).__name__
+        return (f"the model input got a MODEL whose model ({inner}) has no diffusion model: it is not a diffusion "
+                f"model (a text encoder or VAE passed on as a MODEL?). {todo}")
+    return None
+
+
+def own_reports(model) -> list:
+    """The reports of this node's patches the input model carries (a patch of this node replaces them)."""
+    wrappers = getattr(model, "wrappers", {}).get(WrappersMP.OUTER_SAMPLE, {}).get(WRAPPER_KEY, [])
+    return [w.__self__.report for w in wrappers if hasattr(getattr(w, "__self__", None), "report")]
+
+
+class PromptEnd:
+    """A report for every prompt the node ran in. Where no sampling run used the patched model (ComfyUI's samplers
+    return the latent before any wrapper runs when they have no step to take: denoise 0), nothing else reports, so
+    at the prompt's end the patch's report says so. ComfyUI's one public hook there is a cache provider's
+    ``on_prompt_end``: the hook is registered only while such a prompt runs, and caches nothing."""
+
+    def __init__(self):
+        self.reports = []
+        self.hook = _prompt_end_hook(self)
+        self.registered = False
+
+    def watch(self, report, replaced=()) -> None:
+        self.reports = [r for r in self.reports if r not in replaced] + [report]
+        if self.hook is not None and not self.registered:
+            from comfy_execution.cache_provider import register_cache_provider
+            register_cache_provider(self.hook)
+            self.registered = True
+
+    def prompt_ended(self) -> None:
+        from comfy_execution.cache_provider import unregister_cache_provider
+        unregister_cache_provider(self.hook)
+        self.registered = False
+        reports, self.reports = self.reports, []
+        for report in reports:
+            report.unsampled()
+
+
+def _prompt_end_hook(owner):
+    """The cache provider that tells ``owner`` a prompt ended; None on a ComfyUI without cache providers."""
+    try:
+        from comfy_api.latest import Caching
+        from comfy_execution import cache_provider  # noqa: F401  (what Caching.register_provider calls)
+    except ImportError:
+        return None
+
+    class PromptEndHook(Caching.CacheProvider):
+        async def on_lookup(self, context):
+            return None
+
+        async def on_store(self, context, value):
+            return None
+
+        def should_cache(self, context, value=None):
+            return False
+
+        def on_prompt_end(self, prompt_id):
+            owner.prompt_ended()
+
+    return PromptEndHook()
+
+
+PROMPT_END = PromptEnd()
 
 
 NODES = [SageStridedNHDAttention]
