@@ -23,7 +23,8 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "block_path": "exact" | "attention_only",   # the node's block_path
       "block_path_blocks": 50,              # H3 DiT blocks whose whole forward ran the block fast path
       "replaced_own_patch": false,         # the input model already carried this node's patch; it was replaced
-      "status": "ok" | "no_attention_calls" | "interrupted" | "failed",
+      "status": "ok" | "no_attention_calls" | "no_model_calls" | "interrupted" | "failed",
+                                           # no_model_calls: the node ran, no sampling run used its model
       "error": null | {"type": "RuntimeError", "message": "..."},   # what ended a failed run
       "attention_calls": 100,              # calls through the pack's attention this run
       "backends_ran": {"sdpa": 100},       # back-end that actually ran -> number of calls
@@ -158,6 +159,15 @@ class RunReport:
             self.status = "failed"
             self.error = {"type": type(exc).__name__, "message": str(exc)}
 
+    def unsampled(self) -> dict | None:
+        """At the end of a prompt the node ran in: where no sampling run used the patched model, the report says so
+        (ComfyUI's samplers return the latent before any wrapper runs when they have no step to take: denoise 0);
+        None where a run already reported."""
+        if self.last is not None:
+            return None
+        self.status = "no_model_calls"
+        return self.finish_run()
+
     def payload(self) -> dict:
         reason = ("backend", "code", "reason")
         p = {"schema": REPORT_SCHEMA, "prompt_id": getattr(_prompt_server(), "last_prompt_id", None), **self.static, **self.run,
@@ -202,6 +212,8 @@ def _messages(p: dict) -> list[str]:
     where = (f"{p['blocks_patched']} H3 blocks + {p['refiner_blocks_patched']} refiner blocks"
              if p["path"] == "h3_forward_patch" else "ComfyUI optimized_attention override")
     lines = [f"{p['model_family']}: {where}, layout {p['layout']}, back-end requested {p['backend_requested']}"]
+    if p["status"] == "no_model_calls":
+        return lines + [n["text"] for n in p["notes"]] + [NO_MODEL_CALLS]
     if p["path"] == "h3_forward_patch":
         lines.append(f"block fast path on {p['block_path_blocks']} of {p['blocks_patched']} blocks "
                      f"(block_path {p['block_path']}); the others: attention only")
@@ -259,6 +271,10 @@ def _int8_lines(p: dict) -> list[str]:
         lines.append(gemm_line(p["int8_gemm"]))
     return lines
 
+
+# the node ran but no sampling run used its model (web/report_text.js: NO_MODEL_CALLS, the same words)
+NO_MODEL_CALLS = ("no model call: no sampling run used the patched model (a sampler with no step to take, "
+                  "at denoise 0 for one, returns its latent without calling the model)")
 
 KITCHEN_ROUTES = {"verified": "verified for the int8 route", "self_checked": "passed the int8 route's bits self-check",
                   "stock": "int8 route off, stock's quantiser runs"}

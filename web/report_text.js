@@ -72,6 +72,10 @@ export const GEMM_KERNEL_LABELS = {
   comfy_kitchen: "comfy-kitchen's CUTLASS",
 };
 
+// The node ran but no sampling run used its model (nodes/report.py: NO_MODEL_CALLS, the same words).
+export const NO_MODEL_CALLS = "no model call: no sampling run used the patched model (a sampler with no step to take, " +
+  "at denoise 0 for one, returns its latent without calling the model)";
+
 const MAX_SHORT_REASON_CHARS = 40;
 
 function text(value, fallback = "?") {
@@ -176,7 +180,7 @@ function statusHeadline(status) {
 export function reportState(report) {
   const r = report && typeof report === "object" ? report : {};
   if (r.status === "interrupted" || r.status === "failed") return r.status;
-  if (r.status === "no_attention_calls") return "no_calls";
+  if (r.status === "no_attention_calls" || r.status === "no_model_calls") return "no_calls";
   return Array.isArray(r.fallbacks) && r.fallbacks.length ? "fallback" : "report";
 }
 
@@ -193,6 +197,15 @@ export function formatReport(report) {
   const error = formatError(r.error);
   if (error) details.push(`error: ${error}`);
 
+  if (r.status === "no_model_calls") {
+    // nothing ran, so only what was patched follows (no counts, no fallbacks)
+    const where = r.path === "attention_override"
+      ? "attention override"
+      : `${text(r.blocks_patched)} blocks + ${text(r.refiner_blocks_patched, "0")} refiner`;
+    return [`ran: ${NO_MODEL_CALLS}`, `layout: ${text(r.layout)} · asked: ${text(r.backend_requested)}`,
+      `${text(r.model_family, "model ?")}: ${where}`,
+      ...objects(r.notes).filter((n) => n.text).map((n) => `note: ${text(n.text)}`)];
+  }
   if (r.status === "no_attention_calls") {
     lines.push("ran: nothing: no attention call went through the patch");
   } else {

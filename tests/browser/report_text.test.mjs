@@ -6,7 +6,8 @@ import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 
 import {
-  GEMM_KERNEL_LABELS, KEYS_NOT_SHOWN, KITCHEN_ROUTE_LABELS, KITCHEN_UNRUN_LABELS, REASON_LABELS, STATUS_VISIBLE_LINES, formatBackendsRan,
+  GEMM_KERNEL_LABELS, KEYS_NOT_SHOWN, KITCHEN_ROUTE_LABELS, KITCHEN_UNRUN_LABELS, NO_MODEL_CALLS, REASON_LABELS, STATUS_VISIBLE_LINES,
+  formatBackendsRan,
   formatBytes, formatError, formatKitchen, formatMemory, formatPrepared, formatReport,
   pickNodeForReport, reportState, shortReason, sortOurTemplates,
 } from "../../web/report_text.js";
@@ -365,6 +366,21 @@ test("no attention calls is said plainly", () => {
   assert.ok(lines.some((l) => l.startsWith("ran: nothing")), show(lines));
   assert.ok(!lines.some((l) => l.startsWith("copies made")), show(lines));
   assert.equal(reportState({ ...REPORT, status: "no_attention_calls" }), "no_calls");
+});
+
+test("a run where no sampling run used the patched model says the node ran and no model call was made", () => {
+  const report = { ...REPORT, status: "no_model_calls", backends_ran: {}, attention_calls: 0, prepared: [],
+    block_path_blocks: 0, notes: [{ code: "removed_value", text: "block_path 'fused' was removed" }] };
+  const lines = formatReport(report);
+  assert.equal(lines[0], `ran: ${NO_MODEL_CALLS}`, show(lines));
+  assert.ok(NO_MODEL_CALLS.includes("denoise 0"), NO_MODEL_CALLS);
+  assert.ok(lines.includes("layout: strided_nhd · asked: auto"), show(lines));
+  assert.ok(lines.includes("note: block_path 'fused' was removed"), show(lines));
+  // nothing ran: no counts, no fallback line, no "0 of 50 blocks"
+  for (const start of ["fallbacks", "block fast path", "copies made", "skipped"]) {
+    assert.ok(!lines.some((l) => l.startsWith(start)), `${start}: ${show(lines)}`);
+  }
+  assert.equal(reportState(report), "no_calls");
 });
 
 test("override path, stock hand-backs, head chunks and a replaced patch are all shown", () => {

@@ -183,6 +183,18 @@ def test_a_route_that_did_not_run_reads_the_same_in_the_log_and_the_status_box()
     assert not any("verified for the int8 route" in t for t in texts.values())
 
 
+def test_a_run_with_no_model_call_reads_the_same_in_the_log_the_status_box_and_the_help_page():
+    """The node ran but no sampling run used its model (denoise 0): the log line, the box's line and the help page
+    say it in the same words."""
+    logged = python_dict_constant(ROOT / "nodes" / "report.py", "NO_MODEL_CALLS")  # a str literal reads the same way
+    m = re.search(r"^export const NO_MODEL_CALLS = ((?:\s*\+?\s*\"[^\"]*\")+);$", JS["report_text.js"], re.M)
+    assert m, "NO_MODEL_CALLS not found in report_text.js"
+    shown = "".join(re.findall(r'"([^"]*)"', m.group(1)))
+    assert shown == logged and "denoise 0" in logged, (shown, logged)
+    assert "`ran: ${NO_MODEL_CALLS}`" in JS["report_text.js"]
+    assert f"`ran: {logged.split(' (')[0]}" in HELP.read_text(encoding="utf-8")
+
+
 def test_gemm_kernel_labels_cover_the_reports_kernels():
     kernels = python_dict_constant(ROOT / "nodes" / "report.py", "GEMM_KERNELS")
     labels = set(re.findall(r"^  (\w+): \"", js_object_block(JS["report_text.js"], "GEMM_KERNEL_LABELS"), re.M))
