@@ -34,6 +34,15 @@ def is_int8_tensorwise(weight) -> bool:
             and getattr(weight, "_layout_cls", None) == INT8_LAYOUT)
 
 
+def quantized_layout(weight) -> str:
+    """A quantized weight's comfy-kitchen layout as the report names it (int8 tensor-wise without ConvRot apart)."""
+    layout = getattr(weight, "_layout_cls", None) or type(weight)
+    layout = getattr(layout, "__name__", str(layout))
+    if layout != INT8_LAYOUT:
+        return layout
+    return f"{layout} ({'ConvRot of another form' if getattr(weight._params, 'convrot', False) else 'no ConvRot'})"
+
+
 def is_int8_convrot(weight) -> bool:
     """An int8 tensor-wise weight with ConvRot groups of 256, as stored (not transposed)."""
     params = getattr(weight, "_params", None)
@@ -111,15 +120,20 @@ def forward_params(cls) -> tuple:
     return tuple(inspect.signature(cls.forward).parameters)
 
 
-def call(layer, x, input_act: str | None = None, record=None, into=None, routes=None, **extended) -> torch.Tensor:
+def call(layer, x, input_act: str | None = None, record=None, into=None, routes=None, layouts=None,
+         **extended) -> torch.Tensor:
     """Stock's ``layer(x)`` / ``linear_input_act(layer, x, input_act, **extended)`` on the pack's quantiser where it
     keeps stock's bits; ``x`` may be a ``kernels.PendingModulation`` (applied by the quantiser, or here).
     ``into``: a ``kernels.PendingResidual`` the output is added to, its ``x`` returned (in the int8 GEMM's epilogue
     where the route runs, else by the residual's own pass after the call).
-    ``routes``: the run's memo of ``route`` answers.
+    ``routes``: the run's memo of ``route`` answers. ``layouts``: told the layout of each call of a quantized
+    linear the route does not take (stock's own call runs it).
     ``extended``: ``linear_input_act``'s later arguments (EXTENDED_DEFAULTS); a call that sets one is stock's."""
     extra = _set_arguments(extended)
-    if torch.compiler.is_compiling() or not is_int8_convrot(getattr(layer, "weight", None)):
+    weight = getattr(layer, "weight", None)
+    if torch.compiler.is_compiling() or not is_int8_convrot(weight):
+        if layouts is not None and isinstance(weight, getattr(comfy.ops, "QuantizedTensor", ())):
+            layouts(quantized_layout(weight))
         return _stock(layer, x, input_act, into, **extra)  # (stock's int8 linears do not compile)
     if extra:
         _tell(record, f"the call sets linear_input_act's {', '.join(extra)}: stock's call runs them")
@@ -281,7 +295,8 @@ def caller(patch):
     (the run's routes memoised on its plan) where ``route_on``, else stock's call."""
     if not route_on(patch.settings):
         return _stock
-    return functools.partial(call, record=patch.report.record_int8, routes=patch.plan.int8_routes)
+    return functools.partial(call, record=patch.report.record_int8, routes=patch.plan.int8_routes,
+                             layouts=patch.report.record_layout)
 
 
 def _owed(x, fold: bool):

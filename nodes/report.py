@@ -39,6 +39,7 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "compile_events": [{"backend": "fa4", "key": "...", "seconds": 1.5}],   # JIT compiles the run triggered
       "int8_own_quantizer_calls": 800,     # int8 ConvRot linear calls whose input the pack's pass quantised
       "int8_stock_quantizer": [{"reason": "...", "count": 8}],   # int8 ConvRot linear calls left to stock's, and why
+      "other_quantized_linears": [{"layout": "TensorCoreFP8Layout", "count": 4}],  # stock's call, never routed
       "comfy_kitchen": null | {"release": "0.2.40" | null, "route": "verified" | "self_checked" | "stock",
                                "reason": null | "..."},   # its release and the int8 route, when int8 linears ran
       "int8_gemm": null | {"kernel": "pack_sm90" | "pack" | "comfy_kitchen", "reason": null | "...",
@@ -95,6 +96,7 @@ class RunReport:
         self.compile_events: list[dict] = []
         self.int8_own = 0
         self.int8_stock = Counter()          # (reason,) -> int8 ConvRot linear calls on stock's quantiser
+        self.other_quantized = Counter()     # (layout,) -> calls of other quantized linears: stock's own call
         self.run = {k: self.static[k] for k in ("blocks_patched", "refiner_blocks_patched")} | {"block_path_blocks": 0}
         self.notes: list[dict] = list(self.patch_notes)
         self.status: str | None = None
@@ -140,6 +142,10 @@ class RunReport:
         else:
             self.int8_stock[(problem,)] += 1
 
+    def record_layout(self, layout: str) -> None:
+        """One call of a quantized linear in a layout the int8 route does not take: stock's own call ran it."""
+        self.other_quantized[(layout,)] += 1
+
     def record_stock(self, code: str, reason: str) -> None:
         """One call handed back to ComfyUI's own attention function (override path)."""
         self.stock_calls += 1
@@ -181,6 +187,7 @@ class RunReport:
              "copies_per_call": round(self.copies / self.calls, 3) if self.calls else 0.0,
              "compile_events": list(self.compile_events), "int8_own_quantizer_calls": self.int8_own,
              "int8_stock_quantizer": _rows(self.int8_stock, ("reason",)),
+             "other_quantized_linears": _rows(self.other_quantized, ("layout",)),
              "comfy_kitchen": kitchen_status() if self.int8_own or self.int8_stock else None,
              "int8_gemm": gemm_status() if self.int8_own else None,
              "memory": self._memory(), "notes": list(self.notes)}
@@ -265,6 +272,8 @@ def _int8_lines(p: dict) -> list[str]:
                      "(stock's bits)")
     lines += [f"int8 ConvRot linears on stock's quantiser ({r['count']} calls): {r['reason']}"
               for r in p["int8_stock_quantizer"]]
+    lines += [f"{r['layout']} linears: stock's call ({r['count']} calls; the int8 route takes int8 ConvRot only)"
+              for r in p["other_quantized_linears"]]
     if p["comfy_kitchen"] is not None:
         lines.append(kitchen_line(p["comfy_kitchen"], route_ran=p["int8_own_quantizer_calls"] > 0))
     if p["int8_gemm"] is not None:

@@ -249,6 +249,9 @@ export function formatReport(report) {
     lines.push(`int8 linears on stock's quantiser${times(s.count)}`);
     if (s.reason) details.push(`why int8 linears kept stock's quantiser: ${text(s.reason)}`);
   }
+  for (const s of objects(r.other_quantized_linears)) {
+    lines.push(`${text(s.layout)} linears: stock's call${times(s.count)}`);
+  }
   const kitchen = formatKitchen(r.comfy_kitchen, Number(r.int8_own_quantizer_calls) > 0);
   if (kitchen) lines.push(kitchen);
   if (kitchen && r.comfy_kitchen.reason) {

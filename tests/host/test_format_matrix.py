@@ -145,6 +145,11 @@ def test_block_path_gives_stock_bits(case):
 
 
 def test_report_says_which_path_the_linears_took(case):
+    import comfy_kitchen.tensor as ckt
+
+    fc1 = case["model"].model.diffusion_model.blocks[1].mlp.fc1.weight
+    layout = getattr(fc1._layout_cls, "__name__", fc1._layout_cls)  # ComfyUI's fp8 names its own subclasses
+    assert issubclass(ckt.get_layout_class(fc1._layout_cls), getattr(ckt, case["layout"]))
     for (settings, mode), (_, _, payload, reached) in case["runs"].items():
         where = f"{case['fmt']} {settings}/{mode}"
         assert payload["int8_own_quantizer_calls"] == 0, where  # the recorder declines; the CPU has no route
@@ -152,7 +157,12 @@ def test_report_says_which_path_the_linears_took(case):
             # never routed: no call reached the route, none was counted as an int8 ConvRot linear
             assert reached == [] and payload["int8_stock_quantizer"] == [], (where, reached, payload)
             assert payload["comfy_kitchen"] is None and payload["int8_gemm"] is None, where
+            # and the report names their layout as stock's call: qkv, out, fc1 and fc2 at least once each
+            others = {r["layout"]: r["count"] for r in payload["other_quantized_linears"]}
+            named = f"{layout} (no ConvRot)" if case["fmt"] == "int8_tensorwise" else layout
+            assert list(others) == [named] and others[named] >= 4, (where, others)
             continue
+        assert payload["other_quantized_linears"] == [], where
         counts = {r["reason"]: r["count"] for r in payload["int8_stock_quantizer"]}
         assert sum(counts.values()) >= 4, (where, counts)  # qkv, out, fc1, fc2 at least once each
         if mode == "route_open":

@@ -60,7 +60,7 @@ def test_the_caller_follows_the_settings(pack):
     """The installed patch's ``own_int8_quantizer`` turns the route on, on either block path (each layer's
     ``route`` decides); its calls memoise their routes on the run's plan."""
     layers, patch = pack.nodes.int8_layers, pack.nodes.patch
-    report = types.SimpleNamespace(record_int8=lambda problem: None)
+    report = types.SimpleNamespace(record_int8=lambda problem: None, record_layout=lambda layout: None)
 
     def installed(settings):
         return types.SimpleNamespace(settings=settings, report=report, plan=patch.Plan(default=None))
@@ -71,7 +71,8 @@ def test_the_caller_follows_the_settings(pack):
         on = installed(patch.Settings(block_path=block_path))
         taken = layers.caller(on)
         assert taken.func is layers.call
-        assert taken.keywords == {"record": report.record_int8, "routes": on.plan.int8_routes}
+        assert taken.keywords == {"record": report.record_int8, "routes": on.plan.int8_routes,
+                                  "layouts": report.record_layout}
         assert taken.keywords["routes"] is on.plan.int8_routes is layers.run_routes(on)
     assert patch.Plan(default=None).int8_routes is not patch.Plan(default=None).int8_routes  # a run's own
 
