@@ -416,7 +416,50 @@ class SageNHDTestChunkFeedForward:
         return (m,)
 
 
+class SageNHDTestComboValue:
+    """Stands in for a primitive node of another pack whose output links to a combo input: its text as a COMBO
+    value (the value reaches the linked input only when this node runs)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"value": ("STRING", {"default": "exact"})}}
+
+    RETURN_TYPES = ("COMBO",)
+    FUNCTION = "give"
+    CATEGORY = "testing/sage_nhd"
+
+    def give(self, value):
+        return (value,)
+
+
+class SageNHDTestNotADiffusionModel:
+    """Stands in for a custom node that hands something other than a diffusion model to a MODEL input: ComfyUI's
+    CLIP or VAE object (made without weights), or a MODEL around a text encoder's module (no diffusion_model)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "kind": (["clip", "vae", "text_encoder_model"],)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "give"
+    CATEGORY = "testing/sage_nhd"
+
+    def give(self, model, kind):
+        import comfy.model_patcher
+        import comfy.sd
+
+        # a ModelPatcher around a small module: what a CLIP's or a VAE's .patcher is (ComfyUI reads it on outputs)
+        patcher = comfy.model_patcher.ModelPatcher(torch.nn.Linear(4, 4), model.load_device, model.offload_device)
+        if kind == "text_encoder_model":
+            return (patcher,)
+        cls = {"clip": comfy.sd.CLIP, "vae": comfy.sd.VAE}[kind]
+        wrong = cls.__new__(cls)
+        wrong.patcher = patcher
+        return (wrong,)
+
+
 NODE_CLASS_MAPPINGS = dict((cls.__name__, cls) for cls in (
+    SageNHDTestComboValue, SageNHDTestNotADiffusionModel,
     SageNHDTestForwardProbe, SageNHDTestConditioning, SageNHDTestSaveLatentTensors, SageNHDTestForeignH3Patch,
     SageNHDTestForeignOverride, SageNHDTestAttentionPreference, SageNHDTestComfyAttentionFunction,
     SageNHDTestSparseAttention, SageNHDTestRaiseWhileSampling, SageNHDTestLowVramBlockPatch,

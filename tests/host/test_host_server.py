@@ -289,3 +289,84 @@ def test_unknown_input_values_are_refused_at_validation(comfy_server):
         details = [e["details"] for e in errors if e["type"] == "custom_validation_failed"]
         assert any(f"{name} {value!r} is not one of {offered}" in d for d in details), body
         assert body["node_errors"]["3"]["class_type"] == "SageStridedNHDAttention"
+
+
+# --- inputs as a new user wires them: linked values, JSON values, a MODEL that is not one, denoise 0 ------------
+def linked(graph: dict, name: str, node: dict) -> dict:
+    """``graph`` with our node's input ``name`` linked from ``node`` (added as node "30")."""
+    graph["30"] = node
+    graph["3"]["inputs"][name] = ["30", 0]
+    return graph
+
+
+def test_linked_block_path_and_sage2_prep_are_checked_when_their_value_arrives(comfy_server):
+    """ComfyUI validates a linked input as None: the node takes it there and checks the value in execute. A valid
+    value from core's switch runs; a removed value from a primitive runs its mapped value with the note; another
+    value stops the run with an error naming the input and the values it takes."""
+    switch = {"class_type": "ComfySwitchNode", "inputs": {"switch": True, "on_true": "attention_only",
+                                                          "on_false": "exact"}}
+    run = comfy_server.run_graph(linked(h3_graph(patch=patch_inputs(), name="h3_linked_switch"), "block_path", switch))
+    r = only_report(run)
+    assert r["block_path"] == "attention_only" and r["block_path_blocks"] == 0 and removed_value_notes(r) == [], r
+
+    primitive = {"class_type": "SageNHDTestComboValue", "inputs": {"value": "fused_rotated"}}
+    r = only_report(comfy_server.run_graph(linked(h3_graph(patch=patch_inputs(), name="h3_linked_removed"),
+                                                  "sage2_prep", primitive)))
+    assert r["prep_mode"] == "rotated", r
+    assert removed_value_notes(r) == ["sage2_prep 'fused_rotated' was removed from the node: this workflow runs "
+                                      "'rotated'"], r["notes"]
+
+    for name, offered in (("block_path", "exact, attention_only"), ("sage2_prep", "exact, rotated")):
+        bad = {"class_type": "SageNHDTestComboValue", "inputs": {"value": "bogus"}}
+        run = comfy_server.run_graph(linked(h3_graph(patch=patch_inputs(), name=f"h3_linked_bad_{name}"), name, bad))
+        assert not run.ok and run.reports == []
+        assert run.error_message().strip() == (f"ValueError: Sage Strided NHD Attention: {name} 'bogus' is not one of "
+                                       f"{offered}"), run.error_message()
+
+
+@pytest.mark.parametrize("name, value, said", [
+    ("block_path", {"path": "exact"}, "a JSON object {'path': 'exact'}"),
+    ("sage2_prep", {"__value__": ["exact", "rotated"]}, "a list ['exact', 'rotated']"),
+])
+def test_a_json_object_or_list_value_is_refused_naming_the_input(comfy_server, name, value, said):
+    body = comfy_server.refused(h3_graph(patch=dict(patch_inputs(), **{name: value}), name=f"h3_json_{name}"))
+    details = [e["details"] for e in body["node_errors"]["3"]["errors"]]
+    offered = {"block_path": "exact, attention_only", "sage2_prep": "exact, rotated"}[name]
+    assert any(f"{name} takes one of {offered} (text); it got {said}" in d for d in details), body
+
+
+@pytest.mark.parametrize("kind, said", [
+    ("clip", "got a comfy.sd.CLIP object, not a diffusion model"),
+    ("vae", "got a comfy.sd.VAE object, not a diffusion model"),
+    ("text_encoder_model", "got a MODEL whose model (Linear) has no diffusion model"),
+])
+def test_a_model_that_is_not_a_diffusion_model_gets_the_packs_message(comfy_server, kind, said):
+    wrong = ("SageNHDTestNotADiffusionModel", {"kind": kind})
+    run = comfy_server.run_graph(h3_graph(patch=patch_inputs(), name=f"h3_not_dit_{kind}", extra_model_nodes=[wrong]))
+    assert not run.ok and run.reports == []
+    msg = run.error_message()
+    assert msg.startswith("TypeError: Sage Strided NHD Attention: the model input ") and said in msg, msg
+    assert "Load Diffusion Model" in msg, msg  # what to do
+
+
+def test_a_run_at_denoise_0_reports_that_no_model_call_was_made(comfy_server, tmp_path):
+    """The sampler returns its latent before any wrapper runs: at the prompt's end the node's report says it ran and
+    no sampling run used its model, in the payload, the log and the status box. A later run samples as before."""
+    from comfyui_sage_strided_nhd.nodes.report import NO_MODEL_CALLS
+
+    graph = h3_graph(patch=patch_inputs("hnd", "sdpa", refiner=False), name="h3_denoise_0")
+    graph["6"]["inputs"]["denoise"] = 0.0
+    run = comfy_server.run_graph(graph)
+    assert "3" not in run.cached_nodes(), run.cached_nodes()
+    r = only_report(run)
+    assert r["status"] == "no_model_calls" and r["attention_calls"] == 0 and r["node_id"] == "3", r
+    assert r["messages"][-1] == NO_MODEL_CALLS and "denoise 0" in NO_MODEL_CALLS, r["messages"]
+    assert f"[Sage Strided NHD] {NO_MODEL_CALLS}\n" in comfy_server.log_path.read_text(errors="replace")
+    box = status_box_lines(r, tmp_path)
+    assert box[0] == f"ran: {NO_MODEL_CALLS}", box
+    assert not any("no report" in b or "did not run" in b for b in box), box
+
+    again = dict(graph, **{"4": dict(graph["4"], inputs=dict(graph["4"]["inputs"], nonce="h3_denoise_1"))})
+    again["6"] = dict(graph["6"], inputs=dict(graph["6"]["inputs"], denoise=1.0))
+    r = only_report(comfy_server.run_graph(again))
+    assert r["status"] == "ok" and r["attention_calls"] > 0, r
