@@ -252,23 +252,15 @@ def block_inputs(bf16_model):
     return dh.random_block_inputs(bf16_model.model.diffusion_model.blocks[1], SEQ, seed=5, dtype=torch.bfloat16)
 
 
-def test_separate_qkv_projections_declined_with_stock_bits(pack, block_inputs):
-    model = variant_model(separate_qkv)
+@pytest.mark.parametrize("reshape, code, named", [(separate_qkv, "separate_qkv_declined", "q_proj/k_proj/v_proj"),
+                                                   (keyless, "keyless_declined", "qv_proj")],
+                         ids=["separate_qkv", "keyless"])
+def test_a_block_without_a_fused_qkv_is_declined_with_stock_bits(pack, block_inputs, reshape, code, named):
+    """Separate q/k/v projections, or the "Keyless" packed qv_proj with no K projection: the node declines with a
+    note naming the projections, installs no forward of its own, and stock's forward runs with its own bits."""
+    model = variant_model(reshape)
     want = stock_forward(model, block_inputs)
     got, forward, payload = block_forward(pack, model, block_inputs)
     assert forward == "NoneType"  # no forward of the node's on the block
-    assert [n["code"] for n in payload["notes"]] == ["separate_qkv_declined"]
-    assert "q_proj/k_proj/v_proj" in payload["notes"][0]["text"]
-    assert payload["int8_own_quantizer_calls"] == 0 and torch.equal(got, want)
-
-
-def test_keyless_block_declined_with_a_clear_reason(pack, block_inputs):
-    """A packed qv_proj and no K projection: the node declines with a note naming qv_proj, no forward of the
-    node's is installed, and stock's forward runs with its own bits."""
-    model = variant_model(keyless)
-    want = stock_forward(model, block_inputs)
-    got, forward, payload = block_forward(pack, model, block_inputs)
-    assert forward == "NoneType"  # no forward of the node's on the block
-    assert [n["code"] for n in payload["notes"]] == ["keyless_declined"]
-    assert "qv_proj" in payload["notes"][0]["text"]
-    assert payload["attention_calls"] == 0 and torch.equal(got, want)
+    assert [n["code"] for n in payload["notes"]] == [code] and named in payload["notes"][0]["text"]
+    assert payload["attention_calls"] == 0 and payload["int8_own_quantizer_calls"] == 0 and torch.equal(got, want)
