@@ -132,7 +132,7 @@ def choice(device, k: int = K_ALIGN, n: int | None = None) -> GemmChoice:
     Declared per GPU and Triton release: the pack's kernels run only where they were measured faster; the Gluon
     kernel on an unmeasured Triton release only after its bits matched the portable kernel's there."""
     device = torch.device(device)
-    why = _portable_problem(device, k)
+    why = gemm_problem(device, k)
     if why is not None:
         return GemmChoice("comfy_kitchen", why)
     cap = None if interpreting() else gpu.capability(device)
@@ -151,12 +151,13 @@ def choice(device, k: int = K_ALIGN, n: int | None = None) -> GemmChoice:
     return GemmChoice("pack", why, release) if why else GemmChoice("pack_sm90", None, release)
 
 
-def _portable_problem(device: torch.device, k: int) -> str | None:
-    """Why the pack's portable kernel does not run on ``device`` for rows ``k`` wide (comfy-kitchen's GEMM then
-    does): the Triton release, the GPU (only where it was measured faster), a failure here, TMA's alignment."""
+def gemm_problem(device, k: int) -> str | None:
+    """Why no pack GEMM runs on ``device`` for rows ``k`` wide (comfy-kitchen's then does; None: one does): the
+    Triton release, the GPU (only where it was measured faster), a failure here, TMA's alignment."""
     why = triton_problem()
     if why is not None:
         return why
+    device = torch.device(device)
     if not (interpreting() and device.type == "cpu"):
         cap = gpu.capability(device)
         if cap is None:
@@ -168,11 +169,6 @@ def _portable_problem(device: torch.device, k: int) -> str | None:
     if why is None and k % K_ALIGN:
         why = f"rows {k} wide: TMA needs a multiple of {K_ALIGN}"
     return why
-
-
-def gemm_problem(device, k: int) -> str | None:
-    """Why no pack GEMM runs on ``device`` for rows ``k`` wide (comfy-kitchen's then does); None: one does."""
-    return _portable_problem(torch.device(device), k)
 
 
 def config_for(device: torch.device) -> GemmConfig:
