@@ -60,28 +60,32 @@ class Route:
     gemm_reason: str | None = None  # why not the pack's warp-specialised GEMM
 
 
+UNDECIDED = Route("pack", "undecided")  # the layer allows the route; its cast weight decides the rest
+
+
 def route(layer, x, input_act=None, cast=None, routes: dict | None = None) -> Route:
     """The one answer to "whose quantiser and whose GEMM, and why" for ``layer``'s calls on rows like ``x`` (their
     device, dtype and width) with ``input_act``: what the layer, its weight as cast (``(weight, bias)``; None: not
-    cast yet, then only a decline is final), the device and the installed releases allow. Fixed within a run:
-    ``routes`` (the run's memo, ``Plan.int8_routes``) keeps each final answer, so it is asked once per layer and
-    form; per call only the rows are checked (``stock_quantizer_reason``)."""
+    cast yet: the layer's part is decided, the weight's waits for the cast), the device and the installed releases
+    allow. Fixed within a run: ``routes`` (the run's memo, ``Plan.int8_routes``) keeps each part once decided, so
+    each is asked once per layer and form; per call only the rows are checked (``stock_quantizer_reason``)."""
     key = (id(layer), x.device, x.dtype, x.shape[-1], input_act)
     known = routes.get(key) if routes is not None else None
-    if known is not None and known[0] is layer:
-        return known[1]
-    reason = _layer_reason(layer, x, input_act)
-    if reason is None and cast is None:
-        return Route("pack", "undecided")  # the cast weight decides the rest
-    if reason is None:
+    known = known[1] if known is not None and known[0] is layer else None
+    if known is not None and (known is not UNDECIDED or cast is None):
+        return known
+    reason = _layer_reason(layer, x, input_act) if known is None else None  # UNDECIDED: the layer's part passed
+    if reason is None and cast is not None:
         weight, bias = cast
         reason = (kernels.int8_weight_problem(x, weight._qdata, weight._params.scale, bias, input_act=input_act)
                   if is_int8_convrot(weight) else "the cast gave a weight that is not int8 ConvRot")
-    if reason is None:
+    if reason is not None:
+        answer = Route("stock", "stock", reason)
+    elif cast is None:
+        answer = UNDECIDED  # the cast weight decides the rest
+    else:
         chosen = kernels.gemm_choice(x.device, x.shape[-1] // (2 if input_act == "swiglu" else 1))
         answer = Route("pack", chosen.kernel, None, chosen.reason)
-    else:
-        answer = Route("stock", "stock", reason)
     if routes is not None:
         routes[key] = (layer, answer)  # the layer held: its id is not reused while the memo lives
     return answer

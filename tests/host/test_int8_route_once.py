@@ -55,7 +55,9 @@ def test_a_call_with_too_few_rows_is_the_only_check_repeated(pack, block, asked,
     wide = torch.randn(5, CONFIG["hidden_size"]).bfloat16()
     too_few = wide[:pack.kernels.kitchen.installed_release()[1].min_rows - 1]
     cast = (fc1.weight, None)
-    assert layers.stock_quantizer_reason(fc1, wide, cast=cast, routes=run) is None
+    assert layers.stock_quantizer_reason(fc1, wide, routes=run) is None  # before the cast: the layer's part
+    assert layers.route(fc1, wide, routes=run) is layers.UNDECIDED
+    assert layers.stock_quantizer_reason(fc1, wide, cast=cast, routes=run) is None  # the cast decides the rest
     assert layers.route(fc1, wide, routes=run).quantizer == "pack"
     assert "runs a GEMV for fewer than" in layers.stock_quantizer_reason(fc1, too_few, routes=run)
     assert asked == [fc1]  # the rows were checked per call; the layer's facts were read once
