@@ -1,22 +1,10 @@
-"""The reference run for MiniMax H3 in ComfyUI's own H3 code: stock ComfyUI, the pack's layouts and
-other settings, and KJNodes' H3 nodes (the peer), side by side; one JSON report in the reference's shape.
-
-    python -m benchmarks.h3_reference_run --out report.json --backend auto       # the full-size model
-    python -m benchmarks.h3_reference_run --first-contact --out first-run.json    # the README's first command
-    python -m benchmarks.h3_reference_run --peer-table --kjnodes ~/ComfyUI-KJNodes --blocks 2 \
-        --sections blocks,profiler --memory-at 120000                             # the pack against KJNodes
-
-With no ``--checkpoint`` the full-size H3 DiT (50 blocks, 56x128 heads, bf16 or int8_convrot linears)
-gets seeded random weights and 100 random text tokens, so 1344x768x124 packs 37,810 tokens. Sections,
-each written to the JSON as it ends: ``isolated`` (block 0's attention alone, both layouts),
-``blocks`` (blocks 0 / middle / last, every variant interleaved rep by rep, p50, outputs against
-stock's, peak extra memory; ``--compile-blocks`` adds block 0 under torch.compile), ``profiler``
-(kernels one block launches), ``sampling_2_step`` / ``sampling_12_step`` (ComfyUI's sampling nodes as
-the bundled workflows wire them, ABBA order, checksums, peak memory) and ``memory`` (``--memory-at``:
-one block's peak extra memory at a longer clip). Stock ComfyUI runs the pack's kernel through its own
-flag (``--use-sage-attention`` for sage2). Variants are ``nodes.patch.Settings`` passed to the node's
-``nodes.h3_patch.patch_model`` (``--variant``); the peer's nodes come from a checkout named at run
-time (``benchmarks/peer.py``). docs/BENCHMARKS.md's tables come from the JSON (``benchmarks.results_table``).
+"""The reference run for MiniMax H3 in ComfyUI's own H3 code: stock ComfyUI, the pack's layouts and KJNodes'
+H3 nodes (the peer, ``benchmarks/peer.py``), side by side; one JSON report in the reference's shape
+(docs/BENCHMARKS.md gives the commands). With no ``--checkpoint`` the full-size H3 DiT gets seeded random
+weights and 100 random text tokens (1344x768x124 packs 37,810 tokens). Sections, each written as it ends:
+``isolated``, ``blocks`` (0 / middle / last, variants interleaved rep by rep), ``profiler``, ``sampling_2_step``
+/ ``sampling_12_step`` (ComfyUI's sampling nodes, ABBA order) and ``memory`` (``--memory-at``). Stock ComfyUI
+runs the pack's kernel through its own flag (``--use-sage-attention`` for sage2).
 """
 
 from __future__ import annotations
@@ -26,7 +14,6 @@ import copy
 import dataclasses
 import gc
 import os
-import re
 import shutil
 import sys
 import time
@@ -47,14 +34,6 @@ from .report import LAYOUTS, Report, correctness_table, equality_verdict, first_
 
 SECTIONS = ("isolated", "blocks", "profiler", "sampling_2_step", "sampling_12_step")
 MEMORY_SECTION = "memory"  # only with --memory-at; runs last (past the int32 line stock's attention may fault)
-VARIANT_USAGE = "NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only][:whole_qkv][:stock_int8q][:qkvN][:mlpN]"
-# flag -> the nodes.patch.Settings fields it sets. noprepared: the chain's prepared paths off;
-# whole_qkv: the qkv projection always whole (no token chunks); stock_int8q: int8 ConvRot linears on
-# stock's activation quantiser; qkvN / mlpN: N rows per qkv-projection / MLP chunk (both weight formats)
-VARIANT_FLAGS = {"noprepared": {"prepared": False}, "attention_only": {"block_path": "attention_only"},
-                 "whole_qkv": {"qkv_chunk_tokens": 2**62}, "stock_int8q": {"own_int8_quantizer": False}}
-CHUNK_FLAG = re.compile(r"(qkv|mlp)([1-9][0-9]*)")
-CHUNK_SETTINGS = {"qkv": ("qkv_chunk_tokens",), "mlp": ("mlp_chunk_tokens", "int8_mlp_chunk_tokens")}
 ATTENTION_ONLY = "attention_only"  # --peer-table's strided NHD variant on the attention-only block path
 LAYOUT_ENV = "H3_SAGE_QKV_LAYOUT"
 REFERENCE_COPY = Path(__file__).resolve().parent / "reference" / "gb10-strided-nhd-results.json"
@@ -64,8 +43,7 @@ FIRST_CONTACT_SHAPES = {37810: (1344, 768, 124, 100), 8192: (992, 480, 56, 101)}
 FIRST_CONTACT_NEEDS = {37810: 14 * 2**30, 8192: 7 * 2**30}
 FULL_MODEL_FREE = 80 * 2**30  # the 50-block model (38 GB in bf16) and its activations at 37,810 tokens
 
-# The reference report's keys that each of our sections makes; a run not asked for a section is not
-# checked for its keys (the rest every run makes).
+# The reference report's keys each section makes (a run is checked only for the sections it was asked for)
 REFERENCE_KEYS_BY_SECTION = {
     "isolated": ("isolated_attention_layout", "validation.isolated_attention", "dataflow.removed_copies_per_block"),
     "blocks": ("real_block_results", "validation.blocks_0_24_49"),
@@ -76,20 +54,17 @@ REFERENCE_KEYS_BY_SECTION = {
 
 
 def timed_blocks(n_blocks: int) -> list[int]:
-    """The blocks the block section times: first, middle and last (0, 24, 49 of the full model)."""
     return sorted({0, (n_blocks - 1) // 2, n_blocks - 1})
 
 
 def validation_names(n_blocks: int) -> dict[str, str]:
-    """Reference validation item -> this run's name for it, named for what ran: the blocks compared and
-    the block count of the model sampled (the full 50-block model keeps the reference's names)."""
+    """Reference validation item -> this run's name for it: the blocks compared, the blocks sampled."""
     return {"blocks_0_24_49": "blocks_" + "_".join(str(b) for b in timed_blocks(n_blocks)),
             "full_50_block_two_step_trajectory": f"full_{n_blocks}_block_two_step_trajectory"}
 
 
 def reference_for(data: dict, reference: dict) -> dict:
-    """What a report of ours is checked against: the reference cut to the sections the run was asked
-    to make (``sections_requested``), its validation items renamed as the run names them."""
+    """The reference cut to the sections the run was asked for, its validation items named as the run names them."""
     ref = copy.deepcopy(reference)
     asked = data.get("sections_requested", SECTIONS)
     for key in [k for section, keys in REFERENCE_KEYS_BY_SECTION.items() if section not in asked for k in keys]:
@@ -118,9 +93,8 @@ def first_contact_plan(free_bytes: int | None) -> dict:
 
 
 def apply_first_contact(parser, args) -> None:
-    """``--first-contact``: this device's plan (``args.first_contact_plan``), set as the options it stands for."""
-    if args.checkpoint or args.peer_table or args.kjnodes or args.variant:
-        parser.error("--first-contact picks its own run: leave out --checkpoint, --peer-table, --kjnodes, --variant")
+    if args.checkpoint or args.peer_table or args.kjnodes:
+        parser.error("--first-contact picks its own run: leave out --checkpoint, --peer-table, --kjnodes")
     cuda = args.device.startswith("cuda") and torch.cuda.is_available()
     plan = args.first_contact_plan = first_contact_plan(torch.cuda.mem_get_info(args.device)[0] if cuda else None)
     if plan["job"] == "blocks":
@@ -128,8 +102,6 @@ def apply_first_contact(parser, args) -> None:
     else:  # the main job as it ran on the CPU before this option: a tiny H3 sampled, stock and both layouts
         args.tiny, args.device, args.sections, args.stock_sampling = True, "cpu", "sampling_2_step", True
 
-
-# --- options -------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.h3_reference_run",
@@ -140,10 +112,15 @@ def parse_args(argv=None):
                    help=f"layouts to measure (default: ${LAYOUT_ENV} if set, else ab = both)")
     p.add_argument("--backend", default="auto", help="attention back-end of the patch: auto, sage2, fa4, sdpa, "
                    "comfy_kitchen_int8, sage1 (stock ComfyUI runs the same kernel through its own flag)")
-    p.add_argument("--prep", default="exact", help="the layouts' sage2_prep mode (the prepared path's; exact, rotated)")
     add_model_options(p)
     add_section_options(p)
-    add_variant_options(p)
+    p.add_argument("--kjnodes", type=Path, metavar="DIR",
+                   help="a ComfyUI-KJNodes checkout: adds the peer's variants " + ", ".join(peer.VARIANTS)
+                        + " (its nodes/minimax_nodes.py, nodes at their defaults) wherever variants take part")
+    p.add_argument("--peer-table", action="store_true",
+                   help=f"preset: stock, strided_nhd, {ATTENTION_ONLY} (strided_nhd, block_path attention_only) "
+                        "and, with --kjnodes, the peer's variants, all interleaved; sampling sections sample them "
+                        "all with stock")
     p.add_argument("--first-contact", action="store_true", help="the README's first command: picks the run from "
                    "the device and its free memory (first_contact_plan); sets the model, layout and section options")
     args = p.parse_args(argv)
@@ -154,10 +131,7 @@ def parse_args(argv=None):
     args.layout = args.layout or ("strided_nhd" if args.peer_table else None) or os.environ.get(LAYOUT_ENV) or "ab"
     if args.layout not in ("ab",) + LAYOUTS:
         p.error(f"{LAYOUT_ENV}={args.layout!r}: expected one of {', '.join(LAYOUTS)}")
-    if args.prep not in pack_kernels().PREPARED_MODES:
-        p.error(f"--prep {args.prep!r}: choose one of {', '.join(pack_kernels().PREPARED_MODES)}")
     args.sections = parse_sections(p, args)
-    args.variants = [parse_variant(p, spec) for spec in args.variant]
     parse_peer_options(p, args)
     shape = (64, 64, 5, 8) if args.tiny else (1344, 768, 124, 100)
     for name, default in zip(("width", "height", "frames", "text_tokens"), shape):
@@ -167,7 +141,6 @@ def parse_args(argv=None):
 
 
 def add_model_options(p) -> None:
-    """The model measured, where, and at which shape."""
     p.add_argument("--checkpoint", help="H3 diffusion-model checkpoint (default: random full-size weights)")
     p.add_argument("--weights", choices=h3_model.WEIGHT_FORMATS, default="bf16",
                    help="random model only: the linears' format (int8_convrot: as the bundled workflows' checkpoint "
@@ -184,7 +157,6 @@ def add_model_options(p) -> None:
 
 
 def add_section_options(p) -> None:
-    """Which sections run, and how many reps each takes."""
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma list of {', '.join(SECTIONS)} ({MEMORY_SECTION}: added by --memory-at)")
     p.add_argument("--compile-blocks", action="store_true",
@@ -195,29 +167,11 @@ def add_section_options(p) -> None:
     p.add_argument("--reps-2-step", type=int, default=2, help="2-step runs per layout (2 = ABBA)")
     p.add_argument("--reps-12-step", type=int, default=1, help="12-step runs per layout (2 = ABBA)")
     p.add_argument("--no-stock", action="store_true", help="leave stock ComfyUI out of blocks, profiler and memory")
-    p.add_argument("--stock-sampling", action="store_true", help="also sample with stock attention, interleaved")
+    p.add_argument("--stock-sampling", action="store_true",
+                   help="also sample stock and the extra variants (--peer-table, --kjnodes), interleaved")
     p.add_argument("--memory-at", type=int, metavar="TOKENS",
                    help="adds the memory section: peak extra memory of one block per variant at the frame count "
                         "whose packed token count is closest to TOKENS (e.g. 120000); no timing")
-
-
-def add_variant_options(p) -> None:
-    """The variants beside stock and the layouts: the pack's own and the peer's."""
-    p.add_argument("--variant", action="append", default=[], metavar=VARIANT_USAGE,
-                   help="an extra patched variant timed beside stock and the layouts in blocks, profiler and "
-                        "memory, e.g. sdpa=strided_nhd:sdpa:exact, today=strided_nhd:sage2:exact:noprepared. Flags "
-                        "after PREP, any order: noprepared = the prepared path switched off; attention_only = "
-                        "block_path attention_only; whole_qkv = the qkv projection never in token chunks; "
-                        "stock_int8q = int8 linears on stock's quantiser; qkvN / mlpN = N rows a chunk. Repeatable.")
-    p.add_argument("--kjnodes", type=Path, metavar="DIR",
-                   help="a ComfyUI-KJNodes checkout: adds the peer's variants " + ", ".join(peer.VARIANTS)
-                        + " (its nodes/minimax_nodes.py, nodes at their defaults) wherever variants take part")
-    p.add_argument("--peer-table", action="store_true",
-                   help=f"preset: stock, strided_nhd, {ATTENTION_ONLY} (strided_nhd, block_path attention_only) "
-                        "and, with --kjnodes, the peer's variants, all interleaved; sampling sections sample them "
-                        "all with stock")
-    p.add_argument("--sample-variants", metavar="all|NAME,...",
-                   help="extra variants (--variant, --kjnodes) that also sample, interleaved with the layouts")
 
 
 def parse_sections(parser, args) -> list[str]:
@@ -234,68 +188,30 @@ def parse_sections(parser, args) -> list[str]:
     return chosen
 
 
-def parse_variant(parser, spec: str) -> dict:
-    """``NAME=LAYOUT:BACKEND:PREP[:flag...]`` as ``{"name", "settings"}``: the settings are keyword
-    arguments of ``nodes.patch.Settings`` (only those the spec sets; the rest keep their defaults)."""
-    name, _, rest = spec.partition("=")
-    parts = rest.split(":")
-    where = f"--variant {spec!r}: "
-    if not re.fullmatch(r"[A-Za-z0-9_]+", name) or len(parts) < 3 or parts[0] not in LAYOUTS:
-        parser.error(where + f"expected {VARIANT_USAGE}, NAME letters, digits and _, LAYOUT one of {', '.join(LAYOUTS)}")
-    kernels = pack_kernels()
-    if parts[1] not in kernels.BACKEND_CHOICES:
-        parser.error(where + f"unknown back-end {parts[1]!r}; choose one of {', '.join(kernels.BACKEND_CHOICES)}")
-    if parts[2] not in kernels.PREPARED_MODES:
-        parser.error(where + f"unknown prepared-path mode {parts[2]!r}; "
-                     f"choose one of {', '.join(kernels.PREPARED_MODES)}")
-    flags = parts[3:]
-    unknown = [f for f in flags if f not in VARIANT_FLAGS and not CHUNK_FLAG.fullmatch(f)]
-    if unknown or len(set(flags)) != len(flags):
-        parser.error(where + (f"unknown flag(s) {unknown}" if unknown else "a flag given twice")
-                     + f"; flags: {', '.join(VARIANT_FLAGS)}, qkvN, mlpN")
-    settings = {"layout": parts[0], "backend": parts[1], "prep_mode": parts[2]}
-    for flag in flags:
-        chunk = CHUNK_FLAG.fullmatch(flag)
-        settings.update(VARIANT_FLAGS.get(flag) or {key: int(chunk[2]) for key in CHUNK_SETTINGS[chunk[1]]})
-    return {"name": name, "settings": settings}
-
-
 def parse_peer_options(parser, args) -> None:
-    """--peer-table's variants, --kjnodes' checkout, the variant names (unique), --sample-variants."""
+    """--peer-table's variant, --kjnodes' checkout; the extra variants sample with stock."""
+    args.variants = []
     if args.peer_table:
         if args.no_stock:
             parser.error("--peer-table compares with stock: leave out --no-stock")
-        args.variants.insert(0, {"name": ATTENTION_ONLY, "settings": {
-            "layout": "strided_nhd", "backend": args.backend, "prep_mode": args.prep, "block_path": "attention_only"}})
+        args.variants.append({"name": ATTENTION_ONLY, "settings": {
+            "layout": "strided_nhd", "backend": args.backend, "block_path": "attention_only"}})
         args.stock_sampling = True
-        args.sample_variants = args.sample_variants or "all"
     if args.kjnodes is not None:
         try:
             peer.check_checkout(args.kjnodes)
         except FileNotFoundError as exc:
             parser.error(f"--kjnodes: {exc}")
     args.peer_variants = list(peer.VARIANTS) if args.kjnodes is not None else []
-    taken = ["stock", *LAYOUTS, *args.peer_variants]
-    for v in args.variants:
-        if v["name"] in taken:
-            parser.error(f"--variant {v['name']!r}: the name is taken (" + ", ".join(dict.fromkeys(taken)) + ")")
-        taken.append(v["name"])
-    extras = [v["name"] for v in args.variants] + args.peer_variants
-    asked = [n.strip() for n in (args.sample_variants or "").split(",") if n.strip()]
-    args.sampled_extras = extras if asked == ["all"] else asked
-    unknown = [n for n in args.sampled_extras if n not in extras]
-    if unknown:
-        parser.error(f"--sample-variants: no variant {unknown}; extra variants here: {', '.join(extras) or 'none'}")
+    args.sampled_extras = [v["name"] for v in args.variants] + args.peer_variants if args.stock_sampling else []
 
-
-# --- setup ---------------------------------------------------------------------------------------------
 
 def log(message: str) -> None:
     print(f"[h3-bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def resolve_backend(kernels, choice: str, device: torch.device) -> str:
-    """The back-end ``auto`` (or a named choice) will run first here."""
+    """The back-end ``choice`` (``auto``: the first available) runs first here."""
     if choice not in kernels.BACKEND_CHOICES:
         raise SystemExit(f"unknown --backend {choice!r}; choose one of {', '.join(kernels.BACKEND_CHOICES)}")
     rows = describe_backends(device)
@@ -316,9 +232,8 @@ def default_out(facts: dict, backend: str) -> Path:
 
 
 def patch_model(model_patcher, settings: dict):
-    """A clone of ``model_patcher`` patched exactly as the node patches it with ``nodes.patch.Settings(**settings)``:
-    (clone, installed patch, the settings that ran, every field). The report measures no peak per model call: that
-    resets the device's peak statistics, which the sampling section reads over the whole run."""
+    """(clone patched as the node patches it, installed patch, every Settings field). No peak per model call: it
+    would reset the device's peak statistics, which the sampling section reads over the whole run."""
     chosen = submodule("nodes.patch").Settings(**{"measure_peak": False, **settings})
     clone, patch = submodule("nodes.h3_patch").patch_model(model_patcher, chosen)
     return clone, patch, dataclasses.asdict(chosen)
@@ -344,7 +259,7 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
     build_seconds = time.perf_counter() - started
     dm = base.model.diffusion_model
     expected = h3_model.packed_token_count(args.width, args.height, args.frames, args.text_tokens)
-    specs = [{"name": layout, "settings": {"layout": layout, "backend": args.backend, "prep_mode": args.prep}}
+    specs = [{"name": layout, "settings": {"layout": layout, "backend": args.backend}}
              for layout in layouts] + args.variants
     clones, patches, settings = {}, {}, {}
     for spec in specs:
@@ -374,8 +289,7 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
 
 
 def build_peer_variants(args, base, report) -> dict:
-    """KJNodes' variants, each made by its nodes' ``execute`` on the stock model; what was loaded and the
-    attention the peer calls go to ``report["peer"]``."""
+    """KJNodes' variants, made by its nodes' ``execute`` on the stock model; what ran goes to ``report["peer"]``."""
     import comfy.ldm.minimax.model as h3
 
     module = peer.load_module(args.kjnodes)
@@ -388,14 +302,11 @@ def build_peer_variants(args, base, report) -> dict:
     return clones
 
 
-# --- the run -------------------------------------------------------------------------------------------
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     facts = device_facts(device)
-    # ComfyUI must be imported after its flags are set; the stock flag needs the resolved back-end,
-    # and kernels/ has no ComfyUI import, so it can be asked first.
+    # ComfyUI is imported after its flags are set; the stock flag needs the resolved back-end
     backend_first = resolve_backend(pack_kernels(), args.backend, device)
     out = args.out or default_out(facts, backend_first)
     report = Report(out)
@@ -415,7 +326,7 @@ def main(argv=None) -> int:
         bench = set_up(args, device, layouts, backend_first, report)
     except Exception as exc:
         report.fail("setup", exc)
-        copy_to_out([str(out)])
+        copy_to_out(out)
         log(f"setup failed: {type(exc).__name__}: {exc}")
         raise
     try:
@@ -439,7 +350,7 @@ def set_up(args, device, layouts, backend_first: str, report: Report) -> sec.Ben
 
 
 def _section(report: Report, name: str, fn):
-    """Run one section; record its result or its error; never let it take the others down."""
+    """Run one section; record its result or its error (never taking the others down)."""
     log(f"section {name}")
     started = time.perf_counter()
     try:
@@ -537,8 +448,7 @@ def run_first_contact(args, bench: sec.Bench, report: Report) -> sec.Bench:
 
 
 def first_contact_blocks(args, bench: sec.Bench, weights: str, tokens: int) -> dict:
-    """Blocks 0 and 1 at ``tokens`` packed tokens (FIRST_CONTACT_SHAPES' clip), inputs from a stock forward:
-    stock and the pack interleaved, outputs compared, peaks; what the pack ran and whose int8 quantiser."""
+    """Blocks 0 and 1 at ``tokens`` (FIRST_CONTACT_SHAPES' clip): stock and the pack interleaved, compared."""
     bench.width, bench.height, bench.frames, text = FIRST_CONTACT_SHAPES[tokens]
     bench.conditioning = h3_model.random_conditioning(text, bench.diffusion_model.condition_proj.in_features,
                                                       args.weight_seed + 1)
@@ -555,8 +465,7 @@ def first_contact_blocks(args, bench: sec.Bench, weights: str, tokens: int) -> d
 
 
 def peer_kernel_verdict(data: dict, backend: str) -> str:
-    """Whether the peer's numbers stand beside the pack's: its forwards call ComfyUI's optimized_attention,
-    so it runs stock's kernel, which must be the pack's (stock started with the flag for that back-end)."""
+    """Whether the peer's numbers stand beside the pack's: it runs stock's kernel, which must be the pack's."""
     facts, stock = data["peer"], data.get("stock_attention", "?")
     flag = comfy_host.STOCK_FLAG_FOR_BACKEND.get(backend)
     if not facts["same_attention_as_stock"]:
@@ -566,8 +475,6 @@ def peer_kernel_verdict(data: dict, backend: str) -> str:
                 f"the peer and stock call {stock}")
     return f"same kernel: the peer and stock call {stock} (--{flag.replace('_', '-')}), the pack runs {backend}"
 
-
-# --- the end of a run ----------------------------------------------------------------------------------
 
 def finish(args, bench: sec.Bench, report: Report, out: Path) -> None:
     data = report.data
@@ -580,7 +487,7 @@ def finish(args, bench: sec.Bench, report: Report, out: Path) -> None:
                                                   allow_null=allow)
         data["reference_schema"] = "follows the reference report's keys and types" if not problems else problems
     report.write()
-    copy_to_out([str(out)])
+    copy_to_out(out)
     release(bench)
     print()
     if blocks_job:
@@ -597,8 +504,7 @@ def finish(args, bench: sec.Bench, report: Report, out: Path) -> None:
 
 
 def after_the_runs(bench: sec.Bench, report: Report) -> None:
-    """What ran per variant (the node's own run reports; the peer calls stock's attention), and the
-    checks that the shared model is left unpatched and every output was finite."""
+    """What ran per variant; the shared model left unpatched; every output finite."""
     data = report.data
     data["attention"], data["attention_fallbacks"], by_layout = backends_that_ran(bench.patches)
     peer_ran = {name: f"{data.get('stock_attention', '-')} (KJNodes' forward)" for name in bench.peer}
@@ -616,16 +522,14 @@ def after_the_runs(bench: sec.Bench, report: Report) -> None:
 
 
 def last_payload(report):
-    """The node's report of the last sampling run of a patched clone (None before any run)."""
-    last = getattr(report, "last", None)
+    last = getattr(report, "last", None)  # the node's report of the clone's last sampling run
     if last is None and report.calls:  # blocks-only runs: the calls recorded outside any sampling run
         last = report.payload()
     return last
 
 
 def backends_that_ran(patches: dict) -> tuple[str, list, dict]:
-    """Back-ends the patched forwards ran in each variant's last sampling run (from the node's own run
-    report), their fallbacks, and the back-ends per variant."""
+    """Back-ends the patched forwards ran (the node's own run reports), their fallbacks, and those per variant."""
     payloads = {name: last_payload(patch.report) for name, patch in patches.items()}
     payloads = {name: p for name, p in payloads.items() if p is not None}
     by_variant, fallbacks = {}, []
@@ -638,17 +542,12 @@ def backends_that_ran(patches: dict) -> tuple[str, list, dict]:
     return "+".join(ran) or "none", fallbacks, by_variant
 
 
-def copy_to_out(paths: list[str]) -> None:
-    """Also leave the files under $OUT (the GPU machine hands that folder back)."""
-    out_dir = os.environ.get("OUT")
-    if not out_dir:
-        return
-    for path in paths:
-        src = Path(path)
-        dest = Path(out_dir) / src.name
-        if src.is_file() and src.resolve() != dest.resolve():
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dest)
+def copy_to_out(path: Path) -> None:
+    """Also leave the report under $OUT (the GPU machine hands that folder back)."""
+    dest = Path(os.environ.get("OUT", "")) / path.name
+    if os.environ.get("OUT") and path.is_file() and path.resolve() != dest.resolve():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, dest)
 
 
 def release(bench: sec.Bench) -> None:

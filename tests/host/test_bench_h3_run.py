@@ -160,22 +160,17 @@ def test_checkpoint_weights_are_loaded_like_unetloader(checkpoint_run):
 @run_ahead
 def int8_convrot_run(folder):
     return run_harness(folder, "--weights", "int8_convrot", "--sections", "blocks,sampling_2_step",
-                       "--stock-sampling", "--variant", "other=strided_nhd:sdpa:exact:noprepared:whole_qkv:stock_int8q")
+                       "--stock-sampling")
 
 
 def test_int8_convrot_weights_give_stock_bits_in_both_layouts(int8_convrot_run):
     """The bundled workflows' weight format (int8_tensorwise + convrot linears through ComfyUI's
-    mixed_precision_ops and comfy-kitchen int8_linear): blocks and 2-step sampling equal stock's bits,
-    and so does a variant with other settings (prepared paths off, the qkv projection whole, stock's
-    int8 quantiser), which reach the patch as nodes.patch.Settings."""
+    mixed_precision_ops and comfy-kitchen int8_linear): blocks and 2-step sampling equal stock's bits."""
     proc, data = int8_convrot_run
     assert proc.returncode == 0 and data["errors"] == {}, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert data["model"]["source"].startswith("random int8_convrot weights") and data["weights"] == "int8_convrot"
-    other = data["variant_settings"]["other"]
-    assert (other["prepared"], other["qkv_chunk_tokens"], other["own_int8_quantizer"]) == (False, 2**62, False)
     v = data["validation"]
     assert v["blocks_stock_vs_strided_nhd"] == "bit-exact" and v["blocks_0_1"] == "bit-exact"
-    assert v["blocks_stock_vs_other"] == "bit-exact"
     assert v["full_2_block_two_step_trajectory"] == "identical video and audio checksums"
     s2 = data["sampling_2_step"]
     assert s2["hnd_checksums"] == s2["strided_nhd_checksums"] == s2["checksums"]
@@ -200,7 +195,7 @@ def test_int8_convrot_state_dict_marks_exactly_the_four_block_linears():
     assert (out["blocks.0.mlp.fc2.weight"].float() * scale - sd["blocks.0.mlp.fc2.weight"]).abs().max() <= scale / 2 + 1e-6
 
 
-# --- the peer (KJNodes) through a stand-in, the variant flags, the long-sequence memory section -------
+# --- the peer (KJNodes) through a stand-in, the long-sequence memory section ------------------------------
 PEER_NAMES = ["kj_lowvram", "kj_lowvram_chunkff"]
 PEER_TABLE = ["stock", "strided_nhd", "attention_only", *PEER_NAMES]
 
@@ -293,7 +288,7 @@ def test_tables_put_the_peer_beside_stock_and_the_pack(peer_run, tmp_path):
 def int8_peer_12_step_run(folder):
     kj = write_stand_in(folder / "kjnodes")
     return run_harness(folder, "--weights", "int8_convrot", "--kjnodes", str(kj), "--layout", "strided_nhd",
-                       "--sections", "sampling_12_step", "--stock-sampling", "--sample-variants", "all")
+                       "--sections", "sampling_12_step", "--stock-sampling")
 
 
 def test_int8_convrot_peer_samples_12_steps_interleaved_with_stock(int8_peer_12_step_run):
@@ -307,42 +302,9 @@ def test_int8_convrot_peer_samples_12_steps_interleaved_with_stock(int8_peer_12_
 
 
 # --- the options, parsed (no ComfyUI needed) ----------------------------------------------------------------
-def test_variant_flags_come_after_prep_in_any_order():
-    from benchmarks.h3_reference_run import parse_args
-
-    a = parse_args(["--variant", "x=strided_nhd:sdpa:rotated:attention_only:noprepared",
-                    "--variant", "y=hnd:auto:exact:noprepared:attention_only", "--variant", "z=strided_nhd:sage2:exact"])
-    x, y, z = (v["settings"] for v in a.variants)
-    assert x == {"layout": "strided_nhd", "backend": "sdpa", "prep_mode": "rotated", "prepared": False,
-                 "block_path": "attention_only"}
-    assert (y["prepared"], y["block_path"], y["layout"]) == (False, "attention_only", "hnd")
-    assert z == {"layout": "strided_nhd", "backend": "sage2", "prep_mode": "exact"}  # the rest: Settings' defaults
-    whole = parse_args(["--variant", "w=strided_nhd:sage2:exact:whole_qkv"]).variants[0]["settings"]
-    assert whole["qkv_chunk_tokens"] > 2**40  # never chunked
-    sized = parse_args(["--variant", "m=strided_nhd:sage2:exact:mlp16384:qkv4096"]).variants[0]["settings"]
-    assert (sized["mlp_chunk_tokens"], sized["int8_mlp_chunk_tokens"], sized["qkv_chunk_tokens"]) == (16384, 16384, 4096)
-    ckq = parse_args(["--variant", "c=strided_nhd:sage2:exact:stock_int8q"]).variants[0]["settings"]
-    assert ckq["own_int8_quantizer"] is False
-
-
 @pytest.mark.parametrize("argv, message", [
-    (["--variant", "x=strided_nhd:sage2:exact:fast"], "unknown flag(s) ['fast']"),
-    (["--variant", "x=strided_nhd:sage2:exact:mlp0"], "unknown flag(s) ['mlp0']"),
-    (["--variant", "x=strided_nhd:sage2:exact:noprepared:noprepared"], "a flag given twice"),
-    (["--variant", "x=nhd:sage2:exact"], "LAYOUT one of hnd, strided_nhd"),
-    (["--variant", "x=strided_nhd:sage2"], "expected NAME=LAYOUT:BACKEND:PREP[:noprepared][:attention_only]"),
-    (["--variant", "x=strided_nhd:sage2:exact:fused_block"], "unknown flag(s) ['fused_block']"),  # removed
-    (["--variant", "x=strided_nhd:sage2:fused"], "unknown prepared-path mode 'fused'"),  # removed
-    (["--prep", "fused_rotated"], "--prep 'fused_rotated': choose one of exact, rotated"),
-    (["--variant", "x-1=strided_nhd:sage2:exact"], "NAME letters, digits and _"),
-    (["--variant", "x=strided_nhd:sage9:exact"], "unknown back-end 'sage9'"),
-    (["--variant", "x=strided_nhd:sage2:quick"], "unknown prepared-path mode 'quick'"),
-    (["--variant", "stock=strided_nhd:sage2:exact"], "the name is taken"),
-    (["--variant", "x=hnd:sdpa:exact", "--variant", "x=strided_nhd:sdpa:exact"], "the name is taken"),
-    (["--peer-table", "--variant", "attention_only=hnd:sdpa:exact"], "the name is taken"),
     (["--peer-table", "--no-stock"], "leave out --no-stock"),
     (["--kjnodes", "/nonexistent/kjnodes"], "no nodes/minimax_nodes.py under /nonexistent/kjnodes"),
-    (["--sample-variants", "kj_lowvram"], "--sample-variants: no variant ['kj_lowvram']"),
     (["--sections", "blocks,memory"], "section memory needs --memory-at TOKENS"),
     (["--memory-at", "0"], "expected a positive token count"),
 ])
@@ -354,13 +316,11 @@ def test_bad_options_are_refused_with_the_reason(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_kjnodes_names_are_taken_and_peer_table_sets_up_the_comparison(tmp_path, monkeypatch):
+def test_peer_table_sets_up_the_comparison(tmp_path, monkeypatch):
     from benchmarks.h3_reference_run import parse_args
 
     monkeypatch.setenv("H3_SAGE_QKV_LAYOUT", "hnd")  # the preset's layout wins over the environment
     kj = write_stand_in(tmp_path / "kjnodes")
-    with pytest.raises(SystemExit):
-        parse_args(["--kjnodes", str(kj), "--variant", "kj_lowvram=strided_nhd:sdpa:exact"])
     a = parse_args(["--peer-table", "--kjnodes", str(kj), "--backend", "sdpa", "--memory-at", "120000"])
     assert a.layout == "strided_nhd" and a.stock_sampling and a.peer_variants == PEER_NAMES
     assert [(v["name"], v["settings"]["backend"], v["settings"]["block_path"]) for v in a.variants] == [
@@ -393,8 +353,7 @@ def compiled_blocks_run(folder):
     import shutil
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("inductor on the CPU needs a C++ compiler (g++), none found")
-    return run_harness(folder, "--layout", "strided_nhd", "--sections", "blocks", "--compile-blocks",
-                       "--variant", "other=strided_nhd:sdpa:exact:attention_only")
+    return run_harness(folder, "--peer-table", "--sections", "blocks", "--compile-blocks")
 
 
 def test_compiled_blocks_time_stock_and_the_pack_under_torch_compile(compiled_blocks_run):
@@ -461,8 +420,7 @@ def test_first_contact_on_a_gpu_sets_two_blocks_of_the_pack_beside_stock(monkeyp
     assert small.first_contact_plan["why"].startswith("5.0 GiB free; 37,810 tokens need 14 GiB")
 
 
-@pytest.mark.parametrize("extra", [["--checkpoint", "x.safetensors"], ["--peer-table"],
-                                   ["--variant", "x=strided_nhd:sdpa:exact"]])
+@pytest.mark.parametrize("extra", [["--checkpoint", "x.safetensors"], ["--peer-table"], ["--kjnodes", "kj"]])
 def test_first_contact_refuses_options_that_pick_another_run(extra, capsys):
     from benchmarks.h3_reference_run import parse_args
 
