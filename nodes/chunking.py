@@ -95,7 +95,7 @@ def cast_once_problem(layer, x, input_act: str | None = None, routes: dict | Non
     if getattr(comfy.ops, "CastBiasWeightContext", None) is None:
         return "this ComfyUI has no comfy.ops.CastBiasWeightContext"
     weight = getattr(layer, "weight", None)
-    if int8_layers.is_int8_convrot(weight):
+    if int8_layers.routable(weight):  # int8 ConvRot or W4A8: the route's own cast
         if routes is None:
             return "the pack's int8 route is off: stock's int8 call casts its weight per call"
         return int8_layers.stock_quantizer_reason(layer, x, input_act, routes=routes)
@@ -205,7 +205,7 @@ def projection_chunking(linear, x, chunk: int, routes: dict | None = None) -> Ch
 def cast_once(layer, x, input_act: str | None = None, record=None, routes=None):
     """Stock's weight cast for ``layer``'s calls on the token chunks of ``x`` (``linear_chunking`` gave CAST_ONCE),
     entered once: a context manager yielding an ``int8_layers.HeldCast``, left as stock's call leaves its cast."""
-    if int8_layers.is_int8_convrot(getattr(layer, "weight", None)):
+    if int8_layers.routable(getattr(layer, "weight", None)):
         return int8_layers.cast_once(layer, x, input_act, record, routes)
     return float_cast_once(layer, x.rows if isinstance(x, kernels.PendingModulation) else x)
 

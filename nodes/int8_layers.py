@@ -1,7 +1,6 @@
-"""int8 tensor-wise ConvRot linears (the bundled checkpoint's) called as stock calls them (``layer(x)``,
-``linear_input_act(layer, u, "swiglu")``), the weight cast as stock casts it (once per call, or once for a block's
-token chunks: ``cast_once``), the input quantised by the pack's pass: the same bits, less time.
-``route`` alone decides whose quantiser and whose GEMM a layer's calls use, once per layer in a run."""
+"""int8 ConvRot and W4A8 linears called as stock calls them (``layer(x)``, ``linear_input_act(layer, u, "swiglu")``),
+the weight cast as stock casts it (per call, or once for a block's token chunks), on the pack's quantiser and int8
+GEMM: the same bits, less time. ``route`` alone decides whose quantiser and whose GEMM a layer's calls use."""
 
 from __future__ import annotations
 
@@ -15,23 +14,33 @@ import comfy.ops
 import torch
 
 from .. import kernels
+from ..kernels import int8_w4a8
 from .ownership import replaced_forward
 
-# comfy-kitchen's int8 tensor-wise layout (the bundled checkpoint's): its activation quantiser works row
-# by row, and ``linear_input_act`` folds SwiGLU into it
+# comfy-kitchen's int8 tensor-wise layout (the bundled checkpoint's): ``linear_input_act`` folds SwiGLU into it
 INT8_LAYOUT = "TensorWiseINT8Layout"
-# ``linear_input_act``'s arguments past ``input_act`` (ComfyUI 0.36+: a norm folded into the quantiser, a residual
-# into the GEMM epilogue) at their defaults. The route takes only calls where they are the defaults.
+# ``linear_input_act``'s arguments past ``input_act`` (ComfyUI 0.36+) at their defaults: the only ones the route takes
 EXTENDED_DEFAULTS = {"act_weight": None, "act_eps": 0.0, "residual": None, "residual_scale": None}
-# The Linear forward of ComfyUI's mixed-precision ops the route mirrors (0.33 to the stored current ops): its
-# parameters. ComfyUI 0.40 consolidated the forward with prologue/epilogue paths; a forward taking other
-# parameters is not the one the route was checked against, so its calls keep stock's quantiser.
+# The parameters of the Linear forward of ComfyUI's mixed-precision ops the route mirrors (0.33 to the stored current
+# ops); ComfyUI 0.40's forward, with prologue/epilogue paths, takes others: its calls keep stock's quantiser.
 ROUTED_FORWARD_PARAMS = ("self", "input", "args", "kwargs")
 
 
+def _quantized(weight) -> bool:
+    return isinstance(weight, getattr(comfy.ops, "QuantizedTensor", ()))
+
+
 def is_int8_tensorwise(weight) -> bool:
-    return (isinstance(weight, getattr(comfy.ops, "QuantizedTensor", ()))
-            and getattr(weight, "_layout_cls", None) == INT8_LAYOUT)
+    return _quantized(weight) and weight._layout_cls == INT8_LAYOUT
+
+
+def is_w4a8(weight) -> bool:
+    return _quantized(weight) and weight._layout_cls == int8_w4a8.LAYOUT
+
+
+def routable(weight) -> bool:
+    """A layout the route knows (int8 ConvRot, W4A8): ``route`` decides the rest."""
+    return is_int8_convrot(weight) or is_w4a8(weight)
 
 
 def quantized_layout(weight) -> str:
@@ -53,7 +62,7 @@ def is_int8_convrot(weight) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """Whose quantiser and whose GEMM an int8 ConvRot layer's calls run in one sampling run, and why."""
+    """Whose quantiser and whose GEMM an int8 ConvRot or W4A8 layer's calls run in one sampling run, and why."""
     quantizer: str                  # "pack" or "stock"
     gemm: str                       # the pack's quantiser: "pack_sm90", "pack" or "comfy_kitchen"; else "stock"
     reason: str | None = None       # why stock's quantiser (None: the pack's)
@@ -64,11 +73,9 @@ UNDECIDED = Route("pack", "undecided")  # the layer allows the route; its cast w
 
 
 def route(layer, x, input_act=None, cast=None, routes: dict | None = None) -> Route:
-    """The one answer to "whose quantiser and whose GEMM, and why" for ``layer``'s calls on rows like ``x`` (their
-    device, dtype and width) with ``input_act``: what the layer, its weight as cast (``(weight, bias)``; None: not
-    cast yet: the layer's part is decided, the weight's waits for the cast), the device and the installed releases
-    allow. Fixed within a run: ``routes`` (the run's memo, ``Plan.int8_routes``) keeps each part once decided, so
-    each is asked once per layer and form; per call only the rows are checked (``stock_quantizer_reason``)."""
+    """The one answer to "whose quantiser and whose GEMM, and why" for ``layer``'s calls on rows like ``x`` with
+    ``input_act``, from the layer, its weight as cast (``(weight, bias)``; None: the weight's part waits), the device
+    and the releases. ``routes`` (the run's memo, ``Plan.int8_routes``) keeps each part once decided."""
     key = (id(layer), x.device, x.dtype, x.shape[-1], input_act)
     known = routes.get(key) if routes is not None else None
     known = known[1] if known is not None and known[0] is layer else None
@@ -77,8 +84,11 @@ def route(layer, x, input_act=None, cast=None, routes: dict | None = None) -> Ro
     reason = _layer_reason(layer, x, input_act) if known is None else None  # UNDECIDED: the layer's part passed
     if reason is None and cast is not None:
         weight, bias = cast
-        reason = (kernels.int8_weight_problem(x, weight._qdata, weight._params.scale, bias, input_act=input_act)
-                  if is_int8_convrot(weight) else "the cast gave a weight that is not int8 ConvRot")
+        if is_w4a8(layer.weight):
+            reason = int8_w4a8.weight_problem(x, weight, bias) if is_w4a8(weight) else "the cast gave no W4A8 weight"
+        else:
+            reason = (kernels.int8_weight_problem(x, weight._qdata, weight._params.scale, bias, input_act=input_act)
+                      if is_int8_convrot(weight) else "the cast gave a weight that is not int8 ConvRot")
     if reason is not None:
         answer = Route("stock", "stock", reason)
     elif cast is None:
@@ -93,6 +103,11 @@ def route(layer, x, input_act=None, cast=None, routes: dict | None = None) -> Ro
 
 def _layer_reason(layer, x, input_act) -> str | None:
     """Why the layer's calls keep stock's quantiser, from the layer, the device and the releases (not the cast)."""
+    weight = getattr(layer, "weight", None)
+    if not routable(weight):
+        return f"a {quantized_layout(weight)} weight: a layout the int8 route does not take"
+    if is_w4a8(weight) and input_act is not None:
+        return f"linear_input_act({input_act!r}) on a W4A8 weight: stock's call applies the activation first"
     if replaced_forward(layer):
         return "another node replaced the layer's forward"
     if (getattr(layer, "weight_function", None) or getattr(layer, "bias_function", None)
@@ -102,7 +117,7 @@ def _layer_reason(layer, x, input_act) -> str | None:
         return "the layer's forward would not run the int8 GEMM on its weight as stored"
     if getattr(comfy.ops, "CastBiasWeightContext", None) is None:
         return "this ComfyUI has no comfy.ops.CastBiasWeightContext"
-    params = forward_params(type(layer))
+    params = tuple(inspect.signature(type(layer).forward).parameters)
     if params != ROUTED_FORWARD_PARAMS:
         return (f"this ComfyUI's Linear forward{params} is not the forward{ROUTED_FORWARD_PARAMS} the route "
                 "mirrors (a forward with prologue/epilogue paths, ComfyUI 0.40+): stock's forward runs it")
@@ -110,33 +125,27 @@ def _layer_reason(layer, x, input_act) -> str | None:
 
 
 def stock_quantizer_reason(layer, x, input_act=None, cast=None, routes: dict | None = None) -> str | None:
-    """Why the int8 ConvRot ``layer``'s call on ``x`` keeps stock's quantiser (None: the pack's runs): training, its
-    ``route`` (``cast``: the weight and bias as cast for this call; None: before the cast), or this call's rows
-    (``kernels.int8_rows_problem``: the only check a routed layer's call repeats)."""
+    """Why ``layer``'s call on ``x`` keeps stock's quantiser (None: the pack's runs): training, its ``route`` (``cast``:
+    the weight and bias as cast for this call), or this call's rows (the only check a routed layer's call repeats)."""
     if comfy.model_management.in_training or x.requires_grad:
         return "training"
-    return route(layer, x, input_act, cast, routes).reason or kernels.int8_rows_problem(x)
-
-
-@functools.cache
-def forward_params(cls) -> tuple:
-    """The parameter names of ``cls.forward`` (a class's forward does not change in a process)."""
-    return tuple(inspect.signature(cls.forward).parameters)
+    rows = int8_w4a8.rows_problem if is_w4a8(layer.weight) else kernels.int8_rows_problem
+    return route(layer, x, input_act, cast, routes).reason or rows(x)
 
 
 def call(layer, x, input_act: str | None = None, record=None, into=None, routes=None, layouts=None,
          **extended) -> torch.Tensor:
     """Stock's ``layer(x)`` / ``linear_input_act(layer, x, input_act, **extended)`` on the pack's quantiser where it
-    keeps stock's bits; ``x`` may be a ``kernels.PendingModulation`` (applied by the quantiser, or here).
-    ``into``: a ``kernels.PendingResidual`` the output is added to, its ``x`` returned (in the int8 GEMM's epilogue
-    where the route runs, else by the residual's own pass after the call).
-    ``routes``: the run's memo of ``route`` answers. ``layouts``: told the layout of each call of a quantized
-    linear the route does not take (stock's own call runs it).
-    ``extended``: ``linear_input_act``'s later arguments (EXTENDED_DEFAULTS); a call that sets one is stock's."""
-    extra = _set_arguments(extended)
+    keeps stock's bits. ``x`` may be a ``kernels.PendingModulation``; ``into`` a ``kernels.PendingResidual`` the output
+    is added to, its ``x`` returned. ``layouts``: told the layout of each quantized linear the route does not know."""
+    unknown = sorted(set(extended) - set(EXTENDED_DEFAULTS))
+    if unknown:
+        raise TypeError(f"int8_layers.call got unexpected argument(s) {', '.join(unknown)}")
+    extra = {k: v for k, v in extended.items()
+             if not (v is None if EXTENDED_DEFAULTS[k] is None else v == EXTENDED_DEFAULTS[k])}
     weight = getattr(layer, "weight", None)
-    if torch.compiler.is_compiling() or not is_int8_convrot(weight):
-        if layouts is not None and isinstance(weight, getattr(comfy.ops, "QuantizedTensor", ())):
+    if torch.compiler.is_compiling() or not routable(weight):
+        if layouts is not None and _quantized(weight):
             layouts(quantized_layout(weight))
         return _stock(layer, x, input_act, into, **extra)  # (stock's int8 linears do not compile)
     if extra:
@@ -154,17 +163,15 @@ def call(layer, x, input_act: str | None = None, record=None, into=None, routes=
 
 
 def _added(out, into):
-    """``out``, or ``into``'s residual with ``out`` added where the call left it owed."""
     return out if into is None or into.applied else into.apply(out)
 
 
 def _routed_on_cast(layer, x, pending, input_act, weight, bias, record, into=None, routes=None):
-    """The rest of ``call`` once the weight is cast: the pack's quantiser where the cast weight keeps stock's bits
-    (``into`` added in its GEMM's epilogue where it folds), else stock's computation on that weight; the reason
-    recorded either way."""
+    """The rest of ``call`` once the weight is cast (the reason recorded either way)."""
     reason, out = route(layer, x, input_act, (weight, bias), routes).reason, None
-    if reason is None:
-        out = kernels.int8_linear_routed(x, weight._qdata, weight._params.scale, bias, input_act=input_act,
+    if reason is None:  # a W4A8 weight decoded to its int8 grid for this call only (kernels/int8_w4a8.py)
+        qdata, w_scale = int8_w4a8.operands(weight) if is_w4a8(weight) else (weight._qdata, weight._params.scale)
+        out = kernels.int8_linear_routed(x, qdata, w_scale, bias, input_act=input_act,
                                          modulation=pending.segments if pending is not None else None, residual=into)
         reason = None if out is not None else "CUTLASS declined the shape"
     _tell(record, reason)
@@ -174,9 +181,8 @@ def _routed_on_cast(layer, x, pending, input_act, weight, bias, record, into=Non
 
 
 class HeldCast:
-    """A linear's weight as stock's cast gave it for calls on ``dtype`` rows on ``device`` with ``input_act``, held
-    over a block's token chunks: calling it on a chunk runs the layer's call with stock's arithmetic on that weight.
-    ``run(rows, into)`` may add the output to ``into`` itself (a ``kernels.PendingResidual``); else the call does."""
+    """A linear's weight as stock's cast gave it for ``dtype`` rows on ``device`` with ``input_act``, held over a
+    block's token chunks; ``run(rows, into)`` runs the layer's call on a chunk (``into`` added by it, or here)."""
 
     def __init__(self, run, weight, bias, rows: torch.Tensor, input_act: str | None = None):
         self._run, self.weight, self.bias, self.input_act = run, weight, bias, input_act
@@ -194,10 +200,8 @@ class HeldCast:
 
 @contextlib.contextmanager
 def cast_once(layer, x, input_act: str | None = None, record=None, routes=None):
-    """``call(layer, chunk, input_act)`` for every row chunk of one call on ``x`` (its rows, or a stand-in of their
-    dtype and device) on one weight cast: stock's cast for the call, entered here and left when the context ends.
-    For a layer the route takes (``stock_quantizer_reason`` None for the call). Yields a ``HeldCast``; each chunk
-    is recorded as ``call`` records it."""
+    """A ``HeldCast``: ``call(layer, chunk, input_act)`` for every row chunk of one call on ``x`` (or a stand-in of its
+    dtype and device) on stock's weight cast for the call, entered once; for a layer the route takes."""
     rows = x.rows if isinstance(x, kernels.PendingModulation) else x
     with _cast(layer, rows, input_act) as (weight, bias):
         if input_act is None:
@@ -217,8 +221,7 @@ def cast_once(layer, x, input_act: str | None = None, record=None, routes=None):
 
 
 def shares_memory(a: HeldCast, b: HeldCast) -> bool:
-    """Two held casts' tensors overlap in device memory: ComfyUI cast both into one offload buffer, and the
-    second overwrote the first."""
+    """Two held casts' tensors overlap in device memory: ComfyUI cast both into one offload buffer."""
     spans = list(_spans(a))
     return any(d == e and lo < hi2 and lo2 < hi for d, lo, hi in spans for e, lo2, hi2 in _spans(b))
 
@@ -226,19 +229,16 @@ def shares_memory(a: HeldCast, b: HeldCast) -> bool:
 def _spans(cast: HeldCast):
     """(device, first byte, past the last byte) of each tensor a held cast computes with."""
     for t in (cast.weight, cast.bias):
-        parts = [t]
-        if isinstance(t, getattr(comfy.ops, "QuantizedTensor", ())):
-            params = getattr(t, "_params", None)
-            fields = dataclasses.fields(params) if dataclasses.is_dataclass(params) else ()
-            parts = [t._qdata] + [getattr(params, f.name) for f in fields]
-        for p in parts:
+        params = getattr(t, "_params", None) if _quantized(t) else None
+        fields = dataclasses.fields(params) if dataclasses.is_dataclass(params) else ()
+        for p in [getattr(t, "_qdata", t)] + [getattr(params, f.name) for f in fields]:
             if torch.is_tensor(p) and p.numel():
                 extent = (sum((n - 1) * s for n, s in zip(p.shape, p.stride())) + 1) * p.element_size()
                 yield p.device, p.data_ptr(), p.data_ptr() + extent
 
 
 def _cast(layer, x, input_act):
-    """Stock's weight cast for this call: its forward's, or ``linear_input_act``'s."""
+    """Stock's weight cast for this call: its forward's (weight-only), or ``linear_input_act``'s."""
     if input_act is None:
         _every_op()
         return comfy.ops.CastBiasWeightContext(layer, None, dtype=layer.weight.dtype, device=x.device,
@@ -248,7 +248,6 @@ def _cast(layer, x, input_act):
 
 
 def _stock_on_cast(x, weight, bias, input_act):
-    """Stock's computation on a weight already cast (a call declined after the cast)."""
     if is_int8_convrot(weight) and input_act is not None:
         return kernels.stock_int8_linear(x, weight._qdata, weight._params.scale, bias, input_act=input_act)
     if input_act is not None:
@@ -257,16 +256,12 @@ def _stock_on_cast(x, weight, bias, input_act):
 
 
 def quantized_columns(layer, x, inner: int, record=None, cast=None, routes=None):
-    """The qkv projection by output columns on ``x`` quantised once (``kernels.RowProjection``'s column form):
-    ``(rows, project, columns)``, or None (then by rows through ``call``). No bias only. ``cast``: the weight and
-    bias as cast once for this call (``cast_once``: offloaded or streamed), kept until the projection is spent;
-    None: the resident weight as stored."""
+    """The int8 ConvRot qkv projection (no bias) by output columns on ``x`` quantised once: ``(rows, project,
+    columns)``, or None (then by rows through ``call``). ``cast``: the weight and bias as cast once for this call."""
     w = getattr(layer, "weight", None)
-    pending = x if isinstance(x, kernels.PendingModulation) and x.foldable else None
-    if pending is not None:
-        x = pending.rows
-    elif isinstance(x, kernels.PendingModulation):
+    if isinstance(x, kernels.PendingModulation) and not x.foldable:
         return None  # a modulation the pass cannot fold: the caller applies it
+    x, pending = _owed(x, True)
     if cast is None:  # resident: nothing to cast
         if hasattr(layer, "_v") or getattr(w, "device", None) != x.device:
             return None
@@ -283,38 +278,27 @@ def quantized_columns(layer, x, inner: int, record=None, cast=None, routes=None)
     return rows, project, kernels.int8_column_products(qdata, scale, inner)
 
 
-def route_on(settings) -> bool:
-    """The patch's int8 ConvRot linears may take the pack's quantiser (``settings.own_int8_quantizer``); on either
-    block path, each layer's ``route`` decides."""
-    return settings.own_int8_quantizer
-
-
 def run_routes(patch) -> dict | None:
-    """The current run's memo of ``route`` answers (on the run's plan), or None where the route is off."""
-    return patch.plan.int8_routes if route_on(patch.settings) else None
+    """The current run's memo of ``route`` answers, or None where the settings turn the route off."""
+    return patch.plan.int8_routes if patch.settings.own_int8_quantizer else None
 
 
 def caller(patch):
-    """How one installed patch calls a linear ``(layer, x, input_act=None)`` in the current run: through ``call``
-    (the run's routes memoised on its plan) where ``route_on``, else stock's call."""
-    if not route_on(patch.settings):
-        return _stock
-    return functools.partial(call, record=patch.report.record_int8, routes=patch.plan.int8_routes,
-                             layouts=patch.report.record_layout)
+    """How one installed patch calls a linear ``(layer, x, input_act=None)`` in the current run."""
+    routes = run_routes(patch)
+    return _stock if routes is None else functools.partial(call, record=patch.report.record_int8, routes=routes,
+                                                           layouts=patch.report.record_layout)
 
 
 def _owed(x, fold: bool):
-    """(rows, the ``PendingModulation`` they still owe or None): a modulation the quantiser can fold
-    (``fold`` and ``foldable``) is kept owed; any other is applied here."""
+    """(rows, the ``PendingModulation`` they still owe, kept where the quantiser folds it (``fold``), or None)."""
     if fold and isinstance(x, kernels.PendingModulation) and x.foldable:
         return x.rows, x
     return kernels.settled(x), None
 
 
 def _every_op() -> None:
-    every_op = getattr(comfy.ops, "run_every_op", None)
-    if every_op is not None:
-        every_op()  # stock's forward checks for an interrupt first
+    getattr(comfy.ops, "run_every_op", lambda: None)()  # stock's forward checks for an interrupt first
 
 
 def _tell(record, reason) -> None:
@@ -322,17 +306,8 @@ def _tell(record, reason) -> None:
         record(reason)
 
 
-def _set_arguments(extended: dict) -> dict:
-    """``linear_input_act``'s arguments past ``input_act`` that differ from their defaults (unknown names: an error)."""
-    unknown = sorted(set(extended) - set(EXTENDED_DEFAULTS))
-    if unknown:
-        raise TypeError(f"int8_layers.call got unexpected argument(s) {', '.join(unknown)}")
-    return {k: v for k, v in extended.items()
-            if not (v is None if EXTENDED_DEFAULTS[k] is None else v == EXTENDED_DEFAULTS[k])}
-
-
 def _stock(layer, x, input_act=None, into=None, **extra):
-    """Stock's call (``into``: its output then added to that residual by the residual's own pass)."""
+    """Stock's call (``into``: the residual its output is then added to by the residual's own pass)."""
     x = kernels.settled(x)
     if not extra:
         return _added(layer(x) if input_act is None else comfy.ops.linear_input_act(layer, x, input_act), into)
