@@ -1,24 +1,17 @@
 """The sage2 sm90 prepared path on an H100/H200: speed, and int8 accuracy with outlier channels.
 
-    python -m benchmarks.sage2_fast --out sage2-fast.json                 # both parts
-    python -m benchmarks.sage2_fast --part speed --seq 8192 37810 --reps 15
+    python -m benchmarks.sage2_fast --out sage2-fast.json
 
-Speed: strided NHD views [1, S, 56, 128] of one fused bf16 buffer [S, 3*7168], already normed and
-roped. Variants run interleaved rep by rep (each leads in turn), CUDA events around each call,
-median of ``--reps``:
-  sageattn            -- stock ``sageattn(q, k, v, tensor_layout="NHD")``, its own preparation inside
-  kernel_alone        -- ``attend()`` on operands prepared once (SageAttention's sm90 kernel only)
-  prepared_<mode>     -- ``prepare()`` + ``attend()`` for the modes exact and rotated
-  prepare_<mode>      -- ``prepare()`` alone
-Peak extra memory of one call each, and whether exact mode equals sageattn bit for bit.
+Speed: strided NHD views [1, S, 56, 128] of one fused bf16 buffer, normed and roped; interleaved, CUDA events,
+median of ``--reps``: ``sageattn`` (its own preparation inside), ``kernel_alone`` (``attend()`` on operands
+prepared once), ``prepared_<mode>`` (``prepare()`` + ``attend()``), ``prepare_<mode>``; peak extra memory of
+one call each; whether exact mode is sageattn's bits.
 
-Accuracy: random Q/K/V at the H3 head shape, then keys whose energy sits in k of 128 channels
-(k = 1, 2, 4, 8; those channels 10x, 30x or 100x, as a norm weight's gain puts them) and/or a
-per-channel mean offset on K, plus one case with the same channels concentrated in Q and K at
-constant row norm; relative L2 error of the output against fp32 attention on the first and last
-256 query rows, for sageattn as is, the prepared path's exact and rotated modes, SDPA in bf16 and
-comfy-kitchen int8_attention when importable. Each mode's error is split by source: Q/K int8
-alone, and all operands dequantised (fp32 attention); the rest is the kernel's own fp8 P.
+Accuracy: relative L2 error against fp32 attention (first and last 256 query rows) of random Q/K/V, keys whose
+energy sits in 1-8 of 128 channels at 10x-100x (as a norm weight's gain puts them), a K mean offset, and the
+channels concentrated in Q and K at constant row norm; for sageattn, both modes, SDPA in bf16 and comfy-kitchen's
+int8_attention. Each mode's error split by source: Q/K int8 alone, all operands dequantised (the rest is the
+kernel's own fp8 P).
 """
 
 from __future__ import annotations
@@ -46,7 +39,6 @@ def views(qkv, heads=HEADS):
 
 
 def speed_calls(q, k, v) -> dict:
-    """name -> the call that variant times."""
     from sageattention import sageattn
 
     prepared = BACKEND.prepare(q, k, v, mode="exact")
@@ -82,8 +74,7 @@ def speed(seq: int, reps: int, warmup: int) -> dict:
 
 
 def outlier_keys(k, chans, ratio):
-    """k [1, S, H, D]: per head, channels ``chans[h]`` multiplied by ``ratio`` (as a norm weight's gain
-    does: the key's energy moves into those channels and the scores grow with it)."""
+    """k [1, S, H, D]: per head, channels ``chans[h]`` multiplied by ``ratio`` (as a norm weight's gain does)."""
     w = torch.ones(k.shape[2], D, device=k.device)
     w.scatter_(1, chans, float(ratio))
     return (k.float() * w).to(k.dtype)
@@ -96,8 +87,7 @@ def concentrate(x, chans, ratio):
 
 
 def accuracy_cases():
-    """(name, k channels, ratio, K mean offset, construction). "gain": K's channels scaled, Q plain;
-    "normed": the same channels in Q and K, rows kept at their norm."""
+    """(name, k channels, ratio, K mean offset, construction: "gain" scales K's channels, "normed" Q's and K's)."""
     cases = [("plain", 0, 1, False, "gain"), ("k_mean_offset", 0, 1, True, "gain")]
     cases += [(f"k{n}_x{r}", n, r, False, "gain") for n in (1, 2, 4, 8) for r in (10, 30, 100)]
     cases += [("k4_x100_offset", 4, 100, True, "gain"), ("qk4_x100_normed", 4, 100, False, "normed")]
@@ -114,8 +104,7 @@ def attention_rows(q, k, v, rows):
 
 
 def error_sources(ops, v, rows, ref):
-    """Split a mode's error: Q/K int8 alone (V exact), all operands dequantised (what is left for the
-    kernel's own fp8 P and accumulation is the total minus this), both in fp32."""
+    """A mode's error from Q/K int8 alone (V exact) and from all operands dequantised, both in fp32."""
     qd, kd, vd = sage2_oracle.dequantize_operands(ops)
     v_true = v[0].transpose(0, 1)
     return {"qk_int8_only": rel_l2(attention_rows(qd, kd, v_true, rows), ref),
@@ -123,7 +112,6 @@ def error_sources(ops, v, rows, ref):
 
 
 def case_inputs(seq: int, heads: int, case: tuple, g: torch.Generator):
-    """Q, K, V views of one random buffer with ``case``'s outlier channels and offset applied."""
     _, n, ratio, offset, construction = case
     q, k, v = views(torch.randn(seq, 3 * heads * D, device="cuda", generator=g, dtype=torch.bfloat16), heads)
     if n:
@@ -139,7 +127,6 @@ def case_inputs(seq: int, heads: int, case: tuple, g: torch.Generator):
 
 
 def comfy_kitchen_attention():
-    """(comfy-kitchen's int8_attention or None, why not)."""
     try:
         import comfy_kitchen
         return comfy_kitchen.int8_attention, ""
@@ -148,7 +135,6 @@ def comfy_kitchen_attention():
 
 
 def case_outputs(q, k, v, rows, prepared, kitchen) -> dict:
-    """Each method's output rows for one case."""
     from sageattention import sageattn
 
     def hnd(t):
@@ -164,7 +150,7 @@ def case_outputs(q, k, v, rows, prepared, kitchen) -> dict:
     return outs
 
 
-def accuracy(seq: int, heads: int, seed: int = 11) -> dict:
+def accuracy(seq: int, heads: int = HEADS, seed: int = 11) -> dict:
     kitchen, kitchen_reason = comfy_kitchen_attention()
     g = torch.Generator(device="cuda").manual_seed(seed)
     rows = torch.cat([torch.arange(256), torch.arange(seq - 256, seq)]).cuda()
@@ -184,8 +170,7 @@ def accuracy(seq: int, heads: int, seed: int = 11) -> dict:
 
 
 def accuracy_verdict(a: dict) -> dict:
-    """Where the rotated mode stands: on the cases where exact's error is over twice its plain error,
-    at most half of exact's; against comfy-kitchen int8; no worse than exact on plain inputs."""
+    """Rotated against exact where exact's error is over twice its plain error, against comfy-kitchen, on plain."""
     err = a["rel_l2_vs_fp32"]
     plain = err["plain"]["prepared_exact"]
     triggered = [c for c, e in err.items() if e["prepared_exact"] > 2 * plain]
@@ -195,15 +180,6 @@ def accuracy_verdict(a: dict) -> dict:
             "rotated_at_most_comfy_kitchen_int8": {c: e["prepared_rotated"] <= e["comfy_kitchen_int8"]
                                                    for c, e in err.items() if "comfy_kitchen_int8" in e},
             "rotated_no_worse_on_plain": err["plain"]["prepared_rotated"] <= err["plain"]["prepared_exact"]}
-
-
-def print_speed(r: dict) -> None:
-    print(f"\nS = {r['seq']:,}  ({r['heads']}x{r['head_dim']}, median of {r['reps']}, CUDA events)")
-    print(f"{'variant':22s} {'p50 ms':>9s} {'spread':>7s} {'peak extra MiB':>15s}")
-    for n, row in r["variants"].items():
-        print(f"{n:22s} {row['p50_seconds'] * 1e3:9.3f} {row['spread'] * 100:6.1f}% {row['peak_extra_mib']:15.1f}")
-    print(f"exact bit-identical to sageattn: {r['exact_bit_identical_to_sageattn']}  "
-          f"(kernel alone: {r['kernel_alone_bit_identical_to_sageattn']})")
 
 
 def unavailable() -> str | None:
@@ -220,10 +196,7 @@ def unavailable() -> str | None:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("speed", "accuracy", "both"), default="both")
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 37810])
-    p.add_argument("--accuracy-seq", type=int, nargs="+", default=[8192, 37810])
-    p.add_argument("--accuracy-heads", type=int, default=HEADS)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None)
@@ -232,10 +205,8 @@ def main(argv=None) -> dict:
     if why:
         sys.exit(why)
     report = {**device_facts("cuda"), "torch": torch.__version__, "speed": [], "accuracy": []}
-    parts = [("speed", args.seq, lambda s: speed(s, args.reps, args.warmup)),
-             ("accuracy", args.accuracy_seq, lambda s: accuracy(s, args.accuracy_heads))]
-    for part, lengths, run in [x for x in parts if args.part in (x[0], "both")]:
-        for seq in lengths:
+    for part, run in (("speed", lambda s: speed(s, args.reps, args.warmup)), ("accuracy", accuracy)):
+        for seq in args.seq:
             result = run(seq)
             if part == "accuracy":
                 result["verdict"] = accuracy_verdict(result)
@@ -244,7 +215,9 @@ def main(argv=None) -> dict:
                 with open(args.out, "w") as f:
                     json.dump(report, f, indent=1)
     for r in report["speed"]:
-        print_speed(r)
+        print(f"S = {r['seq']:,}: " + ", ".join(f"{n} {row['p50_seconds'] * 1e3:.3f} ms ({row['spread']:.1%}, "
+                                               f"{row['peak_extra_mib']:.0f} MiB)" for n, row in r["variants"].items())
+              + f"; exact is sageattn's bits: {r['exact_bit_identical_to_sageattn']}")
     for a in report["accuracy"]:
         print(f"accuracy S={a['seq']:,}, comfy-kitchen: {a['comfy_kitchen']}; rotated: {json.dumps(a['verdict'])}")
     return report
