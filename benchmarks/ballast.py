@@ -1,12 +1,7 @@
-"""A smaller card on a big one: device memory taken away from everything in the process before the model loads.
-
-The ballast is one raw ``cuMemAlloc`` of (the card's total - the budget), made through the driver API: it is
-device memory as real as the card's own limit, so every allocator sees the budget. ComfyUI's accounting
-(``torch.cuda.mem_get_info`` in ``get_free_memory``), comfy-aimdo's DynamicVRAM pages (mapped by the driver, never
-through torch) and torch's allocator (caching or cudaMallocAsync) all find only the budget free, and an allocation
-past it fails as on a small card. ``torch.cuda.set_per_process_memory_fraction`` would bind torch's caching
-allocator alone: not aimdo's pages, not the cudaMallocAsync backend ComfyUI runs by default. The ballast is never
-in torch's statistics, so the peaks a run reports are the run's own.
+"""A smaller card on a big one: one raw driver ``cuMemAlloc`` of (the card's total - the budget) before the model
+loads, so ComfyUI's accounting, comfy-aimdo's DynamicVRAM pages and torch's allocators all find only the budget
+free (``torch.cuda.set_per_process_memory_fraction`` binds torch's caching allocator alone). It is never in torch's
+statistics, so the peaks a run reports are its own.
 """
 
 from __future__ import annotations
@@ -21,8 +16,7 @@ class BallastError(RuntimeError):
 
 
 def ballast_bytes(total_bytes: int, budget_gib: float) -> int:
-    """Bytes to occupy so a card of ``total_bytes`` keeps ``budget_gib`` GiB, as a card of that size has
-    (its CUDA context and anything else already allocated then come out of the budget, as on that card)."""
+    """Bytes to occupy so a card of ``total_bytes`` keeps ``budget_gib`` GiB (the CUDA context comes out of it)."""
     budget = int(budget_gib * GIB)
     if budget <= 0:
         raise ValueError(f"a budget must be positive, got {budget_gib} GiB")
@@ -47,8 +41,7 @@ class Ballast:
 
 
 def occupy(device_index: int, budget_gib: float) -> tuple[Ballast, dict]:
-    """Hold back all but ``budget_gib`` GiB of the card; returns the ballast and what the card showed before and
-    after (``torch.cuda.mem_get_info``: free and total bytes)."""
+    """Hold back all but ``budget_gib`` GiB; the ballast and the card's free and total bytes before and after."""
     import torch
 
     free_before, total = torch.cuda.mem_get_info(device_index)

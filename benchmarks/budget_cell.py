@@ -1,24 +1,16 @@
 """One cell of the VRAM-budget benchmark (``benchmarks.vram_budget`` starts it as its own process): one budget, one
 clip length, every variant sampled in turn on the same model in the same process.
 
-The start-up follows ComfyUI's ``main.py`` (``devkit.aimdo_emulation`` has the steps): the cudaMallocAsync
-allocator, comfy-aimdo's library before torch, the ComfyUI imports (not ``--highvram``: ComfyUI decides what stays
-on the card), then the ballast (``benchmarks.ballast``) and, for DynamicVRAM, aimdo's devices and ComfyUI's dynamic
-ModelPatcher. The model is the checkpoint file, loaded as the UNETLoader node loads it; each variant's run goes
-through ComfyUI's sampling nodes as the bundled workflows wire them, so ComfyUI's own model management loads the
-weights it can and streams the rest every step.
-
-Per variant: seconds per step (steps after the first; the first also loads), peak memory torch allocated and
-reserved (comfy-aimdo's weight pages are not torch's: the card's least free memory at a step's end says more),
-weight bytes copied to the card per step, ComfyUI's resident weight bytes, and the error if the run failed
-(``oom``: out of memory). The latents are compared with stock's, bit for bit. ``--timeline``: where the last step's
-time went on the device (``benchmarks.step_timeline``: kernels, copies to the card not hidden behind them, waits).
+The start-up follows ComfyUI's ``main.py`` (``devkit.aimdo_emulation`` has the steps), with the ballast
+(``benchmarks.ballast``) before aimdo's devices; not ``--highvram``: ComfyUI's own model management loads the
+weights it can and streams the rest every step. Per variant: seconds per step (after the first, which also loads),
+peaks (comfy-aimdo's weight pages are not torch's: the card's least free memory at a step's end says more), weight
+bytes copied to the card per step, ComfyUI's resident weight bytes, the error if any, the latents against stock's.
 """
 
 from __future__ import annotations
 
 import contextlib
-
 import gc
 import sys
 import time
@@ -35,8 +27,6 @@ OOM_MARKS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA_ERROR_OUT_OF_M
 
 
 class Recorder(startup.Recorder):
-    """The cell's JSON, rewritten at every stage (a process that dies still leaves where it was); each stage logged."""
-
     def stage(self, name: str) -> None:
         print(f"[budget-cell {time.strftime('%H:%M:%S')}] {name}", flush=True)
         super().stage(name)
@@ -54,8 +44,6 @@ def error_record(exc: BaseException) -> dict:
             "where": "".join(traceback.format_tb(exc.__traceback__)[-2:])[-800:]}
 
 
-# --- weight bytes copied to the card ---------------------------------------------------------------------
-
 def tensor_bytes(t) -> int:
     qdata = getattr(t, "_qdata", None)  # a QuantizedTensor: its int8 data and its scale
     if qdata is not None:
@@ -65,9 +53,8 @@ def tensor_bytes(t) -> int:
 
 
 class TransferCounter:
-    """Bytes of host tensors ComfyUI copies to a CUDA device through ``comfy.model_management``'s two weight paths:
-    ``cast_to`` (the legacy ModelPatcher's per-call cast) and ``cast_to_gathered`` (DynamicVRAM's and the cast
-    buffers' gathered copies, file slices included)."""
+    """Bytes of host tensors ComfyUI copies to the card through ``cast_to`` (the legacy ModelPatcher's per-call
+    cast) and ``cast_to_gathered`` (DynamicVRAM's and the cast buffers' gathered copies, file slices included)."""
 
     def __init__(self):
         self.bytes = 0
@@ -90,11 +77,8 @@ class TransferCounter:
         mm.cast_to, mm.cast_to_gathered = counted_cast_to, counted_gathered
 
 
-# --- start-up ------------------------------------------------------------------------------------------
-
 def start(args, recorder: Recorder):
-    """ComfyUI's start-up with the budget in place. Returns (torch, device, stock attention flag, ballast or None):
-    the ballast lives as long as the caller holds it."""
+    """ComfyUI's start-up with the budget in place: (torch, device, stock flag, ballast the caller holds or None)."""
     result = recorder.result
     cuda = args.device != "cpu"
     dynamic = cuda and args.loader == "dynamic"
@@ -151,11 +135,8 @@ def start(args, recorder: Recorder):
     return torch, device, stock_flag, ballast
 
 
-# --- the variants ----------------------------------------------------------------------------------------
-
 def make_variants(args, base, stock_flag: str, result: dict) -> tuple[dict, dict]:
-    """(name -> patcher, name -> the pack's installed patch): stock (the loaded model), the pack (the node at its
-    defaults), KJNodes' lowest-memory combination (``benchmarks.peer.LOW_MEMORY``)."""
+    """(name -> patcher, name -> the pack's patch): stock, the node at its defaults, KJNodes' peer.LOW_MEMORY."""
     from devkit.pack import submodule
 
     variants, patches = {}, {}
@@ -173,8 +154,7 @@ def make_variants(args, base, stock_flag: str, result: dict) -> tuple[dict, dict
 
 @contextlib.contextmanager
 def stock_estimate(on: bool):
-    """``pack_stock_estimate``: the pack's node with ComfyUI's own memory estimate (the pack's answers on no
-    device), to measure what the pack's estimate buys."""
+    """``pack_stock_estimate``: the node with ComfyUI's own memory estimate (what the pack's estimate buys)."""
     from devkit.pack import submodule
 
     memory = submodule("nodes.memory")
@@ -203,30 +183,19 @@ def _peer_variant(args, base, stock_flag: str, result: dict):
                          "commit": peer.describe(args.kjnodes, module, None)["git_commit"]}
     return clone
 
-
-# --- one sampling run ------------------------------------------------------------------------------------
-
-def empty_latent(width: int, height: int, frames: int):
-    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
-
-    return EmptyMiniMaxH3LatentAV.execute(width, height, frames)[0]
-
-
 def loaded_weight_bytes(patcher) -> int | None:
-    """The weight bytes ComfyUI holds on the card for ``patcher`` (its own count)."""
-    for name in ("loaded_size", "model_loaded_memory"):
-        fn = getattr(patcher, name, None)
-        if callable(fn):
-            try:
-                return int(fn())
-            except Exception:  # noqa: BLE001  (a count is a nicety; the run matters)
-                return None
-    return None
+    """The weight bytes ComfyUI holds on the card for ``patcher`` (its own count; a nicety, the run matters)."""
+    fn = getattr(patcher, "loaded_size", None) or getattr(patcher, "model_loaded_memory", None)
+    try:
+        return int(fn()) if callable(fn) else None
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def sample(torch, device, patcher, conditioning, args, counter: TransferCounter) -> tuple[dict, tuple | None]:
     """One ``args.steps``-step run of ``patcher`` from a cold start (nothing of the model on the card)."""
     import comfy.model_management as mm
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
 
     mm.unload_all_models()
     gc.collect()
@@ -235,8 +204,8 @@ def sample(torch, device, patcher, conditioning, args, counter: TransferCounter)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    sampling = custom_sampling(patcher, conditioning, empty_latent(args.width, args.height, args.frames), args.seed,
-                               args.steps)
+    latent = EmptyMiniMaxH3LatentAV.execute(args.width, args.height, args.frames)[0]
+    sampling = custom_sampling(patcher, conditioning, latent, args.seed, args.steps)
     ends, streamed, least_free = [], [], None
     timeline = StepTimeline(device) if cuda and args.timeline else None
     run, latents = {"steps": args.steps}, None
@@ -283,14 +252,6 @@ def sample(torch, device, patcher, conditioning, args, counter: TransferCounter)
     return run, latents
 
 
-def compare_latents(a: tuple, b: tuple) -> dict:
-    import torch
-
-    same = all(torch.equal(x, y) for x, y in zip(a, b))
-    diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
-    return {"identical": same, "max_abs_difference": diff}
-
-
 def run_cell(args) -> int:
     result = {"budget_gib": args.budget, "tokens_asked": args.tokens[0], "frames": args.frames, "width": args.width,
               "height": args.height, "steps": args.steps, "variants": list(args.variants), "runs": {}}
@@ -318,9 +279,13 @@ def run_cell(args) -> int:
                 run["report"] = patches[name].report.last
             result["runs"][name] = run
             recorder.write()
+        from .measure import max_abs_difference
+
         for name in [n for n in latents if n != "stock"]:
             if latents.get("stock") is not None and latents[name] is not None:
-                result["runs"][name]["vs_stock"] = compare_latents(latents["stock"], latents[name])
+                diffs = [max_abs_difference(x, y) for x, y in zip(latents["stock"], latents[name])]
+                result["runs"][name]["vs_stock"] = {"identical": all(d["bit_exact"] for d in diffs),
+                                                    "max_abs_difference": max(d["max_abs_difference"] for d in diffs)}
         recorder.stage("done")
         del ballast  # held to here: the budget stays in place for every run
         return 0

@@ -2,15 +2,10 @@
 
     python -m benchmarks.int8_linears --tokens 37810 8192 --out int8-linears.json
 
-Per linear (qkv 5,376 -> 21,504, out 7,168 -> 5,376, fc1 5,376 -> 28,672, fc2 the SwiGLU of 28,672 -> 5,376) and
-their sum per block, interleaved rep by rep, CUDA events, median of ``--reps``:
-  stock_layer    -- comfy-kitchen's ``int8_linear`` as stock's layer calls it (its quantiser, its CUTLASS GEMM)
-  pack_layer     -- the pack's quantiser + the int8 route's GEMM (the pack's where it runs, else comfy-kitchen's)
-  pack_quantiser -- the pack's activation quantiser alone (ConvRot, SwiGLU for fc2), GB/s of its HBM traffic
-  kitchen_gemm   -- comfy-kitchen's CUTLASS GEMM alone, on the pack's quantised rows
-  pack_gemm      -- the pack's GEMM alone, on the same rows (absent where it does not run: the reason is printed)
-  portable_gemm  -- where the pack's GEMM is its warp-specialised Hopper kernel: its portable Triton kernel, the same
-                    rows (the bits twin it replaced)
+Per linear (qkv, out, fc1, fc2 with its SwiGLU) and their sum per block, interleaved, CUDA events, median of
+``--reps``: ``stock_layer`` (comfy-kitchen's ``int8_linear`` as stock's layer calls it), ``pack_layer`` (the int8
+route), ``pack_quantiser`` alone (GB/s of its HBM traffic), ``kitchen_gemm`` and ``pack_gemm`` alone on the pack's
+quantised rows, and ``portable_gemm`` (the portable Triton kernel, where the pack's GEMM is the Hopper one).
 TOPS = 2 M N K / time. Each layer's output is compared with stock's, bit for bit."""
 
 from __future__ import annotations
@@ -88,12 +83,10 @@ def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
 
 
 def quantiser_bytes(x: torch.Tensor, m: int, k: int) -> int:
-    """What the quantiser must move: its bf16 input read once, int8 rows and fp32 scales written."""
-    return x.numel() * x.element_size() + m * k + 4 * m
+    return x.numel() * x.element_size() + m * k + 4 * m  # bf16 input read once, int8 rows and fp32 scales written
 
 
 def quantiser_speed(ms: float, nbytes: int) -> dict:
-    """A quantiser time with the bytes it moved and the rate (GB/s)."""
     return {"ms": ms, "bytes": nbytes, "gbps": round(nbytes / ms / 1e6)}
 
 
@@ -102,7 +95,6 @@ def times_ratio(row: dict, base: str, new: str) -> float:
 
 
 def block_sum(rows: list[dict]) -> dict:
-    """The four linears of one block, summed (each variant's p50)."""
     variants = [v for v in ("stock_layer", "pack_layer", "kitchen_gemm", "pack_gemm", "portable_gemm")
                 if all(v in r for r in rows)]
     out = {"linear": "block (4 linears)", "tokens": rows[0]["tokens"],
@@ -126,18 +118,15 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         g, p = r.get("pack_gemm"), r.get("portable_gemm")
-        lines.append(f"| {r['linear']} | {r['tokens']:,} | {r['stock_layer']['ms']:.2f} | "
-                     f"{r['pack_layer']['ms']:.2f} | "
-                     f"{r['layer_speedup']:.3f} | {_quantiser_cell(r.get('pack_quantiser'))} | "
+        q = r.get("pack_quantiser")
+        q = f"{q['ms']:.2f} ({q['gbps']:,})" if q else "-"
+        lines.append(f"| {r['linear']} | {r['tokens']:,} | {r['stock_layer']['ms']:.2f} | {r['pack_layer']['ms']:.2f} | "
+                     f"{r['layer_speedup']:.3f} | {q} | "
                      f"{r['kitchen_gemm']['ms']:.2f} ({r['kitchen_gemm']['tops']:,.0f}) | "
                      + (f"{g['ms']:.2f} ({g['tops']:,.0f}) | {r['gemm_speedup']:.3f}" if g else "- | -")
                      + (f" | {p['ms']:.2f} ({p['tops']:,.0f})" if p else " | -")
                      + f" | {'identical' if r['identical_to_stock'] else 'DIFFER'} |")
     return "\n".join(lines)
-
-
-def _quantiser_cell(q: dict | None) -> str:
-    return f"{q['ms']:.2f} ({q['gbps']:,})" if q else "-"
 
 
 def main(argv=None) -> int:

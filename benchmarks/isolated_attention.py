@@ -3,13 +3,9 @@
     python -m benchmarks.isolated_attention --seq 8192 37810 --out report.json            # GPU, every available back-end
     python -m benchmarks.isolated_attention --device cpu --seq 64 256 --heads 4 --out r.json  # CPU smoke run (sdpa)
 
-One timed call is the whole attention of a block: views (or the baseline's copies) of a fused qkv
-buffer [S, 3*H*D], comfy-kitchen RMSNorm+RoPE in place, the back-end, and the token-major output for
-out_proj. The two layouts alternate rep by rep on the same data (``benchmarks.measure``), so drift
-hits both alike; each call starts from a fresh copy of the pristine buffer (norm+rope works in
-place), made outside the timing. Then one more call per layout gives its peak extra memory, its
-output (compared between the layouts) and the back-end's record. Writes JSON keyed by back-end then
-S; ``python -m benchmarks.results_table --kernels`` makes docs/BENCHMARKS.md's table from it.
+One timed call is the whole attention of a block on a fused qkv buffer [S, 3*H*D] (a fresh copy each call, made
+outside the timing: norm+rope works in place); the layouts alternate rep by rep. One more call per layout gives its
+peak extra memory, output and record. JSON keyed by back-end then S (``benchmarks.results_table --kernels``).
 """
 
 from __future__ import annotations
@@ -35,9 +31,8 @@ LAYOUTS = ("hnd", "strided_nhd")
 
 
 def layout_calls(pristine: torch.Tensor, norm: dict, heads: int, head_dim: int, backend: str, device):
-    """``(timers, once)`` for one buffer: per layout a runner that times one attention call on a fresh
-    copy of ``pristine``, and ``once(layout)``: ``(peak extra bytes, (out, record))`` of one more call.
-    ``norm``: the ``kernels.QKNorm`` arguments (one QKNorm per call: it is applied once)."""
+    """``(timers, once)``: per layout a runner timing one call on a fresh copy of ``pristine``, and ``once(layout)``:
+    ``(peak extra bytes, (out, record))``. ``norm``: ``kernels.QKNorm``'s arguments (a QKNorm applies once)."""
     work = torch.empty_like(pristine)
     chain = kernels.BackendChain.for_choice(backend)
 
@@ -61,8 +56,7 @@ def layout_calls(pristine: torch.Tensor, norm: dict, heads: int, head_dim: int, 
 
 def compare_layouts(pristine, norm: dict, heads: int, head_dim: int, backend: str, device, reps: int, warmup: int,
                     progress=None) -> dict:
-    """Both layouts timed interleaved on one buffer, then their outputs compared and their records kept.
-    A named ``backend`` that did not run is refused (``auto`` runs whichever comes first)."""
+    """Both layouts timed interleaved, outputs compared; a named ``backend`` that did not run is refused."""
     timers, once = layout_calls(pristine, norm, heads, head_dim, backend, device)
     times = measure.interleaved_times(timers, reps, warmup, progress=progress)
     peak, outputs, records = {}, {}, {}
@@ -85,20 +79,11 @@ def compare_layouts(pristine, norm: dict, heads: int, head_dim: int, backend: st
 
 
 def measure_backend(backend: str, seq: int, args) -> dict:
-    """One back-end at one length on a seeded random buffer, rope table and norm weights."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     qkv, table, qw, kw = fused_attention_inputs(seq, args.heads, args.head_dim, args.rot_dim, seed=args.seed,
                                                 device=device, weight_mean=1.0, weight_spread=0.1, table_dtype=dtype)
     norm = {"rope_table": table, "q_weight": qw.to(dtype), "k_weight": kw.to(dtype), "eps": 1e-5}
     return compare_layouts(qkv.to(dtype), norm, args.heads, args.head_dim, backend, device, args.reps, args.warmup)
-
-
-def environment(device) -> dict:
-    info = {"device": "cpu", "torch": torch.__version__}
-    if torch.device(device).type == "cuda":
-        cap = torch.cuda.get_device_capability()
-        info.update(device=torch.cuda.get_device_name(), compute_capability=f"SM{cap[0]}{cap[1]}")
-    return info
 
 
 def parse_args(argv=None):
@@ -124,7 +109,7 @@ def main(argv=None) -> dict:
         sys.exit(f"--rot-dim must be even and at most --head-dim ({args.head_dim})")
     availability = describe_backends(args.device)
     names = args.backends or [row["name"] for row in availability if row["available"]]
-    report = {"environment": environment(args.device), "heads": args.heads, "head_dim": args.head_dim,
+    report = {"environment": {**measure.device_facts(args.device), "torch": torch.__version__}, "heads": args.heads, "head_dim": args.head_dim,
               "dtype": args.dtype, "backends_available": availability, "results": {}}
     for name in names:
         verdict = kernels.BACKENDS[name].available()

@@ -1,8 +1,5 @@
-"""Timing, memory and kernel-count primitives. No ComfyUI import.
-
-Variants are always timed interleaved (A, B, C, then B, C, A, ...), because a GPU's speed drifts
-by a few percent over minutes: only ratios measured side by side mean anything.
-"""
+"""Timing, memory and kernel-count primitives (no ComfyUI import). Variants are always timed interleaved (A, B, C,
+then B, C, A, ...): a GPU's speed drifts by a few percent over minutes."""
 
 from __future__ import annotations
 
@@ -16,7 +13,6 @@ import torch
 
 
 def device_facts(device) -> dict:
-    """The device's name and compute capability, as every report gives them."""
     device = torch.device(device)
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -39,7 +35,6 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object
 
 
 def event_timed(fn: Callable[[], object]) -> Callable[[], float]:
-    """A runner returning the seconds of one ``fn()`` between two CUDA events."""
     def run():
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -51,13 +46,11 @@ def event_timed(fn: Callable[[], object]) -> Callable[[], float]:
 
 
 def device_timed(fn: Callable[[], object], device: torch.device) -> Callable[[], float]:
-    """A runner returning the seconds of one ``fn()``: CUDA events on a GPU, elsewhere the wall clock
-    with the device drained (``timed``)."""
+    """A runner returning the seconds of one ``fn()``: CUDA events on a GPU, elsewhere ``timed``."""
     return event_timed(fn) if device.type == "cuda" else (lambda: timed(fn, device)[0])
 
 
 def rotated(names: list[str], rep: int) -> list[str]:
-    """The variant order for repetition ``rep``: each variant leads in turn."""
     shift = rep % len(names)
     return names[shift:] + names[:shift]
 
@@ -79,7 +72,6 @@ def interleaved_times(runners: dict[str, Callable[[], float]], reps: int, warmup
 
 
 def summary(times: list[float]) -> dict:
-    """p50, mean, min, max and relative spread of one variant's times (seconds)."""
     p50 = statistics.median(times)
     return {"p50_seconds": p50, "mean_seconds": statistics.fmean(times), "min_seconds": min(times),
             "max_seconds": max(times), "spread": (max(times) - min(times)) / p50 if p50 else 0.0,
@@ -105,9 +97,8 @@ def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> tuple[in
 
 
 def max_abs_difference(a: torch.Tensor, b: torch.Tensor, rows: int = 8192) -> dict:
-    """max/mean |a - b| and the relative L2 error ||a - b|| / ||a|| in float32 terms, plus whether the
-    bits are identical. Taken ``rows`` of the leading dimension at a time, so a 320,000-token output
-    needs no full-size fp32 copies; the sums are kept in float64."""
+    """max/mean |a - b|, ||a - b|| / ||a|| and whether the bits are identical; ``rows`` at a time (a 320,000-token
+    output needs no full-size fp32 copies), the sums in float64."""
     if a.shape != b.shape:
         raise ValueError(f"cannot compare outputs of shapes {tuple(a.shape)} and {tuple(b.shape)}")
     if a.numel() == 0:
@@ -144,7 +135,6 @@ FAMILIES = tuple(family for family, _ in _FAMILIES) + ("other",)
 
 
 def kernel_family(name: str) -> str:
-    """The family of a CUDA kernel, by its name: "attention", "gemm" or "other"."""
     for family, needles in _FAMILIES:
         if any(n in name for n in needles):
             return family
@@ -164,10 +154,8 @@ def _is_large_copy(event, large_numel: int) -> bool:
 
 
 def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel: int, calls: int = 1) -> dict:
-    """Device kernels launched by one ``fn()`` call, counted by torch.profiler over ``calls`` calls
-    (counts per call, kernel time per family the mean per call). Also counts tensor copies
-    (``aten::copy_``) with an operand of at least ``large_numel`` elements: the layout copies
-    (transpose/contiguous/clone of Q, K, V or the output)."""
+    """Device kernels one ``fn()`` launches (torch.profiler over ``calls`` calls; per call), and the layout copies:
+    ``aten::copy_`` with an operand of at least ``large_numel`` elements."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -201,7 +189,6 @@ def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel:
 
 
 def kernel_difference(baseline: dict, new: dict) -> dict:
-    """Kernels launched more often by ``baseline`` than by ``new`` (name -> how many more), and the reverse."""
     removed = Counter(baseline) - Counter(new)
     added = Counter(new) - Counter(baseline)
     return {"removed": dict(sorted(removed.items())), "added": dict(sorted(added.items()))}

@@ -1,13 +1,7 @@
-"""The peer: KJNodes' MiniMax H3 patches, from a ComfyUI-KJNodes checkout named at run time.
-
-None of the peer's code is in this repository. ``--kjnodes DIR`` names a checkout of
-kijai/ComfyUI-KJNodes; its ``nodes/minimax_nodes.py`` is imported by file path, under stub packages
-for the checkout and its ``nodes/`` folder: the file's own imports (comfy, comfy_api, server, a
-relative import of a sibling module) resolve in the benchmark's ComfyUI, and the KJ pack's
-``__init__.py`` (which imports every node of the pack) never runs.
-
-Each variant is made as a graph makes it: the node's ``execute`` on the stock ModelPatcher (then the
-next node's on that output), every input at the node's own default, read from its schema.
+"""The peer: KJNodes' MiniMax H3 patches, from a ComfyUI-KJNodes checkout named at run time (``--kjnodes DIR``;
+none of its code is in this repository). Its ``nodes/minimax_nodes.py`` is imported by file path under stub
+packages, so its own imports resolve in the benchmark's ComfyUI and the KJ pack's ``__init__.py`` never runs.
+Each variant is made as a graph makes it: the nodes' ``execute`` in turn, every input at its schema default.
 """
 
 from __future__ import annotations
@@ -35,7 +29,6 @@ LOW_MEMORY_WITHOUT_SAGE = {"kj_lowmem": (LOW_VRAM, CHUNK_FF)}
 
 
 def check_checkout(checkout) -> Path:
-    """``checkout/nodes/minimax_nodes.py``, or FileNotFoundError saying what is missing."""
     path = Path(checkout).expanduser().resolve() / PEER_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {PEER_FILE} under {checkout} (expected a ComfyUI-KJNodes checkout)")
@@ -54,8 +47,7 @@ def _stub_package(name: str, folder: Path) -> None:
 
 
 def _server_for_import() -> None:
-    """Some of the peer's files register web routes at import (``server.PromptServer.instance.routes``), which
-    exists only in a running ComfyUI: outside one, an instance with a route table of its own stands in."""
+    """Some of the peer's files register web routes at import: outside a running ComfyUI a stand-in server takes them."""
     try:
         import server
     except Exception:  # noqa: BLE001  (no server module: the file's own import then says so)
@@ -70,8 +62,7 @@ def _server_for_import() -> None:
 
 
 def load_module(checkout, file: Path = PEER_FILE):
-    """The peer's ``minimax_nodes`` module, or another of its ``nodes/`` files (needs ComfyUI imported first:
-    they import comfy at the top)."""
+    """The peer's ``minimax_nodes`` module, or another of its ``nodes/`` files (ComfyUI imported first)."""
     check_checkout(checkout)
     path = Path(checkout).expanduser().resolve() / file
     if not path.is_file():
@@ -94,22 +85,19 @@ def load_module(checkout, file: Path = PEER_FILE):
 
 
 def node_defaults(node_cls) -> dict:
-    """The node's inputs other than the model, at their schema defaults (what a new node starts with)."""
     schema = node_cls.define_schema()
     return {i.id: i.default for i in schema.inputs
             if i.id != "model" and getattr(i, "default", None) is not None}
 
 
 def node_class(checkout, module, node: str):
-    """The peer's node class: from ``module`` (PEER_FILE's), or from its own file (NODE_FILES)."""
     if node in NODE_FILES:
         return getattr(load_module(checkout, NODE_FILES[node]), node)
     return getattr(module, node)
 
 
 def make_variant(module, base, nodes: tuple[str, ...], checkout=None):
-    """``(patched clone, [{node, display_name, inputs}])``: each node's ``execute`` on the previous output
-    (``checkout``: where the nodes outside PEER_FILE come from)."""
+    """``(patched clone, [{node, display_name, inputs}])``: each node's ``execute`` on the previous output."""
     model, applied = base, []
     for node in nodes:
         cls = node_class(checkout, module, node)
@@ -122,7 +110,6 @@ def make_variant(module, base, nodes: tuple[str, ...], checkout=None):
 
 
 def make_variants(module, base) -> tuple[dict, dict]:
-    """``({variant: clone}, {variant: nodes applied})`` for every variant in ``VARIANTS``."""
     clones, applied = {}, {}
     for name, nodes in VARIANTS.items():
         clones[name], applied[name] = make_variant(module, base, nodes)
@@ -130,8 +117,7 @@ def make_variants(module, base) -> tuple[dict, dict]:
 
 
 def describe(checkout, module, stock_attention) -> dict:
-    """Where the peer came from (file hash, git commit when the checkout is a git work tree) and the
-    attention its forwards call: it must be the function stock ComfyUI's H3 calls."""
+    """Where the peer came from (file hash, git commit) and the attention it calls (it must be stock's)."""
     path = check_checkout(checkout)
     attention = getattr(module, "optimized_attention", None)
     return {"checkout": str(path.parent.parent), "file": str(PEER_FILE),
@@ -141,7 +127,7 @@ def describe(checkout, module, stock_attention) -> dict:
 
 
 def _git_commit(checkout: Path) -> str | None:
-    """HEAD of the checkout when it is the top of its own git work tree (not a folder inside another repo)."""
+    """HEAD of the checkout when it is the top of its own git work tree."""
     try:
         out = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--show-toplevel", "HEAD"],
                              capture_output=True, text=True, timeout=10)

@@ -1,8 +1,5 @@
-"""The results report: one dict in the reference's shape, written to disk after every section.
-
-A section that fails leaves its error under ``errors`` and the sections before it intact, so a
-run that dies midway still says what it measured.
-"""
+"""The results report: one dict in the reference's shape, written after every section (a failed section leaves
+its error under ``errors``, so a run that dies midway still says what it measured)."""
 
 from __future__ import annotations
 
@@ -37,8 +34,7 @@ class Report:
         self.data["errors"][name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": "".join(lines[-6:])}
         self.write()
 
-    def write(self) -> None:
-        """Write atomically: a reader never sees half a file."""
+    def write(self) -> None:  # atomically: a reader never sees half a file
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         tmp.write_text(json.dumps(self.data, indent=2, default=_json_default) + "\n")
@@ -52,7 +48,6 @@ def _json_default(value):
 
 
 def equality_verdict(diff: dict | None, what: str = "outputs") -> str:
-    """'bit-exact' or the measured difference."""
     if diff is None:
         return "not measured"
     if diff.get("bit_exact"):
@@ -73,7 +68,6 @@ def ratio(value) -> str:
 
 
 def table_rows(data: dict) -> list[tuple[str, str, str, str, str]]:
-    """(measurement, stock, HND, strided NHD, HND/strided NHD) rows from a report dict."""
     rows = []
     iso = data.get("isolated_attention_layout")
     if iso:
@@ -107,7 +101,7 @@ HEADER = ("measurement", "stock ComfyUI", "HND", "strided NHD", "HND / strided N
 
 
 def aligned(rows: list[tuple[str, ...]], numbers: bool = False) -> list[str]:
-    """Rows as plain-text columns under a rule below the header; ``numbers``: right-aligned past the first."""
+    """Plain-text columns under a rule below the header; ``numbers``: right-aligned past the first."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if numbers and i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
@@ -115,13 +109,11 @@ def aligned(rows: list[tuple[str, ...]], numbers: bool = False) -> list[str]:
 
 
 def text_table(data: dict) -> str:
-    """The reference report's measurements, stock / HND / strided NHD, as plain-text columns."""
     return "\n".join(aligned([HEADER] + table_rows(data), numbers=True))
 
 
 def correctness_table(data: dict) -> str:
-    """What a run on any machine proves, without timings: per sampled variant, the back-end that ran and
-    the sampled checksums, and whether the outputs are equal (for the first-run summary on a CPU)."""
+    """What a run on any machine proves, without timings: per sampled variant what ran, its checksums, equality."""
     sampling = data.get("sampling_2_step") or data.get("sampling_12_step") or {}
     ran = data.get("attention_by_variant") or {}
     names = list(dict.fromkeys(["stock", *sampling.get("order", ()), "hnd", "strided_nhd"]))
@@ -146,7 +138,6 @@ FIRST_CONTACT_HEADER = ("weights", "tokens", "stock ms/block", "pack ms/block", 
 
 
 def first_contact_row(run: dict) -> tuple[str, ...]:
-    """A format and length: the blocks' mean p50, the ratio of the sums, stock's bits in every block?, top peaks."""
     blocks, pack = run["blocks"], run["pack"]
     stock_s, pack_s = ([b[f"{n}_p50_seconds"] for b in blocks] for n in ("stock", pack))
     worst = max(b[f"stock_vs_{pack}_max_abs_difference"] for b in blocks)
@@ -158,8 +149,7 @@ def first_contact_row(run: dict) -> tuple[str, ...]:
 
 
 def first_contact_table(data: dict) -> str:
-    """``--first-contact``'s table, from the report: per weight format and length, stock ComfyUI and the pack
-    on the same blocks; a line per format on what the pack ran (whose int8 quantiser); the memory."""
+    """``--first-contact``'s table: per format and length, stock and the pack; what the pack ran; the memory."""
     plan, errors = data["first_contact"], data["errors"]
     rows, notes, reps = [FIRST_CONTACT_HEADER], {}, "?"
     for weights in plan["formats"]:

@@ -1,10 +1,6 @@
-"""The README's chart, docs/results.png, drawn from committed VRAM-budget reports (``benchmarks.vram_budget``):
-seconds per sampling step of the full int8 H3 on an H100 cut down to a smaller card, for stock ComfyUI, KJNodes'
-lowest-memory chain and the pack; a bar where a variant ran, what stopped it where it did not.
-
-    python -m benchmarks.results_chart                 # writes docs/results.png
-    python -m benchmarks.results_chart --out x.png     # elsewhere
-"""
+"""The README's chart, docs/results.png (``python -m benchmarks.results_chart``), from the committed VRAM-budget
+reports: seconds per step of the full int8 H3 on an H100 cut down to a smaller card, stock, KJNodes and the pack;
+a bar where a variant ran, what stopped it where it did not."""
 
 from __future__ import annotations
 
@@ -22,9 +18,8 @@ from .results_table import budget_outcome, budget_runs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "vram-budget"
-# (tokens, card GiB, reports): each variant is read from the first report that ran it in that cell. The
-# 24 GiB / 149,936-token cell: the pack and KJNodes from the run of today's launches (docs/BENCHMARKS.md), stock
-# from the earlier run, the only one that ran it there.
+# (tokens, card GiB, reports): each variant from the first report that ran it in that cell (24 GiB / 149,936:
+# the pack and KJNodes from the run of today's launches, stock from the earlier run, the only one that ran it)
 CELLS = [
     (37810, 6, ["h100-int8-37810-6gib.json"]),
     (37810, 8, ["h100-int8-37810-8gib.json"]),
@@ -45,7 +40,6 @@ def find_cell(report: dict, tokens: int, card: int) -> dict | None:
 
 
 def outcomes(results: Path = RESULTS) -> dict:
-    """{(tokens, card, variant): seconds per step (float) or what stopped the run (str)}."""
     out = {}
     for tokens, card, files in CELLS:
         for variant in VARIANTS:

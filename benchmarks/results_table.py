@@ -1,22 +1,9 @@
-"""Markdown tables from benchmark JSONs: the tables in docs/BENCHMARKS.md are made with this, never by hand.
-
-    python -m benchmarks.results_table --blocks A.json B.json --sampling C.json --kernels D.json   # print
-    python -m benchmarks.results_table ... --doc docs/BENCHMARKS.md                # fill the doc's blocks
-
-(docs/BENCHMARKS.md gives the exact command.) Each option makes one table, one row per report (or per
-sampled variant), in the order given, and fills the doc's block between ``<!-- NAME-table:start -->``
-and ``<!-- NAME-table:end -->`` (the markers must already be there):
-
-- ``--blocks``: reference-run reports (``benchmarks.h3_reference_run``): one H3 block per variant
-  against stock, equality with stock, peak extra memory; below it torch.compile and long-sequence memory.
-- ``--sampling``: reference-run reports with sampling: each sampled variant against stock.
-- ``--kernels``: isolated-attention reports (``benchmarks.isolated_attention``): per back-end and
-  length; a back-end already shown from an earlier report is left out of the later ones.
-- ``--budget``: VRAM-budget reports (``benchmarks.vram_budget``): seconds per step per card size and length,
-  then per cell the peaks, the weight bytes copied per step and whether the latents are stock's.
-
-Variants run with a setting the pack no longer offers (``REMOVED_SETTINGS``) are left out of every
-table; their numbers stay in the JSON.
+"""Markdown tables from benchmark JSONs: docs/BENCHMARKS.md's tables are made with this (the doc gives the command),
+never by hand. Each option makes one table, a row per report (or sampled variant), and with ``--doc`` fills the
+doc's block between ``<!-- NAME-table:start -->`` and ``<!-- NAME-table:end -->``: ``--blocks`` and ``--sampling``
+(``benchmarks.h3_reference_run``), ``--kernels`` (``benchmarks.isolated_attention``; a back-end shown from an
+earlier report is left out of the later ones), ``--budget`` (``benchmarks.vram_budget``). Variants run with a
+setting the pack no longer offers (``REMOVED_SETTINGS``) are left out of every table; the JSON keeps them.
 """
 
 from __future__ import annotations
@@ -40,7 +27,6 @@ VARIANT_KEYS = ("{}", "{}_p50_seconds", "{}_spread", "{}_kernel_launches", "{}_s
 
 
 def removed_variants(data: dict) -> list[str]:
-    """The report's variants whose settings name something the pack no longer offers."""
     return [name for name, s in (data.get("variant_settings") or {}).items()
             if any(s.get(key) in values for key, values in REMOVED_SETTINGS.items())]
 
@@ -54,7 +40,6 @@ def _drop(node, keys: set, name: str):
 
 
 def without_removed(data: dict) -> dict:
-    """``data`` with every key of the removed variants dropped, at any depth."""
     for name in removed_variants(data):
         data = _drop(data, {k.format(name) for k in VARIANT_KEYS}, name)
     return data
@@ -65,13 +50,11 @@ def load(path: Path) -> dict:
 
 
 def weights_of(data: dict) -> str:
-    """The linears' format of the model measured: ``bf16``, ``int8_convrot`` or ``checkpoint``."""
     source = (data.get("model") or {}).get("source", "")
     return data.get("weights") or (source.split()[1] if source.startswith("random ") else "checkpoint")
 
 
 def environment(data: dict) -> str:
-    """Where a report was made: the GPU, torch, ComfyUI, stock's attention and the peer's file."""
     comfy = (data.get("comfyui") or {}).get("version", "?")
     peer = data.get("peer") or {}
     where = peer.get("git_commit") or (peer.get("sha256") and f"nodes/minimax_nodes.py sha256 {peer['sha256'][:12]}")
@@ -80,7 +63,6 @@ def environment(data: dict) -> str:
 
 
 def sources(reports: list[dict], paths: list[Path]) -> list[str]:
-    """One line per environment, naming its reports."""
     by_env: dict[str, list[str]] = {}
     for data, path in zip(reports, paths):
         by_env.setdefault(environment(data), []).append(f"`{Path(path).as_posix()}`")
@@ -96,7 +78,6 @@ def _mib(n) -> str:
 
 
 def block_variants(reports: list[dict]) -> list[str]:
-    """The variants beside stock in the block sections, in order of first appearance."""
     names = []
     for data in reports:
         for key in (data.get("real_block_results") or [{}])[0]:
@@ -107,7 +88,6 @@ def block_variants(reports: list[dict]) -> list[str]:
 
 
 def _equality(blocks: list[dict], names: list[str]) -> str:
-    """Which variants gave stock's bits in every block, and the difference of the others ("-": none compared)."""
     compared = [n for n in names if f"stock_vs_{n}_bit_exact" in blocks[0]]
     differ = [f"{n} max abs " + " / ".join(f"{b[f'stock_vs_{n}_max_abs_difference']:.3g}" for b in blocks)
               for n in compared if not all(b[f"stock_vs_{n}_bit_exact"] for b in blocks)]
@@ -125,7 +105,6 @@ def block_row(data: dict, names: list[str], report: str) -> tuple[str, ...]:
 
 
 def block_notes(data: dict, report: str) -> list[str]:
-    """torch.compile and long-sequence memory of one report, as bullet lines."""
     notes = []
     for row in data.get("compiled_block_results") or []:
         ratios = ", ".join(f"{k[len('stock_over_'):]} {ratio(v)}" for k, v in row.items() if k.startswith("stock_over_"))
@@ -144,7 +123,6 @@ def block_notes(data: dict, report: str) -> list[str]:
 
 
 def blocks_markdown(named: list[tuple[str, dict]]) -> list[str]:
-    """The block table of ``(label, report)`` pairs, a row each, and the lines below it."""
     names = block_variants([data for _, data in named])
     header = ("report", "weights", "tokens", "reps", "stock, block 0 / 1", *(f"stock / {n}" for n in names),
               "equal to stock", "peak extra MiB: " + " / ".join(["stock", *names]))
@@ -164,7 +142,6 @@ SAMPLING_HEADER = ("weights", "blocks", "steps", "variant", "stock", "variant s"
 
 
 def sampling_rows(data: dict) -> list[tuple[str, ...]]:
-    """One row per variant sampled beside stock, per sampling section of the report."""
     rows = []
     for key in ("sampling_2_step", "sampling_12_step"):
         s = data.get(key) or {}
@@ -196,7 +173,6 @@ KERNELS_HEADER = ("back-end", "S", "HND", "strided NHD", "speedup", "max abs dif
 
 
 def kernel_rows(report: dict, shown: set) -> list[tuple[str, ...]]:
-    """Rows of the back-ends not in ``shown`` (which they are added to)."""
     rows = []
     for name, by_seq in report["results"].items():
         if name in shown:
@@ -225,27 +201,21 @@ def kernels_table(paths: list[Path]) -> str:
     return "\n".join(markdown(KERNELS_HEADER, rows) + [""] + notes)
 
 
-# --- the VRAM-budget run (benchmarks.vram_budget) ----------------------------------------------------
-
 def budget_crashed(cell: dict) -> str | None:
     """The variant a cell's process died in (a signal or an exit code before its run was recorded), or None."""
     stage, code = cell.get("stage") or "", cell.get("returncode")
     name = stage.removeprefix("sample ")
-    if isinstance(code, int) and code != 0 and name != stage and name not in cell.get("runs", {}):
-        return name
-    return None
+    crashed = isinstance(code, int) and code != 0 and name != stage and name not in cell.get("runs", {})
+    return name if crashed else None
 
 
 def budget_runs(cell: dict) -> dict:
     """The cell's runs by variant, with the one its process died in as ``{"crashed": exit code}``."""
-    runs = dict(cell.get("runs", {}))
-    if (name := budget_crashed(cell)) is not None:
-        runs[name] = {"crashed": cell["returncode"]}
-    return runs
+    name = budget_crashed(cell)
+    return dict(cell.get("runs", {}), **({name: {"crashed": cell["returncode"]}} if name else {}))
 
 
 def budget_outcome(run: dict | None) -> str:
-    """One run as a table cell: seconds per step, or what stopped it."""
     if not run:
         return "not run"
     if "crashed" in run:
@@ -258,13 +228,12 @@ def budget_outcome(run: dict | None) -> str:
 
 def budget_ratio(a: dict | None, b: dict | None) -> float | None:
     """a's seconds per step over b's (how many times faster b is), where both completed."""
-    if not a or not b or a.get("error") or b.get("error") or not a.get("seconds_per_step") or not b.get("seconds_per_step"):
-        return None
-    return a["seconds_per_step"] / b["seconds_per_step"]
+    done = [r.get("seconds_per_step") for r in (a, b) if r and not r.get("error")]
+    return done[0] / done[1] if len(done) == 2 and all(done) else None
 
 
 def timeline_text(run: dict) -> str | None:
-    """Where the run's profiled last step went (``benchmarks.step_timeline``), or None where it was not profiled."""
+    """Where the run's profiled last step went (``benchmarks.step_timeline``), or None."""
     timeline = run.get("last_step_timeline") or {}
     t = timeline.get("seconds")
     if not t:
@@ -302,7 +271,6 @@ def budget_markdown(datas: list[dict]) -> list[str]:
 
 
 def budget_details(data: dict) -> list[str]:
-    """Per cell: each variant's peak allocated, weights copied per step, and stock's bits or not."""
     lines = []
     for cell in data["cells"]:
         card = "whole card" if cell.get("budget_gib") is None else f"{cell['budget_gib']:g} GiB"

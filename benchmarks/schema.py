@@ -1,9 +1,5 @@
-"""The reference report's schema, and a check that a report of ours follows it.
-
-The yardstick is the reference system's report (benchmarks/reference/gb10-strided-nhd-results.json, a copy of the shared one).
-Our report carries every key it has, with the same type, except the few listed here with the
-reason. ``check_against_reference`` returns the differences as readable lines (empty: it follows).
-"""
+"""A check that a report of ours carries every key of the reference system's report
+(benchmarks/reference/gb10-strided-nhd-results.json) with the same type, but for those listed here with the reason."""
 
 from __future__ import annotations
 
@@ -40,7 +36,6 @@ def load_reference(path: str | Path) -> dict:
 
 
 def _walk(node, prefix=""):
-    """(path, value) for every leaf and container under ``node``; list items share the path ``key[]``."""
     if isinstance(node, dict):
         for key, value in node.items():
             path = f"{prefix}.{key}" if prefix else key
@@ -52,7 +47,6 @@ def _walk(node, prefix=""):
 
 
 def _lookup(report: dict, path: str):
-    """Values at ``path`` in ``report`` (several for paths through lists); raises KeyError when absent."""
     nodes = [report]
     for part in path.split("."):
         listed = part.endswith("[]")

@@ -1,9 +1,5 @@
-"""The measurements of the H3 reference run, one function per report section.
-
-Each takes the :class:`Bench` (model, patched clones, captured block inputs) and returns its section's
-dict. Variants: ``stock`` (the unpatched model), the layouts ``hnd`` and ``strided_nhd`` (the node's
-patch), extra patched variants of other settings and the peer's (KJNodes) variants.
-"""
+"""The measurements of the H3 reference run, one function per report section, each taking the :class:`Bench`.
+Variants: ``stock``, the layouts ``hnd`` and ``strided_nhd`` (the node's patch), the extras (the peer's, KJNodes')."""
 
 from __future__ import annotations
 
@@ -62,7 +58,6 @@ class Bench:
 
 @contextlib.contextmanager
 def object_patches_applied(patcher):
-    """Apply a ModelPatcher's object patches to the shared model (ComfyUI's own patch/unpatch)."""
     patcher.patch_model(load_weights=False)
     try:
         yield patcher.model.diffusion_model
@@ -71,11 +66,8 @@ def object_patches_applied(patcher):
 
 
 def patches_left_behind(diffusion_model) -> list[str]:
-    """Attention modules whose forward is still replaced on the shared model.
-
-    ComfyUI restores an object patch by setting the saved original back, so an unpatched module
-    may carry its own bound ``forward``; only a forward that is not the class's own counts.
-    """
+    """Modules whose forward is still replaced on the shared model (ComfyUI restores an object patch by setting
+    the saved original back, so only a bound ``forward`` that is not the class's own counts)."""
     left = []
     for name, module in diffusion_model.named_modules():
         forward = vars(module).get("forward")
@@ -92,39 +84,20 @@ def ensure_stock_loaded(bench: Bench) -> None:
 
 
 def empty_av_latent(bench: Bench, shape: tuple[int, int, int] | None = None) -> dict:
-    """The empty H3 AV latent from ComfyUI's ``EmptyMiniMaxH3LatentAV`` node.
+    from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
 
-    That module imports torchaudio at the top; on a machine without it, the same zero latent
-    (shapes from the node's frame grid) is built here instead, and the report says so.
-    """
-    width, height, frames = shape or (bench.width, bench.height, bench.frames)
-    try:
-        from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
-    except ImportError as exc:
-        import comfy.model_management as mm
-        import comfy.nested_tensor
-
-        rows = packed_token_count(width, height, frames, 0)
-        video = torch.zeros(1, 24, rows["latent_t"], height // 16, width // 16, device=mm.intermediate_device())
-        audio = torch.zeros(1, 32, 2, rows["audio_t"], device=mm.intermediate_device())
-        bench.latent_source = (f"zero latent built by the harness: comfy_extras.nodes_minimax_h3 did not import "
-                               f"({exc}); same shapes as EmptyMiniMaxH3LatentAV")
-        return {"samples": comfy.nested_tensor.NestedTensor((video, audio))}
     bench.latent_source = "EmptyMiniMaxH3LatentAV (comfy_extras.nodes_minimax_h3)"
-    return EmptyMiniMaxH3LatentAV.execute(width, height, frames)[0]
+    return EmptyMiniMaxH3LatentAV.execute(*(shape or (bench.width, bench.height, bench.frames)))[0]
 
-
-# --- capture ---------------------------------------------------------------------------------------
 
 class _Captured(Exception):
     """Raised by the last capture hook when the forward is to stop there."""
 
 
 def stock_block_inputs(bench: Bench, shape, indices: list[int], stop: bool = False) -> tuple[dict, float, tuple]:
-    """``({block: (x, t_emb, segments, rope)}, seconds, outputs)`` of one stock forward at ``shape``
-    (width, height, frames; None = the benchmark's). ``stop``: the forward ends at the last block wanted
-    (outputs None): nothing after it is needed, and no stock block runs at that length (where int32
-    offsets overflow, one could fault the device)."""
+    """``({block: (x, t_emb, segments, rope)}, seconds, outputs)`` of one stock forward at ``shape`` (width, height,
+    frames; None: the benchmark's). ``stop``: end at the last block wanted (no stock block then runs at a length
+    where int32 offsets may overflow and fault the device)."""
     ensure_stock_loaded(bench)
     dm = bench.diffusion_model
     latent = empty_av_latent(bench, shape)["samples"]
@@ -157,11 +130,7 @@ def stock_block_inputs(bench: Bench, shape, indices: list[int], stop: bool = Fal
 
 
 def capture_block_inputs(bench: Bench) -> dict:
-    """One stock forward of the whole model at the benchmark shape; keep the inputs of the timed blocks.
-
-    The block inputs are real activations (what the sampler's first step feeds those blocks), so
-    every variant is timed on the same data.
-    """
+    """One stock forward at the benchmark shape: the timed blocks' inputs are real activations, the same for all."""
     kept, seconds, out = stock_block_inputs(bench, None, bench.block_indices)
     bench.block_inputs.update(kept)
     bench.packed_tokens = int(bench.block_inputs[bench.block_indices[0]][0].shape[0])
@@ -171,7 +140,6 @@ def capture_block_inputs(bench: Bench) -> dict:
 
 
 def _compiled_block(bench: Bench, name: str, block):
-    """Variant ``name``'s block under torch.compile, wrapped once and kept (it compiles at its first call)."""
     if name not in bench.compiled_blocks:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         bench.compiled_blocks[name] = torch.compile(block)
@@ -179,10 +147,8 @@ def _compiled_block(bench: Bench, name: str, block):
 
 
 def _block_call(bench: Bench, patcher, index: int, inputs: tuple | None = None, compiled: str | None = None):
-    """``run(meter)``: one forward of block ``index`` with ``patcher``'s patches, on a fresh copy of its
-    captured input (``inputs``, default the benchmark shape's), measured by ``meter(fn, device)``
-    (``measure.timed`` or ``measure.peak_extra_bytes``). The input copy is made before the meter starts.
-    ``compiled``: the variant's name, to run its block under torch.compile."""
+    """``run(meter)``: one forward of block ``index`` with ``patcher``'s patches on a fresh copy of its input (made
+    before the meter starts), measured by ``meter(fn, device)``; ``compiled``: the variant's name, under torch.compile."""
     x0, t_emb, segments, rope = inputs or bench.block_inputs[index]
     transformer_options = patcher.model_options.get("transformer_options", {})
 
@@ -197,12 +163,8 @@ def _block_call(bench: Bench, patcher, index: int, inputs: tuple | None = None, 
     return run
 
 
-# --- isolated attention -----------------------------------------------------------------------------
-
 def isolated_attention(bench: Bench, backend: str, reps: int, warmup: int) -> dict:
-    """The attention of block 0 alone, both layouts (``benchmarks.isolated_attention.compare_layouts``):
-    a random fused qkv buffer at the benchmark's length with the model's rope table and block 0's norm
-    weights, through ``kernels.attention_from_fused_qkv``."""
+    """Block 0's attention alone, both layouts, on a random fused qkv buffer with its rope table and norm weights."""
     attn = bench.diffusion_model.blocks[0].attn
     gen = torch.Generator().manual_seed(bench.seed)
     qkv = torch.randn(bench.packed_tokens, 3 * attn.heads * attn.head_dim, generator=gen)
@@ -215,12 +177,9 @@ def isolated_attention(bench: Bench, backend: str, reps: int, warmup: int) -> di
                              "layout (views or copies), back-end, token-major output")
 
 
-# --- real blocks -------------------------------------------------------------------------------------
-
 def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool, compiled_variants=None) -> list[dict]:
-    """p50 of each variant on blocks 0 / middle / last, interleaved rep by rep; outputs compared. With
-    ``compiled_variants`` (names): only those, block 0 only, each under torch.compile (inductor, what
-    ComfyUI's TorchCompileModel uses); the compiles happen in the warm-up reps."""
+    """p50 of each variant on the timed blocks, interleaved rep by rep; outputs compared. ``compiled_variants``:
+    only those, block 0 only, under torch.compile (as ComfyUI's TorchCompileModel; it compiles in the warm-up)."""
     variants = bench.variants(with_stock)
     if compiled_variants is not None:
         variants = {n: p for n, p in variants.items() if n in compiled_variants}
@@ -241,7 +200,6 @@ def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool, compiled
 
 
 def block_row(index: int, times: dict, peaks: dict, outputs: dict, reps: int) -> dict:
-    """One block's row: p50 and spread per variant, peaks, HND against strided NHD, each against stock."""
     row = {"block": index}
     for name, t in times.items():
         stats = measure.summary(t)
@@ -260,10 +218,7 @@ def block_row(index: int, times: dict, peaks: dict, outputs: dict, reps: int) ->
     return row
 
 
-# --- kernel launches -----------------------------------------------------------------------------------
-
 def _profile_block(bench: Bench, patcher, index: int, large: int) -> dict:
-    """``measure.profile_kernels`` of block ``index`` with ``patcher``'s patches, a fresh input per call."""
     x0, t_emb, segments, rope = bench.block_inputs[index]
     transformer_options = patcher.model_options.get("transformer_options", {})
     with object_patches_applied(patcher) as dm:
@@ -275,7 +230,7 @@ def _profile_block(bench: Bench, patcher, index: int, large: int) -> dict:
 
 
 def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
-    """CUDA kernels launched by one forward of block 0 per variant (torch.profiler), layout copies counted."""
+    """CUDA kernels one forward of block 0 launches per variant (torch.profiler), layout copies counted."""
     index = bench.block_indices[0]
     attn = bench.diffusion_model.blocks[index].attn
     large = bench.block_inputs[index][0].shape[0] * attn.heads * attn.head_dim
@@ -302,11 +257,8 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
     return result
 
 
-# --- sampling ------------------------------------------------------------------------------------------
-
 def sampling_order(layouts: list[str], reps: int) -> list[str]:
-    """HND first, then ABBA...: each pair of reps cancels a linear drift; one rep favours neither
-    layout's claim (a GPU that slows as it warms penalises the second run, strided NHD)."""
+    """HND first, then ABBA: each pair of reps cancels a linear drift (one rep penalises the second, strided NHD)."""
     if len(layouts) == 1:
         return layouts * reps
     order = []
@@ -316,8 +268,7 @@ def sampling_order(layouts: list[str], reps: int) -> list[str]:
 
 
 def warm_sampling(bench: Bench, variants: dict) -> None:
-    """One untimed 1-step run per variant at the run's own shape, before the first timed run: the one-time
-    costs (lazy imports, first calls, allocator growth, Triton compiles) would fall on whichever sampled first."""
+    """One untimed 1-step run per variant first: one-time costs would fall on whichever sampled first."""
     if bench.sampling_warmed:
         return
     for name, patcher in variants.items():
@@ -356,13 +307,11 @@ def run_sampling(bench: Bench, patcher, steps: int, label: str, quiet=False) -> 
 
 
 def main_variant(bench: Bench) -> str:
-    """The pack's variant that other variants are compared with: strided NHD when it was measured."""
     return "strided_nhd" if "strided_nhd" in bench.layouts else bench.layouts[0]
 
 
 def sampling(bench: Bench, steps: int, reps: int, with_stock: bool, extras: list[str] = ()) -> dict:
-    """``steps``-step sampling per layout and per extra variant in ``extras`` (and stock), interleaved in
-    ABBA order; seconds, checksums and peak memory per variant, latents compared."""
+    """``steps``-step sampling of the layouts, ``extras`` and stock in ABBA order; seconds, checksums, peaks."""
     sampled = bench.layouts + list(extras) + (["stock"] if with_stock else [])
     order = sampling_order(sampled, reps)  # stock interleaved with the rest, so ratios to it hold too
     every = bench.variants(with_stock=True)
@@ -385,7 +334,6 @@ def sampling(bench: Bench, steps: int, reps: int, with_stock: bool, extras: list
 
 
 def _sampling_runs(bench: Bench, variants: dict, order: list[str], steps: int) -> tuple[list, dict]:
-    """Every run in ``order``; the first latents per variant (repeats are checked against them)."""
     runs, latents = [], {}
     for i, name in enumerate(order):
         label = f"{steps}-step {name} run {i + 1}/{len(order)}"
@@ -412,14 +360,12 @@ def _sampling_means(name: str, mine: list[dict]) -> dict:
 
 
 def _latents_compared(a: tuple, b: tuple) -> tuple[bool, dict]:
-    """Whether two sampled (video, audio) latents are identical, and the max abs difference of each."""
     diffs = [measure.max_abs_difference(x, y) for x, y in zip(a, b)]
     return all(d["bit_exact"] for d in diffs), {"video": diffs[0]["max_abs_difference"],
                                                 "audio": diffs[1]["max_abs_difference"]}
 
 
 def _layouts_compared(result: dict, latents: dict) -> dict:
-    """HND against strided NHD: the reference report's keys."""
     out = {"speedup": measure.speedup(result["hnd_seconds"], result["strided_nhd_seconds"]),
            "latency_reduction": 1.0 - result["strided_nhd_seconds"] / result["hnd_seconds"]}
     out["identical_video_and_audio"], out["max_abs_difference"] = _latents_compared(latents["hnd"],
@@ -436,14 +382,11 @@ def _compared_with_stock(result: dict, latents: dict, name: str) -> dict:
             f"stock_over_{name}": measure.speedup(result["stock_seconds"], result[f"{name}_seconds"])}
 
 
-# --- peak memory at a long sequence ----------------------------------------------------------------------
-
 MAX_FRAMES = 3600  # EmptyMiniMaxH3LatentAV's largest length
 
 
 def frames_for_tokens(tokens: int, width: int, height: int, text_tokens: int) -> tuple[int, dict]:
-    """The frame count on H3's 17k+5 grid whose packed token count at ``width`` x ``height`` is closest
-    to ``tokens`` (the shorter clip on a tie), and its row counts (``packed_token_count``)."""
+    """The frame count on H3's 17k+5 grid packing closest to ``tokens`` (the shorter on a tie), and its rows."""
     best = None
     for frames in range(5, MAX_FRAMES + 1, 17):
         rows = packed_token_count(width, height, frames, text_tokens)
@@ -453,18 +396,16 @@ def frames_for_tokens(tokens: int, width: int, height: int, text_tokens: int) ->
 
 
 def memory_order(bench: Bench, with_stock: bool = True) -> list[str]:
-    """The pack's main variant, the peer's, the pack's others, stock last. Past 2**31 elements kernels
-    with int32 offsets (plain sageattn on the fused qkv buffer, an unchunked int8 MLP) may fault, and
-    after a fault nothing more runs in the process: the comparison asked for comes first."""
+    """The pack's main variant, the peer's, the others, stock last: past 2**31 elements a kernel with int32 offsets
+    may fault, and nothing runs after a fault, so the comparison asked for comes first."""
     main = main_variant(bench)
     others = [n for n in bench.layouts + list(bench.extras) if n != main and n not in bench.peer]
     return [main, *bench.peer, *others] + (["stock"] if with_stock else [])
 
 
 def peak_memory_at(bench: Bench, tokens: int, with_stock: bool = True) -> dict:
-    """Peak extra memory of one forward of the first timed block per variant, at the benchmark's
-    resolution and the frame count closest to ``tokens``; the block's input comes from a stock
-    forward stopped at that block. No timing: one warm call and one measured call per variant."""
+    """Peak extra memory of one forward of the first timed block per variant at the frame count closest to
+    ``tokens`` (its input from a stock forward stopped there); a warm call, then the measured one."""
     frames, rows = frames_for_tokens(tokens, bench.width, bench.height, bench.conditioning[0][0].shape[1])
     index = bench.block_indices[0]
     kept, _, _ = stock_block_inputs(bench, (bench.width, bench.height, frames), [index], stop=True)
@@ -509,8 +450,6 @@ def _ratio(a, b):
     return None if not a or not b else a / b
 
 
-# --- verdicts for the report's validation items ------------------------------------------------------------
-
 def _sampled_verdict(same, diff: dict, checksums: str) -> str:
     if same:
         return "identical video and audio checksums"
@@ -525,7 +464,6 @@ def trajectory_verdict(result: dict) -> str:
 
 
 def stock_sampling_verdict(result: dict, name: str) -> str:
-    """Whether ``name``'s sampled latents equal stock's (for the validation items)."""
     if f"stock_vs_{name}_identical" not in result:
         return "not compared"
     return _sampled_verdict(result[f"stock_vs_{name}_identical"], result[f"stock_vs_{name}_max_abs_difference"],
@@ -533,8 +471,7 @@ def stock_sampling_verdict(result: dict, name: str) -> str:
 
 
 def blocks_verdict(rows: list[dict], prefix: str = "") -> str:
-    """Whether the blocks' outputs are bit-exact: HND against strided NHD, or with ``prefix``
-    (``stock_vs_<variant>_``) stock against that variant."""
+    """Whether the blocks' outputs are bit-exact: HND against strided NHD, or with ``prefix`` stock against one."""
     if not rows or f"{prefix}bit_exact" not in rows[0]:
         return "not compared" + ("" if prefix else " (one layout measured)")
     if all(r[f"{prefix}bit_exact"] for r in rows):

@@ -1,11 +1,7 @@
-"""Where one sampling step's time goes on the device: torch.profiler's device activity over the step, split into
-kernels (compute), weight copies to the card, the part of those copies no kernel ran beside (transfer not hidden
-behind compute) and time the device did neither (waits: the host, a stream waiting on another, a page fault);
-with nvidia-ml-py installed, also the card's SM clock, power and temperature while each kernel family ran (the
-same kernel runs slower on a card held at its power cap or hotter: the clocks tell that apart from the code).
-
-``summarize`` is plain interval arithmetic on ``(kind, start_us, end_us, name)`` activities, so the CPU tests
-check it on made-up timelines; ``StepTimeline`` collects them from the profiler on a GPU.
+"""Where one sampling step's time goes on the device (torch.profiler's device activity): kernels, weight copies to
+the card, the part of those copies no kernel ran beside, and waits; with nvidia-ml-py, the card's SM clock, power
+and temperature while each kernel family ran (a card at its power cap runs the same kernel slower).
+``summarize`` is interval arithmetic on ``(kind, start_us, end_us, name)`` (the CPU tests feed it made-up timelines).
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ KERNEL, HOST_TO_DEVICE, OTHER_COPY = "kernel", "host_to_device", "other_copy"
 
 
 def activity_kind(name: str) -> str | None:
-    """The kind of a profiler device activity, by the name CUPTI gives it (None: a range, not work)."""
     if name.startswith("Memcpy"):
         return HOST_TO_DEVICE if "HtoD" in name else OTHER_COPY
     if name.startswith("Memset"):
@@ -47,7 +42,7 @@ def length(intervals) -> float:
 
 
 def minus(intervals, other) -> list[tuple[float, float]]:
-    """The parts of disjoint sorted ``intervals`` that no interval of disjoint sorted ``other`` covers."""
+    """The parts of disjoint sorted ``intervals`` that disjoint sorted ``other`` does not cover."""
     out, j = [], 0
     for start, end in intervals:
         while j < len(other) and other[j][1] <= start:
@@ -68,10 +63,9 @@ NAME_CHARS = 120  # of each name (C++ template names run to thousands of charact
 
 
 def summarize(activities, wall_seconds: float) -> dict:
-    """Seconds of one step's ``wall_seconds``: ``kernels`` (any kernel running), ``host_to_device`` (a copy to the
-    card running), ``host_to_device_exposed`` (of those, no kernel running beside), ``idle`` (neither kernel nor
-    copy: the rest of the wall time), kernel seconds per family (summed, streams overlapping), the ``TOP_KERNELS``
-    kernels that took longest (summed by name: where each family's time goes) and the counts."""
+    """Seconds of one step: ``kernels`` (any running), ``host_to_device`` (a copy to the card running),
+    ``host_to_device_exposed`` (no kernel beside), ``idle`` (the rest); kernel seconds per family and of the
+    ``TOP_KERNELS`` longest (summed by name), and the counts."""
     from .measure import FAMILIES, kernel_family  # (imports torch: a budget cell must start comfy-aimdo first)
 
     by_kind: dict[str, list] = {KERNEL: [], HOST_TO_DEVICE: [], OTHER_COPY: []}
@@ -96,10 +90,9 @@ def summarize(activities, wall_seconds: float) -> dict:
 
 
 def clocks_by_family(activities, samples, anchor) -> dict:
-    """Mean SM clock (MHz), power (W) and temperature (C) of the clock ``samples`` ``(host_s, mhz, watts, celsius)``
-    that fall inside a kernel, by the kernel's family, and over the whole step. ``anchor`` ``(host_s, device_us)``
-    ties the host clock to the profiler's: the first kernel of the step started at ``device_us``, launched on an idle
-    device at ``host_s`` (a few microseconds apart; the kernels that matter here run for milliseconds)."""
+    """Mean SM clock, power and temperature of the ``samples`` ``(host_s, mhz, watts, celsius)`` inside a kernel, by
+    family, and over the step. ``anchor`` ``(host_s, device_us)``: the step's first kernel, launched on an idle
+    device, ties the host clock to the profiler's (microseconds apart; the kernels that matter run milliseconds)."""
     from .measure import FAMILIES, kernel_family
 
     kernels = sorted((start, end, kernel_family(name)) for kind, start, end, name in activities if kind == KERNEL)
@@ -124,8 +117,8 @@ def clocks_by_family(activities, samples, anchor) -> dict:
 
 
 class ClockSampler:
-    """The card's SM clock, power and temperature every ``period`` seconds on a thread (torch.cuda's NVML
-    readings: nvidia-ml-py must be installed; ``problem`` says why not when it is not)."""
+    """The card's SM clock, power and temperature every ``period`` seconds on a thread (NVML via torch.cuda;
+    ``problem`` says why not)."""
 
     def __init__(self, device, period: float = 0.02):
         self.device, self.period = device, period
@@ -161,9 +154,8 @@ class ClockSampler:
 
 
 class StepTimeline:
-    """torch.profiler recording device activity only (no host events, no shapes: little overhead on a step of
-    seconds) between ``start()`` and ``stop()``, the caller synchronising the device before each; given a
-    ``device``, its clocks too (``ClockSampler``, reported by kernel family under ``clocks``)."""
+    """torch.profiler recording device activity only (little overhead) between ``start()`` and ``stop()``, the
+    caller synchronising the device before each; given a ``device``, its clocks too (under ``clocks``)."""
 
     def __init__(self, device=None):
         self._profile, self._started = None, None

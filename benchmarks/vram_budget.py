@@ -8,11 +8,8 @@ emulated on a big card, with ComfyUI's own model management loading what fits an
 
 Each (length, budget) cell runs in its own process (``benchmarks.budget_cell``): the budget is one raw device
 allocation of the rest of the card (``benchmarks.ballast``), so ComfyUI, comfy-aimdo and torch all see a card of
-that size. Every variant of a cell is sampled in that process, one after another, from a cold start (nothing of
-the model on the card), through ComfyUI's sampling nodes. ``--budgets`` takes ``full`` for the whole card (the
-model resident where it fits: the per-step lead with nothing streamed). The checkpoint is the full-size H3 with
-seeded random weights, written once in the bundled workflows' format (``--weights int8_convrot``: the four
-block linears int8 tensor-wise with ConvRot, the rest bf16) and loaded as ComfyUI's UNETLoader loads a file.
+that size; every variant is sampled there in turn from a cold start. The checkpoint is the full-size H3 with seeded
+random weights in the bundled workflows' format, loaded as ComfyUI's UNETLoader loads a file.
 """
 
 from __future__ import annotations
@@ -37,16 +34,9 @@ def log(message: str) -> None:
 
 def parse_budgets(text: str) -> list[float | None]:
     """``12,16,24,full`` -> [12.0, 16.0, 24.0, None] (GiB; None: the whole card)."""
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        if part == "full":
-            out.append(None)
-            continue
-        value = float(part)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"a budget must be positive GiB or 'full', got {part!r}")
-        out.append(value)
+    out = [None if part.strip() == "full" else float(part) for part in text.split(",")]
+    if any(v is not None and v <= 0 for v in out):
+        raise argparse.ArgumentTypeError(f"a budget must be positive GiB or 'full', got {text!r}")
     return out
 
 
@@ -98,11 +88,8 @@ def parse_args(argv=None):
     return args
 
 
-# --- the checkpoint ----------------------------------------------------------------------------------------
-
 def make_checkpoint(args) -> int:
-    """The random-weight H3 as a checkpoint file in ``args.weights``' format: drawn on the device, quantised there
-    one tensor at a time, streamed to the file."""
+    """The random-weight H3 in ``args.weights``' format: drawn on the device, quantised a tensor at a time, streamed."""
     import torch
 
     from devkit import comfy as comfy_host
@@ -132,8 +119,6 @@ def make_checkpoint(args) -> int:
         f"in {time.perf_counter() - started:.0f} s")
     return 0
 
-
-# --- the cells ---------------------------------------------------------------------------------------------
 
 def cell_command(args, tokens: int, frames: int, budget: float | None, out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.vram_budget", "--cell", "--checkpoint", str(args.checkpoint),

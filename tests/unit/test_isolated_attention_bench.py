@@ -35,4 +35,4 @@ def test_bench_table_is_generated_into_the_doc_block(tmp_path):
     text = doc.read_text()
     assert "old" not in text and text.startswith("intro\n") and text.endswith("outro\n")
     assert "| sdpa | 24 |" in text and "| back-end | S | HND | strided NHD |" in text
-    assert f"- `{report.as_posix()}`: cpu, torch " in text and "2x32 heads bfloat16" in text
+    assert f"- `{report.as_posix()}`: CPU (" in text and "2x32 heads bfloat16" in text
