@@ -1,4 +1,4 @@
-"""The stack rules (1-9, written out in docs/ARCHITECTURE.md), checked when the node executes and again when
+"""The stack rules (1-10, written out in docs/ARCHITECTURE.md), checked when the node executes and again when
 sampling starts (:func:`plan_h3`, :func:`plan_override`: the run's Plan, or PatchConflictError)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .. import kernels
-from .ownership import describe, is_foreign, is_own, plain_function
+from .ownership import describe, is_foreign, is_own, plain_function, replaced_forward
 from .patch import NODE, Note, Plan
 
 SPARSE_CALLBACK_KEY = "block_sparse_attention"   # core Model Sparse Attention's ON_PREPARE_STATE key
@@ -17,6 +17,12 @@ STOCK_EQUAL_FORWARDS = {"minimax_attn_lowmem_forward": "KJNodes' MiniMax H3 Low 
 # Block forwards of other packs that compute stock's result; the block fast path takes their place (rule 9)
 STOCK_EQUAL_BLOCK_FORWARDS = {"minimax_block_lowmem_forward": "KJNodes' MiniMax H3 Low VRAM Attention"}
 ON_PREPARE_STATE = "on_prepare_state"            # comfy.patcher_extension.CallbacksMP.ON_PREPARE_STATE
+# Rule 10: loaders that run the diffusion model's forward themselves, by a name they leave on the model (a class,
+# function or module name part): SGLang's executor in place of the diffusion model, Raylight's usp_dit_forward set as
+# the model's _forward, the Ulysses SP loader's object patch of diffusion_model._forward
+FORWARD_TAKERS = {"SGLDiffusionExecutor": "SGLang Diffusion's integrated mode", "raylight": "Raylight",
+                  "MiniMaxH3SPUNETLoader": "the MiniMax H3 Multi-GPU Loader (Ulysses SP)"}
+H3_MODULE = "comfy.ldm.minimax.model"
 
 
 class PatchConflictError(RuntimeError):
@@ -135,9 +141,7 @@ def check_object_patches(model_patcher, keys) -> tuple[bool, dict[str, str]]:
 def stock_equal(obj) -> str | None:
     """The node name of a known attention forward that computes stock's result (rule 8), else None."""
     fn = plain_function(obj)
-    if not getattr(fn, "_uses_optimized_attention", 0):
-        return None
-    return STOCK_EQUAL_FORWARDS.get(getattr(fn, "__name__", ""))
+    return STOCK_EQUAL_FORWARDS.get(fn.__name__) if getattr(fn, "_uses_optimized_attention", 0) else None
 
 
 def forward_conflict(model_patcher, foreign: list[str], how: str) -> PatchConflictError:
@@ -197,6 +201,62 @@ def span(indices) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+# --- rule 10: a loader or node that runs the diffusion model's forward itself -----------------------------------
+def _names(obj) -> set[str]:
+    """The module, class and function name parts ``obj`` carries, its class's MRO included."""
+    fn = plain_function(obj)
+    names = [getattr(fn, "__module__", None) or "", getattr(fn, "__qualname__", "")]
+    names += [f"{c.__module__}.{c.__qualname__}" for c in type(fn).__mro__]
+    return {part for name in names for part in name.split(".")}
+
+
+def _taker(obj) -> str | None:
+    return next((who for name, who in FORWARD_TAKERS.items() if name in _names(obj)), None)
+
+
+def _is_h3(obj, qualname: str) -> bool:
+    return any(c.__module__ == H3_MODULE and c.__qualname__ == qualname for c in type(obj).__mro__)
+
+
+def h3_base(model_patcher) -> bool:
+    """The model is ComfyUI's MiniMax H3 (its BaseModel class), whatever its diffusion model is now."""
+    return any(c.__qualname__ == "MiniMaxH3" for c in type(model_patcher.model).__mro__)
+
+
+def _set_on_class(cls, name: str):
+    """The function set on ``cls`` (or a base) as ``name`` after the class was defined, else None."""
+    owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+    fn = vars(owner)[name] if owner else None
+    return fn if fn is not None and getattr(fn, "__qualname__", "") != f"{owner.__qualname__}.{name}" else None
+
+
+def forward_taken_away(model_patcher) -> Note | None:
+    """Rule 10: another loader or node runs the diffusion model's forward, so this node's patches are never
+    reached: who, and what on the model shows it; None where nothing does."""
+    for key in ("diffusion_model.forward", "diffusion_model._forward"):
+        if is_foreign(obj := model_patcher.object_patches.get(key)):
+            return _taken(obj, f"an object patch of {key}: {describe(obj)}")
+    dm = model_patcher.get_model_object("diffusion_model")
+    h3 = h3_base(model_patcher)
+    if (h3 and not _is_h3(dm, "MiniMaxH3Model")) or _taker(dm):
+        return _taken(dm, f"the diffusion model is a {describe(type(dm))} object"
+                          + (", not ComfyUI's MiniMaxH3Model" if h3 else ""))
+    for name in ("forward", "_forward"):
+        if replaced_forward(dm, name):
+            return _taken(vars(dm)[name], f"diffusion_model.{name} set on the model by {describe(vars(dm)[name])}")
+        if h3 and (fn := _set_on_class(type(dm), name)) is not None:
+            return _taken(fn, f"{type(dm).__name__}.{name} replaced on the class by {describe(fn)}")
+    blocks = list(getattr(dm, "blocks", ())) if h3 else []
+    if other := [b for b in blocks if not _is_h3(b, "DiTBlock")]:
+        return _taken(other[0], f"{len(other)} of {len(blocks)} DiT blocks are {describe(type(other[0]))} "
+                                "objects, not ComfyUI's DiTBlock")
+    return None
+
+
+def _taken(obj, how: str) -> Note:
+    return Note("forward_taken_away", f"{_taker(obj) or 'another loader or node'} runs the model's forward ({how})")
+
+
 def _preference_plan(model_patcher, keys, backend: str, default):
     """Rule 6 per patched module: (chains that differ from ``default``, notes grouped per block family)."""
     chains, groups = {}, {}
@@ -221,11 +281,12 @@ def _preference_plan(model_patcher, keys, backend: str, default):
 
 def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default, taken_over: dict,
             blocks: BlockPath) -> Plan:
-    """The H3 patch's plan for one sampling run (rules 2-9): ``forwards`` key -> ours, ``taken_over`` key -> node
+    """The H3 patch's plan for one sampling run (rules 2-10): ``forwards`` key -> ours, ``taken_over`` key -> node
     of a stock-equal forward replaced when the node executed, ``blocks`` the fast path as installed."""
     fast, block_notes = _block_path_notes(model_patcher, blocks)
-    notes = check_override_at_sampling(model_patcher, model_options, "h3_forward_patch") + _block_notes(
-        model_patcher, forwards, taken_over) + block_notes
+    notes = [n for n in (forward_taken_away(model_patcher),) if n]
+    notes += check_override_at_sampling(model_patcher, model_options, "h3_forward_patch")
+    notes += _block_notes(model_patcher, forwards, taken_over) + block_notes
     active = [key for key, fwd in forwards.items() if model_patcher.object_patches.get(key) is fwd]
     foreign = [key for key in forwards if is_foreign(model_patcher.object_patches.get(key))]
     if foreign:
@@ -293,6 +354,6 @@ def _block_path_notes(model_patcher, blocks: BlockPath) -> tuple[int, list[Note]
 
 
 def plan_override(model_patcher, model_options, ours, default) -> Plan:
-    """The attention override's plan for one sampling run (rules 3, 4)."""
+    """The attention override's plan for one sampling run (rules 3, 4, 10)."""
     notes = check_override_at_sampling(model_patcher, model_options, "attention_override", ours=ours)
-    return Plan(default, notes=tuple(notes))
+    return Plan(default, notes=tuple(n for n in (forward_taken_away(model_patcher), *notes) if n))

@@ -20,15 +20,14 @@ def plain_function(obj):
     return getattr(obj, "__func__", obj)
 
 
-def replaced_forward(module) -> bool:
-    """Another node's forward is on ``module`` (ComfyUI restores an object patch by setting the
-    original bound method back, so a ``forward`` attribute alone proves nothing)."""
-    fwd = vars(module).get("forward")
-    return fwd is not None and plain_function(fwd) is not getattr(type(module), "forward", None)
+def replaced_forward(module, name: str = "forward") -> bool:
+    """Another node's ``name`` method is on ``module`` (ComfyUI restores an object patch by setting the
+    original bound method back, so the attribute alone proves nothing)."""
+    fwd = vars(module).get(name)
+    return fwd is not None and plain_function(fwd) is not getattr(type(module), name, None)
 
 
 def describe(obj) -> str:
     fn = plain_function(obj)
     module = getattr(fn, "__module__", None) or type(obj).__module__
-    name = getattr(fn, "__qualname__", None) or type(obj).__qualname__
-    return f"{module}.{name}"
+    return f"{module}.{getattr(fn, '__qualname__', None) or type(obj).__qualname__}"

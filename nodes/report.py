@@ -1,13 +1,10 @@
-"""One report per sampling run: what the patched attention actually did.
+"""One report per sampling run: what the patched attention actually did. The patched forwards and the override
+record every call's ``kernels.CallRecord`` here; the OUTER_SAMPLE wrapper (patch.py) opens and closes each run, and
+the report goes out once a run: its log lines and one UI event. Every number is counted or measured, but for what
+ComfyUI was told the model needs (memory.py).
 
-The patched forwards (H3) and the attention override record every call's ``kernels.CallRecord``
-here; the OUTER_SAMPLE wrapper of the installed patch (patch.py) opens a run and closes it, so the
-report goes out once per sampling run: its log lines and one UI event. Every number is counted or
-measured, but for what ComfyUI was told the model needs (memory.py: the pack's model of it, or ComfyUI's own).
-
-UI event ``REPORT_EVENT = "sage_strided_nhd.report"``, sent with ``PromptServer.instance.send_sync``
-to the client that queued the prompt. Payload (every key always present, JSON types; reasons are
-data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
+UI event ``REPORT_EVENT``, sent with ``PromptServer.instance.send_sync`` to the client that queued the prompt. Payload
+(every key always present, JSON types; reasons are data: a ``code`` from ``kernels.REASON_CODES`` and the sentence)::
 
     {
       "schema": 4,                         # bumped when a key changes meaning
@@ -23,8 +20,8 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
       "block_path": "exact" | "attention_only",   # the node's block_path
       "block_path_blocks": 50,              # H3 DiT blocks whose whole forward ran the block fast path
       "replaced_own_patch": false,         # the input model already carried this node's patch; it was replaced
-      "status": "ok" | "no_attention_calls" | "no_model_calls" | "interrupted" | "failed",
-                                           # no_model_calls: the node ran, no sampling run used its model
+      "status": "ok" | "no_attention_calls" | "not_active" | "no_model_calls" | "interrupted" | "failed",
+                                           # not_active: another loader runs the forward (note forward_taken_away)
       "error": null | {"type": "RuntimeError", "message": "..."},   # what ended a failed run
       "attention_calls": 100,              # calls through the pack's attention this run
       "backends_ran": {"sdpa": 100},       # back-end that actually ran -> number of calls
@@ -46,10 +43,9 @@ data: a ``code`` from ``kernels.REASON_CODES`` plus the sentence)::
                            "release": "measured" | "self_checked"},  # its GEMM, why
       "memory": null | {"peak_bytes": 2400000000 | null, "estimate_bytes": 2500000000 | null,
                         "estimate_by": "pack" | "comfyui" | null,
-                        "released_bytes": 1600000000 | null},   # H3: the largest model call's peak allocation
-                                           # above its start (CUDA), and what ComfyUI was told one model call needs
-                                           # when it loaded the model (CUDA), by whose estimate; the video embedding
-                                           # stock's forward keeps, handed back at the first block (per call)
+                        "released_bytes": 1600000000 | null},   # H3 on CUDA: the largest model call's peak above
+                                           # its start, ComfyUI's estimate of one call and whose, the video embedding
+                                           # handed back at the first block
       "notes": [{"code": "sparse_composed", "text": "..."}],   # decisions taken at patching or sampling start
       "messages": ["..."]                  # human-readable lines (also logged)
     }
@@ -69,6 +65,7 @@ log = logging.getLogger("sage_strided_nhd")
 
 REPORT_EVENT = "sage_strided_nhd.report"
 REPORT_SCHEMA = 4
+TAKEN_AWAY = "forward_taken_away"  # the note of rule 10 (conflicts.forward_taken_away): the report's status follows it
 
 
 class RunReport:
@@ -87,14 +84,12 @@ class RunReport:
         self.begin_run()
 
     def begin_run(self) -> None:
-        self.calls = self.stock_calls = self.head_chunks_max = self.copies = self.projected = 0
+        self.calls = self.stock_calls = self.head_chunks_max = self.copies = self.projected = self.int8_own = 0
         self.backends = Counter()
-        self.fallbacks = Counter()           # (backend, code, reason) -> calls: the back-end asked for could not run
-        self.skipped = Counter()             # (backend, code, reason) -> calls: passed over, never asked for
+        # (backend, code, reason) -> calls: asked for and could not run; passed over unasked; no prepared path
+        self.fallbacks, self.skipped, self.prepared_skipped = Counter(), Counter(), Counter()
         self.prepared = Counter()            # (backend, mode) -> calls
-        self.prepared_skipped = Counter()    # (backend, code, reason) -> calls
         self.compile_events: list[dict] = []
-        self.int8_own = 0
         self.int8_stock = Counter()          # (reason,) -> int8 ConvRot linear calls on stock's quantiser
         self.other_quantized = Counter()     # (layout,) -> calls of other quantized linears: stock's own call
         self.run = {k: self.static[k] for k in ("blocks_patched", "refiner_blocks_patched")} | {"block_path_blocks": 0}
@@ -105,22 +100,20 @@ class RunReport:
         self.estimate: dict | None = None    # {"bytes", "by"}: ComfyUI's estimate for one model call, and whose
         self.released_bytes: int | None = None   # stock's video embedding handed back in a model call
 
-    def measured_peak(self, nbytes) -> None:
-        """One model call's peak allocation above what was allocated when it began (memory.measured_call)."""
+    def measured_peak(self, nbytes) -> None:  # memory.measured_call
         self.peak_bytes = max(self.peak_bytes or 0, int(nbytes))
 
-    def released(self, nbytes) -> None:
-        """Stock's video embedding handed back at the first block of a model call (embedding_release.py)."""
+    def released(self, nbytes) -> None:  # embedding_release.py
         self.released_bytes = max(self.released_bytes or 0, int(nbytes))
 
     def estimated(self, nbytes, by: str) -> None:
-        """An answer of ``memory_required`` for the run's latent while ComfyUI prepared sampling (memory.run_estimate):
-        the smallest (one batch, what ComfyUI keeps free at least) is the report's, ``by`` "pack" or "comfyui"."""
+        """An answer of ``memory_required`` for the run's latent (memory.run_estimate): the smallest (one batch, what
+        ComfyUI keeps free at least) is the report's, ``by`` "pack" or "comfyui"."""
         if self.estimate is None or nbytes < self.estimate["bytes"]:
             self.estimate = {"bytes": int(nbytes), "by": by}
 
     def record(self, rec) -> None:
-        """One call through a back-end; every field read from its ``kernels.CallRecord``."""
+        """One call through a back-end (its ``kernels.CallRecord``)."""
         self.calls += 1
         self.backends[rec.backend] += 1
         for s in rec.skipped:
@@ -130,8 +123,7 @@ class RunReport:
         self.projected += rec.projected_chunks > 0
         if rec.prepared:
             self.prepared[(rec.backend, rec.prepared)] += 1
-        if rec.prepared_skipped is not None:
-            s = rec.prepared_skipped
+        if (s := rec.prepared_skipped) is not None:
             self.prepared_skipped[(s.backend, s.code, s.reason)] += 1
         self.compile_events.extend(dict(e) for e in rec.compiled)
 
@@ -143,7 +135,7 @@ class RunReport:
             self.int8_stock[(problem,)] += 1
 
     def record_layout(self, layout: str) -> None:
-        """One call of a quantized linear in a layout the int8 route does not take: stock's own call ran it."""
+        """One call of a linear quantized in a layout the int8 route does not take: stock's own call ran it."""
         self.other_quantized[(layout,)] += 1
 
     def record_stock(self, code: str, reason: str) -> None:
@@ -152,7 +144,7 @@ class RunReport:
         self.fallbacks[("stock", code, reason)] += 1
 
     def planned(self, plan) -> None:
-        """The sampling run's plan (patch.Plan): its notes and block counts go into the report."""
+        """The sampling run's plan (patch.Plan): its notes and block counts."""
         self.notes = self.patch_notes + [asdict(n) for n in plan.notes]
         if self.static["path"] == "h3_forward_patch":
             self.run = {"blocks_patched": plan.blocks_patched, "refiner_blocks_patched": plan.refiner_blocks_patched,
@@ -166,9 +158,8 @@ class RunReport:
             self.error = {"type": type(exc).__name__, "message": str(exc)}
 
     def unsampled(self) -> dict | None:
-        """At the end of a prompt the node ran in: where no sampling run used the patched model, the report says so
-        (ComfyUI's samplers return the latent before any wrapper runs when they have no step to take: denoise 0);
-        None where a run already reported."""
+        """At the end of a prompt the node ran in: where no sampling run used the patched model (a sampler with no
+        step to take returns before any wrapper runs: denoise 0), the report says so; None where a run reported."""
         if self.last is not None:
             return None
         self.status = "no_model_calls"
@@ -176,11 +167,12 @@ class RunReport:
 
     def payload(self) -> dict:
         reason = ("backend", "code", "reason")
-        p = {"schema": REPORT_SCHEMA, "prompt_id": getattr(_prompt_server(), "last_prompt_id", None), **self.static, **self.run,
-             "status": self.status or ("ok" if (self.calls or self.stock_calls) else "no_attention_calls"),
-             "error": self.error, "attention_calls": self.calls, "backends_ran": dict(self.backends),
-             "stock_calls": self.stock_calls, "fallbacks": _rows(self.fallbacks, reason),
-             "skipped": _rows(self.skipped, reason),
+        status = self.status or ("not_active" if any(n["code"] == TAKEN_AWAY for n in self.notes) else
+                                 "ok" if self.calls or self.stock_calls else "no_attention_calls")
+        p = {"schema": REPORT_SCHEMA, "prompt_id": getattr(_prompt_server(), "last_prompt_id", None), **self.static,
+             **self.run, "status": status, "error": self.error, "attention_calls": self.calls,
+             "backends_ran": dict(self.backends), "stock_calls": self.stock_calls,
+             "fallbacks": _rows(self.fallbacks, reason), "skipped": _rows(self.skipped, reason),
              "prepared": _rows(self.prepared, ("backend", "mode"), "calls"),
              "prepared_skipped": _rows(self.prepared_skipped, reason), "head_chunks_max": self.head_chunks_max,
              "projected_by_chunks": self.projected,
@@ -188,18 +180,16 @@ class RunReport:
              "compile_events": list(self.compile_events), "int8_own_quantizer_calls": self.int8_own,
              "int8_stock_quantizer": _rows(self.int8_stock, ("reason",)),
              "other_quantized_linears": _rows(self.other_quantized, ("layout",)),
-             "comfy_kitchen": kitchen_status() if self.int8_own or self.int8_stock else None,
-             "int8_gemm": gemm_status() if self.int8_own else None,
-             "memory": self._memory(), "notes": list(self.notes)}
+             "comfy_kitchen": _asked(lambda: kernels.kitchen_release_status(), "comfy-kitchen's release",
+                                     release=None, route="stock") if self.int8_own or self.int8_stock else None,
+             "int8_gemm": _asked(lambda: kernels.gemm_status(), "the int8 GEMM", kernel="comfy_kitchen")
+             if self.int8_own else None,
+             "memory": None if self.peak_bytes is None and self.estimate is None and self.released_bytes is None else {
+                 "peak_bytes": self.peak_bytes, "estimate_bytes": (self.estimate or {}).get("bytes"),
+                 "estimate_by": (self.estimate or {}).get("by"), "released_bytes": self.released_bytes},
+             "notes": list(self.notes)}
         p["messages"] = _messages(p)
         return p
-
-    def _memory(self) -> dict | None:
-        if self.peak_bytes is None and self.estimate is None and self.released_bytes is None:
-            return None
-        estimate = self.estimate or {}
-        return {"peak_bytes": self.peak_bytes, "estimate_bytes": estimate.get("bytes"),
-                "estimate_by": estimate.get("by"), "released_bytes": self.released_bytes}
 
     def finish_run(self) -> dict:
         p = self.last = self.payload()
@@ -219,8 +209,13 @@ def _messages(p: dict) -> list[str]:
     where = (f"{p['blocks_patched']} H3 blocks + {p['refiner_blocks_patched']} refiner blocks"
              if p["path"] == "h3_forward_patch" else "ComfyUI optimized_attention override")
     lines = [f"{p['model_family']}: {where}, layout {p['layout']}, back-end requested {p['backend_requested']}"]
+    notes = [n["text"] for n in p["notes"] if n["code"] != TAKEN_AWAY or p["status"] != "not_active"]
     if p["status"] == "no_model_calls":
-        return lines + [n["text"] for n in p["notes"]] + [NO_MODEL_CALLS]
+        return lines + notes + [NO_MODEL_CALLS]
+    if p["status"] == "not_active":  # the calls that still came (H3's text refiner, run by ComfyUI's conditioning)
+        taken = next(n["text"] for n in p["notes"] if n["code"] == TAKEN_AWAY)
+        lines += notes + [f"not active: {taken}. {NOT_ACTIVE}"]
+        return lines + (_attention_lines(p) if p["attention_calls"] else [])
     if p["path"] == "h3_forward_patch":
         lines.append(f"block fast path on {p['block_path_blocks']} of {p['blocks_patched']} blocks "
                      f"(block_path {p['block_path']}); the others: attention only")
@@ -230,11 +225,13 @@ def _messages(p: dict) -> list[str]:
         lines.append("the sampling run was interrupted; the counts below cover the part that ran")
     elif p["status"] == "failed":
         lines.append(f"the sampling run failed: {p['error']['type']}: {p['error']['message']}")
-    lines += [n["text"] for n in p["notes"]]
+    lines += notes
     if p["status"] == "no_attention_calls":
         return lines + ["no attention call went through the patch: this model does not call ComfyUI's "
                         "optimized_attention, so the node changed nothing. Remove it from this workflow."
                         if p["path"] == "attention_override" else
+                        f"no attention call went through the patched H3 forwards this run: {NO_CALLS_CAUSE}"
+                        if p["blocks_patched"] + p["refiner_blocks_patched"] else
                         "no attention call went through the patched H3 forwards this run"]
     lines += _attention_lines(p) + _int8_lines(p)
     lines += [f"compiled {e.get('backend')} kernel {e.get('key')} in {e.get('seconds')} s" for e in p["compile_events"]]
@@ -276,14 +273,23 @@ def _int8_lines(p: dict) -> list[str]:
               for r in p["other_quantized_linears"]]
     if p["comfy_kitchen"] is not None:
         lines.append(kitchen_line(p["comfy_kitchen"], route_ran=p["int8_own_quantizer_calls"] > 0))
-    if p["int8_gemm"] is not None:
-        lines.append(gemm_line(p["int8_gemm"]))
+    if (gemm := p["int8_gemm"]) is not None:  # "int8 GEMM: the pack's (Triton)", or comfy-kitchen's CUTLASS (why)
+        kernel = GEMM_KERNELS.get(gemm.get("kernel"), str(gemm.get("kernel")))
+        kernel += SELF_CHECKED_GEMM if gemm.get("release") == "self_checked" else ""
+        lines.append(f"int8 GEMM: {kernel}" + (f" ({gemm['reason']})" if gemm.get("reason") else ""))
     return lines
 
 
 # the node ran but no sampling run used its model (web/report_text.js: NO_MODEL_CALLS, the same words)
 NO_MODEL_CALLS = ("no model call: no sampling run used the patched model (a sampler with no step to take, "
                   "at denoise 0 for one, returns its latent without calling the model)")
+# after "not active: <who> runs the model's forward (<how it shows>)." (rule 10)
+NOT_ACTIVE = ("This node's patches are not reached through that forward: remove the node, or load the model with "
+              "ComfyUI's own loader to run the pack")
+# the H3 forwards were installed and no call reached them (web/report_text.js: NO_CALLS_CAUSE, the same words)
+NO_CALLS_CAUSE = ("likely cause: something runs the model's forward without them that the checks at sampling start "
+                  "cannot see (a loader's DIFFUSION_MODEL wrapper that does not call the model, a forward set on the "
+                  "model while it samples, block replaces that skip the blocks' attention)")
 
 KITCHEN_ROUTES = {"verified": "verified for the int8 route", "self_checked": "passed the int8 route's bits self-check",
                   "stock": "int8 route off, stock's quantiser runs"}
@@ -293,22 +299,16 @@ KITCHEN_UNRUN = {"verified": "int8 route not run (a release verified for it)",
 
 
 def _asked(ask, what: str, **on_error) -> dict:
-    """``ask()``'s status as a dict; where it raises (a kernels package without the function too), ``on_error``
-    with the error as its reason: a report never fails the sampling run."""
+    """``ask()`` as a dict, or ``on_error`` with the error as its reason: a report never fails the sampling run."""
     try:
         return dict(ask())
     except Exception as exc:
         return {**on_error, "reason": f"asking for {what} raised {type(exc).__name__}: {exc}"}
 
 
-def kitchen_status() -> dict:
-    """comfy-kitchen's release and what it means for the int8 route (``kernels.kitchen_release_status``)."""
-    return _asked(lambda: kernels.kitchen_release_status(), "comfy-kitchen's release", release=None, route="stock")
-
-
 def kitchen_line(status: dict, route_ran: bool = True) -> str:
-    """"comfy-kitchen 0.2.40: verified for the int8 route" (and why, when the route is off). Where the release
-    allows the route but no call took it this run (a CPU), the line says that, not that the route ran."""
+    """"comfy-kitchen 0.2.40: verified for the int8 route" (and why, when the route is off), or that the route did
+    not run where the release allows it but no call took it (a CPU)."""
     release = status.get("release") or "(release unknown)"
     route = KITCHEN_ROUTES.get(status.get("route"), f"int8 route {status.get('route')}")
     if not route_ran and status.get("route") in KITCHEN_UNRUN:
@@ -320,18 +320,6 @@ def kitchen_line(status: dict, route_ran: bool = True) -> str:
 SELF_CHECKED_GEMM = ", Gluon bits checked on this Triton"
 GEMM_KERNELS = {"pack_sm90": "the pack's (Gluon, warp-specialised)", "pack": "the pack's (Triton)",
                 "comfy_kitchen": "comfy-kitchen's CUTLASS"}
-
-
-def gemm_status() -> dict:
-    """The int8 route's GEMM on the current device (``kernels.gemm_status``)."""
-    return _asked(lambda: kernels.gemm_status(), "the int8 GEMM", kernel="comfy_kitchen")
-
-
-def gemm_line(status: dict) -> str:
-    """"int8 GEMM: the pack's (Triton)" or "int8 GEMM: comfy-kitchen's CUTLASS (why)"."""
-    kernel = GEMM_KERNELS.get(status.get("kernel"), str(status.get("kernel")))
-    kernel += SELF_CHECKED_GEMM if status.get("release") == "self_checked" else ""
-    return f"int8 GEMM: {kernel}" + (f" ({status['reason']})" if status.get("reason") else "")
 
 
 def byte_size(nbytes) -> str:
@@ -364,15 +352,11 @@ def _prompt_server():
     return getattr(PromptServer, "instance", None)
 
 
-def send_to_ui(payload: dict) -> bool:
-    """Send the report to the ComfyUI front end; False when no server is running."""
-    server = _prompt_server()
-    if server is None:
-        return False
+def send_to_ui(payload: dict) -> None:
+    """To the client that queued the prompt (None: every client), where a server runs."""
+    if (server := _prompt_server()) is None:
+        return
     try:
-        # to the client that queued the prompt (None: every client)
         server.send_sync(REPORT_EVENT, payload, getattr(server, "client_id", None))
     except Exception as exc:  # a UI problem must never fail the sampling run
         log.warning("[Sage Strided NHD] could not send the report to the UI: %s", exc)
-        return False
-    return True

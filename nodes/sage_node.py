@@ -7,8 +7,10 @@ from comfy.patcher_extension import WrappersMP
 from comfy_api.latest import ComfyExtension, io
 
 from .. import kernels
-from . import h3_patch, override
-from .patch import BLOCK_PATHS, NODE, WRAPPER_KEY, Settings, current_value, value_problem
+from . import conflicts, h3_patch, override
+from .ownership import is_own
+from .patch import BLOCK_PATHS, NODE, WRAPPER_KEY, InstalledPatch, Plan, Settings, current_value, value_problem
+from .report import RunReport
 
 CATEGORY = "advanced/model_patches"
 
@@ -32,9 +34,31 @@ TOOLTIPS = {
 def patch_any_model(model_patcher, settings: Settings = Settings(), node_id=None, notes=()):
     """The node's whole job, callable without a graph: ``(clone, patch)``; ``notes`` go to the report (a removed
     input value mapped). Probes no back-end (that happens when sampling starts)."""
+    taken = conflicts.forward_taken_away(model_patcher)
+    if taken is not None:
+        return inactive_patch(model_patcher, settings, node_id, (*notes, taken))
     if h3_patch.is_h3_model(model_patcher.get_model_object("diffusion_model")):
         return h3_patch.patch_model(model_patcher, settings, node_id=node_id, notes=notes)
     return override.patch_model(model_patcher, settings, node_id=node_id, notes=notes)
+
+
+def inactive_patch(model_patcher, settings: Settings, node_id, notes):
+    """Rule 10: another loader runs the model's forward. The clone carries no patch of this node's (an earlier one
+    removed: a loader such as SGLang's refuses any attention override), only its report, which says why."""
+    clone = model_patcher.clone()
+    own = [k for k, v in clone.object_patches.items() if is_own(v)]
+    for key in own:
+        del clone.object_patches[key]
+    options = clone.model_options.get("transformer_options", {})
+    if is_own(options.get("optimized_attention_override")):
+        own.append(options.pop("optimized_attention_override"))
+    path = "h3_forward_patch" if conflicts.h3_base(model_patcher) else "attention_override"
+    report = RunReport(node_id=node_id, model_family=type(model_patcher.model).__name__, path=path,
+                       settings=settings, replaced_own_patch=bool(own), notes=notes)
+    default = kernels.BackendChain.for_choice(settings.backend, prepared=settings.prepared)
+    patch = InstalledPatch(settings, report, lambda patcher, options: Plan(default), Plan(default))
+    patch.install(clone)
+    return clone, patch
 
 
 class SageStridedNHDAttention(io.ComfyNode):

@@ -76,6 +76,14 @@ export const GEMM_KERNEL_LABELS = {
 export const NO_MODEL_CALLS = "no model call: no sampling run used the patched model (a sampler with no step to take, " +
   "at denoise 0 for one, returns its latent without calling the model)";
 
+// H3: the patched forwards were installed and no call reached them (nodes/report.py: NO_CALLS_CAUSE, the same words).
+export const NO_CALLS_CAUSE = "likely cause: something runs the model's forward without them that the checks at " +
+  "sampling start cannot see (a loader's DIFFUSION_MODEL wrapper that does not call the model, a forward set on the " +
+  "model while it samples, block replaces that skip the blocks' attention)";
+
+// The note of a loader that runs the model's forward itself (nodes/conflicts.py: rule 10).
+const TAKEN_AWAY = "forward_taken_away";
+
 const MAX_SHORT_REASON_CHARS = 40;
 
 function text(value, fallback = "?") {
@@ -180,7 +188,7 @@ function statusHeadline(status) {
 export function reportState(report) {
   const r = report && typeof report === "object" ? report : {};
   if (r.status === "interrupted" || r.status === "failed") return r.status;
-  if (r.status === "no_attention_calls" || r.status === "no_model_calls") return "no_calls";
+  if (["no_attention_calls", "no_model_calls", "not_active"].includes(r.status)) return "no_calls";
   return Array.isArray(r.fallbacks) && r.fallbacks.length ? "fallback" : "report";
 }
 
@@ -197,17 +205,24 @@ export function formatReport(report) {
   const error = formatError(r.error);
   if (error) details.push(`error: ${error}`);
 
-  if (r.status === "no_model_calls") {
+  const where = r.path === "attention_override"
+    ? "attention override"
+    : `${text(r.blocks_patched)} blocks + ${text(r.refiner_blocks_patched, "0")} refiner`;
+  // not active: another loader runs the model's forward; who, and what shows it, is that note's text
+  const taken = r.status === "not_active" ? objects(r.notes).find((n) => n.code === TAKEN_AWAY) : undefined;
+  const notes = objects(r.notes).filter((n) => n.text && n !== taken);
+  if (r.status === "not_active") lines.push(`not active: ${text(taken && taken.text)}`);
+  if (r.status === "no_model_calls" || (r.status === "not_active" && !(Number(r.attention_calls) > 0))) {
     // nothing ran, so only what was patched follows (no counts, no fallbacks)
-    const where = r.path === "attention_override"
-      ? "attention override"
-      : `${text(r.blocks_patched)} blocks + ${text(r.refiner_blocks_patched, "0")} refiner`;
-    return [`ran: ${NO_MODEL_CALLS}`, `layout: ${text(r.layout)} · asked: ${text(r.backend_requested)}`,
-      `${text(r.model_family, "model ?")}: ${where}`,
-      ...objects(r.notes).filter((n) => n.text).map((n) => `note: ${text(n.text)}`)];
+    if (r.status === "no_model_calls") lines.push(`ran: ${NO_MODEL_CALLS}`);
+    return [...lines, `layout: ${text(r.layout)} · asked: ${text(r.backend_requested)}`,
+      `${text(r.model_family, "model ?")}: ${where}`, ...notes.map((n) => `note: ${text(n.text)}`)];
   }
   if (r.status === "no_attention_calls") {
     lines.push("ran: nothing: no attention call went through the patch");
+    if (r.path !== "attention_override" && Number(r.blocks_patched) + Number(r.refiner_blocks_patched) > 0) {
+      details.push(NO_CALLS_CAUSE);
+    }
   } else {
     lines.push(`ran: ${formatBackendsRan(r.backends_ran) || "none"}`);
   }
@@ -277,9 +292,6 @@ export function formatReport(report) {
     if (e.key) details.push(`${text(e.backend)} compiled for ${text(e.key)}`);
   }
 
-  const where = r.path === "attention_override"
-    ? "attention override"
-    : `${text(r.blocks_patched)} blocks + ${text(r.refiner_blocks_patched, "0")} refiner`;
   lines.push(`${text(r.model_family, "model ?")}: ${where}`);
   if (r.path !== "attention_override" && isNumber(r.block_path_blocks)) {
     const off = r.block_path && r.block_path !== "exact" ? ` (block_path ${text(r.block_path)})` : "";
@@ -290,9 +302,7 @@ export function formatReport(report) {
   if (r.replaced_own_patch) lines.push("replaced an earlier patch of this node on the same model");
 
   // notes carry a code too (sparse_composed, preference_honoured, ...); the text says it all
-  for (const note of objects(r.notes)) {
-    if (note.text) details.push(`note: ${text(note.text)}`);
-  }
+  for (const note of notes) details.push(`note: ${text(note.text)}`);
   return [...lines, ...details];
 }
 

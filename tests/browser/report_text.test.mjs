@@ -6,7 +6,8 @@ import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 
 import {
-  GEMM_KERNEL_LABELS, KEYS_NOT_SHOWN, KITCHEN_ROUTE_LABELS, KITCHEN_UNRUN_LABELS, NO_MODEL_CALLS, REASON_LABELS, STATUS_VISIBLE_LINES,
+  GEMM_KERNEL_LABELS, KEYS_NOT_SHOWN, KITCHEN_ROUTE_LABELS, KITCHEN_UNRUN_LABELS, NO_CALLS_CAUSE, NO_MODEL_CALLS, REASON_LABELS,
+  STATUS_VISIBLE_LINES,
   formatBackendsRan,
   formatBytes, formatError, formatKitchen, formatMemory, formatPrepared, formatReport,
   pickNodeForReport, reportState, shortReason, sortOurTemplates,
@@ -381,6 +382,32 @@ test("a run where no sampling run used the patched model says the node ran and n
     assert.ok(!lines.some((l) => l.startsWith(start)), `${start}: ${show(lines)}`);
   }
   assert.equal(reportState(report), "no_calls");
+});
+
+test("a loader that runs the model's forward itself: not active, who and how first, no counts", () => {
+  const taken = { code: "forward_taken_away", text: "Raylight runs the model's forward (diffusion_model._forward set)" };
+  const report = { ...REPORT, status: "not_active", backends_ran: {}, attention_calls: 0, prepared: [], fallbacks: [],
+    blocks_patched: 0, refiner_blocks_patched: 0, notes: [taken, { code: "removed_value", text: "mapped" }] };
+  const lines = formatReport(report);
+  assert.equal(lines[0], `not active: ${taken.text}`, show(lines));
+  assert.ok(lines.includes("note: mapped") && !lines.some((l) => l === `note: ${taken.text}`), show(lines));
+  for (const start of ["ran:", "fallbacks", "block fast path", "copies made"]) {
+    assert.ok(!lines.some((l) => l.startsWith(start)), `${start}: ${show(lines)}`);
+  }
+  assert.equal(reportState(report), "no_calls");
+  // calls that still came (the text refiner) are counted under it
+  const refiner = formatReport({ ...report, attention_calls: 4, backends_ran: { sdpa: 4 } });
+  assert.equal(refiner[0], `not active: ${taken.text}`, show(refiner));
+  assert.equal(refiner[1], "ran: sdpa ×4", show(refiner));
+});
+
+test("H3 forwards patched and no call reaching them name the likely cause", () => {
+  const none = { ...REPORT, status: "no_attention_calls", backends_ran: {}, attention_calls: 0, prepared: [] };
+  assert.ok(formatReport(none).includes(NO_CALLS_CAUSE), show(formatReport(none)));
+  assert.ok(NO_CALLS_CAUSE.startsWith("likely cause: ") && NO_CALLS_CAUSE.includes("DIFFUSION_MODEL wrapper"));
+  // nothing patched (a declined checkpoint, the override path): the notes say why, no guess
+  assert.ok(!formatReport({ ...none, blocks_patched: 0, refiner_blocks_patched: 0 }).includes(NO_CALLS_CAUSE));
+  assert.ok(!formatReport({ ...none, path: "attention_override" }).includes(NO_CALLS_CAUSE));
 });
 
 test("override path, stock hand-backs, head chunks and a replaced patch are all shown", () => {

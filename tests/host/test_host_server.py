@@ -370,3 +370,72 @@ def test_a_run_at_denoise_0_reports_that_no_model_call_was_made(comfy_server, tm
     again["6"] = dict(graph["6"], inputs=dict(graph["6"]["inputs"], denoise=1.0))
     r = only_report(comfy_server.run_graph(again))
     assert r["status"] == "ok" and r["attention_calls"] > 0, r
+
+
+# --- rule 10: loaders that run the model's forward themselves (stand-ins: tests/host_loader_standins.py) --------
+def after_our_node(graph: dict, class_type: str) -> dict:
+    """``graph`` with ``class_type`` between our node ("3") and the sampler, as node "21"."""
+    graph["21"] = {"class_type": class_type, "inputs": {"model": ["3", 0]}}
+    graph["6"]["inputs"]["model"] = ["21", 0]
+    return graph
+
+
+SP_ENTRY = ("an object patch of diffusion_model._forward: ", "MiniMaxH3SPUNETLoader.execute.<locals>.sp_entry)")
+
+
+@pytest.mark.parametrize("loader, where, who, how", [
+    ("SageNHDTestSGLangIntegrated", "before", "SGLang Diffusion's integrated mode",
+     ("the diffusion model is a ", ".MiniMaxH3Executor object, not ComfyUI's MiniMaxH3Model)")),
+    ("SageNHDTestRaylight", "before", "Raylight", ("diffusion_model._forward set on the model by ",
+                                                  "raylight.diffusion_models.minimax.xdit_context_parallel.usp_dit_forward)")),
+    ("SageNHDTestUlyssesSP", "before", "the MiniMax H3 Multi-GPU Loader (Ulysses SP)", SP_ENTRY),
+    ("SageNHDTestUlyssesSP", "after", "the MiniMax H3 Multi-GPU Loader (Ulysses SP)", SP_ENTRY),
+])
+def test_a_loader_that_runs_the_forward_itself_gets_a_not_active_report(comfy_server, tmp_path, loader, where, who,
+                                                                        how):
+    """Placed before the node (seen when it executes: nothing is patched) or after it (seen when sampling starts: the
+    patched forwards are never called), the report says the node is not active, who runs the forward and what on the
+    model shows it (``how``: the start and the end of that, around the module the host named): in the payload, the
+    log and the status box. The loader's run gives stock's latents."""
+    name = f"h3_taken_{loader}_{where}"
+    if where == "before":
+        graph = h3_graph(patch=patch_inputs(), name=name, extra_model_nodes=[(loader, {})])
+    else:
+        graph = after_our_node(h3_graph(patch=patch_inputs(), name=name), loader)
+    run = comfy_server.run_graph(graph)
+    r = only_report(run)
+    assert r["status"] == "not_active", r
+    (said,) = [n["text"] for n in r["notes"] if n["code"] == "forward_taken_away"]
+    assert said.startswith(f"{who} runs the model's forward ({how[0]}") and said.endswith(how[1]), said
+    line = f"not active: {said}. This node's patches are not reached through that forward"
+    (logged,) = [m for m in r["messages"] if m.startswith("not active: ")]
+    assert logged.startswith(line), r["messages"]
+    assert f"[Sage Strided NHD] {logged}\n" in comfy_server.log_path.read_text(errors="replace")
+    box = status_box_lines(r, tmp_path)
+    assert box[0] == f"not active: {said}", box
+    if where == "before":  # nothing patched: nothing counted
+        assert r["blocks_patched"] == r["attention_calls"] == 0 and not any(b.startswith("ran:") for b in box), box
+    else:  # no DiT block call came; ComfyUI's conditioning ran the text refiner through its patched forwards
+        assert r["blocks_patched"] == 2 and r["attention_calls"] == r["backends_ran"]["sdpa"] > 0, r
+        assert r["attention_calls"] % r["refiner_blocks_patched"] == 0 and "ran: sdpa" in box[1], box
+
+    stock = comfy_server.run_graph(h3_graph(patch=None, name=f"{name}_stock"))
+    assert_latents_equal(run.latent("9"), stock.latent("9"), f"{loader} ({where} the node) vs stock")
+
+
+def test_no_call_reaching_the_installed_patch_is_said_with_its_likely_cause(comfy_server, tmp_path):
+    """A DIFFUSION_MODEL wrapper that runs a replica instead of the model: nothing on the model shows it, the patch
+    stays installed and no call reaches it; the report says so, naming the likely cause, in the log and the box. (The
+    text refiner is left unpatched: ComfyUI's conditioning runs it outside the model's forward.)"""
+    from comfyui_sage_strided_nhd.nodes.report import NO_CALLS_CAUSE
+
+    graph = h3_graph(patch=patch_inputs(refiner=False), name="h3_wrapper_replica")
+    run = comfy_server.run_graph(after_our_node(graph,
+                                                "SageNHDTestWrapperRunsReplica"))
+    r = only_report(run)
+    assert r["status"] == "no_attention_calls" and r["blocks_patched"] == 2 and r["notes"] == [], r
+    line = f"no attention call went through the patched H3 forwards this run: {NO_CALLS_CAUSE}"
+    assert r["messages"][-1] == line and "DIFFUSION_MODEL wrapper" in line, r["messages"]
+    assert f"[Sage Strided NHD] {line}\n" in comfy_server.log_path.read_text(errors="replace")
+    box = status_box_lines(r, tmp_path)
+    assert box[0] == "ran: nothing: no attention call went through the patch" and NO_CALLS_CAUSE in box, box

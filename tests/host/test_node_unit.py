@@ -547,3 +547,95 @@ def test_preference_resolution_through_the_comfy_attention_interface(pack):
         conflicts.preference(mp, "diffusion_model.blocks.1.attn")
     with pytest.raises(conflicts.PatchConflictError, match=r"blocks\.1\.attn\.comfy_attention\.function"):
         pack.nodes.h3_patch.patch_model(mp, settings(pack))
+
+
+# --- rule 10: a loader or node that runs the model's forward itself (conflicts.forward_taken_away) ---------------
+class MiniMaxH3(torch.nn.Module):
+    """Stands in for comfy.model_base.MiniMaxH3 (rule 10 reads the BaseModel's class name)."""
+
+
+def h3_patcher(dm):
+    holder = MiniMaxH3()
+    holder.diffusion_model = dm
+    import comfy.model_patcher
+    return comfy.model_patcher.ModelPatcher(holder, torch.device("cpu"), torch.device("cpu"))
+
+
+class SGLDiffusionExecutor(torch.nn.Module):
+    """SGLang's integrated mode puts an executor of this name where the diffusion model was."""
+
+    def forward(self, x):
+        return x
+
+
+class FSDPWrapped(torch.nn.Module):
+    """A block behind a proxy (an FSDP1-style wrapper): the DiTBlock is not what the model holds."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.inner = block
+
+
+def test_a_stock_model_and_one_carrying_this_nodes_patches_are_not_taken_away(pack):
+    import comfy.ldm.minimax.model as h3
+
+    dm = tiny_h3_model(seed=3)
+    mp = h3_patcher(dm)
+    assert pack.nodes.conflicts.forward_taken_away(mp) is None
+    dm._forward = dm._forward  # how ComfyUI restores an object patch: the class's own function, bound
+    assert pack.nodes.conflicts.forward_taken_away(mp) is None
+    clone, _ = pack.nodes.patch_any_model(mp, settings(pack, backend="sdpa"))
+    clone.patch_model()  # this node's forwards applied on the modules, as while it samples
+    try:
+        assert pack.nodes.conflicts.forward_taken_away(clone) is None
+        assert isinstance(dm.blocks[0].attn.forward, pack.nodes.h3_patch.H3AttentionForward)
+    finally:
+        clone.unpatch_model()
+    assert h3.MiniMaxH3Model._forward.__qualname__ == "MiniMaxH3Model._forward"
+
+
+@pytest.mark.parametrize("how", ["proxy_block", "class_forward", "instance_forward", "object_patch"])
+def test_a_taken_forward_leaves_the_model_unpatched_and_the_report_says_not_active(pack, how, monkeypatch):
+    import comfy.ldm.minimax.model as h3
+
+    def theirs(self, *args, **kwargs):  # another loader's forward
+        return None
+
+    dm = tiny_h3_model(seed=3)
+    mp = h3_patcher(dm)
+    if how == "proxy_block":
+        dm.blocks[0] = FSDPWrapped(dm.blocks[0])
+        said = "another loader or node runs the model's forward (1 of 2 DiT blocks are test_node_unit.FSDPWrapped"
+    elif how == "class_forward":
+        monkeypatch.setattr(h3.MiniMaxH3Model, "_forward", theirs)
+        said = "another loader or node runs the model's forward (MiniMaxH3Model._forward replaced on the class by "
+    elif how == "instance_forward":
+        dm.forward = theirs.__get__(dm)
+        said = "another loader or node runs the model's forward (diffusion_model.forward set on the model by "
+    else:
+        mp = mp.clone()
+        mp.add_object_patch("diffusion_model._forward", theirs)
+        said = "another loader or node runs the model's forward (an object patch of diffusion_model._forward: "
+    note = pack.nodes.conflicts.forward_taken_away(mp)
+    assert note.code == "forward_taken_away" and note.text.startswith(said), note
+    assert note.text.endswith("theirs)" if how != "proxy_block" else "objects, not ComfyUI's DiTBlock)"), note
+
+    clone, patch = pack.nodes.patch_any_model(mp, settings(pack, backend="sdpa"))
+    assert not [k for k, v in clone.object_patches.items() if pack.nodes.ownership.is_own(v)]
+    assert outer_sample_wrapper(pack, clone)(lambda: "latent") == "latent"
+    p = patch.report.last
+    assert p["status"] == "not_active" and p["path"] == "h3_forward_patch" and p["blocks_patched"] == 0, p
+    assert p["messages"][-1].startswith(f"not active: {note.text}. "), p["messages"]
+
+
+def test_sglang_executor_on_any_model_gets_no_override_and_an_earlier_one_is_removed(pack):
+    """SGLang's executor refuses every ComfyUI attention override: the node leaves none on the clone."""
+    mp = patcher_for(tiny_wan_model(seed=2))
+    first, _ = pack.nodes.patch_any_model(mp, settings(pack, backend="sdpa"))  # an earlier patch of this node
+    first.add_object_patch("diffusion_model", SGLDiffusionExecutor())
+    clone, patch = pack.nodes.patch_any_model(first, settings(pack, backend="sdpa"))
+    assert "optimized_attention_override" not in clone.model_options.get("transformer_options", {})
+    assert patch.report.static["path"] == "attention_override" and patch.report.static["replaced_own_patch"]
+    (note,) = patch.report.patch_notes
+    assert note["text"] == ("SGLang Diffusion's integrated mode runs the model's forward (the diffusion model is a "
+                            "test_node_unit.SGLDiffusionExecutor object)"), note
