@@ -4,12 +4,14 @@ variants users load, through the node on the tiny H3 in a real ComfyUI 0.33 host
 Each layout's weights are real ``QuantizedTensor``s made by comfy-kitchen's own ``quantize`` and loaded as
 ComfyUI's UNETLoader loads such a checkpoint (``devkit.h3.build_model``). For each, one block forward with the
 node's patch must give stock's bits, and the report must say which path the linears took: int8 tensor-wise ConvRot
-linears the int8 route's (or the reason stock's ran), every other layout stock's call, never routed.
+and W4A8 linears the int8 route's (or the reason stock's ran), every other layout stock's call, never routed.
 
 On the CPU the route declines every call (no CUDA), so "never routed" would hold for any layout. Each case therefore
 runs twice: as this CPU gives it, and with the route's device and release checks answered yes and its GEMM replaced
-by a recorder that declines (stock's computation then runs on the cast weight, stock's bits). The int8 ConvRot case
-reaching the recorder is what shows the check can fail.
+by a recorder that declines (stock's computation then runs on the cast weight, stock's bits). The int8 ConvRot and
+W4A8 cases reaching the recorder is what shows the check can fail. W4A8 also runs the route whole (0.2.40): the pack's
+decode and call into the int8 linear, its quantiser and GEMM as their CUDA steps, against stock's W4A8 linear with
+its int8 linear as those steps (tests/unit/test_int8_w4a8.py holds the pack's quantiser to them): stock's bits.
 
 A layout or format the installed releases lack is a skip naming the release (a skip, not a pass);
 scripts/test_kitchen_releases.sh runs this file against each comfy-kitchen release of kernels/kitchen.py.
@@ -42,6 +44,7 @@ LAYOUTS = {
 }
 CASES = [(layout, fmt) for layout, formats in LAYOUTS.items() for fmt in formats or (None,)]
 # the node's settings per forward: MLP chunks that cut the modulation segments, and everything whole
+ROUTED = ("int8_convrot", "asym_w4a8_int8")  # the formats whose layouts the int8 route knows
 SETTINGS = {"chunked": dict(mlp_chunk_tokens=30, int8_mlp_chunk_tokens=30),
             "whole": dict(mlp_chunk_tokens=8192, int8_mlp_chunk_tokens=8192)}
 
@@ -85,6 +88,8 @@ def route_open(pack):
         mp.setattr(pack.kernels, "int8_weight_problem", lambda *args, **kwargs: None)
         mp.setattr(pack.kernels, "int8_rows_problem", lambda x: None)
         mp.setattr(pack.kernels, "int8_linear_routed", declining)
+        mp.setattr(pack.kernels.int8_w4a8, "weight_problem", lambda *args: None)
+        mp.setattr(pack.kernels.int8_w4a8, "rows_problem", lambda x: None)  # the tiny H3's 100 rows
         yield reached
 
 
@@ -153,7 +158,7 @@ def test_report_says_which_path_the_linears_took(case):
     for (settings, mode), (_, _, payload, reached) in case["runs"].items():
         where = f"{case['fmt']} {settings}/{mode}"
         assert payload["int8_own_quantizer_calls"] == 0, where  # the recorder declines; the CPU has no route
-        if case["fmt"] != "int8_convrot":
+        if case["fmt"] not in ROUTED:
             # never routed: no call reached the route, none was counted as an int8 ConvRot linear
             assert reached == [] and payload["int8_stock_quantizer"] == [], (where, reached, payload)
             assert payload["comfy_kitchen"] is None and payload["int8_gemm"] is None, where
@@ -171,6 +176,43 @@ def test_report_says_which_path_the_linears_took(case):
             assert 0 < len(reached) == counts.get("CUTLASS declined the shape"), (where, counts, reached)
         else:
             assert reached == [] and "CUTLASS declined the shape" not in counts, (where, counts)
+            assert counts.get("not on a CUDA device", 0) >= 4, (where, counts)
+
+
+def test_w4a8_runs_the_int8_route_with_stocks_bits(pack):
+    """A W4A8 checkpoint with the route open and its quantiser and GEMM as their CUDA steps: every qkv, out, fc1 and
+    fc2 call takes the route (the report counts them, no other layout, no reason), with stock's bits, stock's W4A8
+    linear running its int8 linear as the same steps."""
+    from comfy_kitchen.backends.eager import w4a8_int8 as eager_w4a8
+
+    from devkit import int8_oracle
+
+    if skip_reason("AsymW4A8Int8Layout", "asym_w4a8_int8") or RELEASE not in pack.kernels.int8_w4a8.READ_RELEASES:
+        pytest.skip(f"comfy-kitchen {RELEASE}: the W4A8 route mirrors {', '.join(pack.kernels.int8_w4a8.READ_RELEASES)} only "
+                    "(a skip, not a pass)")
+    model = dh.build_model(CONFIG, torch.device("cpu"), torch.bfloat16, 0, "asym_w4a8_int8")
+    inputs = dh.random_block_inputs(model.model.diffusion_model.blocks[1], SEQ, seed=3, dtype=torch.bfloat16)
+    block_ops = pack.kernels.h3_block
+
+    def quantize(x, input_act, modulation):  # the CUDA quantiser's steps, on rows modulated by the block's own pass
+        if modulation is not None:
+            x = x.clone()
+            for a, b, scale1, shift in modulation:
+                block_ops.scale_shift_(x[a:b], scale1, shift)
+        return int8_oracle.quantize_rows_convrot(x, input_act)
+
+    with route_open(pack), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pack.kernels, "int8_linear_routed", pack.kernels.int8_linear.int8_linear_routed)
+        mp.setattr(pack.kernels.int8_linear, "_quantize", quantize)
+        mp.setattr(pack.kernels.int8_linear, "gemm", int8_oracle.declining_gemm(set()))
+        mp.setattr(eager_w4a8, "int8_linear", int8_oracle.cuda_int8_linear)
+        want = stock_forward(model, inputs)
+        for name, settings in SETTINGS.items():
+            got, forward, payload = block_forward(pack, model, inputs, **settings)
+            assert forward == "H3BlockForward" and torch.equal(got, want), (
+                f"{name}: max abs {(got.float() - want.float()).abs().max().item()}")
+            assert payload["int8_stock_quantizer"] == [] and payload["other_quantized_linears"] == [], payload
+            assert payload["int8_own_quantizer_calls"] >= 4, payload  # qkv, out, fc1 and fc2 at least once each
 
 
 @pytest.fixture(scope="module")
