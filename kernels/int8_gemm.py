@@ -1,17 +1,12 @@
 """The pack's int8 GEMM for int8 tensor-wise (ConvRot) linears: ``out = bf16(fma(acc * x_scale, w_scale, bias))``,
-the bits of comfy-kitchen's CUTLASS epilogue, where ``acc`` is the exact int32 sum of int8 rows times int8 weight
-rows (the order of those fp32 steps was read off the CUTLASS kernel's outputs on an H100).
+the bits of comfy-kitchen's CUTLASS epilogue (its fp32 steps read off its outputs on an H100), ``acc`` the exact
+int32 sum of int8 rows times int8 weight rows: exact in any order, so the tiling is free.
 
-A persistent Triton kernel: each program walks output tiles (grouped along M for L2 reuse), both operands arrive
-through TMA descriptors (out-of-bounds reads are zeros, so edge tiles need no masks and the sums stay exact), the
-int32 accumulator sits in registers across K. int32 sums are exact in any order, so the tiling is free; only the
-epilogue's fp32 steps fix the bits, and they follow the CUTLASS kernel's (``epilogue_reference``: the same in torch).
-It runs where it was measured faster than comfy-kitchen's GEMM (``CONFIGS``, per compute capability); elsewhere the
-caller keeps stock's. On Hopper the warp-specialised kernel of ``int8_gemm_sm90`` runs instead (same bits, faster:
-docs/BENCHMARKS.md) with a Triton release whose Gluon it was measured with (``GLUON_TRITON``), or on another release
-once its bits matched this kernel's there at first use; this kernel is its bits twin and its fallback.
-``choice`` alone answers whose GEMM runs and why.
-Element offsets of the output are int64; TMA coordinates are element indices (< 2**31 rows and columns)."""
+A persistent Triton kernel (tiles in ``grouped_tile``'s order, both operands through TMA: out-of-bounds reads are
+zeros, the sums stay exact) runs where it was measured faster than comfy-kitchen's GEMM (``CONFIGS``); on Hopper the
+warp-specialised kernel of ``int8_gemm_sm90`` (same bits, faster: docs/BENCHMARKS.md), with a Triton release whose
+Gluon it was measured with (``GLUON_TRITON``) or, on another, once its bits matched this kernel's there at first use.
+``choice`` alone answers whose GEMM runs and why. TMA coordinates are element indices (< 2**31 rows and columns)."""
 
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ import logging
 import torch
 
 from . import gpu, int8_gemm_sm90
-from .triton_support import TRITON_ERROR, interpreting, round_bf16, tl, triton, version_key
+from .triton_support import TRITON_ERROR, grouped_tile, interpreting, round_bf16, tl, triton, version_key
 
 LIB = "sage_strided_nhd"
 log = logging.getLogger("sage_strided_nhd")
@@ -52,6 +47,9 @@ K_ALIGN = 16  # TMA: the row pitch of an int8 operand must be a multiple of 16 b
 WS_CONFIGS = {(9, 0): int8_gemm_sm90.SM90}
 GLUON_TRITON = ((3, 6),)
 N_ALIGN = 8  # its TMA store: the row pitch of the bf16 output must be a multiple of 16 bytes
+# The Gluon kernel's first-use check on a Triton release it was not measured with: H3's out_proj and fc2 shapes
+# (rows off the tile, a bias, the gated epilogue), against the portable kernel on the same operands.
+GLUON_CHECK_SHAPES = ((300, 512, 7168, False, False), (77, 256, 5376, True, True))
 
 
 if triton is not None:
@@ -80,14 +78,11 @@ if triton is not None:
         """GATED: ``out`` is the residual, ``out += bf16(product) * gate`` (stock's ``addcmul_``, one rounding)."""
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
-        tiles_per_group = GROUP_M * tiles_n
         k_steps = tl.cdiv(K, BLOCK_K)
         for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS, flatten=True):
-            # GROUP_M row tiles share each column tile's weights while they are in L2
-            first_m = (tile // tiles_per_group) * GROUP_M
-            group_rows = min(tiles_m - first_m, GROUP_M)
-            row0 = (first_m + (tile % tiles_per_group) % group_rows) * BLOCK_M
-            col0 = ((tile % tiles_per_group) // group_rows) * BLOCK_N
+            pid_m, pid_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
+            row0 = pid_m * BLOCK_M
+            col0 = pid_n * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
             for ks in range(k_steps):
                 a = a_desc.load([row0, ks * BLOCK_K])
@@ -151,6 +146,16 @@ def choice(device, k: int = K_ALIGN, n: int | None = None) -> GemmChoice:
     return GemmChoice("pack", why, release) if why else GemmChoice("pack_sm90", None, release)
 
 
+def still_runs(kernel: str, device) -> str:
+    """The per-call check of a GEMM chosen once (``choice``): ``kernel``, or the next one down where it has failed on
+    ``device`` since (``gpu.ANSWERS``: the same bits)."""
+    if kernel == "pack_sm90" and gpu.ANSWERS.reason("int8_gemm_sm90", device) is not None:
+        kernel = "pack"
+    if kernel == "pack" and gpu.ANSWERS.reason("int8_gemm", device) is not None:
+        kernel = "comfy_kitchen"
+    return kernel
+
+
 def gemm_problem(device, k: int) -> str | None:
     """Why no pack GEMM runs on ``device`` for rows ``k`` wide (comfy-kitchen's then does; None: one does): the
     Triton release, the GPU (only where it was measured faster), a failure here, TMA's alignment."""
@@ -171,11 +176,6 @@ def gemm_problem(device, k: int) -> str | None:
     return why
 
 
-def config_for(device: torch.device) -> GemmConfig:
-    """The portable kernel's tiling on ``device`` (where ``gemm_problem`` is None)."""
-    return INTERPRETER_CONFIG if device.type == "cpu" else CONFIGS[gpu.capability(device)]
-
-
 @functools.cache
 def triton_problem() -> str | None:
     """Why the installed Triton does not run the kernel: too old to be measured, or without host TMA descriptors."""
@@ -189,16 +189,15 @@ def triton_problem() -> str | None:
     return None
 
 
-def record_failure(device: torch.device, exc: Exception) -> str:
-    """Keep the pack's GEMM off ``device`` for the rest of the process after ``exc``; returns the reason."""
-    why = gpu.ANSWERS.fail("int8_gemm", device, f"it failed on this GPU ({gpu.failure_text(exc)})")
-    log.warning("[Sage Strided NHD] the pack's int8 GEMM is off on %s, comfy-kitchen's runs: %s", device, why)
-    return why
-
-
-# The Gluon kernel's first-use check on a Triton release it was not measured with: H3's out_proj and fc2 shapes
-# (rows off the tile, a bias, the gated epilogue), against the portable kernel on the same operands.
-GLUON_CHECK_SHAPES = ((300, 512, 7168, False, False), (77, 256, 5376, True, True))
+def record_failure(device: torch.device, exc: Exception, gluon: bool = False) -> None:
+    """Keep the pack's GEMMs (``gluon``: the Gluon kernel alone) off ``device`` for the rest of the process after
+    ``exc``: the next kernel down runs there, with the same bits."""
+    if gluon:
+        why = gpu.ANSWERS.fail("int8_gemm_sm90", device, f"its Gluon kernel failed here ({gpu.failure_text(exc)})")
+        log.warning("[Sage Strided NHD] the warp-specialised int8 GEMM is off on %s: %s", device, why)
+    else:
+        why = gpu.ANSWERS.fail("int8_gemm", device, f"it failed on this GPU ({gpu.failure_text(exc)})")
+        log.warning("[Sage Strided NHD] the pack's int8 GEMM is off on %s, comfy-kitchen's runs: %s", device, why)
 
 
 def _gluon_bits_check(device: torch.device) -> str | None:
@@ -248,53 +247,42 @@ def _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype, residual=None,
                                  or residual.stride(1) != 1 or gate.dtype != torch.bfloat16 or gate.numel() != n):
         raise ValueError(f"int8 GEMM: needs a bf16 [{m}, {n}] residual with a contiguous last dim and {n} bf16 gates, "
                          f"got {residual.dtype} {tuple(residual.shape)} and {gate.dtype} {tuple(gate.shape)}")
-    why = gemm_problem(xq.device, k)
-    if why is not None:
-        raise ValueError(f"int8 GEMM: {why}")
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a copy where its first byte is off TMA's 16-byte alignment (a view at an odd storage offset)."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def _launch(xq, x_scale, qdata, w_scale, bias, out, gate=None):
-    m, k = xq.shape
-    n = qdata.shape[0]
-    xq, qdata = (_aligned(t.contiguous()) for t in (xq, qdata))
+def _launch(xq, x_scale, qdata, w_scale, bias, out, gate, kernel):
+    """``kernel`` ("pack_sm90" or "pack") on the operands; the Gluon kernel where the output takes its TMA store
+    (16-byte aligned start and row pitch), else, or where it fails to build, the portable kernel."""
+    m, n = xq.shape[0], qdata.shape[0]
+    # TMA reads from 16-byte aligned starts: a view at an odd storage offset is copied
+    xq, qdata = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (xq.contiguous(), qdata.contiguous()))
     x_scale = x_scale.reshape(m).contiguous()
     w_scale = w_scale.to(device=xq.device, dtype=torch.float32).reshape(-1).contiguous()
     bias = bias.to(device=xq.device, dtype=torch.bfloat16).reshape(n).contiguous() if bias is not None else None
     gate = gate.reshape(n).contiguous() if gate is not None else None
-    # the warp-specialised kernel's TMA store needs a 16-byte aligned start and row pitch
     storable = out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0
-    if storable and choice(xq.device, k, n).kernel == "pack_sm90":
+    if kernel == "pack_sm90" and storable:
         cfg = WS_CONFIGS[gpu.capability(xq.device)]
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         try:
-            int8_gemm_sm90.launch(cfg, xq, x_scale, qdata, w_scale, bias, out, min(tiles, gpu.sm_count(xq.device)),
-                                  gate)
-            return
+            return int8_gemm_sm90.launch(cfg, xq, x_scale, qdata, w_scale, bias, out,
+                                         min(tiles, gpu.sm_count(xq.device)), gate)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - a build failure of the Gluon kernel: this file's kernel runs
-            why = gpu.ANSWERS.fail("int8_gemm_sm90", xq.device,
-                                   f"its Gluon kernel failed here ({gpu.failure_text(exc)})")
-            log.warning("[Sage Strided NHD] the warp-specialised int8 GEMM is off on %s: %s", xq.device, why)
+            record_failure(xq.device, exc, gluon=True)
     _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate)
 
 
 def _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate=None):
     m, k = xq.shape
     n = qdata.shape[0]
-    cfg = config_for(xq.device)
+    cfg = INTERPRETER_CONFIG if xq.device.type == "cpu" else CONFIGS[gpu.capability(xq.device)]
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a_desc = TensorDescriptor.from_tensor(xq, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(qdata, [cfg.block_n, cfg.block_k])
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    sms = 4 if xq.device.type == "cpu" else gpu.sm_count(xq.device)
-    programs = min(tiles, sms)
+    programs = min(tiles, 4 if xq.device.type == "cpu" else gpu.sm_count(xq.device))
     _int8_gemm_kernel[(programs,)](
         a_desc, b_desc, out, x_scale, w_scale, bias if bias is not None else x_scale,
         gate if gate is not None else x_scale, m, n, k, out.stride(0), programs,
@@ -303,19 +291,24 @@ def _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate=None):
         EMULATE=interpreting(), num_warps=cfg.warps, num_stages=cfg.stages)
 
 
-def _gemm_impl(xq, x_scale, qdata, w_scale, bias, residual=None, gate=None):
+def _gemm_impl(xq, x_scale, qdata, w_scale, bias, residual, gate, kernel):
     out = residual if residual is not None else torch.empty(xq.shape[0], qdata.shape[0], dtype=torch.bfloat16,
                                                             device=xq.device)
-    if out.numel():
-        if xq.shape[1] == 0:
-            y = epilogue_reference(torch.zeros(out.shape, dtype=torch.int32, device=out.device), x_scale, w_scale, bias)
-            if residual is None:
-                out.copy_(y)
-            else:
-                residual.addcmul_(y, gate.reshape(1, -1))
-        else:
-            _launch(xq, x_scale, qdata, w_scale, bias, out, gate)
-    return out
+    if not out.numel():
+        return out
+    if xq.shape[1]:
+        _launch(xq, x_scale, qdata, w_scale, bias, out, gate, kernel)
+        return out
+    y = epilogue_reference(torch.zeros(out.shape, dtype=torch.int32, device=out.device), x_scale, w_scale, bias)
+    return out.copy_(y) if residual is None else residual.addcmul_(y, gate.reshape(1, -1))
+
+
+def _chosen(xq, n: int) -> str:
+    """The pack kernel ``choice`` picks for these rows, or the error of a call no pack kernel takes."""
+    chosen = choice(xq.device, xq.shape[1], n)
+    if chosen.kernel == "comfy_kitchen":
+        raise ValueError(f"int8 GEMM: {chosen.reason}")
+    return chosen.kernel
 
 
 if hasattr(torch, "library") and hasattr(torch.library, "custom_op"):
@@ -324,7 +317,7 @@ if hasattr(torch, "library") and hasattr(torch.library, "custom_op"):
                       bias: torch.Tensor | None) -> torch.Tensor:
         """-> bf16 [m, n]: the int8 GEMM with CUTLASS's epilogue (the operands checked when it runs, not traced)."""
         _check_operands(xq, x_scale, qdata, w_scale, bias, torch.bfloat16)
-        return _gemm_impl(xq, x_scale, qdata, w_scale, bias)
+        return _gemm_impl(xq, x_scale, qdata, w_scale, bias, None, None, _chosen(xq, qdata.shape[0]))
 
     @_int8_gemm_op.register_fake
     def _(xq, x_scale, qdata, w_scale, bias):
@@ -332,21 +325,22 @@ if hasattr(torch, "library") and hasattr(torch.library, "custom_op"):
 
 
 def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None,
-              out_dtype: torch.dtype = torch.bfloat16, *, residual=None, gate=None) -> torch.Tensor:
-    """``bf16(int32(xq @ qdata.T) * x_scale * w_scale + bias)`` with CUTLASS's bits; ``gemm_problem`` must be None.
+              out_dtype: torch.dtype = torch.bfloat16, *, residual=None, gate=None, kernel: str | None = None):
+    """``bf16(int32(xq @ qdata.T) * x_scale * w_scale + bias)`` with CUTLASS's bits.
     xq [m, k] int8, x_scale [m, 1] fp32, qdata [n, k] int8, w_scale one value or [n] fp32, bias [n] or None.
     ``residual`` (bf16 [m, n], contiguous last dim) with ``gate`` (bf16 [n]): the epilogue adds the product to it
     in place as stock's separate ``residual.addcmul_(product, gate)`` does (same bits) and returns it; the product
-    is never written. Eager calls skip the dispatcher; a traced call records the custom op (fake implementation, no
-    graph break), whose implementation checks the operands when it runs (the checks ask the installed Triton, which
-    a trace cannot); traced, the residual is added by a separate ``addcmul_``."""
+    is never written. ``kernel``: the pack kernel chosen once for these calls ("pack_sm90" or "pack", see
+    ``still_runs``); None: ``choice`` is asked now, and a call no pack kernel takes is an error. Traced by
+    torch.compile, the call records the custom op (checked and chosen when it runs), the residual a separate
+    ``addcmul_``."""
     if torch.compiler.is_compiling():
         if out_dtype != torch.bfloat16:
             raise ValueError(f"int8 GEMM: bf16 output only, got {out_dtype}")
         out = torch.ops.sage_strided_nhd.int8_gemm(xq, x_scale, qdata, w_scale, bias)
         return out if residual is None else residual.addcmul_(out, gate.reshape(1, -1))
     _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype, residual, gate)
-    return _gemm_impl(xq, x_scale, qdata, w_scale, bias, residual, gate)
+    return _gemm_impl(xq, x_scale, qdata, w_scale, bias, residual, gate, kernel or _chosen(xq, qdata.shape[0]))
 
 
 def epilogue_reference(acc: torch.Tensor, x_scale, w_scale, bias=None) -> torch.Tensor:

@@ -1,22 +1,17 @@
-"""The int8 GEMM's Hopper kernel, warp-specialised, in Gluon (Triton's tile language with explicit layouts, shared
-memory, barriers and warp partitions). Same int32 sums and the same epilogue steps as ``int8_gemm``'s portable
-kernel, its bits twin: the CPU tests check that one under the interpreter, tests/gpu ties this one to it and to
-comfy-kitchen's CUTLASS GEMM bit for bit.
+"""The int8 GEMM's Hopper kernel, warp-specialised, in Gluon. Same int32 sums and epilogue steps as ``int8_gemm``'s
+portable kernel, its bits twin (the CPU tests check that one; tests/gpu ties this one to it and to comfy-kitchen's
+CUTLASS GEMM bit for bit).
 
 One loader warp streams both operands through TMA into a ring of shared-memory stages, ahead of the MMAs and across
-tile boundaries (while the epilogue runs). Two MMA warpgroups share each 128 x 256 output tile: asynchronous
-``wgmma`` (int8 x int8 -> exact int32), one stage in flight, each stage handed back to the loader once the MMA that
-read it is done. The epilogue (CUTLASS's fp32 steps, bf16) goes out through shared memory and a TMA store that
-overlaps the next tile's MMAs. TMA zero-fills reads past the edges (the sums stay exact) and clips the store.
-Coordinates are element indices (< 2**31 rows and columns); addresses are 64-bit.
-
-Measured (H100, Triton 3.6) against a two-consumer ping-pong of 128 x 128 tiles (one warpgroup each, main loops
-taking turns so one's epilogue hides behind the other's MMAs): this cooperative tiling was 1-6% faster at H3's four
-linears, so only it is kept (docs/BENCHMARKS.md)."""
-
-from __future__ import annotations
+tiles. Two MMA warpgroups share each 128 x 256 output tile: asynchronous ``wgmma`` (int8 x int8 -> exact int32), one
+stage in flight, each stage handed back once the MMA that read it is done. The epilogue goes out through shared
+memory and a TMA store that overlaps the next tile's MMAs. TMA zero-fills reads past the edges and clips the store.
+Measured on an H100 (Triton 3.6) 1-6% faster at H3's four linears than a ping-pong of two 128 x 128 consumers
+(docs/BENCHMARKS.md)."""
 
 import dataclasses
+
+from .triton_support import grouped_tile
 
 try:  # Gluon is experimental; int8_gemm.GLUON_TRITON names the Triton releases this file was measured with
     from triton.experimental import gluon
@@ -24,6 +19,7 @@ try:  # Gluon is experimental; int8_gemm.GLUON_TRITON names the Triton releases 
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from triton.language.core import _aggregate as aggregate  # the Gluon tutorials' import (Triton 3.6 and later)
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # Triton 3.6's name; later releases' name
     GLUON_ERROR = None
 except Exception as exc:  # noqa: BLE001 - whatever stops the import means the kernel is not here
@@ -55,36 +51,84 @@ GATED_ROWS = 32         # rows of the residual a gated epilogue reads at a time 
 
 
 if gl is not None:
-    @gluon.jit
-    def _tile_origin(tile, tiles_m, tiles_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-        """The first row and column of output tile ``tile``: GROUP_M row tiles share each column tile's weights while
-        they are in L2 (the portable kernel's order)."""
-        tiles_per_group = GROUP_M * tiles_n
-        first_m = (tile // tiles_per_group) * GROUP_M
-        group_rows = min(tiles_m - first_m, GROUP_M)
-        row0 = (first_m + (tile % tiles_per_group) % group_rows) * BLOCK_M
-        col0 = ((tile % tiles_per_group) // group_rows) * BLOCK_N
-        return row0, col0
+    @aggregate
+    class TileScheduler:
+        """The persistent walk: program p takes output tiles p, p + programs, ... in ``grouped_tile``'s order."""
+        tiles_m: gl.tensor
+        tiles_n: gl.tensor
+        GROUP_M: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(self, tiles_m, tiles_n, GROUP_M):
+            self.tiles_m, self.tiles_n, self.GROUP_M = tiles_m, tiles_n, gl.constexpr(GROUP_M)
+
+        @gluon.jit
+        def num_tiles(self):
+            return self.tiles_m * self.tiles_n
+
+        @gluon.jit
+        def origin(self, tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+            """The first row and column of output tile ``tile``."""
+            pid_m, pid_n = grouped_tile(tile, self.tiles_m, self.tiles_n, self.GROUP_M)
+            return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+    @aggregate
+    class PartitionArgs:
+        """What the partitions share: the operands' descriptors, the ring and its barriers (``ready``: a stage was
+        loaded; ``empty``: its MMA is done), the output tile's shared memory and the epilogue's operands."""
+        a_desc: tma.tensor_descriptor
+        b_desc: tma.tensor_descriptor
+        out_desc: tma.tensor_descriptor
+        a_ring: gl.shared_memory_descriptor
+        b_ring: gl.shared_memory_descriptor
+        ready: gl.shared_memory_descriptor
+        empty: gl.shared_memory_descriptor
+        c_smem: gl.shared_memory_descriptor
+        out_ptr: gl.tensor
+        x_scale_ptr: gl.tensor
+        w_scale_ptr: gl.tensor
+        bias_ptr: gl.tensor
+        gate_ptr: gl.tensor
+        M: gl.tensor
+        N: gl.tensor
+        K: gl.tensor
+        stride_out: gl.tensor
+        SCALE_PER_COLUMN: gl.constexpr
+        HAS_BIAS: gl.constexpr
+        GATED: gl.constexpr  # ``out`` is the residual: ``out += bf16(product) * gate`` (stock's ``addcmul_``)
+        GATED_ROWS: gl.constexpr
+        GROUP_M: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(self, descs, rings, c_smem, ptrs, sizes, flags):
+            self.a_desc, self.b_desc, self.out_desc = descs
+            self.a_ring, self.b_ring, self.ready, self.empty = rings
+            self.c_smem = c_smem
+            self.out_ptr, self.x_scale_ptr, self.w_scale_ptr, self.bias_ptr, self.gate_ptr = ptrs
+            self.M, self.N, self.K, self.stride_out = sizes
+            self.SCALE_PER_COLUMN, self.HAS_BIAS, self.GATED, self.GATED_ROWS, self.GROUP_M = (
+                gl.constexpr(f) for f in flags)
 
     @gluon.jit
-    def _loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M: gl.constexpr):
+    def _loader(p):
         """One warp: every K step of every tile of this program, in order, into the next free stage."""
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-        STAGES: gl.constexpr = a_ring.type.shape[0]
-        tiles_m = gl.cdiv(M, BLOCK_M)
-        tiles_n = gl.cdiv(N, BLOCK_N)
+        BLOCK_M: gl.constexpr = p.a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = p.b_desc.block_type.shape[0]
+        STAGES: gl.constexpr = p.a_ring.type.shape[0]
+        sched = TileScheduler(gl.cdiv(p.M, BLOCK_M), gl.cdiv(p.N, BLOCK_N), p.GROUP_M)
         step = 0
-        for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-            row0, col0 = _tile_origin(tile, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
-            for ks in range(gl.cdiv(K, BLOCK_K)):
+        for tile in range(gl.program_id(0), sched.num_tiles(), gl.num_programs(0)):
+            row0, col0 = sched.origin(tile, BLOCK_M, BLOCK_N)
+            for ks in range(gl.cdiv(p.K, BLOCK_K)):
                 slot = step % STAGES
                 # a stage starts free: its first wait is on the phase before the first
-                mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a_desc, [row0, ks * BLOCK_K], ready.index(slot), a_ring.index(slot))
-                tma.async_copy_global_to_shared(b_desc, [col0, ks * BLOCK_K], ready.index(slot), b_ring.index(slot))
+                mbarrier.wait(p.empty.index(slot), ((step // STAGES) & 1) ^ 1)
+                mbarrier.expect(p.ready.index(slot), p.a_desc.block_type.nbytes + p.b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(p.a_desc, [row0, ks * BLOCK_K], p.ready.index(slot),
+                                                p.a_ring.index(slot))
+                tma.async_copy_global_to_shared(p.b_desc, [col0, ks * BLOCK_K], p.ready.index(slot),
+                                                p.b_ring.index(slot))
                 step += 1
 
     @gluon.jit
@@ -94,84 +138,90 @@ if gl is not None:
                                          is_pure=True, pack=1)
 
     @gluon.jit
-    def _add_gated_residual(c_smem, out_ptr, gate_ptr, row0, col0, M, N, stride_out, ROWS: gl.constexpr):
+    def _tile_mma(p, acc, step, k_steps):
+        """One tile's K steps off the ring into ``acc`` (int32), each stage handed back to the loader once the MMA
+        after it was issued (one in flight); returns the sum and the ring's next step."""
+        STAGES: gl.constexpr = p.a_ring.type.shape[0]
+        done = 0
+        for ks in range(k_steps):
+            slot = step % STAGES
+            mbarrier.wait(p.ready.index(slot), (step // STAGES) & 1)
+            acc = warpgroup_mma(p.a_ring.index(slot), p.b_ring.index(slot).permute((1, 0)), acc, use_acc=ks > 0,
+                                is_async=True)
+            # the MMA before this one has finished reading its stage: hand that stage back to the loader
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            mbarrier.arrive(p.empty.index(done), count=1, pred=ks > 0)
+            done = slot
+            step += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(p.empty.index(done), count=1)
+        return acc, step
+
+    @gluon.jit
+    def _epilogue(p, acc, row0, col0):
+        """CUTLASS's steps: acc times the row's scale, then times the weight's scale plus the bias in one rounding (a
+        plain product without a bias), then bf16; out through ``c_smem`` and a TMA store."""
+        BLOCK_M: gl.constexpr = p.c_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = p.c_smem.type.shape[1]
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
+        x_scale = gl.load(p.x_scale_ptr + rows, mask=rows < p.M, other=0.0)
+        t = _mul_rn(acc.to(gl.float32), gl.expand_dims(x_scale, 1))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+        if p.SCALE_PER_COLUMN:
+            w_scale = gl.expand_dims(gl.load(p.w_scale_ptr + cols, mask=cols < p.N, other=0.0), 0)
+        else:
+            w_scale = gl.load(p.w_scale_ptr)
+        if p.HAS_BIAS:
+            bias = gl.load(p.bias_ptr + cols, mask=cols < p.N, other=0.0).to(gl.float32)
+            y = gl.fma(t, w_scale, gl.expand_dims(bias, 0))
+        else:
+            y = _mul_rn(t, w_scale)
+        tma.store_wait(0)  # the previous tile's store has left c_smem
+        p.c_smem.store(y.to(gl.bfloat16))
+        if p.GATED:
+            _add_gated_residual(p, row0, col0)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(p.out_desc, [row0, col0], p.c_smem)
+
+    @gluon.jit
+    def _add_gated_residual(p, row0, col0):
         """The product in ``c_smem`` (bf16, as stock's output holds it) replaced by ``residual + product * gate``,
-        the residual read from where the tile goes, ROWS rows at a time in 16-byte vectors (coalesced, few
+        the residual read from where the tile goes, GATED_ROWS rows at a time in 16-byte vectors (coalesced, few
         registers: the accumulator is dead by now)."""
-        BLOCK_M: gl.constexpr = c_smem.type.shape[0]
-        BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+        BLOCK_M: gl.constexpr = p.c_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = p.c_smem.type.shape[1]
+        ROWS: gl.constexpr = p.GATED_ROWS
         layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                                 warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
         cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        gate = gl.expand_dims(gl.load(gate_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+        gate = gl.expand_dims(gl.load(p.gate_ptr + cols, mask=cols < p.N, other=0.0).to(gl.float32), 0)
         cta_barrier()  # every warp's product is in c_smem
         for r in gl.static_range(0, BLOCK_M, ROWS):
             rows = row0 + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-            ok = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
-            at = gl.expand_dims(rows.to(gl.int64) * stride_out, 1) + gl.expand_dims(cols, 0)
-            residual = gl.load(out_ptr + at, mask=ok, other=0.0).to(gl.float32)
-            part = c_smem.slice(r, ROWS, dim=0)
+            ok = gl.expand_dims(rows < p.M, 1) & gl.expand_dims(cols < p.N, 0)
+            at = gl.expand_dims(rows.to(gl.int64) * p.stride_out, 1) + gl.expand_dims(cols, 0)
+            residual = gl.load(p.out_ptr + at, mask=ok, other=0.0).to(gl.float32)
+            part = p.c_smem.slice(r, ROWS, dim=0)
             # the product of two bf16 values is exact in fp32: fused into an FMA or not, one rounding
             part.store((residual + part.load(layout).to(gl.float32) * gate).to(gl.bfloat16))
 
     @gluon.jit
-    def _mma_and_epilogue(a_ring, b_ring, ready, empty, c_smem, out_desc, out_ptr, x_scale_ptr, w_scale_ptr,
-                          bias_ptr, gate_ptr, M, N, K, stride_out, GROUP_M: gl.constexpr,
-                          SCALE_PER_COLUMN: gl.constexpr, HAS_BIAS: gl.constexpr, GATED: gl.constexpr,
-                          GATED_ROWS: gl.constexpr):
-        """The MMA warpgroups: every tile of this program, its K steps off the ring, then its epilogue. GATED: the
-        output is the residual, ``out += bf16(product) * gate`` (stock's ``addcmul_``: one rounding, the product of
-        two bf16 values being exact in fp32)."""
-        BLOCK_M: gl.constexpr = c_smem.type.shape[0]
-        BLOCK_N: gl.constexpr = c_smem.type.shape[1]
-        BLOCK_K: gl.constexpr = a_ring.type.shape[2]
-        STAGES: gl.constexpr = a_ring.type.shape[0]
+    def _mma_and_epilogue(p):
+        """The MMA warpgroups: every tile of this program, its K steps off the ring, then its epilogue."""
+        BLOCK_M: gl.constexpr = p.c_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = p.c_smem.type.shape[1]
+        BLOCK_K: gl.constexpr = p.a_ring.type.shape[2]
         # m64 n128 k32 wgmma atoms (Triton 3.6 lowers no int8 n256), two warpgroups stacked along M
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                              instr_shape=[16, min(BLOCK_N, 128), 32])
-        tiles_m = gl.cdiv(M, BLOCK_M)
-        tiles_n = gl.cdiv(N, BLOCK_N)
-        k_steps = gl.cdiv(K, BLOCK_K)
+        sched = TileScheduler(gl.cdiv(p.M, BLOCK_M), gl.cdiv(p.N, BLOCK_N), p.GROUP_M)
+        k_steps = gl.cdiv(p.K, BLOCK_K)
         zeros = gl.zeros((BLOCK_M, BLOCK_N), gl.int32, acc_layout)
         step = 0
-        for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-            row0, col0 = _tile_origin(tile, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = zeros
-            done = 0
-            for ks in range(k_steps):
-                slot = step % STAGES
-                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-                acc = warpgroup_mma(a_ring.index(slot), b_ring.index(slot).permute((1, 0)), acc, use_acc=ks > 0,
-                                    is_async=True)
-                # the MMA before this one has finished reading its stage: hand that stage back to the loader
-                acc = warpgroup_mma_wait(1, deps=(acc, ))
-                mbarrier.arrive(empty.index(done), count=1, pred=ks > 0)
-                done = slot
-                step += 1
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(empty.index(done), count=1)
-
-            # CUTLASS's epilogue: acc times the row's scale, then times the weight's scale plus the bias in one
-            # rounding (a plain product without a bias), then bf16
-            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-            x_scale = gl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)
-            t = _mul_rn(acc.to(gl.float32), gl.expand_dims(x_scale, 1))
-            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-            if SCALE_PER_COLUMN:
-                w_scale = gl.expand_dims(gl.load(w_scale_ptr + cols, mask=cols < N, other=0.0), 0)
-            else:
-                w_scale = gl.load(w_scale_ptr)
-            if HAS_BIAS:
-                bias = gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)
-                y = gl.fma(t, w_scale, gl.expand_dims(bias, 0))
-            else:
-                y = _mul_rn(t, w_scale)
-            tma.store_wait(0)  # the previous tile's store has left c_smem
-            c_smem.store(y.to(gl.bfloat16))
-            if GATED:
-                _add_gated_residual(c_smem, out_ptr, gate_ptr, row0, col0, M, N, stride_out, GATED_ROWS)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(out_desc, [row0, col0], c_smem)
+        for tile in range(gl.program_id(0), sched.num_tiles(), gl.num_programs(0)):
+            row0, col0 = sched.origin(tile, BLOCK_M, BLOCK_N)
+            acc, step = _tile_mma(p, zeros, step, k_steps)
+            _epilogue(p, acc, row0, col0)
         tma.store_wait(0)
 
     @gluon.jit
@@ -187,12 +237,11 @@ if gl is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        gl.warp_specialize([
-            (_mma_and_epilogue, (a_ring, b_ring, ready, empty, c_smem, out_desc, out_ptr, x_scale_ptr, w_scale_ptr,
-                                 bias_ptr, gate_ptr, M, N, K, stride_out, GROUP_M, SCALE_PER_COLUMN, HAS_BIAS, GATED,
-                                 GATED_ROWS)),
-            (_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, GROUP_M)),
-        ], [1], [LOADER_REGS])
+        sizes = (gl.to_tensor(M), gl.to_tensor(N), gl.to_tensor(K), gl.to_tensor(stride_out))  # a 1 is a constexpr
+        p = PartitionArgs((a_desc, b_desc, out_desc), (a_ring, b_ring, ready, empty), c_smem,
+                          (out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr), sizes,
+                          (SCALE_PER_COLUMN, HAS_BIAS, GATED, GATED_ROWS, GROUP_M))
+        gl.warp_specialize([(_mma_and_epilogue, (p, )), (_loader, (p, ))], [1], [LOADER_REGS])
 
 
 def descriptor_layouts(cfg: WsConfig):
@@ -203,9 +252,8 @@ def descriptor_layouts(cfg: WsConfig):
 
 
 def launch(cfg: WsConfig, xq, x_scale, qdata, w_scale, bias, out, programs: int, gate=None) -> None:
-    """Run the kernel: xq [m, k] and qdata [n, k] int8, contiguous, 16-byte aligned, k a multiple of 16; x_scale [m]
-    and w_scale [1] or [n] fp32; bias [n] bf16 or None; out bf16 [m, n], last dim contiguous, 16-byte aligned start
-    and row pitch (the TMA store's); gate [n] bf16 or None (then ``out`` is the residual the product is added to)."""
+    """Run the kernel on ``int8_gemm._launch``'s operands (contiguous, 16-byte aligned; ``out`` takes a TMA store;
+    with ``gate``, ``out`` is the residual the product is added to)."""
     m, k = xq.shape
     n = qdata.shape[0]
     a_layout, b_layout, c_layout = descriptor_layouts(cfg)

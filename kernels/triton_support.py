@@ -1,4 +1,5 @@
-"""Triton where it imports, and what the pack's passes share: interpreter flag, bf16 rounding, row tiles, params."""
+"""Triton where it imports, and what the pack's passes share: interpreter flag, bf16 rounding, row tiles, params, the
+int8 GEMM's tile order."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def row_tiles(n: int) -> tuple[int, int, int]:
     return first, second, 1 << (rest - 1).bit_length() if rest else 0
 
 
-round_bf16 = None  # a Triton function where Triton is importable
+round_bf16 = grouped_tile = None  # Triton functions where Triton is importable
 if triton is not None:
     @triton.jit
     def round_bf16(x, HW: tl.constexpr):
@@ -72,3 +73,12 @@ if triton is not None:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+
+    @triton.jit
+    def grouped_tile(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+        """Output tile ``tile`` of a ``tiles_m`` x ``tiles_n`` grid as (pid_m, pid_n): the int8 GEMM's order, both of
+        its kernels' (Triton's and Gluon's). GROUP_M row tiles in turn share each column tile's weights in L2."""
+        tiles_per_group = GROUP_M * tiles_n
+        first_m = (tile // tiles_per_group) * GROUP_M
+        group_rows = min(tiles_m - first_m, GROUP_M)
+        return first_m + (tile % tiles_per_group) % group_rows, (tile % tiles_per_group) // group_rows

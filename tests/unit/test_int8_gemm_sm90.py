@@ -162,16 +162,19 @@ def test_hopper_launches_it_and_a_build_failure_falls_back_to_the_portable_kerne
     monkeypatch.setattr(gemm, "_launch_portable", lambda *args: calls.append(("portable",)))
     xq, w = torch.zeros(300, 64, dtype=torch.int8), torch.zeros(520, 64, dtype=torch.int8)
     out = torch.empty(300, 520, dtype=torch.bfloat16)
-    gemm._launch(xq, torch.ones(300, 1), w, torch.ones(()), None, out)
+    gemm._launch(xq, torch.ones(300, 1), w, torch.ones(()), None, out, None, "pack_sm90")
     assert calls == [("sm90", sm90.SM90, 3 * 3)]  # 128 x 256 tiles: 3 x 3 of them, fewer than the 132 SMs
+    gemm._launch(xq, torch.ones(300, 1), w, torch.ones(()), None, out, None, "pack")
+    assert calls[1:] == [("portable",)]
 
     def broken(*args):
+        calls.append(("broken",))
         raise RuntimeError("PassManager::run failed\nmore")
     monkeypatch.setattr(sm90, "launch", broken)
     calls.clear()
-    gemm._launch(xq, torch.ones(300, 1), w, torch.ones(()), None, out)
-    gemm._launch(xq, torch.ones(300, 1), w, torch.ones(()), None, out)
-    assert calls == [("portable",), ("portable",)]
+    for _ in range(2):  # the route's choice, made once, checked per call against what failed since
+        gemm._launch(xq, torch.ones(300, 1), w, torch.ones(()), None, out, None, gemm.still_runs("pack_sm90", xq.device))
+    assert calls == [("broken",), ("portable",), ("portable",)]
     why = "its Gluon kernel failed here (RuntimeError: PassManager::run failed)"
     assert gpu.ANSWERS.reason("int8_gemm_sm90", xq.device) == why
     assert gpu.ANSWERS.reason("int8_gemm", xq.device) is None  # the portable kernel still runs there
