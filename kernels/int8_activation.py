@@ -16,12 +16,7 @@ INPUT_ACTS = (None, "swiglu")
 BF16_MAX = 3.38953139e38  # the largest finite bf16: an infinite absmax is clamped to it
 
 
-def _inv_127() -> float:
-    """fp32(1) / fp32(127), correctly rounded: the constant nvcc folds ``1.0f / 127.0f`` to."""
-    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(127.0, dtype=torch.float32))
-
-
-INV_127 = _inv_127()
+INV_127 = float(torch.tensor(1.0) / torch.tensor(127.0))  # fp32, correctly rounded: what nvcc folds 1.0f / 127.0f to
 
 
 if triton is not None:
@@ -160,6 +155,7 @@ def quantize_rows(x: torch.Tensor, input_act: str | None = None, *, modulation=N
                          + (" and a modulation" if modulation is not None else ""))
     m = x.shape[0]
     k = x.shape[1] // (2 if input_act == "swiglu" else 1)
+    warps = row_warps(k)
     q, scale = out if out is not None else (torch.empty(m, k, dtype=torch.int8, device=x.device),
                                             torch.empty(m, 1, dtype=torch.float32, device=x.device))
     if q.shape != (m, k) or scale.shape != (m, 1) or q.stride(-1) != 1:
@@ -172,7 +168,7 @@ def quantize_rows(x: torch.Tensor, input_act: str | None = None, *, modulation=N
     g1, g2, g3 = row_tiles(k // GROUP)
     _quantize_rows_kernel[(m,)](x, scale1, shift, q, scale, k, x.stride(0), k if per_row else 0, q.stride(0),
                                 INV_127, BF16_MAX, SWIGLU=input_act == "swiglu", MOD=modulation is not None,
-                                G1=g1, G2=g2, G3=g3, EMULATE=interpreting(), num_warps=row_warps(k))
+                                G1=g1, G2=g2, G3=g3, EMULATE=interpreting(), num_warps=warps)
     return q, scale
 
 

@@ -1,9 +1,7 @@
 """int8 tensor-wise ConvRot linears as stock's CUDA ``int8_linear`` runs them (fused quantiser, then comfy-kitchen's
-CUTLASS int8 GEMM), with the pack's quantiser and, where it runs, the pack's GEMM (kernels/int8_gemm.py, CUTLASS's
-epilogue bits): same bits. Stock's dispatch has no public entry point: the route mirrors each release in
-``RELEASES`` (verified), and runs on another only where it passes a bits self-check on the device
-(kernels/int8_release_check.py). Column blocks of the product are its bits (exact int32 sums, a per-element
-epilogue)."""
+CUTLASS int8 GEMM), on the pack's quantiser and, where it runs, the pack's GEMM (kernels/int8_gemm.py): same bits.
+Stock's dispatch has no public entry point: the route mirrors each release in ``RELEASES`` (verified), and runs on
+another only where it passes a bits self-check on the device (kernels/int8_release_check.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +15,6 @@ from .kitchen import BIAS_HELPER, VERIFIED_VERSIONS, installed_release, kitchen_
 
 GROUP = int8_activation.GROUP
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # comfy-kitchen's output dtype codes
-
-
-def _stock_kwargs(x, qdata, w_scale, bias, input_act):
-    return {"x": x, "weight": qdata, "weight_scale": w_scale, "bias": bias, "out_dtype": x.dtype,
-            "convrot": True, "convrot_groupsize": GROUP, "input_act": input_act}
 
 
 def int8_call_problem(x: torch.Tensor, *, input_act: str | None = None) -> str | None:
@@ -65,7 +58,7 @@ def release_problem(device: torch.device) -> str | None:
 
 
 def int8_weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias, *,
-                   input_act: str | None = None) -> str | None:
+                        input_act: str | None = None) -> str | None:
     """Why stock's ConvRot ``int8_linear`` would not run the two kernels the route reproduces, from the weight (for
     calls whose ``int8_call_problem`` is None); None: it would."""
     cuda = kitchen_cuda()[0]
@@ -73,7 +66,8 @@ def int8_weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Ten
     if qdata.dtype != torch.int8 or qdata.dim() != 2 or qdata.shape[1] != k:
         return f"weight {qdata.dtype} {tuple(qdata.shape)} does not match the {k}-wide activations"
     try:
-        kwargs = _stock_kwargs(x, qdata, w_scale, bias, input_act)
+        kwargs = {"x": x, "weight": qdata, "weight_scale": w_scale, "bias": bias, "out_dtype": x.dtype,
+                  "convrot": True, "convrot_groupsize": GROUP, "input_act": input_act}
         if importlib.import_module("comfy_kitchen").registry.get_capable_backend("int8_linear", kwargs) != "cuda":
             return "comfy-kitchen would not run its CUDA int8_linear for this call"
         if not cuda._convrot_fused_shared_memory_fits(x, k, GROUP):
@@ -88,19 +82,20 @@ def int8_weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Ten
 
 
 def gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias,
-         out_dtype: torch.dtype, residual=None, gate=None) -> torch.Tensor | None:
-    """The int8 GEMM with the bits of comfy-kitchen's CUTLASS GEMM: the pack's (kernels/int8_gemm.py) where it runs
-    on the device, else comfy-kitchen's own; None where CUTLASS declines the shape. ``residual`` with ``gate`` (bf16):
-    the product is added to it (``residual.addcmul_(product, gate)``, in the pack's epilogue where that runs) and
-    ``residual`` returned; None: nothing was added."""
-    if out_dtype == torch.bfloat16 and int8_gemm.gemm_problem(xq.device, xq.shape[1]) is None:
+         out_dtype: torch.dtype, residual=None, gate=None, kernel: str | None = None) -> torch.Tensor | None:
+    """The int8 GEMM with the bits of comfy-kitchen's CUTLASS GEMM: ``kernel`` (``int8_gemm.choice``'s, made once for
+    the calls; None: asked now) where it still runs on the device, else comfy-kitchen's own; None where CUTLASS
+    declines the shape. ``residual`` with ``gate`` (bf16): the product is added to it (in the pack's epilogue where
+    that runs) and ``residual`` returned; None: nothing was added."""
+    if out_dtype == torch.bfloat16:
+        kernel = int8_gemm.still_runs(kernel or int8_gemm.choice(xq.device, xq.shape[1], qdata.shape[0]).kernel,
+                                      xq.device)
+    if out_dtype == torch.bfloat16 and kernel != "comfy_kitchen":
         try:
-            return int8_gemm.int8_gemm(xq, x_scale, qdata, w_scale, bias, residual=residual, gate=gate)
+            return int8_gemm.int8_gemm(xq, x_scale, qdata, w_scale, bias, residual=residual, gate=gate, kernel=kernel)
         except torch.OutOfMemoryError:
             raise
-        # its build or launch failed on this device: comfy-kitchen's GEMM (stock's bits) from now on, and the report
-        # says why
-        except Exception as exc:
+        except Exception as exc:  # its build or launch failed here: comfy-kitchen's GEMM (stock's bits) from now on
             int8_gemm.record_failure(xq.device, exc)
     out = kitchen_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype)
     return out if out is None or residual is None else gated_residual_(residual, out, gate)
@@ -131,18 +126,22 @@ def kitchen_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w
 
 def int8_linear_routed(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
                        input_act: str | None = None, modulation: list | None = None,
-                       residual: PendingResidual | None = None) -> torch.Tensor | None:
+                       residual: PendingResidual | None = None, kernel: str | None = None) -> torch.Tensor | None:
     """Stock's ``int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, input_act=...)`` with the pack's
-    quantiser, for a call the route takes (``nodes/int8_layers.route``). ``modulation``: foldable segments, applied
-    by the quantiser. ``residual``: the output
-    added to it (``residual.x`` returned), in the pack's GEMM epilogue where the residual folds and that GEMM runs
-    (the product never written), else by its own pass; None where CUTLASS declines (nothing added)."""
+    quantiser, for a call the route takes (``nodes/int8_layers.route``): quantise, the GEMM, its epilogue.
+    ``modulation``: foldable segments, applied by the quantiser. ``residual``: the output added to it
+    (``residual.x`` returned), in the pack's GEMM epilogue where the residual folds and that GEMM runs (the product
+    never written), else by its own pass; None where CUTLASS declines (nothing added). ``kernel``: the GEMM the
+    route chose for the layer (``Route.gemm``, ``int8_gemm.choice``'s); None: asked per call."""
     xq, x_scale = _quantize(x, input_act, modulation)
-    if residual is None or not (residual.foldable and int8_gemm.gemm_problem(xq.device, xq.shape[1]) is None):
-        out = gemm(xq, x_scale, qdata, w_scale, bias, x.dtype)
+    chosen = {} if kernel is None else {"kernel": kernel}  # None: ``gemm`` asks
+    if kernel is None and residual is not None:
+        kernel = int8_gemm.choice(x.device, xq.shape[1], qdata.shape[0]).kernel
+    if residual is None or not residual.foldable or kernel == "comfy_kitchen":
+        out = gemm(xq, x_scale, qdata, w_scale, bias, x.dtype, **chosen)
         return out if out is None or residual is None else residual.apply(out)
     for a, b, gate in residual.claim():  # each segment is added, or the call raises
-        if gemm(xq[a:b], x_scale[a:b], qdata, w_scale, bias, x.dtype, residual.x[a:b], gate) is None:
+        if gemm(xq[a:b], x_scale[a:b], qdata, w_scale, bias, x.dtype, residual.x[a:b], gate, **chosen) is None:
             # reached only where the pack's GEMM failed to build mid-call and CUTLASS then declined: nothing can
             # take these rows back, so the call fails loudly rather than hand on a half-added residual
             raise GemmDeclined(f"CUTLASS declined an int8 GEMM of {b - a} x {qdata.shape[0]} x {qdata.shape[1]} "
