@@ -48,7 +48,7 @@ def weight_problem(x: torch.Tensor, weight, bias) -> str | None:
     if p.scale.dtype != torch.float8_e4m3fn:
         return f"{p.scale.dtype} W4A8 group scales: comfy-kitchen quantises for them with another ConvRot kernel"
     if p.group_size != GROUP_SIZE or p.convrot_groupsize != int8_linear.GROUP:
-        return f"W4A8 groups of {p.group_size} with ConvRot groups of {p.convrot_groupsize}: not a form the route checks"
+        return f"W4A8 groups of {p.group_size} with ConvRot groups of {p.convrot_groupsize}: a form not checked"
     if x.dim() != 2 or x.shape[-1] != k or p.orig_dtype != x.dtype:
         return f"a W4A8 weight for {k}-wide {p.orig_dtype} rows called on {x.dtype} {tuple(x.shape)}"
     try:

@@ -187,9 +187,9 @@ def test_w4a8_runs_the_int8_route_with_stocks_bits(pack):
 
     from devkit import int8_oracle
 
-    if skip_reason("AsymW4A8Int8Layout", "asym_w4a8_int8") or RELEASE not in pack.kernels.int8_w4a8.READ_RELEASES:
-        pytest.skip(f"comfy-kitchen {RELEASE}: the W4A8 route mirrors {', '.join(pack.kernels.int8_w4a8.READ_RELEASES)} only "
-                    "(a skip, not a pass)")
+    mirrored = pack.kernels.int8_w4a8.READ_RELEASES
+    if skip_reason("AsymW4A8Int8Layout", "asym_w4a8_int8") or RELEASE not in mirrored:
+        pytest.skip(f"comfy-kitchen {RELEASE}: the W4A8 route mirrors {', '.join(mirrored)} only (a skip, not a pass)")
     model = dh.build_model(CONFIG, torch.device("cpu"), torch.bfloat16, 0, "asym_w4a8_int8")
     inputs = dh.random_block_inputs(model.model.diffusion_model.blocks[1], SEQ, seed=3, dtype=torch.bfloat16)
     block_ops = pack.kernels.h3_block
