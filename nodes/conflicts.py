@@ -22,6 +22,7 @@ ON_PREPARE_STATE = "on_prepare_state"            # comfy.patcher_extension.Callb
 # the model's _forward, the Ulysses SP loader's object patch of diffusion_model._forward
 FORWARD_TAKERS = {"SGLDiffusionExecutor": "SGLang Diffusion's integrated mode", "raylight": "Raylight",
                   "MiniMaxH3SPUNETLoader": "the MiniMax H3 Multi-GPU Loader (Ulysses SP)"}
+UNKNOWN_TAKER = "another loader or node"
 H3_MODULE = "comfy.ldm.minimax.model"
 
 
@@ -202,16 +203,13 @@ def span(indices) -> str:
 
 
 # --- rule 10: a loader or node that runs the diffusion model's forward itself -----------------------------------
-def _names(obj) -> set[str]:
-    """The module, class and function name parts ``obj`` carries, its class's MRO included."""
+def _taker(obj) -> str:
+    """The known loader whose class, function or module name ``obj`` carries (its class's MRO too), or a generic one."""
     fn = plain_function(obj)
     names = [getattr(fn, "__module__", None) or "", getattr(fn, "__qualname__", "")]
-    names += [f"{c.__module__}.{c.__qualname__}" for c in type(fn).__mro__]
-    return {part for name in names for part in name.split(".")}
-
-
-def _taker(obj) -> str | None:
-    return next((who for name, who in FORWARD_TAKERS.items() if name in _names(obj)), None)
+    parts = {part for name in names + [f"{c.__module__}.{c.__qualname__}" for c in type(fn).__mro__]
+             for part in name.split(".")}
+    return next((who for name, who in FORWARD_TAKERS.items() if name in parts), UNKNOWN_TAKER)
 
 
 def _is_h3(obj, qualname: str) -> bool:
@@ -223,13 +221,6 @@ def h3_base(model_patcher) -> bool:
     return any(c.__qualname__ == "MiniMaxH3" for c in type(model_patcher.model).__mro__)
 
 
-def _set_on_class(cls, name: str):
-    """The function set on ``cls`` (or a base) as ``name`` after the class was defined, else None."""
-    owner = next((c for c in cls.__mro__ if name in vars(c)), None)
-    fn = vars(owner)[name] if owner else None
-    return fn if fn is not None and getattr(fn, "__qualname__", "") != f"{owner.__qualname__}.{name}" else None
-
-
 def forward_taken_away(model_patcher) -> Note | None:
     """Rule 10: another loader or node runs the diffusion model's forward, so this node's patches are never
     reached: who, and what on the model shows it; None where nothing does."""
@@ -238,13 +229,15 @@ def forward_taken_away(model_patcher) -> Note | None:
             return _taken(obj, f"an object patch of {key}: {describe(obj)}")
     dm = model_patcher.get_model_object("diffusion_model")
     h3 = h3_base(model_patcher)
-    if (h3 and not _is_h3(dm, "MiniMaxH3Model")) or _taker(dm):
+    if (h3 and not _is_h3(dm, "MiniMaxH3Model")) or _taker(dm) != UNKNOWN_TAKER:
         return _taken(dm, f"the diffusion model is a {describe(type(dm))} object"
                           + (", not ComfyUI's MiniMaxH3Model" if h3 else ""))
     for name in ("forward", "_forward"):
         if replaced_forward(dm, name):
             return _taken(vars(dm)[name], f"diffusion_model.{name} set on the model by {describe(vars(dm)[name])}")
-        if h3 and (fn := _set_on_class(type(dm), name)) is not None:
+        owner = next((c for c in type(dm).__mro__ if name in vars(c)), None)
+        fn = vars(owner)[name] if h3 and owner else None  # set on the class after it was defined
+        if fn is not None and getattr(fn, "__qualname__", "") != f"{owner.__qualname__}.{name}":
             return _taken(fn, f"{type(dm).__name__}.{name} replaced on the class by {describe(fn)}")
     blocks = list(getattr(dm, "blocks", ())) if h3 else []
     if other := [b for b in blocks if not _is_h3(b, "DiTBlock")]:
@@ -254,7 +247,7 @@ def forward_taken_away(model_patcher) -> Note | None:
 
 
 def _taken(obj, how: str) -> Note:
-    return Note("forward_taken_away", f"{_taker(obj) or 'another loader or node'} runs the model's forward ({how})")
+    return Note("forward_taken_away", f"{_taker(obj)} runs the model's forward ({how})")
 
 
 def _preference_plan(model_patcher, keys, backend: str, default):

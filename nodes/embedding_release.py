@@ -1,13 +1,6 @@
-"""Stock's H3 forward assembles the residual stream from the video embedding (``video_patch_proj``'s output in the
-model's dtype, [video rows, hidden]) and keeps that tensor alive, as a local, through every block: 1.5 GiB at
-149,936 tokens, as large as the residual stream itself. Nothing reads it after the assembly (0.33 and current
-upstream), so on the block fast path the pack hands its memory back when the first DiT block starts.
-
-How: the video patch projection's forward records its output, already cast to the call's dtype (the same cast
-stock's ``.to(dtype)`` makes, which then returns that very tensor); the APPLY_MODEL wrapper tells it the dtype
-and scopes the record to one model call; the first block call releases the storage. A reader of the
-released tensor would raise (a storage of size 0), never read stale values. Under torch.compile and under
-current ComfyUI's Comfy Compiler nothing is recorded: the forward keeps the embedding, as stock does."""
+"""Stock's H3 forward keeps the video embedding it assembled the residual stream from (1.5 GiB at 149,936 tokens)
+alive through every block, though nothing reads it again; on the block fast path the pack hands its memory back when
+the first DiT block starts (docs/ARCHITECTURE.md says how, and where it does not)."""
 
 from __future__ import annotations
 
@@ -19,7 +12,8 @@ VIDEO_PROJECTION = "diffusion_model.video_patch_proj"
 
 
 class EmbeddingRelease:
-    """One clone's state: the model call in progress, its compute dtype and the embedding recorded in it."""
+    """One clone's state: the model call in progress, its compute dtype and the embedding recorded in it. A reader of
+    the released tensor would raise (a storage of size 0), never read stale values."""
 
     sage_strided_nhd = True  # ownership mark (see ownership.py)
 
@@ -31,9 +25,8 @@ class EmbeddingRelease:
 
     @contextlib.contextmanager
     def model_call(self, model, device):
-        """One model call of ``model`` (a BaseModel) on ``device``: the clone's APPLY_MODEL wrapper, outside any
-        compiled region. The call's compute dtype is the one ComfyUI casts H3's context to. Nothing is recorded
-        where the Comfy Compiler records the forward (``comfy_compiler_records``)."""
+        """One model call of ``model`` (a BaseModel) on ``device`` (the clone's APPLY_MODEL wrapper): its compute
+        dtype, the one ComfyUI casts H3's context to; none where the Comfy Compiler records the forward."""
         dtype = getattr(model, "get_dtype_inference", lambda: None)()
         self.dtype = None if device is None or comfy_compiler_records(device) else dtype
         self.embedding = None
@@ -43,8 +36,8 @@ class EmbeddingRelease:
             self.dtype = self.embedding = None
 
     def __call__(self, rows, *args, **kwargs):
-        """The video patch projection's forward (this object is the patch): stock's, cast to the call's dtype,
-        recorded."""
+        """The video patch projection's forward (this object is the patch): stock's, then the cast stock's
+        ``.to(dtype)`` makes (which then returns this very tensor), recorded."""
         out = type(self.projection).forward(self.projection, rows, *args, **kwargs)
         if torch.compiler.is_compiling() or self.dtype is None:
             return out
@@ -53,8 +46,7 @@ class EmbeddingRelease:
         return out
 
     def release(self, residual: torch.Tensor) -> None:
-        """At a block's start: the recorded embedding's memory handed back (the report gets its bytes), if one was
-        recorded. Never the residual stream's own storage."""
+        """At a block's start: the recorded embedding's memory handed back (never the residual stream's own)."""
         if torch.compiler.is_compiling():
             return
         embedding, self.embedding = self.embedding, None
@@ -69,10 +61,9 @@ class EmbeddingRelease:
 
 
 def comfy_compiler_records(device) -> bool:
-    """Current ComfyUI's "Comfy Compiler" (comfy-aimdo's malloc graph, 0.34+) records the forwards on ``device``.
-    There an allocation must be freed in the scope that made it, or live to the forward's end: the embedding is
-    the forward's, and freeing it in a block's scope would fail the graph (comfy-aimdo then aborts the process).
-    The graph plans the forward's memory itself; the embedding stays, as stock keeps it."""
+    """Current ComfyUI's "Comfy Compiler" (comfy-aimdo's malloc graph, 0.34+) records the forwards on ``device``: an
+    allocation freed outside the scope that made it would fail the graph (comfy-aimdo aborts the process), and the
+    graph plans the forward's memory itself. The embedding stays, as stock keeps it."""
     import comfy.model_prefetch
 
     enabled = getattr(comfy.model_prefetch, "malloc_graph_enabled", None)

@@ -11,27 +11,6 @@ from .patch import InstalledPatch, Plan, Settings
 from .report import RunReport
 
 
-def _mask_4d(mask):
-    """ComfyUI's own broadcast rule: [S, S] / [B, S, S] -> [B, H, S, S]."""
-    while mask is not None and mask.ndim in (2, 3):
-        mask = mask.unsqueeze(0 if mask.ndim == 2 else 1)
-    return mask
-
-
-class AttentionOverride:
-    """``optimized_attention_override`` for one patched clone."""
-
-    sage_strided_nhd = True  # ownership mark (see ownership.py)
-
-    def __init__(self, patch: InstalledPatch):
-        self.patch = patch
-
-    def __call__(self, func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
-                 skip_output_reshape=False, **kwargs):
-        return _override_call(self.patch, func, q, k, v, heads, mask=mask, attn_precision=attn_precision,
-                              skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape, **kwargs)
-
-
 def _nhd_views(q, k, v, heads, skip_reshape):
     """(q, k, v as NHD views, heads, head_dim), or the reason (a string) the call's shape is left to stock."""
     if q.dim() != (4 if skip_reshape else 3):
@@ -45,36 +24,49 @@ def _nhd_views(q, k, v, heads, skip_reshape):
     return tuple(t.view(t.shape[0], t.shape[1], heads, d) for t in (q, k, v)), heads, d
 
 
-@torch.compiler.disable
-def _override_call(patch: InstalledPatch, func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
-                   skip_output_reshape=False, **kwargs):
-    """The override's work and its record; never traced by dynamo."""
-    def stock(code, reason):
-        patch.report.record_stock(code, reason)
-        return func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
-                    skip_output_reshape=skip_output_reshape, **kwargs)
+class AttentionOverride:
+    """``optimized_attention_override`` for one patched clone."""
 
-    if kwargs.get("enable_gqa", False):
-        return stock("model_request", "grouped-query attention (enable_gqa) is left to ComfyUI's attention")
-    if kwargs.get("low_precision_attention", True) is False:
-        return stock("model_request", "the model turned off low-precision attention for this call")
-    shaped = _nhd_views(q, k, v, heads, skip_reshape)
-    if isinstance(shaped, str):
-        return stock("shape", shaped)
-    views, h, d = shaped
-    try:
-        out, rec = kernels.attention_nhd(*views, chain=patch.plan.default, layout=patch.settings.layout,
-                                         mask=_mask_4d(mask), scale=kwargs.get("scale"))
-    except kernels.NoBackendError as exc:
-        return stock("no_backend", str(exc))
-    if skip_output_reshape:
-        result = out.transpose(1, 2)
-    else:
-        flat, copies = kernels.token_major(out)
-        rec.copies += copies
-        result = flat.view(q.shape[0], -1, h * d)
-    patch.report.record(rec)
-    return result
+    sage_strided_nhd = True  # ownership mark (see ownership.py)
+
+    def __init__(self, patch: InstalledPatch):
+        self.patch = patch
+
+    @torch.compiler.disable
+    def __call__(self, func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                 skip_output_reshape=False, **kwargs):
+        """The override's work and its record; never traced by dynamo."""
+        patch = self.patch
+
+        def stock(code, reason):
+            patch.report.record_stock(code, reason)
+            return func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                        skip_output_reshape=skip_output_reshape, **kwargs)
+
+        if kwargs.get("enable_gqa", False):
+            return stock("model_request", "grouped-query attention (enable_gqa) is left to ComfyUI's attention")
+        if kwargs.get("low_precision_attention", True) is False:
+            return stock("model_request", "the model turned off low-precision attention for this call")
+        shaped = _nhd_views(q, k, v, heads, skip_reshape)
+        if isinstance(shaped, str):
+            return stock("shape", shaped)
+        views, h, d = shaped
+        mask4 = mask
+        while mask4 is not None and mask4.ndim in (2, 3):  # ComfyUI's broadcast: [S, S] / [B, S, S] -> [B, H, S, S]
+            mask4 = mask4.unsqueeze(0 if mask4.ndim == 2 else 1)
+        try:
+            out, rec = kernels.attention_nhd(*views, chain=patch.plan.default, layout=patch.settings.layout,
+                                             mask=mask4, scale=kwargs.get("scale"))
+        except kernels.NoBackendError as exc:
+            return stock("no_backend", str(exc))
+        if skip_output_reshape:
+            result = out.transpose(1, 2)
+        else:
+            flat, copies = kernels.token_major(out)
+            rec.copies += copies
+            result = flat.view(q.shape[0], -1, h * d)
+        patch.report.record(rec)
+        return result
 
 
 def patch_model(model_patcher, settings: Settings, node_id=None, notes=()):

@@ -1,10 +1,6 @@
-"""One report per sampling run: what the patched attention actually did. The patched forwards and the override
-record every call's ``kernels.CallRecord`` here; the OUTER_SAMPLE wrapper (patch.py) opens and closes each run, and
-the report goes out once a run: its log lines and one UI event. Every number is counted or measured, but for what
-ComfyUI was told the model needs (memory.py).
-
-UI event ``REPORT_EVENT``, sent with ``PromptServer.instance.send_sync`` to the client that queued the prompt. Payload
-(every key always present, JSON types; reasons are data: a ``code`` from ``kernels.REASON_CODES`` and the sentence)::
+"""One report per sampling run (the OUTER_SAMPLE wrapper opens and closes it): what the patched attention did, every
+number counted or measured but ComfyUI's estimate; logged and sent as ``REPORT_EVENT`` to the client that queued the
+prompt. Payload (every key always present; reasons are data: a ``kernels.REASON_CODES`` code and the sentence)::
 
     {
       "schema": 4,                         # bumped when a key changes meaning
@@ -69,8 +65,7 @@ TAKEN_AWAY = "forward_taken_away"  # the note of rule 10 (conflicts.forward_take
 
 
 class RunReport:
-    """Static facts about one patch plus what the sampling run in progress did. It records and
-    reports; it never decides anything (the plan does, see patch.py)."""
+    """Static facts about one patch and what the sampling run in progress did; it never decides (the plan does)."""
 
     def __init__(self, *, node_id, model_family, path, settings, blocks_patched=0, refiner_blocks_patched=0,
                  replaced_own_patch=False, notes=()):
@@ -107,13 +102,11 @@ class RunReport:
         self.released_bytes = max(self.released_bytes or 0, int(nbytes))
 
     def estimated(self, nbytes, by: str) -> None:
-        """An answer of ``memory_required`` for the run's latent (memory.run_estimate): the smallest (one batch, what
-        ComfyUI keeps free at least) is the report's, ``by`` "pack" or "comfyui"."""
+        """``memory_required`` for the run's latent, by "pack" or "comfyui": the smallest (one batch) is kept."""
         if self.estimate is None or nbytes < self.estimate["bytes"]:
             self.estimate = {"bytes": int(nbytes), "by": by}
 
-    def record(self, rec) -> None:
-        """One call through a back-end (its ``kernels.CallRecord``)."""
+    def record(self, rec) -> None:  # one call through a back-end (its kernels.CallRecord)
         self.calls += 1
         self.backends[rec.backend] += 1
         for s in rec.skipped:
@@ -127,24 +120,20 @@ class RunReport:
             self.prepared_skipped[(s.backend, s.code, s.reason)] += 1
         self.compile_events.extend(dict(e) for e in rec.compiled)
 
-    def record_int8(self, problem: str | None) -> None:
-        """One int8 ConvRot linear call: quantised by the pack's pass (None), or by stock's, and why."""
+    def record_int8(self, problem: str | None) -> None:  # an int8 ConvRot call on the pack's quantiser, or why not
         if problem is None:
             self.int8_own += 1
         else:
             self.int8_stock[(problem,)] += 1
 
-    def record_layout(self, layout: str) -> None:
-        """One call of a linear quantized in a layout the int8 route does not take: stock's own call ran it."""
+    def record_layout(self, layout: str) -> None:  # a linear in a layout the int8 route does not take
         self.other_quantized[(layout,)] += 1
 
-    def record_stock(self, code: str, reason: str) -> None:
-        """One call handed back to ComfyUI's own attention function (override path)."""
+    def record_stock(self, code: str, reason: str) -> None:  # a call handed back to ComfyUI's attention (override)
         self.stock_calls += 1
         self.fallbacks[("stock", code, reason)] += 1
 
-    def planned(self, plan) -> None:
-        """The sampling run's plan (patch.Plan): its notes and block counts."""
+    def planned(self, plan) -> None:  # the sampling run's patch.Plan: its notes and block counts
         self.notes = self.patch_notes + [asdict(n) for n in plan.notes]
         if self.static["path"] == "h3_forward_patch":
             self.run = {"blocks_patched": plan.blocks_patched, "refiner_blocks_patched": plan.refiner_blocks_patched,
@@ -271,8 +260,12 @@ def _int8_lines(p: dict) -> list[str]:
               for r in p["int8_stock_quantizer"]]
     lines += [f"{r['layout']} linears: stock's call ({r['count']} calls; the int8 route takes int8 ConvRot only)"
               for r in p["other_quantized_linears"]]
-    if p["comfy_kitchen"] is not None:
-        lines.append(kitchen_line(p["comfy_kitchen"], route_ran=p["int8_own_quantizer_calls"] > 0))
+    if (status := p["comfy_kitchen"]) is not None:  # its release, and whether the route ran (not on a CPU) or why not
+        route = KITCHEN_ROUTES.get(status.get("route"), f"int8 route {status.get('route')}")
+        if not p["int8_own_quantizer_calls"] and status.get("route") in KITCHEN_UNRUN:
+            route = KITCHEN_UNRUN[status["route"]]
+        lines.append(f"comfy-kitchen {status.get('release') or '(release unknown)'}: {route}"
+                     + (f" ({status['reason']})" if status.get("reason") else ""))
     if (gemm := p["int8_gemm"]) is not None:  # "int8 GEMM: the pack's (Triton)", or comfy-kitchen's CUTLASS (why)
         kernel = GEMM_KERNELS.get(gemm.get("kernel"), str(gemm.get("kernel")))
         kernel += SELF_CHECKED_GEMM if gemm.get("release") == "self_checked" else ""
@@ -304,16 +297,6 @@ def _asked(ask, what: str, **on_error) -> dict:
         return dict(ask())
     except Exception as exc:
         return {**on_error, "reason": f"asking for {what} raised {type(exc).__name__}: {exc}"}
-
-
-def kitchen_line(status: dict, route_ran: bool = True) -> str:
-    """"comfy-kitchen 0.2.40: verified for the int8 route" (and why, when the route is off), or that the route did
-    not run where the release allows it but no call took it (a CPU)."""
-    release = status.get("release") or "(release unknown)"
-    route = KITCHEN_ROUTES.get(status.get("route"), f"int8 route {status.get('route')}")
-    if not route_ran and status.get("route") in KITCHEN_UNRUN:
-        route = KITCHEN_UNRUN[status["route"]]
-    return f"comfy-kitchen {release}: {route}" + (f" ({status['reason']})" if status.get("reason") else "")
 
 
 # the Gluon kernel on a Triton release it was not measured with runs (or not) by a first-use bits check

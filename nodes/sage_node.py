@@ -85,14 +85,11 @@ class SageStridedNHDAttention(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, sage2_prep="exact", block_path="exact"):
-        """These two inputs are checked here, not against their options, so that a workflow saved with a
-        removed value (``REMOVED_VALUES``) still runs. A value linked from another node (a primitive, a switch)
-        comes as None here, before that node ran: ``execute`` checks the value that arrives."""
-        for name, value in (("sage2_prep", sage2_prep), ("block_path", block_path)):
-            problem = None if value is None else value_problem(name, value)
-            if problem is not None:
-                return problem
-        return True
+        """Checked here, not against the options, so that a workflow saved with a removed value (``REMOVED_VALUES``)
+        still runs. A linked value comes as None, before its node ran: ``execute`` checks the value that arrives."""
+        problems = [value_problem(name, value) for name, value in (("sage2_prep", sage2_prep),
+                                                                   ("block_path", block_path)) if value is not None]
+        return next((p for p in problems if p is not None), True)
 
     @classmethod
     def execute(cls, model, layout, backend, patch_text_refiner=True, sage2_prep="exact",
@@ -105,15 +102,17 @@ class SageStridedNHDAttention(io.ComfyNode):
         settings = Settings(layout=layout, backend=backend, prep_mode=prep_mode, patch_refiner=patch_text_refiner,
                             block_path=block_path)
         notes = tuple(n for n in (prep_note, block_note) if n is not None)
-        replaced = own_reports(model)
+        # the reports of this node's patches the input model carries: this patch replaces them
+        wrappers = getattr(model, "wrappers", {}).get(WrappersMP.OUTER_SAMPLE, {}).get(WRAPPER_KEY, [])
+        replaced = [w.__self__.report for w in wrappers if hasattr(getattr(w, "__self__", None), "report")]
         clone, patch = patch_any_model(model, settings, node_id=cls.hidden.unique_id, notes=notes)
         PROMPT_END.watch(patch.report, replaced)
         return io.NodeOutput(clone)
 
 
 def model_problem(model) -> str | None:
-    """Why ``model`` is not a diffusion model this node can patch (what it got, what it needs, what to do), or None.
-    A custom node can hand any object to a MODEL input: a CLIP or VAE, or a MODEL around a text encoder."""
+    """Why ``model`` (a custom node can hand any object to a MODEL input) is not a diffusion model this node can
+    patch: what it got, what it needs, what to do; or None."""
     todo = ("Connect the MODEL output of a diffusion model loader (Load Diffusion Model, Load Checkpoint) or of a "
             "node that passes such a model on.")
     if not callable(getattr(model, "get_model_object", None)):
@@ -129,17 +128,10 @@ def model_problem(model) -> str | None:
     return None
 
 
-def own_reports(model) -> list:
-    """The reports of this node's patches the input model carries (a patch of this node replaces them)."""
-    wrappers = getattr(model, "wrappers", {}).get(WrappersMP.OUTER_SAMPLE, {}).get(WRAPPER_KEY, [])
-    return [w.__self__.report for w in wrappers if hasattr(getattr(w, "__self__", None), "report")]
-
-
 class PromptEnd:
-    """A report for every prompt the node ran in. Where no sampling run used the patched model (ComfyUI's samplers
-    return the latent before any wrapper runs when they have no step to take: denoise 0), nothing else reports, so
-    at the prompt's end the patch's report says so. ComfyUI's one public hook there is a cache provider's
-    ``on_prompt_end``: the hook is registered only while such a prompt runs, and caches nothing."""
+    """A report for every prompt the node ran in: where no sampling run used the patched model (denoise 0), the
+    patch's report says so at the prompt's end. ComfyUI's one public hook there is a cache provider's
+    ``on_prompt_end``, registered only while such a prompt runs; it caches nothing."""
 
     def __init__(self):
         self.reports = []
@@ -162,8 +154,7 @@ class PromptEnd:
             report.unsampled()
 
 
-def _prompt_end_hook(owner):
-    """The cache provider that tells ``owner`` a prompt ended; None on a ComfyUI without cache providers."""
+def _prompt_end_hook(owner):  # the cache provider that tells ``owner``; None on a ComfyUI without them
     try:
         from comfy_api.latest import Caching
         from comfy_execution import cache_provider  # noqa: F401  (what Caching.register_provider calls)
@@ -187,8 +178,6 @@ def _prompt_end_hook(owner):
 
 
 PROMPT_END = PromptEnd()
-
-
 NODES = [SageStridedNHDAttention]
 
 
