@@ -101,7 +101,7 @@ def declining_gemm(declines: set, ran: list | None = None):
     shape: None for an output width in ``declines``, or, with "k" in it, for a fused qkv weight's K rows (a slice
     that starts its own size into the weight: rows [inner, 2 * inner)). ``ran``: each GEMM's output width. A
     ``residual`` with its ``gate`` gets the product added as stock's ``addcmul_`` does, and is returned."""
-    def gemm(xq, xs, qdata, w_scale, bias, out_dtype, residual=None, gate=None):
+    def gemm(xq, xs, qdata, w_scale, bias, out_dtype, residual=None, gate=None, kernel=None):
         k_rows = qdata.storage_offset() == qdata.shape[0] * qdata.shape[1] > 0
         if qdata.shape[0] in declines or (k_rows and "k" in declines):
             return None
