@@ -20,9 +20,16 @@ from .report import RunReport
 
 H3_MODEL_CLASS = "comfy.ldm.minimax.model.MiniMaxH3Model"
 FORWARD_PARAMS = ("self", "x", "rope_freqs", "transformer_options")
-# Q, K and V from three projections instead of the fused qkv_proj: split-QKV checkpoints (DT-sQKV, loaded by
-# ComfyUI-H3-DTsQKV's Attention, which may also lay a read-only ``qkv_proj`` view over them that is no submodule)
-SEPARATE_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+# Attention modules without the fused qkv_proj, by the registered submodule that shows it (a read-only ``qkv_proj``
+# view laid over q/k/v, as ComfyUI-H3-DTsQKV may lay, is no submodule and is never touched: it would concatenate)
+DECLINED_PROJECTIONS = (
+    (("q_proj", "k_proj", "v_proj"), "separate_qkv_declined",
+     "separate q/k/v projections: {found} of {total} H3 attention modules project Q, K and V with q_proj/k_proj/v_proj "
+     "(a split-QKV checkpoint such as DT-sQKV) instead of one fused qkv_proj"),
+    (("qv_proj",), "keyless_declined",
+     "no K projection: {found} of {total} H3 attention modules project a packed qv_proj (a \"Keyless\" H3 checkpoint) "
+     "instead of one fused qkv_proj"),
+)
 
 
 class H3StructureError(ValueError):
@@ -43,35 +50,17 @@ def attention_keys(diffusion_model, patch_refiner: bool) -> list[str]:
     return keys
 
 
-def separate_projections(attn) -> bool:
-    """``attn`` projects Q, K and V with separate submodules: there is no fused buffer to take views of. Reads the
-    registered submodules only (a fused ``qkv_proj`` view laid over them would concatenate the weights if touched)."""
-    modules = getattr(attn, "_modules", {})
-    return any(modules.get(name) is not None for name in SEPARATE_PROJECTIONS)
-
-
-def separate_projections_note(model_patcher, prefixes) -> Note | None:
-    """Why the node declines a split-QKV checkpoint (any attention module with separate projections), or None."""
-    found = [p for p in prefixes if separate_projections(model_patcher.get_model_object(p))]
-    if not found:
-        return None
-    return Note("separate_qkv_declined", (
-        f"separate q/k/v projections: {len(found)} of {len(prefixes)} H3 attention modules project Q, K and V with "
-        "q_proj/k_proj/v_proj (a split-QKV checkpoint such as DT-sQKV) instead of one fused qkv_proj, so there is no "
-        "fused buffer to take Q/K/V views of. Nothing was patched: stock ComfyUI runs every block, with its own "
-        "attention and bits. Remove this node for this checkpoint, or load a checkpoint with a fused qkv_proj."))
-
-
-def keyless_note(model_patcher, prefixes) -> Note | None:
-    """Why the node declines a "Keyless" H3 checkpoint (a packed ``qv_proj`` and no K projection), or None."""
-    found = [p for p in prefixes if getattr(model_patcher.get_model_object(p), "_modules", {}).get("qv_proj")
-             is not None]
-    if not found:
-        return None
-    return Note("keyless_declined", (
-        f"no K projection: {len(found)} of {len(prefixes)} H3 attention modules project a packed qv_proj (a "
-        "\"Keyless\" H3 checkpoint) instead of one fused qkv_proj, so there is no fused Q/K/V buffer to take views "
-        "of. Nothing was patched: stock ComfyUI runs every block, with its own attention and bits."))
+def declined_note(model_patcher, prefixes) -> Note | None:
+    """Why the node declines a checkpoint whose attention has no fused qkv_proj (``DECLINED_PROJECTIONS``), or None."""
+    for names, code, text in DECLINED_PROJECTIONS:
+        found = [p for p in prefixes
+                 if any(getattr(model_patcher.get_model_object(p), "_modules", {}).get(n) is not None for n in names)]
+        if found:
+            return Note(code, text.format(found=len(found), total=len(prefixes)) + (
+                ", so there is no fused buffer to take Q/K/V views of. Nothing was patched: stock ComfyUI runs every "
+                "block, with its own attention and bits. Remove this node for this checkpoint, or load one with a "
+                "fused qkv_proj."))
+    return None
 
 
 def structure_problems(attn) -> list[str]:
@@ -266,7 +255,7 @@ def patch_model(model_patcher, settings: Settings, node_id=None, notes=()):
     if not is_h3_model(diffusion_model):
         raise ValueError(f"{NODE}: {type(diffusion_model).__name__} is not {H3_MODEL_CLASS}")
     prefixes = attention_keys(diffusion_model, settings.patch_refiner)
-    declined = separate_projections_note(model_patcher, prefixes) or keyless_note(model_patcher, prefixes)
+    declined = declined_note(model_patcher, prefixes)
     if declined is not None:
         return _declined_patch(model_patcher, settings, node_id, tuple(notes) + (declined,))
     conflicts.check_override_at_patch(model_patcher, "h3_forward_patch")
