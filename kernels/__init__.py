@@ -1,6 +1,7 @@
 """Strided NHD attention, the H3 block's passes and memory model, the int8 ConvRot route; no ComfyUI import.
 nodes/ imports only it."""
 
+from . import int8_w4a8
 from .backends import BACKENDS
 from .backends.base import REASON_CODES
 from .chain import BACKEND_CHOICES, BackendChain, CallRecord, NoBackendError
@@ -21,6 +22,7 @@ __all__ = ["BACKENDS", "BACKEND_CHOICES", "CONVROT_GROUP", "LAYOUTS", "PREPARED_
            "CallRecord", "GemmDeclined", "NoBackendError", "PendingModulation", "PendingResidual", "QKNorm",
            "RowProjection", "attention_from_fused_qkv", "attention_from_projection", "attention_nhd",
            "block_peak_bytes", "block_phases", "clip_segments", "gemm_choice", "gemm_status", "int8_call_problem",
+           "int8_w4a8",
            "int8_column_products", "int8_linear_routed", "int8_quantized_rows", "int8_rows_problem",
            "int8_weight_problem", "kitchen_release_status", "model_call_bytes", "settled", "stock_int8_linear",
            "swiglu", "token_chunks", "token_major"]
