@@ -1,4 +1,4 @@
-"""Timing, memory and kernel-count primitives (no ComfyUI import). Variants are always timed interleaved (A, B, C,
+"""Timing and memory primitives (no ComfyUI import). Variants are always timed interleaved (A, B, C,
 then B, C, A, ...): a GPU's speed drifts by a few percent over minutes."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from collections import Counter
 from typing import Callable
 
 import torch
@@ -120,75 +119,3 @@ def max_abs_difference(a: torch.Tensor, b: torch.Tensor, rows: int = 8192) -> di
 
 def all_finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
-# Names the profiler gives to device activity that is not a kernel launch.
-_NOT_KERNELS = ("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")
-
-# Kernel families of an H3 block, by name: the matrix products and the attention kernel are what an
-# exact path must run as stock runs them; everything else is what a fast path can fuse or drop.
-_FAMILIES = (("attention", ("attn_kernel", "attention", "flash", "fmha", "_attn_fwd", "sdpa")),
-             ("gemm", ("nvjet", "gemm", "Gemm", "cutlass", "sm90_xmma", "cublas")))
-
-
-FAMILIES = tuple(family for family, _ in _FAMILIES) + ("other",)
-
-
-def kernel_family(name: str) -> str:
-    for family, needles in _FAMILIES:
-        if any(n in name for n in needles):
-            return family
-    return "other"
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _is_large_copy(event, large_numel: int) -> bool:
-    shapes = [s for s in (event.input_shapes or []) if isinstance(s, (list, tuple)) and s]
-    return any(_numel(s) >= large_numel for s in shapes)
-
-
-def profile_kernels(fn: Callable[[], object], device: torch.device, large_numel: int, calls: int = 1) -> dict:
-    """Device kernels one ``fn()`` launches (torch.profiler over ``calls`` calls; per call), and the layout copies:
-    ``aten::copy_`` with an operand of at least ``large_numel`` elements."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    fn()  # warm: lazy inits and allocator growth stay out of the count
-    synchronize(device)
-    with profile(activities=activities, record_shapes=True) as prof:
-        for _ in range(calls):
-            fn()
-            synchronize(device)
-    kernels: Counter = Counter()
-    kernel_us: Counter = Counter()
-    family_us: Counter = Counter()
-    large_copies = 0
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            if getattr(event, "is_user_annotation", False) or event.name.startswith(("## ",) + _NOT_KERNELS):
-                continue  # a range on the device timeline (inductor's graph calls) or a transfer
-            kernels[event.name] += 1
-            kernel_us[event.name] += event.time_range.elapsed_us()
-            family_us[kernel_family(event.name)] += event.time_range.elapsed_us()
-        elif event.name == "aten::copy_" and _is_large_copy(event, large_numel):
-            large_copies += 1
-    return {"kernel_launches": sum(kernels.values()) // calls if cuda else None,
-            "large_copy_ops": large_copies // calls,
-            "kernel_ms": ({f: round(family_us[f] / 1e3 / calls, 3) for f in ("attention", "gemm", "other")}
-                          if cuda else None),
-            "kernels": {n: c // calls for n, c in sorted(kernels.items())},
-            "kernel_ms_by_name": ({n: round(us / 1e3 / calls, 3) for n, us in kernel_us.most_common()}
-                                  if cuda else None)}
-
-
-def kernel_difference(baseline: dict, new: dict) -> dict:
-    removed = Counter(baseline) - Counter(new)
-    added = Counter(new) - Counter(baseline)
-    return {"removed": dict(sorted(removed.items())), "added": dict(sorted(added.items()))}

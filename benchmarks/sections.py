@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -15,6 +16,7 @@ from devkit.h3 import packed_token_count
 
 from . import measure
 from .isolated_attention import compare_layouts
+from .step_timeline import profile_kernels
 
 PROFILED_CALLS = 3  # profiled block calls per variant: kernel counts and times are per call
 
@@ -224,7 +226,7 @@ def _profile_block(bench: Bench, patcher, index: int, large: int) -> dict:
     with object_patches_applied(patcher) as dm:
         block = dm.blocks[index]
         inputs = [x0.clone() for _ in range(PROFILED_CALLS + 1)]  # the warm call's and the profiled calls'
-        return measure.profile_kernels(
+        return profile_kernels(
             lambda: block(inputs.pop(), t_emb, segments, rope, transformer_options=transformer_options),
             bench.device, large, calls=PROFILED_CALLS)
 
@@ -247,9 +249,9 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
     if "hnd" in counts and "strided_nhd" in counts:
         h, s = counts["hnd"]["kernel_launches"], counts["strided_nhd"]["kernel_launches"]
         result["removed_kernel_launches"] = None if h is None else h - s
-        delta = measure.kernel_difference(counts["hnd"]["kernels"], counts["strided_nhd"]["kernels"])
-        result["removed_kernels"] = ", ".join(f"{n} x{c}" for n, c in delta["removed"].items()) or "none"
-        result["added_kernels"] = delta["added"]
+        hnd, nhd = Counter(counts["hnd"]["kernels"]), Counter(counts["strided_nhd"]["kernels"])
+        result["removed_kernels"] = ", ".join(f"{n} x{c}" for n, c in sorted((hnd - nhd).items())) or "none"
+        result["added_kernels"] = dict(sorted((nhd - hnd).items()))
         result["large_bf16_layout_copy_instances_after"] = counts["strided_nhd"]["large_copy_ops"]
     result["kernels"] = {n: c["kernels"] for n, c in counts.items()}
     result["kernel_ms_by_family"] = {n: c["kernel_ms"] for n, c in counts.items()}

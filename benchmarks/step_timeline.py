@@ -1,15 +1,18 @@
-"""Where one sampling step's time goes on the device (torch.profiler's device activity): kernels, weight copies to
-the card, the part of those copies no kernel ran beside, and waits; with nvidia-ml-py, the card's SM clock, power
-and temperature while each kernel family ran (a card at its power cap runs the same kernel slower).
-``summarize`` is interval arithmetic on ``(kind, start_us, end_us, name)`` (the CPU tests feed it made-up timelines).
+"""torch.profiler's device activity. Where one sampling step's time goes: kernels, weight copies to the card, the
+part of those copies no kernel ran beside, and waits; with nvidia-ml-py, the card's SM clock, power and temperature
+while each kernel family ran (a card at its power cap runs the same kernel slower). ``summarize`` is interval
+arithmetic on ``(kind, start_us, end_us, name)`` (the CPU tests feed it made-up timelines). Torch is imported only
+inside the functions: a budget cell must start comfy-aimdo first. ``profile_kernels``: the kernels one call launches.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
+import statistics
 import threading
 import time
-
+from collections import Counter
 
 KERNEL, HOST_TO_DEVICE, OTHER_COPY = "kernel", "host_to_device", "other_copy"
 
@@ -22,6 +25,26 @@ def activity_kind(name: str) -> str | None:
     if name.startswith("## "):  # a user range on the device timeline
         return None
     return KERNEL
+
+
+# Kernel families of an H3 block, by name: the matrix products and the attention kernel are what an
+# exact path must run as stock runs them; everything else is what a fast path can fuse or drop.
+_FAMILIES = (("attention", ("attn_kernel", "attention", "flash", "fmha", "_attn_fwd", "sdpa")),
+             ("gemm", ("nvjet", "gemm", "Gemm", "cutlass", "sm90_xmma", "cublas")))
+FAMILIES = tuple(family for family, _ in _FAMILIES) + ("other",)
+
+
+def kernel_family(name: str) -> str:
+    return next((family for family, needles in _FAMILIES if any(n in name for n in needles)), "other")
+
+
+def device_activities(events) -> list[tuple]:
+    """``(kind, start_us, end_us, name)`` of the device activity among torch.profiler's ``events``."""
+    import torch
+
+    return [(activity_kind(e.name), e.time_range.start, e.time_range.end, e.name) for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+            and activity_kind(e.name) is not None]
 
 
 def union(intervals) -> list[tuple[float, float]]:
@@ -41,23 +64,6 @@ def length(intervals) -> float:
     return sum(b - a for a, b in intervals)
 
 
-def minus(intervals, other) -> list[tuple[float, float]]:
-    """The parts of disjoint sorted ``intervals`` that disjoint sorted ``other`` does not cover."""
-    out, j = [], 0
-    for start, end in intervals:
-        while j < len(other) and other[j][1] <= start:
-            j += 1
-        k, at = j, start
-        while k < len(other) and other[k][0] < end:
-            if other[k][0] > at:
-                out.append((at, other[k][0]))
-            at = max(at, other[k][1])
-            k += 1
-        if at < end:
-            out.append((at, end))
-    return out
-
-
 TOP_KERNELS = 16  # the longest-running kernels a summary names
 NAME_CHARS = 120  # of each name (C++ template names run to thousands of characters)
 
@@ -66,8 +72,6 @@ def summarize(activities, wall_seconds: float) -> dict:
     """Seconds of one step: ``kernels`` (any running), ``host_to_device`` (a copy to the card running),
     ``host_to_device_exposed`` (no kernel beside), ``idle`` (the rest); kernel seconds per family and of the
     ``TOP_KERNELS`` longest (summed by name), and the counts."""
-    from .measure import FAMILIES, kernel_family  # (imports torch: a budget cell must start comfy-aimdo first)
-
     by_kind: dict[str, list] = {KERNEL: [], HOST_TO_DEVICE: [], OTHER_COPY: []}
     family_us = dict.fromkeys(FAMILIES, 0.0)
     name_us: dict[str, float] = {}
@@ -81,7 +85,7 @@ def summarize(activities, wall_seconds: float) -> dict:
     h2d = union(by_kind[HOST_TO_DEVICE])
     busy = union(kernels + h2d + by_kind[OTHER_COPY])
     seconds = {"wall": wall_seconds, "kernels": length(kernels) / 1e6, "host_to_device": length(h2d) / 1e6,
-               "host_to_device_exposed": length(minus(h2d, kernels)) / 1e6,
+               "host_to_device_exposed": (length(union(kernels + h2d)) - length(kernels)) / 1e6,
                "idle": max(0.0, wall_seconds - length(busy) / 1e6)}
     return {"seconds": {k: round(v, 4) for k, v in seconds.items()},
             "kernel_seconds_by_family": {k: round(v / 1e6, 4) for k, v in family_us.items()},
@@ -93,8 +97,6 @@ def clocks_by_family(activities, samples, anchor) -> dict:
     """Mean SM clock, power and temperature of the ``samples`` ``(host_s, mhz, watts, celsius)`` inside a kernel, by
     family, and over the step. ``anchor`` ``(host_s, device_us)``: the step's first kernel, launched on an idle
     device, ties the host clock to the profiler's (microseconds apart; the kernels that matter run milliseconds)."""
-    from .measure import FAMILIES, kernel_family
-
     kernels = sorted((start, end, kernel_family(name)) for kind, start, end, name in activities if kind == KERNEL)
     starts = [k[0] for k in kernels]
     picked: dict[str, list] = {family: [] for family in ("step",) + FAMILIES}
@@ -107,11 +109,8 @@ def clocks_by_family(activities, samples, anchor) -> dict:
             picked[kernels[i][2]].append(values)
 
     def mean(rows):
-        if not rows:
-            return None
-        return {"sm_mhz": round(sum(r[0] for r in rows) / len(rows), 1),
-                "watts": round(sum(r[1] for r in rows) / len(rows), 1),
-                "celsius": round(sum(r[2] for r in rows) / len(rows), 1), "samples": len(rows)}
+        means = (round(statistics.fmean(column), 1) for column in zip(*rows))
+        return dict(zip(("sm_mhz", "watts", "celsius"), means), samples=len(rows)) if rows else None
 
     return {family: mean(rows) for family, rows in picked.items()}
 
@@ -175,18 +174,10 @@ class StepTimeline:
             torch.zeros(1, device=self._device)  # the step's first kernel, on the idle device: the clocks' anchor
 
     def stop(self) -> dict:
-        import torch
-
         wall = time.perf_counter() - self._started
         samples = self._clocks.stop() if self._clocks is not None else None
         self._profile.stop()
-        activities = []
-        for event in self._profile.events():
-            if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
-                continue
-            kind = activity_kind(event.name)
-            if kind is not None:
-                activities.append((kind, event.time_range.start, event.time_range.end, event.name))
+        activities = device_activities(self._profile.events())
         self._profile = None
         summary = summarize(activities, wall)
         if self._clocks is not None:
@@ -203,3 +194,39 @@ class StepTimeline:
         if self._profile is not None:
             self._profile.stop()
             self._profile = None
+
+
+def profile_kernels(fn, device, large_numel: int, calls: int = 1) -> dict:
+    """Device kernels one ``fn()`` launches (torch.profiler over ``calls`` calls; per call), and the layout copies:
+    ``aten::copy_`` with an operand of at least ``large_numel`` elements."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()  # warm: lazy inits and allocator growth stay out of the count
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 record_shapes=True) as prof:
+        for _ in range(calls):
+            fn()
+            if cuda:
+                torch.cuda.synchronize(device)
+    kernels, kernel_us, family_us = Counter(), Counter(), Counter()
+    for kind, start, end, name in device_activities(prof.events()):
+        if kind == KERNEL:
+            kernels[name] += 1
+            kernel_us[name] += end - start
+            family_us[kernel_family(name)] += end - start
+
+    def large_copy(event) -> bool:
+        shapes = [s for s in event.input_shapes or [] if isinstance(s, (list, tuple)) and s]
+        return event.name == "aten::copy_" and any(math.prod(s) >= large_numel for s in shapes)
+
+    large_copies = sum(large_copy(e) for e in prof.events())
+    return {"kernel_launches": sum(kernels.values()) // calls if cuda else None,
+            "large_copy_ops": large_copies // calls,
+            "kernel_ms": {f: round(family_us[f] / 1e3 / calls, 3) for f in FAMILIES} if cuda else None,
+            "kernels": {n: c // calls for n, c in sorted(kernels.items())},
+            "kernel_ms_by_name": ({n: round(us / 1e3 / calls, 3) for n, us in kernel_us.most_common()}
+                                  if cuda else None)}

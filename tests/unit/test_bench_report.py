@@ -16,6 +16,7 @@ from benchmarks.h3_reference_run import (REFERENCE_COPY, REFERENCE_KEYS_BY_SECTI
                                          reference_for, validation_names)
 from benchmarks.report import Report, correctness_table, first_contact_table, table_rows, text_table
 from benchmarks.sections import sampling_order
+from benchmarks.step_timeline import kernel_family
 
 ROOT = Path(__file__).resolve().parents[2]
 # The project's shared copy of the reference report, where there is one: a shared/ folder in the
@@ -271,7 +272,7 @@ def test_correctness_table_says_which_sampled_latents_matched_stock():
     ("void at::native::vectorized_layer_norm_kernel<c10::BFloat16, float, true>", "other"),
 ])
 def test_kernel_family_splits_a_block_into_attention_gemms_and_the_rest(name, family):
-    assert measure.kernel_family(name) == family
+    assert kernel_family(name) == family
 
 
 @pytest.mark.parametrize("shape, rows", [((37, 3, 8), 8), ((37, 3, 8), 100), ((1, 2, 5, 4), 1), ((), 8)])

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 from benchmarks import results_table
-from benchmarks.step_timeline import (HOST_TO_DEVICE, KERNEL, OTHER_COPY, activity_kind, clocks_by_family, minus,
-                                      summarize, union)
+from benchmarks.step_timeline import (HOST_TO_DEVICE, KERNEL, OTHER_COPY, activity_kind, clocks_by_family, summarize,
+                                      union)
 
 
 def test_activities_are_told_apart_by_their_cupti_names():
@@ -19,17 +17,6 @@ def test_activities_are_told_apart_by_their_cupti_names():
 
 def test_union_merges_overlaps_and_drops_empty_intervals():
     assert union([(5, 7), (0, 2), (1, 3), (3, 4), (9, 9)]) == [(0, 4), (5, 7)]
-
-
-@pytest.mark.parametrize("intervals, other, left", [
-    ([(0, 10)], [(2, 3), (5, 6)], [(0, 2), (3, 5), (6, 10)]),
-    ([(0, 10)], [(-5, 15)], []),
-    ([(0, 2), (4, 6)], [(1, 5)], [(0, 1), (5, 6)]),
-    ([(0, 2)], [], [(0, 2)]),
-    ([(3, 4)], [(0, 1), (5, 6)], [(3, 4)]),
-])
-def test_minus_leaves_what_the_other_does_not_cover(intervals, other, left):
-    assert minus(intervals, other) == left
 
 
 def test_a_step_splits_into_kernels_exposed_copies_and_idle():
