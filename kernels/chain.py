@@ -77,9 +77,6 @@ class BackendChain:
     backends: tuple[AttentionBackend, ...] = ()
     prepared: bool = True
 
-    def __post_init__(self):
-        object.__setattr__(self, "backends", tuple(self.backends))
-
     @classmethod
     def for_choice(cls, choice: str, *, prepared: bool = True) -> "BackendChain":
         """``auto``: every back-end, fastest first. A named back-end: it first, then the rest as fallbacks."""

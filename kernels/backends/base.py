@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -64,29 +63,12 @@ class Prepared:
     projected_chunks: int = 0         # token chunks of a projection taken by rows (0: handed whole)
 
 
-class PreparedPath(Protocol):
-    """The optional prepared-path capability (declared by ``prepared_modes``)."""
-
-    prepared_modes: tuple[str, ...]
-
-    def prepared_verdict(self, q, k, v) -> "Verdict":
-        """Can ``prepare`` take these NHD views (no mask)? Checked after ``available``/``supports``."""
-
-    def prepare(self, q, k, v, *, mode: str, scale: float | None) -> Prepared:
-        """The operands for ``attend``, from q, k, v as the call will attend them (normalised)."""
-
-    def attend(self, prepared: Prepared, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The kernel on prepared operands -> contiguous NHD [1, S, H, D] (written into ``out`` when given)."""
-
-    def prepare_projected(self, projection, kv, *, heads: int, mode: str, scale: float | None, norm,
-                          chunk: int) -> Prepared:
-        """Optional (``prepares_projected``): from a projection taken by token chunks, never whole: by columns (K
-        taken ahead as ``projection.k``, Q by ``q_rows(a, b)``, then V by ``v()``; ``kv`` None) or by whole rows
-        (``rows(a, b)``, then ``release()``; ``kv`` [S, 2*H*D]: the caller's K/V buffer); ``norm``: by row ranges."""
-
-
 class AttentionBackend:
-    """Base class: subclasses declare capabilities as class attributes (``max_element_offset`` None: 64-bit)."""
+    """Base class: subclasses declare capabilities as class attributes (``max_element_offset`` None: 64-bit).
+
+    A non-empty ``prepared_modes`` declares the optional prepared path: ``prepared_verdict(q, k, v)``, ``prepare(q, k,
+    v, *, mode, scale) -> Prepared`` and ``attend(prepared, out=None)``; ``prepares_projected`` adds
+    ``prepare_projected`` (a projection taken by token chunks). ``Sage2Backend`` documents each."""
 
     name: str = ""
     max_element_offset: int | None = None

@@ -34,16 +34,6 @@ def _installed() -> bool:
         return False
 
 
-def head_dim_rule(cap: tuple[int, int]) -> tuple[int, tuple[int, ...]]:
-    """(largest head_dim up to which every multiple of 8 is taken, extra sizes taken) on this arch."""
-    major = cap[0]
-    if major == 9:
-        return 256, ()
-    if major in (10, 11):
-        return 128, (256,)
-    return 128, ()
-
-
 def _compile_caches(module) -> list[tuple[str, dict]]:
     """The in-memory JIT caches (name, dict) of flash_attn.cute's interface functions."""
     interface = getattr(module, "interface", None) or sys.modules.get(f"{MODULE}.interface")
@@ -65,7 +55,6 @@ class Fa4Backend(AttentionBackend):
 
     def __init__(self):
         self.compile_events: list[dict] = []
-        self.import_seconds: float | None = None
         self._func = None
         self._caches: list[tuple[str, dict]] = []
         self._cap: tuple[int, int] | None = None
@@ -78,14 +67,12 @@ class Fa4Backend(AttentionBackend):
             return no("no_cuda", "no CUDA device")
         if cap[0] not in SUPPORTED_MAJORS:
             return no("gpu_arch", f"no fa4 kernel for compute capability {cap[0]}.{cap[1]}")
-        t0 = time.perf_counter()
         try:
             module = importlib.import_module(MODULE)
             func = module.flash_attn_func
         except Exception as exc:  # a broken cutlass-dsl runtime raises anything from ImportError to RuntimeError
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             return no("not_installed", f"flash_attn.cute not importable ({type(exc).__name__}: {first_line})")
-        self.import_seconds = time.perf_counter() - t0
         self._func = func
         self._caches = _compile_caches(module)
         self._cap = cap
@@ -94,11 +81,10 @@ class Fa4Backend(AttentionBackend):
         return YES
 
     def _supports(self, q, k, v, *, layout, mask=None):
-        if layout not in ("NHD", "HND"):
-            return no("layout", f"layout {layout!r} not supported")
         head_dim = q.shape[-1]
         cap = self._cap or gpu.capability(q.device) or (9, 0)
-        top, extra = head_dim_rule(cap)
+        # every multiple of 8 up to ``top`` is taken on this arch, and the ``extra`` sizes
+        top, extra = (256, ()) if cap[0] == 9 else (128, (256,) if cap[0] in (10, 11) else ())
         if not (head_dim % 8 == 0 and (8 <= head_dim <= top or head_dim in extra)):
             sizes = f"multiples of 8 up to {top}" + "".join(f" or {e}" for e in extra)
             return no("head_dim", f"head_dim {head_dim} not supported on compute capability {cap[0]}.{cap[1]} ({sizes})")

@@ -17,21 +17,17 @@ from .base import YES, AttentionBackend
 HOPPER_PRIORITY = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
-def priority(names):
-    """A context manager factory asking SDPA for ``names`` in order; None where PyTorch cannot set priorities."""
+@functools.cache
+def _hopper_priority():
+    """A factory of the context asking SDPA for ``HOPPER_PRIORITY`` in order; None where PyTorch cannot set one."""
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return None
     if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
         return None
-    order = [getattr(SDPBackend, name) for name in names]
+    order = [getattr(SDPBackend, name) for name in HOPPER_PRIORITY]
     return lambda: sdpa_kernel(order, set_priority=True)
-
-
-@functools.cache
-def _hopper_priority():
-    return priority(HOPPER_PRIORITY)
 
 
 def _kernel_priority(q: torch.Tensor):

@@ -107,7 +107,7 @@ def test_the_numbers_alone_catch_output_the_kernel_never_wrote(release_tag_bindi
 def test_the_chain_runs_the_next_back_end_and_says_why(release_tag_binding, device):
     g = torch.Generator().manual_seed(3)
     q, k, v = (t.to(device, torch.bfloat16) for t in torch.randn(3, 1, 512, 4, 128, generator=g).unbind(0))
-    out, rec = BackendChain("auto", [fresh_backend(), BACKENDS["sdpa"]]).run(q, k, v, layout="NHD")
+    out, rec = BackendChain("auto", (fresh_backend(), BACKENDS["sdpa"])).run(q, k, v, layout="NHD")
     assert rec.backend == "sdpa", rec
     (skip,) = rec.skipped
     assert skip.code == "self_test_failed" and "upstream PR #307" in skip.reason and str(device) in skip.reason, skip

@@ -118,7 +118,6 @@ def test_dispatched_arches_are_available(capability, fake, monkeypatch):
     with_gpu(monkeypatch, capability)
     b = Fa4Backend()
     assert b.available()
-    assert b.import_seconds is not None
     # 64-bit indexing is only trusted where it was run past 2**31; elsewhere the chain chunks heads.
     assert b.max_element_offset == (None if capability == (9, 0) else INT32_MAX_OFFSET)
 

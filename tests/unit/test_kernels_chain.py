@@ -135,7 +135,7 @@ def test_what_counts_as_a_fallback():
 def test_a_backend_that_raises_falls_to_the_next_and_is_logged_once(gen, caplog, monkeypatch):
     monkeypatch.setattr(chain_module, "_logged", set())
     q, k, v = nhd_inputs(gen)
-    chain = BackendChain("raising", [Raising(), SdpaBackend()])
+    chain = BackendChain("raising", (Raising(), SdpaBackend()))
     with caplog.at_level(logging.WARNING, logger="sage_strided_nhd"):
         for _ in range(3):
             out, rec = chain.run(q, k, v, layout="NHD")
@@ -151,14 +151,14 @@ def test_a_backend_that_raises_falls_to_the_next_and_is_logged_once(gen, caplog,
 def test_no_backend_left_is_a_clear_error(gen):
     q, k, v = nhd_inputs(gen)
     with pytest.raises(kernels.NoBackendError, match="missing: not installed in this test.*raising: raised"):
-        BackendChain("missing", [Unavailable(), Raising()]).run(q, k, v, layout="NHD")
+        BackendChain("missing", (Unavailable(), Raising())).run(q, k, v, layout="NHD")
 
 
 def test_no_backend_error_lists_every_backends_code_and_reason(gen):
     """One Skip per back-end with its code and kind, and every reason in the message (it once said "()")."""
     q, k, v = nhd_inputs(gen)
     with pytest.raises(kernels.NoBackendError) as info:
-        BackendChain("missing", [Unavailable(), Unsupported(), Raising()]).run(q, k, v, layout="NHD")
+        BackendChain("missing", (Unavailable(), Unsupported(), Raising())).run(q, k, v, layout="NHD")
     err = info.value
     assert err.skipped == (
         Skip("missing", "not_installed", "not installed in this test", "unavailable"),
@@ -217,7 +217,7 @@ def test_overflowing_offsets_are_split_into_compact_head_chunks(layout, gen):
     fake = FakeInt32Backend(limit=2_000)
     seq_dim = 1 if layout == "NHD" else 2
     assert not fits((q, k, v), seq_dim, fake.row_block, fake.max_element_offset)
-    out, rec = BackendChain("fake_int32", [fake]).run(q, k, v, layout=layout)
+    out, rec = BackendChain("fake_int32", (fake,)).run(q, k, v, layout=layout)
     assert rec.backend == "fake_int32" and rec.head_chunks == 3 and rec.compacted and rec.copies == 12
     assert fake.calls == [(1, 50, 2, 16) if layout == "NHD" else (1, 2, 50, 16)] * 3
     ref = SdpaBackend()(q, k, v, layout=layout)
@@ -228,14 +228,14 @@ def test_overflowing_offsets_are_split_into_compact_head_chunks(layout, gen):
 def test_inputs_within_the_limit_are_not_chunked(gen):
     q, k, v = nhd_inputs(gen, s=50, h=6, d=16)
     fake = FakeInt32Backend(limit=10**9)
-    _, rec = BackendChain("fake_int32", [fake]).run(q, k, v, layout="NHD")
+    _, rec = BackendChain("fake_int32", (fake,)).run(q, k, v, layout="NHD")
     assert rec.head_chunks == 1 and not rec.compacted and rec.copies == 0
 
 
 def test_a_sequence_too_long_for_even_one_head_falls_back(gen):
     q, k, v = nhd_inputs(gen, s=50, h=6, d=16)
     fake = FakeInt32Backend(limit=500)
-    out, rec = BackendChain("fake_int32", [fake, SdpaBackend()]).run(q, k, v, layout="NHD")
+    out, rec = BackendChain("fake_int32", (fake, SdpaBackend())).run(q, k, v, layout="NHD")
     assert rec.backend == "sdpa" and "one head exceeds" in rec.skipped[0].reason
     assert (rec.skipped[0].backend, rec.skipped[0].code, rec.skipped[0].kind) == ("fake_int32", "raised", "raised")
     assert fake.calls == []
@@ -260,7 +260,7 @@ def test_h3_fused_buffer_offsets_cross_int32_near_100k_tokens():
 def test_fused_views_past_the_limit_run_as_one_compact_chunk_when_it_fits(gen):
     q, k, v = nhd_inputs(gen, s=50, h=6, d=16)
     fake = FakeInt32Backend(limit=6_000)  # fused views reach ~16k, a compact copy of all heads 5,376
-    out, rec = BackendChain("fake_int32", [fake]).run(q, k, v, layout="NHD")
+    out, rec = BackendChain("fake_int32", (fake,)).run(q, k, v, layout="NHD")
     assert rec.head_chunks == 1 and rec.compacted and rec.copies == 4
     assert torch.equal(out, SdpaBackend()(q, k, v, layout="NHD"))
 
@@ -395,7 +395,7 @@ def test_the_prepared_path_runs_when_asked_and_the_verdict_says_yes(asked, norm_
     expect = normed_reference(q, k, v, norm_kind)
     norm = counting_norm() if norm_kind == "counting" else rope_norm(q)
     fake = FakePrepared()
-    out, rec = BackendChain("fake_prepared", [fake]).run(q, k, v, layout="NHD", scale=SCALE, norm=norm,
+    out, rec = BackendChain("fake_prepared", (fake,)).run(q, k, v, layout="NHD", scale=SCALE, norm=norm,
                                                          prepared_mode=asked)
     assert rec.backend == "fake_prepared" and rec.prepared == asked
     assert rec.prepared_skipped is None and rec.skipped == ()
@@ -413,7 +413,7 @@ def test_a_chain_with_prepared_paths_switched_off_runs_the_plain_call(gen):
     assert BackendChain.for_choice("sage2", prepared=False).prepared is False
     q, k, v = nhd_inputs(gen)
     norm, fake = counting_norm(), FakePrepared()
-    out, rec = BackendChain("fake_prepared", [fake], prepared=False).run(
+    out, rec = BackendChain("fake_prepared", (fake,), prepared=False).run(
         q, k, v, layout="NHD", scale=SCALE, norm=norm, prepared_mode="exact")
     assert rec.backend == "fake_prepared" and rec.prepared == ""
     assert rec.prepared_skipped == Skip("fake_prepared", "switched_off", "fake_prepared prepared path switched off",
@@ -426,7 +426,7 @@ def test_a_chain_with_prepared_paths_switched_off_runs_the_plain_call(gen):
 def test_a_prepared_verdict_no_is_recorded_and_the_plain_call_runs(gen):
     q, k, v = nhd_inputs(gen)
     norm, fake = counting_norm(), FakePrepared(verdict=no("too_long", "too long for the prepared path in this test"))
-    out, rec = BackendChain("fake_prepared", [fake]).run(q, k, v, layout="NHD", scale=SCALE, norm=norm,
+    out, rec = BackendChain("fake_prepared", (fake,)).run(q, k, v, layout="NHD", scale=SCALE, norm=norm,
                                                          prepared_mode="exact")
     assert rec.backend == "fake_prepared" and rec.prepared == ""
     assert rec.prepared_skipped == Skip("fake_prepared", "too_long", "too long for the prepared path in this test",
@@ -449,7 +449,7 @@ def test_the_prepared_path_is_only_asked_for_unmasked_nhd_calls_that_request_it(
         takes_mask = True
 
     fake = Masked()
-    _, rec = BackendChain("fake_prepared", [fake]).run(q, k, v, layout=layout, mask=mask, scale=SCALE,
+    _, rec = BackendChain("fake_prepared", (fake,)).run(q, k, v, layout=layout, mask=mask, scale=SCALE,
                                                        prepared_mode=prepared_mode)
     assert rec.prepared == "" and rec.prepared_skipped is None
     assert fake.counts["prepared_verdict"] == fake.counts["prepare"] == 0 and fake.counts["call"] == 1
@@ -460,7 +460,7 @@ def test_a_prepared_path_that_raises_falls_to_the_plain_call_and_the_norm_runs_o
     q, k, v = nhd_inputs(gen)
     norm, fake = counting_norm(), FakePrepared(raises=True)
     with caplog.at_level(logging.WARNING, logger="sage_strided_nhd"):
-        out, rec = BackendChain("fake_prepared", [fake]).run(q, k, v, layout="NHD", scale=SCALE, norm=norm,
+        out, rec = BackendChain("fake_prepared", (fake,)).run(q, k, v, layout="NHD", scale=SCALE, norm=norm,
                                                              prepared_mode="exact")
     reason = "prepared path raised RuntimeError: preparation failed in this test"
     assert rec.backend == "fake_prepared" and rec.prepared == "" and rec.skipped == ()
@@ -476,7 +476,7 @@ def test_a_prepared_path_that_raises_falls_to_the_plain_call_and_the_norm_runs_o
 def test_after_a_prepared_path_raised_the_plain_call_gets_normalised_q_and_k(gen):
     q, k, v = nhd_inputs(gen)
     norm, fake = counting_norm(), FakePrepared(raises=True)
-    out, _ = BackendChain("fake_prepared", [fake]).run(q, k, v, layout="NHD", scale=SCALE, norm=norm,
+    out, _ = BackendChain("fake_prepared", (fake,)).run(q, k, v, layout="NHD", scale=SCALE, norm=norm,
                                                        prepared_mode="exact")
     assert torch.equal(fake.plain_qk[0], q * 2.0) and torch.equal(fake.plain_qk[1], k * 0.5)
     assert torch.equal(out, normed_reference(q, k, v, "counting"))
@@ -488,7 +488,7 @@ def test_run_handed_empties_the_views_list(prepared_mode, gen):
     expect = normed_reference(q, k, v, "counting")
     views = [q, k, v]
     fake = FakePrepared(watch=views)
-    out, rec = BackendChain("fake_prepared", [fake]).run_handed(views, layout="NHD", scale=SCALE,
+    out, rec = BackendChain("fake_prepared", (fake,)).run_handed(views, layout="NHD", scale=SCALE,
                                                                 norm=counting_norm(), prepared_mode=prepared_mode)
     assert views == []
     if prepared_mode:
@@ -519,7 +519,7 @@ def test_one_scan_per_call_asks_each_backend_once(gen):
         pass
 
     missing, picky, fake = CountingUnavailable(), CountingUnsupported(), FakePrepared()
-    chain = BackendChain("missing", [missing, picky, fake])
+    chain = BackendChain("missing", (missing, picky, fake))
     q, k, v = nhd_inputs(gen)
     calls = 3
     for i in range(calls):
@@ -536,7 +536,7 @@ def test_one_scan_per_call_asks_each_backend_once(gen):
 
 def test_call_records_are_plain_dataclasses(gen):
     q, k, v = nhd_inputs(gen)
-    _, rec = BackendChain("raising", [Raising(), FakePrepared()]).run(q, k, v, layout="NHD", scale=SCALE,
+    _, rec = BackendChain("raising", (Raising(), FakePrepared())).run(q, k, v, layout="NHD", scale=SCALE,
                                                                       prepared_mode="exact")
     d = dataclasses.asdict(rec)
     assert d["backend"] == "fake_prepared" and d["prepared"] == "exact" and d["prepared_skipped"] is None

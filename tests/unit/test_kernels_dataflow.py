@@ -183,7 +183,7 @@ def test_the_prepared_path_is_asked_for_on_strided_nhd_with_an_in_place_norm_onl
     expect, _ = run(qkv.clone(), heads, head_dim, "strided_nhd", table, qw, kw, scale=0.25)
     fake = FakePrepared()
     norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5, inplace=inplace)
-    out, rec = kernels.attention_from_fused_qkv(qkv, heads, head_dim, chain=kernels.BackendChain("x", [fake]),
+    out, rec = kernels.attention_from_fused_qkv(qkv, heads, head_dim, chain=kernels.BackendChain("x", (fake,)),
                                                 norm=norm, layout=layout, scale=0.25, prepared_mode="rotated")
     assert fake.modes == asked
     assert rec.prepared == ("rotated" if asked else "") and rec.layout == layout
@@ -202,7 +202,7 @@ def test_a_handed_buffer_is_freed_before_the_prepared_kernel_runs(gen):
     fake = FakePrepared(on_attend=lambda: (gc.collect(), alive_at_attend.append(buffer() is not None)))
     handed = [qkv]
     del qkv
-    out, rec = kernels.attention_from_fused_qkv(handed, heads, head_dim, chain=kernels.BackendChain("x", [fake]),
+    out, rec = kernels.attention_from_fused_qkv(handed, heads, head_dim, chain=kernels.BackendChain("x", (fake,)),
                                                 norm=kernels.QKNorm(q_norm=lambda x: x, k_norm=lambda x: x),
                                                 scale=0.25, prepared_mode="exact")
     assert handed == [] and rec.prepared == "exact"
@@ -276,7 +276,7 @@ def test_a_projection_by_chunks_gives_the_whole_projection_bits(backend, expect_
     norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
     projection = kernels.RowProjection(project, x)
     out, rec = kernels.attention_from_projection(projection, heads, head_dim, chunk=20, norm=norm, scale=0.25,
-                                                 chain=kernels.BackendChain("x", [fake]), prepared_mode="exact")
+                                                 chain=kernels.BackendChain("x", (fake,)), prepared_mode="exact")
     assert torch.equal(out, expect) and norm.applied and projection.released
     assert rec.projected_chunks == expect_chunks
     assert project.calls == ([20, 20, 10] if expect_chunks else [seq])  # each row projected once
@@ -307,7 +307,7 @@ def test_a_projection_by_columns_projects_every_column_once(backend, layout, gen
     fake = {"plain_prepared": FakePrepared(), "sdpa": SdpaBackend()}[backend]
     norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
     out, rec = kernels.attention_from_projection(projection, heads, head_dim, chunk=20, norm=norm, scale=0.25,
-                                                 chain=kernels.BackendChain("x", [fake]), layout=layout,
+                                                 chain=kernels.BackendChain("x", (fake,)), layout=layout,
                                                  prepared_mode="exact")
     assert torch.equal(out, expect) and projection.released and projection.k is None
     assert ("whole", seq) not in calls and calls.count(("k", seq)) == calls.count(("v", seq)) == 1
@@ -339,7 +339,7 @@ def test_a_failing_preparation_leaves_no_half_normalised_k_behind(gen, caplog):
                                                 lambda rows: rows @ w[2 * inner:].T))
     norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
     out, rec = kernels.attention_from_projection(projection, heads, head_dim, chunk=20, norm=norm, scale=0.25,
-                                                 chain=kernels.BackendChain("x", [FailsAfterNormingK()]),
+                                                 chain=kernels.BackendChain("x", (FailsAfterNormingK(),)),
                                                  prepared_mode="exact")
     assert torch.equal(out, expect) and rec.projected_chunks == 0
     assert any("failed after touching K" in r.getMessage() for r in caplog.records)
@@ -354,7 +354,7 @@ def test_a_projection_within_one_chunk_or_a_failing_preparation_is_taken_whole(g
         project.calls.clear()
         norm = kernels.QKNorm(rope_table=table, q_weight=qw, k_weight=kw, eps=1e-5)
         out, rec = kernels.attention_from_projection(kernels.RowProjection(project, x), heads, head_dim, chunk=chunk,
-                                                     norm=norm, scale=0.25, chain=kernels.BackendChain("x", [fake]),
+                                                     norm=norm, scale=0.25, chain=kernels.BackendChain("x", (fake,)),
                                                      prepared_mode="exact")
         assert torch.equal(out, expect) and rec.projected_chunks == 0 and rec.prepared == "exact"
         assert project.calls == [seq] and fake.modes == ["exact"]  # whole, then the plain prepared path
@@ -370,7 +370,7 @@ def test_a_norm_that_cannot_go_by_rows_is_refused_and_the_projection_is_taken_wh
         norm.apply_rows(x.view(1, seq, heads, head_dim), x.view(1, seq, heads, head_dim), 0)
     out, rec = kernels.attention_from_projection(kernels.RowProjection(project, x), heads, head_dim, chunk=16,
                                                  norm=norm, scale=0.25, prepared_mode="exact",
-                                                 chain=kernels.BackendChain("x", [FakeProjected()]))
+                                                 chain=kernels.BackendChain("x", (FakeProjected(),)))
     assert project.calls == [seq] and rec.projected_chunks == 0 and rec.prepared == "exact"
 
 
@@ -383,4 +383,4 @@ def test_a_preparation_failing_after_the_input_was_released_is_raised_not_hidden
     with pytest.raises(RuntimeError, match="projected preparation failed in this test"):
         kernels.attention_from_projection(kernels.RowProjection(project, x), heads, head_dim, chunk=16, norm=norm,
                                           scale=0.25, prepared_mode="exact",
-                                          chain=kernels.BackendChain("x", [FakeProjected(raises="after_release")]))
+                                          chain=kernels.BackendChain("x", (FakeProjected(raises="after_release"),)))

@@ -444,7 +444,7 @@ def test_when_the_passes_raise_after_a_module_norm_the_plain_call_still_gets_nor
     qkv = torch.randn(40, 3 * 128, generator=gen).to(torch.bfloat16)
     q, k, _ = kernels.dataflow.split_fused_qkv(qkv.clone(), 1, 128)
     norm = kernels.QKNorm(q_norm=lambda x: x * 2, k_norm=lambda x: x * 4)
-    _, rec = kernels.attention_from_fused_qkv(qkv, 1, 128, chain=kernels.BackendChain("sage2", [backend]), norm=norm,
+    _, rec = kernels.attention_from_fused_qkv(qkv, 1, 128, chain=kernels.BackendChain("sage2", (backend,)), norm=norm,
                                               prepared_mode="exact")
     assert rec.backend == "sage2" and rec.prepared_skipped.code == "raised"
     assert torch.equal(seen["q"], q * 2) and torch.equal(seen["k"], k * 4)

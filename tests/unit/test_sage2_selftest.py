@@ -144,7 +144,7 @@ def call_inputs(seed=11, s=96, h=3, d=128):
 
 def run_chain(backend):
     q, k, v = call_inputs()
-    out, rec = BackendChain("auto", [backend, SdpaBackend()]).run(q, k, v, layout="NHD")
+    out, rec = BackendChain("auto", (backend, SdpaBackend())).run(q, k, v, layout="NHD")
     return out, rec, SdpaBackend()(q, k, v, layout="NHD")
 
 
