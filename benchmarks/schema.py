@@ -16,10 +16,8 @@ RENAMED = {
 
 # Reference key paths with no counterpart in this harness.
 NOT_APPLICABLE = {
-    # a 310.11 s baseline that only existed on the reference machine
     "sampling_12_step.cumulative_reduction_vs_unfused_310_11_second_baseline":
         "the reference machine's older unfused baseline; no such run exists here",
-    # the reference's own deployment test count; this pack's tests run in CI, not in the benchmark
     "validation.deployed_tests": "the pack's tests run in CI, not inside the benchmark",
 }
 
@@ -35,70 +33,40 @@ def load_reference(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def _walk(node, prefix=""):
-    if isinstance(node, dict):
-        for key, value in node.items():
-            path = f"{prefix}.{key}" if prefix else key
-            yield path, value
-            yield from _walk(value, path)
-    elif isinstance(node, list) and node and isinstance(node[0], dict):
-        for item in node:
-            yield from _walk(item, prefix + "[]")
-
-
-def _lookup(report: dict, path: str):
-    nodes = [report]
-    for part in path.split("."):
-        listed = part.endswith("[]")
-        key = part[:-2] if listed else part
-        nxt = []
-        for node in nodes:
-            if not isinstance(node, dict) or key not in node:
-                raise KeyError(path)
-            value = node[key]
-            if listed:
-                if not isinstance(value, list) or not value:
-                    raise KeyError(path)
-                nxt.extend(value)
-            else:
-                nxt.append(value)
-        nodes = nxt
-    return nodes
-
-
-def _mapped(path: str) -> str:
-    for old, new in RENAMED.items():
-        if path == old or path.startswith(old + "."):
-            return new + path[len(old):]
-    return path
-
-
-def _type_name(value) -> str:
-    return type(value).__name__
-
-
 def check_against_reference(report: dict, reference: dict, *, allow_null: set[str] = frozenset()) -> list[str]:
-    """Lines naming each reference key our report lacks or carries with another type."""
+    """Lines naming each reference key our report lacks or carries with another type (a list of objects: each of
+    the reference's items against each of ours)."""
     problems = []
-    for ref_path, ref_value in _walk(reference):
-        if ref_path in NOT_APPLICABLE or any(ref_path.startswith(p + ".") for p in NOT_APPLICABLE):
-            continue
-        ours = _mapped(ref_path)
-        try:
-            values = _lookup(report, ours)
-        except KeyError:
-            problems.append(f"missing {ours}" + (f" (reference: {ref_path})" if ours != ref_path else ""))
-            continue
-        for value in values:
-            if value is None and ours in allow_null:
+
+    def check(ref: dict, ours, ref_prefix: str, our_prefix: str) -> None:
+        for key, ref_value in ref.items():
+            ref_path = ref_prefix + key
+            if ref_path in NOT_APPLICABLE:
                 continue
-            if type(value) is not type(ref_value):
-                problems.append(f"{ours}: {_type_name(value)} {value!r:.60}, reference has {_type_name(ref_value)}")
-            elif isinstance(ref_value, list) and ref_value and not isinstance(ref_value[0], dict):
-                numeric = isinstance(ref_value[0], (int, float))
-                if numeric and len(value) != len(ref_value):
-                    problems.append(f"{ours}: {len(value)} items, reference has {len(ref_value)}")
+            path = RENAMED.get(ref_path, our_prefix + key)
+            name = path.rsplit(".", 1)[-1]
+            if not isinstance(ours, dict) or name not in ours:
+                problems.append(f"missing {path}" + (f" (reference: {ref_path})" if path != ref_path else ""))
+                continue
+            value = ours[name]
+            if value is None and path in allow_null:
+                continue
+            kind, ref_kind = type(value).__name__, type(ref_value).__name__
+            if kind != ref_kind:
+                problems.append(f"{path}: {kind} {value!r:.60}, reference has {ref_kind}")
+            elif isinstance(ref_value, dict):
+                check(ref_value, value, ref_path + ".", path + ".")
+            elif ref_value and isinstance(ref_value, list) and isinstance(ref_value[0], dict):
+                if not value:
+                    problems.append(f"missing {path}[]: no items")
+                for ref_item, item in ((r, o) for r in ref_value for o in value):
+                    check(ref_item, item, ref_path + "[].", path + "[].")
+            elif ref_value and isinstance(ref_value, list):
+                if isinstance(ref_value[0], (int, float)) and len(value) != len(ref_value):
+                    problems.append(f"{path}: {len(value)} items, reference has {len(ref_value)}")
                 elif any(type(a) is not type(b) for a, b in zip(value, ref_value)):
-                    problems.append(f"{ours}: item types {[_type_name(a) for a in value]}, "
-                                    f"reference has {[_type_name(b) for b in ref_value]}")
-    return problems
+                    problems.append(f"{path}: item types {[type(a).__name__ for a in value]}, "
+                                    f"reference has {[type(b).__name__ for b in ref_value]}")
+
+    check(reference, report, "", "")
+    return list(dict.fromkeys(problems))  # a list's items each report the same key once
