@@ -96,8 +96,6 @@ def cast_once_problem(layer, x, input_act: str | None = None, routes: dict | Non
         return "this ComfyUI has no comfy.ops.CastBiasWeightContext"
     weight = getattr(layer, "weight", None)
     if int8_layers.routable(weight):  # int8 ConvRot or W4A8: the route's own cast
-        if routes is None:
-            return "the pack's int8 route is off: stock's int8 call casts its weight per call"
         return int8_layers.stock_quantizer_reason(layer, x, input_act, routes=routes)
     if type(weight) not in (torch.Tensor, torch.nn.Parameter):
         return f"a {type(weight).__name__} weight, whose cast the cast once does not mirror"

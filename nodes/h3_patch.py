@@ -194,11 +194,8 @@ class H3AttentionForward:
     def _int8_projection(self, x, inner, held=None):
         """The int8 ConvRot qkv projection by columns on its input quantised once
         (``int8_layers.quantized_columns``), where the route takes it; else None."""
-        routes = int8_layers.run_routes(self.patch)
-        if routes is None:
-            return None
         form = int8_layers.quantized_columns(self.attn.qkv_proj, x, inner, record=self.patch.report.record_int8,
-                                             routes=routes,
+                                             routes=int8_layers.run_routes(self.patch),
                                              cast=None if held is None else (held.weight, held.bias))
         if form is None:
             return None

@@ -278,16 +278,15 @@ def quantized_columns(layer, x, inner: int, record=None, cast=None, routes=None)
     return rows, project, kernels.int8_column_products(qdata, scale, inner)
 
 
-def run_routes(patch) -> dict | None:
-    """The current run's memo of ``route`` answers, or None where the settings turn the route off."""
-    return patch.plan.int8_routes if patch.settings.own_int8_quantizer else None
+def run_routes(patch) -> dict:
+    """The current run's memo of ``route`` answers."""
+    return patch.plan.int8_routes
 
 
 def caller(patch):
     """How one installed patch calls a linear ``(layer, x, input_act=None)`` in the current run."""
-    routes = run_routes(patch)
-    return _stock if routes is None else functools.partial(call, record=patch.report.record_int8, routes=routes,
-                                                           layouts=patch.report.record_layout)
+    return functools.partial(call, record=patch.report.record_int8, routes=run_routes(patch),
+                             layouts=patch.report.record_layout)
 
 
 def _owed(x, fold: bool):

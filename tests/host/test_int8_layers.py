@@ -57,16 +57,14 @@ def test_each_declined_call_runs_stocks_call_and_says_why(pack, blocks, monkeypa
 
 
 def test_the_caller_follows_the_settings(pack):
-    """The installed patch's ``own_int8_quantizer`` turns the route on, on either block path (each layer's
-    ``route`` decides); its calls memoise their routes on the run's plan."""
+    """The installed patch routes its int8 linears on either block path (each layer's ``route`` decides); its calls
+    memoise their routes on the run's plan."""
     layers, patch = pack.nodes.int8_layers, pack.nodes.patch
     report = types.SimpleNamespace(record_int8=lambda problem: None, record_layout=lambda layout: None)
 
     def installed(settings):
         return types.SimpleNamespace(settings=settings, report=report, plan=patch.Plan(default=None))
 
-    off = installed(patch.Settings(own_int8_quantizer=False))
-    assert layers.caller(off) is layers._stock and layers.run_routes(off) is None
     for block_path in ("exact", "attention_only"):  # attention only routes its int8 linears too
         on = installed(patch.Settings(block_path=block_path))
         taken = layers.caller(on)
