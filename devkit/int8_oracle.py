@@ -97,16 +97,21 @@ def stand_in_for_cuda_int8_linear(comfy_kitchen) -> None:
 
 
 def declining_gemm(declines: set, ran: list | None = None):
-    """The route's GEMM (``kernels.int8_linear.gemm``'s arguments) as ``int8_linear``, declining as CUTLASS may a
-    shape: None for an output width in ``declines``, or, with "k" in it, for a fused qkv weight's K rows (a slice
-    that starts its own size into the weight: rows [inner, 2 * inner)). ``ran``: each GEMM's output width. A
-    ``residual`` with its ``gate`` gets the product added as stock's ``addcmul_`` does, and is returned."""
-    def gemm(xq, xs, qdata, w_scale, bias, out_dtype, residual=None, gate=None, kernel=None):
+    """The route's GEMM (``kernels.int8_gemm.gemm``'s arguments, looked up as ``kernels.int8_linear.gemm``) as
+    ``int8_linear``, declining as CUTLASS may a shape: None for an output width in ``declines``, or, with "k" in it,
+    for a fused qkv weight's K rows (a slice that starts its own size into the weight: rows [inner, 2 * inner)).
+    ``ran``: each GEMM's output width. A ``residual`` (``PendingResidual``) gets the product added as stock's
+    ``addcmul_`` adds it, in the "epilogue" where it folds, else by its own pass, and ``residual.x`` is returned."""
+    def gemm(xq, xs, qdata, w_scale, bias, out_dtype, residual=None, *, kernel):
         k_rows = qdata.storage_offset() == qdata.shape[0] * qdata.shape[1] > 0
         if qdata.shape[0] in declines or (k_rows and "k" in declines):
             return None
         if ran is not None:
             ran.append(qdata.shape[0])
         out = int8_linear(xq, xs, qdata, w_scale, bias, out_dtype)
-        return out if residual is None else residual.addcmul_(out, gate)
+        if residual is None or not residual.foldable:
+            return out if residual is None else residual.apply(out)
+        for a, b, gate in residual.claim():
+            residual.x[a:b].addcmul_(out[a:b], gate)
+        return residual.x
     return gemm

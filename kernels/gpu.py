@@ -46,20 +46,24 @@ class DeviceAnswers:
     thing is off there) or None (it runs there). Each is decided once, or recorded when a launch fails."""
 
     def __init__(self):
-        self._answers: dict[tuple[str, torch.device], str | None] = {}
+        self._answers: dict[torch.device, dict[str, str | None]] = {}
+
+    def reasons(self, device) -> dict[str, str | None]:
+        """``device``'s answers so far, question -> reason (a copy)."""
+        return dict(self._answers.get(exact_device(device), {}))
 
     def decide(self, question: str, device, decide: Callable[[], str | None]) -> str | None:
-        key = (question, exact_device(device))
-        if key not in self._answers:
-            self._answers[key] = decide()
-        return self._answers[key]
+        answers = self._answers.setdefault(exact_device(device), {})
+        if question not in answers:
+            answers[question] = decide()
+        return answers[question]
 
     def fail(self, question: str, device, reason: str) -> str:
-        self._answers[(question, exact_device(device))] = reason
+        self._answers.setdefault(exact_device(device), {})[question] = reason
         return reason
 
     def reason(self, question: str, device) -> str | None:
-        return self._answers.get((question, exact_device(device)))
+        return self._answers.get(exact_device(device), {}).get(question)
 
     def clear(self) -> None:
         self._answers.clear()

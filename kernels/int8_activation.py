@@ -146,29 +146,27 @@ def quantize_takes(x: torch.Tensor, input_act: str | None = None) -> bool:
             and width % GROUP == 0 and GROUP <= width <= MAX_COLS)
 
 
-def quantize_rows(x: torch.Tensor, input_act: str | None = None, *, modulation=None,
-                  out=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [m, k], fp32 scales [m, 1]) of bf16 rows ``x`` ([m, 2k] with SwiGLU); ``quantize_takes`` must hold.
-    ``modulation``: ``(scale1, shift)``, [k] or [m, k], applied as stock does; ``out``: the pair to write into."""
+def quantize_rows(x: torch.Tensor, input_act: str | None = None, *, modulation=None):
+    """-> (int8 [m, k], fp32 scales [m, 1]) of bf16 rows ``x`` ([m, 2k] with SwiGLU); ``quantize_takes`` must hold.
+    ``modulation``: segments ``(a, b, scale1, shift)`` tiling the rows, parameters [k] or [b - a, k], applied as
+    stock does (one launch a segment)."""
     if not quantize_takes(x, input_act) or (modulation is not None and input_act is not None):
         raise ValueError(f"the int8 quantiser cannot take a {x.dtype} {tuple(x.shape)} input with act {input_act!r}"
                          + (" and a modulation" if modulation is not None else ""))
     m = x.shape[0]
     k = x.shape[1] // (2 if input_act == "swiglu" else 1)
     warps = row_warps(k)
-    q, scale = out if out is not None else (torch.empty(m, k, dtype=torch.int8, device=x.device),
-                                            torch.empty(m, 1, dtype=torch.float32, device=x.device))
-    if q.shape != (m, k) or scale.shape != (m, 1) or q.stride(-1) != 1:
-        raise ValueError(f"out must be an int8 [{m}, {k}] with a contiguous last dim and fp32 [{m}, 1] scales")
-    scale1 = shift = x  # unused without a modulation
-    per_row = False
-    if modulation is not None:
-        scale1, shift = (p.to(x.dtype).contiguous() for p in modulation)
-        per_row = per_token_params(x, scale1, shift)
+    q = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     g1, g2, g3 = row_tiles(k // GROUP)
-    _quantize_rows_kernel[(m,)](x, scale1, shift, q, scale, k, x.stride(0), k if per_row else 0, q.stride(0),
-                                INV_127, BF16_MAX, SWIGLU=input_act == "swiglu", MOD=modulation is not None,
-                                G1=g1, G2=g2, G3=g3, EMULATE=interpreting(), num_warps=warps)
+    for a, b, scale1, shift in modulation or [(0, m, None, None)]:
+        rows = x[a:b]
+        params = (rows, rows) if scale1 is None else tuple(p.to(x.dtype).contiguous() for p in (scale1, shift))
+        per_row = scale1 is not None and per_token_params(rows, *params)
+        _quantize_rows_kernel[(b - a,)](rows, *params, q[a:b], scale[a:b], k, x.stride(0), k if per_row else 0,
+                                        q.stride(0), INV_127, BF16_MAX, SWIGLU=input_act == "swiglu",
+                                        MOD=scale1 is not None, G1=g1, G2=g2, G3=g3, EMULATE=interpreting(),
+                                        num_warps=warps)
     return q, scale
 
 

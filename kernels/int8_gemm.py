@@ -18,6 +18,7 @@ import logging
 import torch
 
 from . import gpu, int8_gemm_sm90
+from .kitchen import kitchen_gemm
 from .triton_support import TRITON_ERROR, grouped_tile, interpreting, round_bf16, tl, triton, version_key
 
 LIB = "sage_strided_nhd"
@@ -116,44 +117,54 @@ if triton is not None:
 
 @dataclasses.dataclass(frozen=True)
 class GemmChoice:
-    """Whose int8 GEMM runs on a device for rows ``k`` wide and outputs ``n`` wide, and why not a faster one."""
+    """Whose int8 GEMM runs on a device for rows ``k`` wide, why not a faster one, and what its launches need
+    (decided with it: a call never asks the GPU)."""
     kernel: str  # "pack_sm90" (warp-specialised, Gluon), "pack" (portable Triton) or "comfy_kitchen"
     reason: str | None = None  # why not the pack's warp-specialised kernel (None: it runs)
     release: str = "measured"  # the Gluon kernel on this Triton: "measured", or "self_checked" (a first-use bits check)
+    device: torch.device | None = None
+    tiling: GemmConfig | None = None  # the portable kernel's
+    ws_tiling: int8_gemm_sm90.WsConfig | None = None  # the warp-specialised kernel's, where declared
+    programs: int = 0  # the most persistent programs: one a streaming multiprocessor
 
 
 def choice(device, k: int = K_ALIGN, n: int | None = None) -> GemmChoice:
     """The one answer to "whose GEMM, and why" on ``device`` (``n`` None: any width that is a multiple of 8).
     Declared per GPU and Triton release: the pack's kernels run only where they were measured faster; the Gluon
     kernel on an unmeasured Triton release only after its bits matched the portable kernel's there."""
-    device = torch.device(device)
+    device = gpu.exact_device(device)
     why = gemm_problem(device, k)
     if why is not None:
-        return GemmChoice("comfy_kitchen", why)
+        return GemmChoice("comfy_kitchen", why, device=device)
     cap = None if interpreting() else gpu.capability(device)
-    if cap is None:
-        return GemmChoice("pack", "not on a CUDA device")
-    if cap not in WS_CONFIGS:
-        return GemmChoice("pack", f"warp-specialised kernel measured only on sm90, not sm{cap[0]}{cap[1]}")
+    if cap is None:  # the interpreter: small tiles
+        return GemmChoice("pack", "not on a CUDA device", device=device, tiling=INTERPRETER_CONFIG, programs=4)
+    pack = GemmChoice("pack", None, "measured", device, CONFIGS[cap], WS_CONFIGS.get(cap), gpu.sm_count(device))
+    if pack.ws_tiling is None:
+        why = f"warp-specialised kernel measured only on sm90, not sm{cap[0]}{cap[1]}"
+        return dataclasses.replace(pack, reason=why)
     if int8_gemm_sm90.GLUON_ERROR is not None:
-        return GemmChoice("pack", int8_gemm_sm90.GLUON_ERROR)
+        return dataclasses.replace(pack, reason=int8_gemm_sm90.GLUON_ERROR)
     measured = version_key(triton.__version__)[:2] in GLUON_TRITON
     why = gpu.ANSWERS.reason("int8_gemm_sm90", device) if measured else gpu.ANSWERS.decide(
-        "int8_gemm_sm90", device, lambda: _gluon_bits_check(device))
+        "int8_gemm_sm90", device, lambda: _gluon_bits_check(pack))
     if why is None and n is not None and n % N_ALIGN:
         why = f"outputs {n} wide: its TMA store needs a multiple of {N_ALIGN}"
-    release = "measured" if measured else "self_checked"
-    return GemmChoice("pack", why, release) if why else GemmChoice("pack_sm90", None, release)
+    return dataclasses.replace(pack, kernel="pack" if why else "pack_sm90", reason=why,
+                               release="measured" if measured else "self_checked")
 
 
-def still_runs(kernel: str, device) -> str:
-    """The per-call check of a GEMM chosen once (``choice``): ``kernel``, or the next one down where it has failed on
-    ``device`` since (``gpu.ANSWERS``: the same bits)."""
-    if kernel == "pack_sm90" and gpu.ANSWERS.reason("int8_gemm_sm90", device) is not None:
-        kernel = "pack"
-    if kernel == "pack" and gpu.ANSWERS.reason("int8_gemm", device) is not None:
-        kernel = "comfy_kitchen"
-    return kernel
+def still_runs(chosen: GemmChoice) -> GemmChoice:
+    """The per-call check of a GEMM chosen once: ``chosen``, or the next kernel down where one failed on its device
+    since (``record_failure``; the same bits)."""
+    if chosen.kernel == "comfy_kitchen":
+        return chosen
+    failed = gpu.ANSWERS.reasons(chosen.device)
+    if failed.get("int8_gemm"):
+        return dataclasses.replace(chosen, kernel="comfy_kitchen")
+    if chosen.kernel == "pack_sm90" and failed.get("int8_gemm_sm90"):
+        return dataclasses.replace(chosen, kernel="pack")
+    return chosen
 
 
 def gemm_problem(device, k: int) -> str | None:
@@ -200,26 +211,23 @@ def record_failure(device: torch.device, exc: Exception, gluon: bool = False) ->
         log.warning("[Sage Strided NHD] the pack's int8 GEMM is off on %s, comfy-kitchen's runs: %s", device, why)
 
 
-def _gluon_bits_check(device: torch.device) -> str | None:
-    """None where the Gluon kernel gives the portable kernel's bits on ``device``; else why it is kept off."""
+def _gluon_bits_check(pack: GemmChoice) -> str | None:
+    """None where the Gluon kernel gives the portable kernel's bits on ``pack.device``; else why it is kept off."""
     release = f"its Gluon kernel was measured with Triton {', '.join('.'.join(map(str, v)) for v in GLUON_TRITON)}"
-    g = torch.Generator(device=device).manual_seed(0)
+    device, g = pack.device, torch.Generator(device=pack.device).manual_seed(0)
     try:
         for m, n, k, with_bias, gated in GLUON_CHECK_SHAPES:
-            xq = torch.randint(-127, 128, (m, k), generator=g, device=device, dtype=torch.int8)
-            qdata = torch.randint(-127, 128, (n, k), generator=g, device=device, dtype=torch.int8)
-            x_scale = torch.rand(m, generator=g, device=device) * 1e-2
-            w_scale = torch.rand(n, generator=g, device=device) * 1e-2
-            bias = torch.randn(n, generator=g, device=device).bfloat16() if with_bias else None
-            gate = torch.randn(n, generator=g, device=device).bfloat16() if gated else None
-            outs = [torch.randn(m, n, generator=g, device=device).bfloat16()]
-            outs.append(outs[0].clone())
-            int8_gemm_sm90.launch(WS_CONFIGS[gpu.capability(device)], xq, x_scale, qdata, w_scale, bias, outs[0],
-                                  min(gpu.sm_count(device), 8), gate)
-            _launch_portable(xq, x_scale, qdata, w_scale, bias, outs[1], gate)
-            if not torch.equal(*outs):
+            xq, qdata = (torch.randint(-127, 128, s, generator=g, device=device, dtype=torch.int8)
+                         for s in ((m, k), (n, k)))
+            x_scale, w_scale = (torch.rand(s, generator=g, device=device) * 1e-2 for s in (m, n))
+            bias, gate, out = (torch.randn(*s, generator=g, device=device).bfloat16() if made else None
+                               for s, made in (((n,), with_bias), ((n,), gated), ((m, n), True)))
+            want = out.clone()
+            int8_gemm_sm90.launch(pack.ws_tiling, xq, x_scale, qdata, w_scale, bias, out, min(pack.programs, 8), gate)
+            _launch_portable(xq, x_scale, qdata, w_scale, bias, want, gate, pack)
+            if not torch.equal(out, want):
                 return (f"{release}; on Triton {triton.__version__} it differed from the portable kernel in "
-                        f"{int((outs[0] != outs[1]).sum())} of {m * n} outputs ({m} x {n} x {k})")
+                        f"{int((out != want).sum())} of {m * n} outputs ({m} x {n} x {k})")
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - a build or launch failure: the portable kernel runs
@@ -228,30 +236,32 @@ def _gluon_bits_check(device: torch.device) -> str | None:
 
 
 def _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype, residual=None, gate=None):
-    m, k = xq.shape
-    n = qdata.shape[0]
+    (m, k), n = xq.shape, qdata.shape[0]
     if xq.dtype != torch.int8 or qdata.dtype != torch.int8 or qdata.shape[1] != k:
-        raise ValueError(f"int8 GEMM: needs int8 [m, k] and [n, k] operands, got {xq.dtype} {tuple(xq.shape)} and "
-                         f"{qdata.dtype} {tuple(qdata.shape)}")
-    if out_dtype != torch.bfloat16:
-        raise ValueError(f"int8 GEMM: bf16 output only, got {out_dtype}")
-    if x_scale.dtype != torch.float32 or x_scale.numel() != m:
-        raise ValueError(f"int8 GEMM: needs {m} fp32 row scales, got {x_scale.dtype} {tuple(x_scale.shape)}")
-    if w_scale.numel() not in (1, n):
-        raise ValueError(f"int8 GEMM: the weight scale must be one value or {n}, got {tuple(w_scale.shape)}")
-    if bias is not None and bias.numel() != n:
-        raise ValueError(f"int8 GEMM: the bias must have {n} values, got {tuple(bias.shape)}")
-    if (residual is None) != (gate is None):
-        raise ValueError("int8 GEMM: a residual needs its gate, and a gate its residual")
-    if residual is not None and (residual.dtype != torch.bfloat16 or tuple(residual.shape) != (m, n)
-                                 or residual.stride(1) != 1 or gate.dtype != torch.bfloat16 or gate.numel() != n):
-        raise ValueError(f"int8 GEMM: needs a bf16 [{m}, {n}] residual with a contiguous last dim and {n} bf16 gates, "
-                         f"got {residual.dtype} {tuple(residual.shape)} and {gate.dtype} {tuple(gate.shape)}")
+        why = (f"needs int8 [m, k] and [n, k] operands, got {xq.dtype} {tuple(xq.shape)} and {qdata.dtype} "
+               f"{tuple(qdata.shape)}")
+    elif out_dtype != torch.bfloat16:
+        why = f"bf16 output only, got {out_dtype}"
+    elif x_scale.dtype != torch.float32 or x_scale.numel() != m:
+        why = f"needs {m} fp32 row scales, got {x_scale.dtype} {tuple(x_scale.shape)}"
+    elif w_scale.numel() not in (1, n):
+        why = f"the weight scale must be one value or {n}, got {tuple(w_scale.shape)}"
+    elif bias is not None and bias.numel() != n:
+        why = f"the bias must have {n} values, got {tuple(bias.shape)}"
+    elif (residual is None) != (gate is None):
+        why = "a residual needs its gate, and a gate its residual"
+    elif residual is not None and (residual.dtype != torch.bfloat16 or tuple(residual.shape) != (m, n)
+                                   or residual.stride(1) != 1 or gate.dtype != torch.bfloat16 or gate.numel() != n):
+        why = (f"needs a bf16 [{m}, {n}] residual with a contiguous last dim and {n} bf16 gates, got {residual.dtype} "
+               f"{tuple(residual.shape)} and {gate.dtype} {tuple(gate.shape)}")
+    else:
+        return
+    raise ValueError(f"int8 GEMM: {why}")
 
 
-def _launch(xq, x_scale, qdata, w_scale, bias, out, gate, kernel):
-    """``kernel`` ("pack_sm90" or "pack") on the operands; the Gluon kernel where the output takes its TMA store
-    (16-byte aligned start and row pitch), else, or where it fails to build, the portable kernel."""
+def _launch(xq, x_scale, qdata, w_scale, bias, out, gate, kernel: GemmChoice):
+    """``kernel`` on the operands: the Gluon kernel where chosen and the output takes its TMA store (16-byte aligned
+    start and row pitch), else, or where it fails to build, the portable kernel."""
     m, n = xq.shape[0], qdata.shape[0]
     # TMA reads from 16-byte aligned starts: a view at an odd storage offset is copied
     xq, qdata = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (xq.contiguous(), qdata.contiguous()))
@@ -260,29 +270,25 @@ def _launch(xq, x_scale, qdata, w_scale, bias, out, gate, kernel):
     bias = bias.to(device=xq.device, dtype=torch.bfloat16).reshape(n).contiguous() if bias is not None else None
     gate = gate.reshape(n).contiguous() if gate is not None else None
     storable = out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0
-    if kernel == "pack_sm90" and storable:
-        cfg = WS_CONFIGS[gpu.capability(xq.device)]
+    if kernel.kernel == "pack_sm90" and storable:
+        cfg = kernel.ws_tiling
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
         try:
-            return int8_gemm_sm90.launch(cfg, xq, x_scale, qdata, w_scale, bias, out,
-                                         min(tiles, gpu.sm_count(xq.device)), gate)
+            return int8_gemm_sm90.launch(cfg, xq, x_scale, qdata, w_scale, bias, out, min(tiles, kernel.programs), gate)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - a build failure of the Gluon kernel: this file's kernel runs
-            record_failure(xq.device, exc, gluon=True)
-    _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate)
+            record_failure(kernel.device, exc, gluon=True)
+    _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate, kernel)
 
 
-def _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate=None):
-    m, k = xq.shape
-    n = qdata.shape[0]
-    cfg = INTERPRETER_CONFIG if xq.device.type == "cpu" else CONFIGS[gpu.capability(xq.device)]
+def _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate, kernel: GemmChoice):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    (m, k), n, cfg = xq.shape, qdata.shape[0], kernel.tiling
     a_desc = TensorDescriptor.from_tensor(xq, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(qdata, [cfg.block_n, cfg.block_k])
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    programs = min(tiles, 4 if xq.device.type == "cpu" else gpu.sm_count(xq.device))
+    programs = min(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), kernel.programs)
     _int8_gemm_kernel[(programs,)](
         a_desc, b_desc, out, x_scale, w_scale, bias if bias is not None else x_scale,
         gate if gate is not None else x_scale, m, n, k, out.stride(0), programs,
@@ -291,7 +297,7 @@ def _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate=None):
         EMULATE=interpreting(), num_warps=cfg.warps, num_stages=cfg.stages)
 
 
-def _gemm_impl(xq, x_scale, qdata, w_scale, bias, residual, gate, kernel):
+def _gemm_impl(xq, x_scale, qdata, w_scale, bias, residual, gate, kernel: GemmChoice):
     out = residual if residual is not None else torch.empty(xq.shape[0], qdata.shape[0], dtype=torch.bfloat16,
                                                             device=xq.device)
     if not out.numel():
@@ -303,21 +309,22 @@ def _gemm_impl(xq, x_scale, qdata, w_scale, bias, residual, gate, kernel):
     return out.copy_(y) if residual is None else residual.addcmul_(y, gate.reshape(1, -1))
 
 
-def _chosen(xq, n: int) -> str:
-    """The pack kernel ``choice`` picks for these rows, or the error of a call no pack kernel takes."""
-    chosen = choice(xq.device, xq.shape[1], n)
+def _pack_kernel(chosen: GemmChoice) -> GemmChoice:
+    """``chosen``, a pack kernel, or the error of a call no pack kernel takes."""
     if chosen.kernel == "comfy_kitchen":
         raise ValueError(f"int8 GEMM: {chosen.reason}")
-    return chosen.kernel
+    return chosen
 
 
 if hasattr(torch, "library") and hasattr(torch.library, "custom_op"):
     @torch.library.custom_op(f"{LIB}::int8_gemm", mutates_args=())
     def _int8_gemm_op(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
-        """-> bf16 [m, n]: the int8 GEMM with CUTLASS's epilogue (the operands checked when it runs, not traced)."""
+        """-> bf16 [m, n]: the int8 GEMM with CUTLASS's epilogue (the operands checked and the kernel chosen when
+        it runs, not traced)."""
         _check_operands(xq, x_scale, qdata, w_scale, bias, torch.bfloat16)
-        return _gemm_impl(xq, x_scale, qdata, w_scale, bias, None, None, _chosen(xq, qdata.shape[0]))
+        chosen = _pack_kernel(choice(xq.device, xq.shape[1], qdata.shape[0]))
+        return _gemm_impl(xq, x_scale, qdata, w_scale, bias, None, None, chosen)
 
     @_int8_gemm_op.register_fake
     def _(xq, x_scale, qdata, w_scale, bias):
@@ -325,14 +332,12 @@ if hasattr(torch, "library") and hasattr(torch.library, "custom_op"):
 
 
 def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None,
-              out_dtype: torch.dtype = torch.bfloat16, *, residual=None, gate=None, kernel: str | None = None):
-    """``bf16(int32(xq @ qdata.T) * x_scale * w_scale + bias)`` with CUTLASS's bits.
-    xq [m, k] int8, x_scale [m, 1] fp32, qdata [n, k] int8, w_scale one value or [n] fp32, bias [n] or None.
-    ``residual`` (bf16 [m, n], contiguous last dim) with ``gate`` (bf16 [n]): the epilogue adds the product to it
-    in place as stock's separate ``residual.addcmul_(product, gate)`` does (same bits) and returns it; the product
-    is never written. ``kernel``: the pack kernel chosen once for these calls ("pack_sm90" or "pack", see
-    ``still_runs``); None: ``choice`` is asked now, and a call no pack kernel takes is an error. Traced by
-    torch.compile, the call records the custom op (checked and chosen when it runs), the residual a separate
+              out_dtype: torch.dtype = torch.bfloat16, *, residual=None, gate=None, kernel: GemmChoice):
+    """``bf16(int32(xq @ qdata.T) * x_scale * w_scale + bias)`` with CUTLASS's bits on ``kernel`` (a pack kernel,
+    ``choice``'s). xq [m, k] int8, x_scale [m, 1] fp32, qdata [n, k] int8, w_scale one value or [n] fp32, bias [n]
+    or None. ``residual`` (bf16 [m, n], contiguous last dim) with ``gate`` (bf16 [n]): the epilogue adds the product
+    to it in place as stock's separate ``residual.addcmul_(product, gate)`` does (same bits) and returns it; the
+    product is never written. Traced by torch.compile, the call records the custom op, the residual a separate
     ``addcmul_``."""
     if torch.compiler.is_compiling():
         if out_dtype != torch.bfloat16:
@@ -340,7 +345,44 @@ def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_sc
         out = torch.ops.sage_strided_nhd.int8_gemm(xq, x_scale, qdata, w_scale, bias)
         return out if residual is None else residual.addcmul_(out, gate.reshape(1, -1))
     _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype, residual, gate)
-    return _gemm_impl(xq, x_scale, qdata, w_scale, bias, residual, gate, kernel or _chosen(xq, qdata.shape[0]))
+    return _gemm_impl(xq, x_scale, qdata, w_scale, bias, residual, gate, _pack_kernel(kernel))
+
+
+class GemmDeclined(RuntimeError):
+    """comfy-kitchen's CUTLASS int8 GEMM declined a shape (stock would then take its cuBLAS path)."""
+
+
+def gemm(xq, x_scale, qdata, w_scale, bias, out_dtype: torch.dtype, residual=None, *, kernel: GemmChoice):
+    """The int8 route's GEMM, with the bits of comfy-kitchen's CUTLASS GEMM: ``kernel`` (``choice``'s, made once for
+    the calls) where it still runs, else the next one down; None where CUTLASS declines the shape. ``residual`` (a
+    ``PendingResidual``): the product added to it and ``residual.x`` returned, in the pack's epilogue where it folds
+    (the product never written), else by its own pass; None: nothing was added."""
+    runs = still_runs(kernel)
+    pack = runs if runs.kernel != "comfy_kitchen" and out_dtype == torch.bfloat16 else None
+    if residual is None or pack is None or not residual.foldable:
+        out = _one_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype, pack)
+        return out if out is None or residual is None else residual.apply(out)
+    for a, b, gate in residual.claim():  # each segment is added, or the call raises
+        if _one_gemm(xq[a:b], x_scale[a:b], qdata, w_scale, bias, out_dtype, pack, residual.x[a:b], gate) is None:
+            # reached only where the pack's GEMM failed to build mid-call and CUTLASS then declined: nothing can
+            # take these rows back, so the call fails loudly rather than hand on a half-added residual
+            raise GemmDeclined(f"CUTLASS declined an int8 GEMM of {b - a} x {qdata.shape[0]} x {qdata.shape[1]} "
+                               "after the pack's GEMM failed; the residual's earlier rows were added")
+    return residual.x
+
+
+def _one_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype, pack: GemmChoice | None, residual=None, gate=None):
+    """The pack's ``pack`` kernel (None: comfy-kitchen's GEMM), comfy-kitchen's where it fails; ``residual`` with
+    ``gate`` (bf16): the product added to it (after comfy-kitchen's GEMM by stock's ``addcmul_``)."""
+    if pack is not None:
+        try:
+            return int8_gemm(xq, x_scale, qdata, w_scale, bias, residual=residual, gate=gate, kernel=pack)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # its build or launch failed here: comfy-kitchen's GEMM (stock's bits) from now on
+            record_failure(pack.device, exc)
+    out = kitchen_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype)
+    return out if out is None or residual is None else residual.addcmul_(out, gate)
 
 
 def epilogue_reference(acc: torch.Tensor, x_scale, w_scale, bias=None) -> torch.Tensor:

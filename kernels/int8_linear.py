@@ -5,16 +5,17 @@ another only where it passes a bits self-check on the device (kernels/int8_relea
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import torch
 
-from . import int8_activation, int8_gemm, int8_release_check
-from .h3_block import PendingResidual, gated_residual_
-from .kitchen import BIAS_HELPER, VERIFIED_VERSIONS, installed_release, kitchen_cuda
+from . import int8_activation, int8_release_check
+from .h3_block import PendingResidual
+from .int8_gemm import GemmChoice, GemmDeclined, choice, gemm
+from .kitchen import VERIFIED_VERSIONS, installed_release, kitchen_cuda
 
 GROUP = int8_activation.GROUP
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # comfy-kitchen's output dtype codes
 
 
 def int8_call_problem(x: torch.Tensor, *, input_act: str | None = None) -> str | None:
@@ -81,83 +82,20 @@ def int8_weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Ten
     return None
 
 
-def gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias,
-         out_dtype: torch.dtype, residual=None, gate=None, kernel: str | None = None) -> torch.Tensor | None:
-    """The int8 GEMM with the bits of comfy-kitchen's CUTLASS GEMM: ``kernel`` (``int8_gemm.choice``'s, made once for
-    the calls; None: asked now) where it still runs on the device, else comfy-kitchen's own; None where CUTLASS
-    declines the shape. ``residual`` with ``gate`` (bf16): the product is added to it (in the pack's epilogue where
-    that runs) and ``residual`` returned; None: nothing was added."""
-    if out_dtype == torch.bfloat16:
-        kernel = int8_gemm.still_runs(kernel or int8_gemm.choice(xq.device, xq.shape[1], qdata.shape[0]).kernel,
-                                      xq.device)
-    if out_dtype == torch.bfloat16 and kernel != "comfy_kitchen":
-        try:
-            return int8_gemm.int8_gemm(xq, x_scale, qdata, w_scale, bias, residual=residual, gate=gate, kernel=kernel)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:  # its build or launch failed here: comfy-kitchen's GEMM (stock's bits) from now on
-            int8_gemm.record_failure(xq.device, exc)
-    out = kitchen_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype)
-    return out if out is None or residual is None else gated_residual_(residual, out, gate)
-
-
-def kitchen_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias,
-                 out_dtype: torch.dtype) -> torch.Tensor | None:
-    """comfy-kitchen's CUTLASS int8 GEMM as its ``int8_linear`` calls it; None where CUTLASS declines the shape."""
-    cuda, why = kitchen_cuda()
-    if cuda is None:
-        raise RuntimeError(why)
-    m, n = xq.shape[0], qdata.shape[0]
-    device = xq.device
-    out = torch.empty(m, n, dtype=out_dtype, device=device)
-    ws = cuda._int8_weight_scale_arg(w_scale, device)
-    ws = ws if ws.numel() == n else ws.expand(n).contiguous()
-    if bias is None:
-        bias_arg = cuda._empty_cuda_tensor(device, out_dtype)
-    elif installed_release()[1].bias_in_out_dtype:
-        bias_arg = getattr(cuda, BIAS_HELPER)(bias, device, out_dtype)
-    else:  # fp32 from the bias cast to the output dtype
-        bias_arg = bias.to(device=device, dtype=out_dtype).contiguous().to(torch.float32).contiguous()
-    wrap = cuda._wrap_for_dlpack
-    used = cuda._C.cutlass_int8_dequant(wrap(xq), wrap(qdata.contiguous()), wrap(x_scale), wrap(ws), wrap(bias_arg),
-                                        wrap(out), DTYPE_CODES[out_dtype], torch.cuda.current_stream(device).cuda_stream)
-    return out if used else None
-
-
-def int8_linear_routed(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
+def int8_linear_routed(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *, kernel: GemmChoice,
                        input_act: str | None = None, modulation: list | None = None,
-                       residual: PendingResidual | None = None, kernel: str | None = None) -> torch.Tensor | None:
+                       residual: PendingResidual | None = None) -> torch.Tensor | None:
     """Stock's ``int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, input_act=...)`` with the pack's
-    quantiser, for a call the route takes (``nodes/int8_layers.route``): quantise, the GEMM, its epilogue.
-    ``modulation``: foldable segments, applied by the quantiser. ``residual``: the output added to it
-    (``residual.x`` returned), in the pack's GEMM epilogue where the residual folds and that GEMM runs (the product
-    never written), else by its own pass; None where CUTLASS declines (nothing added). ``kernel``: the GEMM the
-    route chose for the layer (``Route.gemm``, ``int8_gemm.choice``'s); None: asked per call."""
+    quantiser, for a call the route takes (``nodes/int8_layers.route``), on ``kernel``, the GEMM the route chose
+    for the layer. ``modulation``: foldable segments, applied by the quantiser. ``residual``: the output added to it
+    (``residual.x`` returned, see ``int8_gemm.gemm``); None where CUTLASS declines (nothing added)."""
     xq, x_scale = _quantize(x, input_act, modulation)
-    chosen = {} if kernel is None else {"kernel": kernel}  # None: ``gemm`` asks
-    if kernel is None and residual is not None:
-        kernel = int8_gemm.choice(x.device, xq.shape[1], qdata.shape[0]).kernel
-    if residual is None or not residual.foldable or kernel == "comfy_kitchen":
-        out = gemm(xq, x_scale, qdata, w_scale, bias, x.dtype, **chosen)
-        return out if out is None or residual is None else residual.apply(out)
-    for a, b, gate in residual.claim():  # each segment is added, or the call raises
-        if gemm(xq[a:b], x_scale[a:b], qdata, w_scale, bias, x.dtype, residual.x[a:b], gate, **chosen) is None:
-            # reached only where the pack's GEMM failed to build mid-call and CUTLASS then declined: nothing can
-            # take these rows back, so the call fails loudly rather than hand on a half-added residual
-            raise GemmDeclined(f"CUTLASS declined an int8 GEMM of {b - a} x {qdata.shape[0]} x {qdata.shape[1]} "
-                               "after the pack's GEMM failed; the residual's earlier rows were added")
-    return residual.x
+    return gemm(xq, x_scale, qdata, w_scale, bias, x.dtype, residual, kernel=kernel)
 
 
 def _quantize(x, input_act, modulation):
     """(int8 rows, scales) of ``x``; ``modulation``: segments that tile its rows, applied by the pass."""
-    if modulation is None:
-        return int8_activation.quantize_rows(x, input_act)
-    xq = torch.empty(x.shape[0], x.shape[1], dtype=torch.int8, device=x.device)
-    x_scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
-    for a, b, scale1, shift in modulation:
-        int8_activation.quantize_rows(x[a:b], modulation=(scale1, shift), out=(xq[a:b], x_scale[a:b]))
-    return xq, x_scale
+    return int8_activation.quantize_rows(x, input_act, modulation=modulation)
 
 
 def stock_int8_linear(x, qdata, w_scale, bias=None, *, input_act: str | None = None) -> torch.Tensor:
@@ -173,7 +111,8 @@ def routed_or_reason(x, qdata, w_scale, bias=None, *, input_act: str | None = No
            or int8_weight_problem(x, qdata, w_scale, bias, input_act=input_act))
     if why is not None:
         return why
-    out = int8_linear_routed(x, qdata, w_scale, bias, input_act=input_act)
+    kernel = choice(x.device, qdata.shape[1], qdata.shape[0])
+    out = int8_linear_routed(x, qdata, w_scale, bias, input_act=input_act, kernel=kernel)
     return "CUTLASS declined the shape" if out is None else out
 
 
@@ -202,20 +141,17 @@ def gemm_status(device=None) -> dict:
     if device is None:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
-    chosen = int8_gemm.choice(device)
+    chosen = choice(device)
     reason = chosen.reason if chosen.kernel != "pack" or device.type == "cuda" else None
     return {"kernel": chosen.kernel, "reason": reason, "release": chosen.release}
 
 
-class GemmDeclined(RuntimeError):
-    """comfy-kitchen's CUTLASS int8 GEMM declined a shape (stock would then take its cuBLAS path)."""
-
-
+@dataclasses.dataclass(frozen=True)
 class QuantizedRows:
     """int8 rows, their fp32 scales and the bf16 ``dtype``, sliced by rows (for ``kernels.RowProjection``)."""
-
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
-        self.q, self.scale, self.dtype = q, scale, dtype
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
 
     @property
     def shape(self):
@@ -234,16 +170,17 @@ def int8_quantized_rows(x: torch.Tensor, modulation: list | None = None) -> Quan
     return QuantizedRows(*_quantize(x, None, modulation), x.dtype)
 
 
-def int8_column_products(qdata: torch.Tensor, w_scale: torch.Tensor, inner: int | None = None):
-    """``(project_q, project_k, project_v)``: the GEMM on weight rows [0, inner), [inner, 2*inner), [2*inner, ...)
-    (``GemmDeclined``); ``inner`` None: ``(project,)`` on every row. Rows are independent int32 sums: any column
-    block gives the whole product's bits."""
+def int8_column_products(qdata: torch.Tensor, w_scale: torch.Tensor, inner: int | None = None, *,
+                         kernel: GemmChoice):
+    """``(project_q, project_k, project_v)``: the GEMM (``kernel``, the route's) on weight rows [0, inner),
+    [inner, 2*inner), [2*inner, ...) (``GemmDeclined``); ``inner`` None: ``(project,)`` on every row. Rows are
+    independent int32 sums: any column block gives the whole product's bits."""
     def block(a: int, b: int | None):
         w = qdata[a:b]
         ws = w_scale if w_scale.numel() == 1 else w_scale.reshape(-1)[a:b]
 
         def project(rows: QuantizedRows) -> torch.Tensor:
-            out = gemm(rows.q, rows.scale, w, ws, None, rows.dtype)
+            out = gemm(rows.q, rows.scale, w, ws, None, rows.dtype, kernel=kernel)
             if out is None:
                 raise GemmDeclined(f"CUTLASS declined an int8 GEMM of {rows.q.shape[0]} x {w.shape[0]} x {w.shape[1]}")
             return out

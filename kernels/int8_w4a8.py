@@ -85,7 +85,8 @@ def _bits_problem(device, bits: int, codebook: bool) -> str | None:
         qdata, s_rel, s_channel, _, table = ck.quantize_w4a8_int8_weight(w.bfloat16(), bits=bits, codebook=codebook)
         want = ck.w4a8_int8_linear(x, qdata, s_rel, s_channel, table, bias=bias.bfloat16(), out_dtype=x.dtype)
         int8_weight = kitchen_cuda()[0]._dequant_int4_grouped_to_int8(qdata, s_rel, table, GROUP_SIZE)
-        got = int8_linear.int8_linear_routed(x, int8_weight, s_channel, bias.bfloat16())
+        got = int8_linear.int8_linear_routed(x, int8_weight, s_channel, bias.bfloat16(),
+                                             kernel=int8_linear.choice(device, 5376, 256))
     except Exception as exc:  # whatever broke, stock's call is the safe answer
         return f"the W4A8 bits check on {sample} failed: {gpu.failure_text(exc)}"
     if got is None:

@@ -1,5 +1,5 @@
-"""comfy-kitchen as installed: its release, what the pack checked with each release it knows (one table), and its CUDA
-backend, which the int8 route calls. Asked once a process."""
+"""comfy-kitchen as installed: its release, what the pack checked with each release it knows (one table), its CUDA
+backend (asked once a process) and the CUTLASS int8 GEMM the int8 route calls as its ``int8_linear`` does."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
+
+import torch
 
 from .triton_support import version_key
 
@@ -37,6 +39,7 @@ CUDA_HELPERS = ("_convrot_fused_shared_memory_fits", "_DISABLE_CUTLASS_INT8",
                 "_cuda_device_supports_cutlass_int8_dequant", "_cuda_device_is_turing", "_prefer_cublas_int8_fallback",
                 "_int8_weight_scale_arg", "_empty_cuda_tensor", "_wrap_for_dlpack")
 BIAS_HELPER = "_gemm_vector_arg"  # the aligned bias operand, where the release passes it in the output dtype
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the GEMM's output dtype codes
 
 
 def release_for(version: str) -> tuple[KitchenRelease, bool]:
@@ -82,3 +85,25 @@ def kitchen_cuda():
     if missing:
         return None, f"comfy-kitchen {version}'s CUDA backend has no {', '.join(missing)}, which the route calls"
     return cuda, None
+
+
+def kitchen_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias,
+                 out_dtype: torch.dtype) -> torch.Tensor | None:
+    """comfy-kitchen's CUTLASS int8 GEMM as its ``int8_linear`` calls it; None where CUTLASS declines the shape."""
+    cuda, why = kitchen_cuda()
+    if cuda is None:
+        raise RuntimeError(why)
+    n, device = qdata.shape[0], xq.device
+    out = torch.empty(xq.shape[0], n, dtype=out_dtype, device=device)
+    ws = cuda._int8_weight_scale_arg(w_scale, device)
+    ws = ws if ws.numel() == n else ws.expand(n).contiguous()
+    if bias is None:
+        bias_arg = cuda._empty_cuda_tensor(device, out_dtype)
+    elif installed_release()[1].bias_in_out_dtype:
+        bias_arg = getattr(cuda, BIAS_HELPER)(bias, device, out_dtype)
+    else:  # fp32 from the bias cast to the output dtype
+        bias_arg = bias.to(device=device, dtype=out_dtype).contiguous().to(torch.float32).contiguous()
+    wrap = cuda._wrap_for_dlpack
+    used = cuda._C.cutlass_int8_dequant(wrap(xq), wrap(qdata.contiguous()), wrap(x_scale), wrap(ws), wrap(bias_arg),
+                                        wrap(out), DTYPE_CODES[out_dtype], torch.cuda.current_stream(device).cuda_stream)
+    return out if used else None

@@ -34,21 +34,20 @@ INTERPRETED = r"""
         want_q, want_s = int8_oracle.quantize_rows_convrot(x, act)
         out[f"{rows}x{width} {act}"] = [int((q != want_q).sum()), int((s != want_s).sum()), list(q.shape),
                                        list(s.shape), int(q[0].abs().sum()), int(q.abs().max())]
-    # the block's modulation folded in (one row, one per row), written into row slices of a larger pair:
-    # stock's mul_ and add_ (two bf16 roundings), then the quantiser
+    # the block's modulation folded in, per segment of rows (one parameter row, or one a row): stock's mul_ and
+    # add_ (two bf16 roundings), then the quantiser
     modulated = {}
-    for rows, width, per_row in ((6, 1280, False), (5, 768, True)):
+    for rows, width, cut in ((6, 1280, 2), (5, 768, 4)):
         x = (3 * torch.randn(rows, width, generator=g)).bfloat16()
-        shape = (rows, width) if per_row else (width,)
-        scale1 = (1 + 0.5 * torch.randn(shape, generator=g)).bfloat16()
-        shift = (0.5 * torch.randn(shape, generator=g)).bfloat16()
-        q = torch.zeros(rows + 4, width, dtype=torch.int8)
-        s = torch.zeros(rows + 4, 1)
-        int8_activation.quantize_rows(x, modulation=(scale1, shift), out=(q[2:-2], s[2:-2]))
-        want_q, want_s = int8_oracle.quantize_rows_convrot(x.clone().mul_(scale1).add_(shift))
-        modulated[f"{rows}x{width} per_row={per_row}"] = [
-            int((q[2:-2] != want_q).sum()), int((s[2:-2] != want_s).sum()),
-            int(q[:2].abs().sum() + q[-2:].abs().sum() + s[:2].abs().sum() + s[-2:].abs().sum())]
+        params = lambda *shape: [(1 + 0.5 * torch.randn(*shape, generator=g)).bfloat16(),
+                                 (0.5 * torch.randn(*shape, generator=g)).bfloat16()]
+        segments = [(0, cut, *params(width)), (cut, rows, *params(rows - cut, width))]
+        q, s = int8_activation.quantize_rows(x, modulation=segments)
+        y = x.clone()
+        for a, b, scale1, shift in segments:
+            y[a:b].mul_(scale1).add_(shift)
+        want_q, want_s = int8_oracle.quantize_rows_convrot(y)
+        modulated[f"{rows}x{width} cut at {cut}"] = [int((q != want_q).sum()), int((s != want_s).sum())]
     report({"plain": out, "modulated": modulated})
 """
 
@@ -68,11 +67,11 @@ def test_quantiser_takes_comfy_kitchens_cuda_steps(interpreted):
 
 
 def test_quantiser_applies_the_blocks_modulation_with_stocks_bits(interpreted):
-    """Stock's ``mul_(1 + scale).add_(shift)`` inside the pass (one parameter row, one per row), into row
-    slices of a larger output: the rows around the slice stay untouched."""
+    """Stock's ``mul_(1 + scale).add_(shift)`` inside the pass, per segment of rows (one parameter row, or one per
+    row), as the route folds a block's modulation."""
     assert len(interpreted["modulated"]) == 2
-    for case, (q_differ, s_differ, outside) in interpreted["modulated"].items():
-        assert (q_differ, s_differ, outside) == (0, 0, 0), case
+    for case, (q_differ, s_differ) in interpreted["modulated"].items():
+        assert (q_differ, s_differ) == (0, 0), case
 
 
 def test_rows_split_into_power_of_two_tiles():

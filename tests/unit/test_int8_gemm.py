@@ -20,8 +20,10 @@ INTERPRETED = r"""
     from comfyui_sage_strided_nhd.kernels import int8_gemm
     g = torch.Generator().manual_seed(0)
     out = {}
+    kernel = int8_gemm.choice("cpu")  # the portable kernel, the interpreter's tiles
+    assert (kernel.kernel, kernel.tiling) == ("pack", int8_gemm.INTERPRETER_CONFIG), kernel
     def case(name, xq, w, x_scale, w_scale, bias):
-        got = int8_gemm.int8_gemm(xq, x_scale, w, w_scale, bias)
+        got = int8_gemm.int8_gemm(xq, x_scale, w, w_scale, bias, kernel=kernel)
         acc = (xq.long() @ w.long().t()).int()
         want = int8_gemm.epilogue_reference(acc, x_scale, w_scale, bias)
         out[name] = [int((got != want).sum()), list(got.shape), str(got.dtype), bool(torch.isfinite(got.float()).all())]
@@ -47,7 +49,7 @@ INTERPRETED = r"""
         acc = (xq.long() @ w.long().t()).int()
         want = residual.clone().addcmul_(int8_gemm.epilogue_reference(acc, x_scale, w_scale, bias), gate)
         around = None if whole is None else whole.clone()
-        got = int8_gemm.int8_gemm(xq, x_scale, w, w_scale, bias, residual=residual, gate=gate)
+        got = int8_gemm.int8_gemm(xq, x_scale, w, w_scale, bias, residual=residual, gate=gate, kernel=kernel)
         assert got is residual
         differ = int((got != want).sum())
         if whole is not None:  # rows outside the slice untouched
@@ -65,8 +67,9 @@ INTERPRETED = r"""
     gated("gated no K", i8(5, 0), i8(8, 0), scales(5), torch.tensor(1.0), bf(8), bf(5, 8), bf(8))
     # traced whole (fullgraph): the custom op, the same bits as the eager call
     args = (i8(70, 96), scales(70), i8(40, 96), torch.tensor(3.1e-3), (4 * torch.randn(40, generator=g)).bfloat16())
-    traced = torch.compile(lambda *a: int8_gemm.int8_gemm(*a), fullgraph=True, backend="eager")(*args)
-    out["traced"] = [int((traced != int8_gemm.int8_gemm(*args)).sum()), list(traced.shape), str(traced.dtype), True]
+    traced = torch.compile(lambda *a: int8_gemm.int8_gemm(*a, kernel=kernel), fullgraph=True, backend="eager")(*args)
+    eager = int8_gemm.int8_gemm(*args, kernel=kernel)
+    out["traced"] = [int((traced != eager).sum()), list(traced.shape), str(traced.dtype), True]
     report(out)
 """
 
@@ -108,11 +111,16 @@ def test_gemm_says_why_it_does_not_run():
         assert "multiple of 16" in gemm.gemm_problem(torch.device("cpu"), 40)
     else:
         assert gemm.gemm_problem(torch.device("cpu"), 64) == "not on a CUDA device"
+    kernel = gemm.GemmChoice("pack", device=torch.device("cpu"), tiling=gemm.INTERPRETER_CONFIG, programs=4)
     with pytest.raises(ValueError, match="int8"):
-        gemm.int8_gemm(torch.zeros(4, 64), torch.ones(4, 1), torch.zeros(8, 64, dtype=torch.int8), torch.ones(()))
+        gemm.int8_gemm(torch.zeros(4, 64), torch.ones(4, 1), torch.zeros(8, 64, dtype=torch.int8), torch.ones(()),
+                       kernel=kernel)
     with pytest.raises(ValueError, match="bf16 output only"):
         gemm.int8_gemm(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1), torch.zeros(8, 64, dtype=torch.int8),
-                       torch.ones(()), out_dtype=torch.float16)
+                       torch.ones(()), out_dtype=torch.float16, kernel=kernel)
+    with pytest.raises(ValueError, match="int8 GEMM: not on a CUDA device"):  # a call no pack kernel takes
+        gemm.int8_gemm(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1), torch.zeros(8, 64, dtype=torch.int8),
+                       torch.ones(()), kernel=gemm.GemmChoice("comfy_kitchen", "not on a CUDA device"))
 
 
 def test_configs_are_declared_per_gpu():
@@ -150,13 +158,15 @@ def test_a_failed_launch_turns_the_gemm_off_on_that_device_and_says_why(monkeypa
         tries.append(1)
         raise RuntimeError("PTX .version 8.7 does not support .target sm_90\nmore")
     monkeypatch.setattr(gemm, "_gemm_impl", broken)
-    monkeypatch.setattr(route, "kitchen_gemm", lambda *args: "comfy-kitchen's")
+    monkeypatch.setattr(gemm, "kitchen_gemm", lambda *args: "comfy-kitchen's")
     xq, xs = torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1)
     w = torch.zeros(8, 64, dtype=torch.int8)
     assert route.gemm_status(device) == {"kernel": "pack", "reason": None, "release": "measured"}
-    assert route.gemm(xq, xs, w, torch.ones(()), None, torch.bfloat16) == "comfy-kitchen's"
-    assert route.gemm(xq, xs, w, torch.ones(()), None, torch.bfloat16) == "comfy-kitchen's"
+    chosen = gemm.choice(device, 64, 8)  # once, as the route chooses it; each call checks it still runs
+    assert gemm.gemm(xq, xs, w, torch.ones(()), None, torch.bfloat16, kernel=chosen) == "comfy-kitchen's"
+    assert gemm.gemm(xq, xs, w, torch.ones(()), None, torch.bfloat16, kernel=chosen) == "comfy-kitchen's"
     assert len(tries) == 1  # not tried again on that device
+    assert gemm.still_runs(chosen).kernel == "comfy_kitchen"
     status = route.gemm_status(device)
     assert status["kernel"] == "comfy_kitchen"
     assert status["reason"] == "it failed on this GPU (RuntimeError: PTX .version 8.7 does not support .target sm_90)"
@@ -168,5 +178,5 @@ def test_a_failed_launch_turns_the_gemm_off_on_that_device_and_says_why(monkeypa
         raise torch.OutOfMemoryError("CUDA out of memory")
     monkeypatch.setattr(gemm, "_gemm_impl", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
-        route.gemm(xq, xs, w, torch.ones(()), None, torch.bfloat16)
+        gemm.gemm(xq, xs, w, torch.ones(()), None, torch.bfloat16, kernel=chosen)
     assert gpu.ANSWERS.reason("int8_gemm", device) is None

@@ -72,26 +72,35 @@ def hopper_everywhere(monkeypatch, gemm, gpu, capability=(9, 0)):
     monkeypatch.setattr(gpu, "ANSWERS", gpu.DeviceAnswers())
 
 
+def decided(chosen) -> tuple:
+    """A choice's decision (whose kernel, why not the faster one, the Gluon release), without what it launches with."""
+    return chosen.kernel, chosen.reason, chosen.release
+
+
 def test_runs_only_where_declared_and_says_why(monkeypatch):
     gemm, gpu = submodule("kernels.int8_gemm"), submodule("kernels.gpu")
     cuda = torch.device("cuda", 0)
     assert gemm.choice(torch.device("cpu")).reason == "not on a CUDA device"
     hopper_everywhere(monkeypatch, gemm, gpu)
-    assert gemm.choice(cuda) == gemm.choice(cuda, n=21504) == gemm.GemmChoice("pack_sm90", None, "measured")
-    assert gemm.choice(cuda, n=100) == gemm.GemmChoice("pack", "outputs 100 wide: its TMA store needs a multiple of 8")
+    assert decided(gemm.choice(cuda)) == decided(gemm.choice(cuda, n=21504)) == ("pack_sm90", None, "measured")
+    chosen = gemm.choice(cuda)  # with what its launches need: asked of the GPU once, here
+    assert (chosen.device, chosen.tiling, chosen.ws_tiling, chosen.programs) == (
+        cuda, gemm.CONFIGS[(9, 0)], gemm.int8_gemm_sm90.SM90, 132)
+    assert decided(gemm.choice(cuda, n=100)) == (
+        "pack", "outputs 100 wide: its TMA store needs a multiple of 8", "measured")
     gpu.ANSWERS.fail("int8_gemm_sm90", cuda, "its Gluon kernel failed here (RuntimeError: x)")
-    assert gemm.choice(cuda, n=64) == gemm.GemmChoice("pack", "its Gluon kernel failed here (RuntimeError: x)")
+    assert decided(gemm.choice(cuda, n=64)) == ("pack", "its Gluon kernel failed here (RuntimeError: x)", "measured")
     assert gemm.choice(torch.device("cuda", 1), n=64).kernel == "pack_sm90"  # a failure is per device
     gpu.ANSWERS.clear()
     monkeypatch.setattr(gpu, "capability", lambda device: (8, 9))
-    assert gemm.choice(cuda, n=64) == gemm.GemmChoice(
-        "comfy_kitchen", "measured faster than comfy-kitchen's GEMM only on sm90, not on this sm89 GPU")
+    assert decided(gemm.choice(cuda, n=64)) == (
+        "comfy_kitchen", "measured faster than comfy-kitchen's GEMM only on sm90, not on this sm89 GPU", "measured")
     monkeypatch.setattr(gemm, "CONFIGS", {**gemm.CONFIGS, (8, 9): gemm.INTERPRETER_CONFIG})
-    assert gemm.choice(cuda, n=64) == gemm.GemmChoice(
-        "pack", "warp-specialised kernel measured only on sm90, not sm89")
+    assert decided(gemm.choice(cuda, n=64)) == (
+        "pack", "warp-specialised kernel measured only on sm90, not sm89", "measured")
     monkeypatch.setattr(gemm.int8_gemm_sm90, "GLUON_ERROR", "no Gluon here")
     monkeypatch.setattr(gpu, "capability", lambda device: (9, 0))
-    assert gemm.choice(cuda, n=64) == gemm.GemmChoice("pack", "no Gluon here")
+    assert decided(gemm.choice(cuda, n=64)) == ("pack", "no Gluon here", "measured")
 
 
 def test_a_triton_it_was_not_measured_with_runs_it_after_a_bits_check(monkeypatch):
@@ -103,16 +112,17 @@ def test_a_triton_it_was_not_measured_with_runs_it_after_a_bits_check(monkeypatc
     monkeypatch.setattr(gemm.triton, "__version__", "3.8.0")
     cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
     verdicts, checked = {cuda0: None, cuda1: "it differed"}, []
-    monkeypatch.setattr(gemm, "_gluon_bits_check", lambda device: checked.append(device) or verdicts[device])
-    assert gemm.choice(cuda0) == gemm.GemmChoice("pack_sm90", None, "self_checked")
-    assert gemm.choice(cuda0, n=64) == gemm.GemmChoice("pack_sm90", None, "self_checked")
-    assert gemm.choice(cuda1) == gemm.GemmChoice("pack", "it differed", "self_checked")
-    assert gemm.choice(cuda1) == gemm.GemmChoice("pack", "it differed", "self_checked")
+    monkeypatch.setattr(gemm, "_gluon_bits_check",
+                        lambda pack: checked.append(pack.device) or verdicts[pack.device])
+    assert decided(gemm.choice(cuda0)) == ("pack_sm90", None, "self_checked")
+    assert decided(gemm.choice(cuda0, n=64)) == ("pack_sm90", None, "self_checked")
+    assert decided(gemm.choice(cuda1)) == ("pack", "it differed", "self_checked")
+    assert decided(gemm.choice(cuda1)) == ("pack", "it differed", "self_checked")
     assert checked == [cuda0, cuda1]  # once per device
     assert gpu.ANSWERS.reason("int8_gemm_sm90", cuda1) == "it differed"
     monkeypatch.setattr(gemm.triton, "__version__", "3.6.0+git1234")
     gpu.ANSWERS.clear()
-    assert gemm.choice(cuda1) == gemm.GemmChoice("pack_sm90", None, "measured")
+    assert decided(gemm.choice(cuda1)) == ("pack_sm90", None, "measured")
     assert checked == [cuda0, cuda1]  # a measured release is not checked
 
 
@@ -126,7 +136,7 @@ def test_the_bits_check_compares_with_the_portable_kernel(monkeypatch):
     monkeypatch.setattr(gemm, "GLUON_CHECK_SHAPES", ((5, 16, 32, True, False), (3, 8, 16, False, True)))
     cpu, shapes = torch.device("cpu"), []
 
-    def portable(xq, x_scale, qdata, w_scale, bias, out, gate=None):
+    def portable(xq, x_scale, qdata, w_scale, bias, out, gate, kernel):
         out.fill_(1.0)
 
     def same(cfg, xq, x_scale, qdata, w_scale, bias, out, programs, gate=None):
@@ -135,36 +145,44 @@ def test_the_bits_check_compares_with_the_portable_kernel(monkeypatch):
 
     monkeypatch.setattr(gemm, "_launch_portable", portable)
     monkeypatch.setattr(gemm.int8_gemm_sm90, "launch", same)
-    assert gemm._gluon_bits_check(cpu) is None
     sm90 = gemm.int8_gemm_sm90.SM90
+    pack = gemm.GemmChoice("pack", device=cpu, tiling=gemm.CONFIGS[(9, 0)], ws_tiling=sm90, programs=132)
+    assert gemm._gluon_bits_check(pack) is None
     assert shapes == [(5, 16, 32, True, False, sm90, 8), (3, 8, 16, False, True, sm90, 8)]
 
     def one_off(cfg, xq, x_scale, qdata, w_scale, bias, out, programs, gate=None):
         out.fill_(1.0)
         out[0, 0] = 2.0
     monkeypatch.setattr(gemm.int8_gemm_sm90, "launch", one_off)
-    assert gemm._gluon_bits_check(cpu) == ("its Gluon kernel was measured with Triton 3.6; on Triton 3.8.0 it "
-                                           "differed from the portable kernel in 1 of 80 outputs (5 x 16 x 32)")
+    assert gemm._gluon_bits_check(pack) == ("its Gluon kernel was measured with Triton 3.6; on Triton 3.8.0 it "
+                                            "differed from the portable kernel in 1 of 80 outputs (5 x 16 x 32)")
 
     def broken(*args):
         raise RuntimeError("PassManager::run failed\nmore")
     monkeypatch.setattr(gemm.int8_gemm_sm90, "launch", broken)
-    assert gemm._gluon_bits_check(cpu) == ("its Gluon kernel was measured with Triton 3.6; on Triton 3.8.0 it "
-                                           "failed its check here (RuntimeError: PassManager::run failed)")
+    assert gemm._gluon_bits_check(pack) == ("its Gluon kernel was measured with Triton 3.6; on Triton 3.8.0 it "
+                                            "failed its check here (RuntimeError: PassManager::run failed)")
 
 
 def test_hopper_launches_it_and_a_build_failure_falls_back_to_the_portable_kernel(monkeypatch):
     gemm, route, gpu = submodule("kernels.int8_gemm"), submodule("kernels.int8_linear"), submodule("kernels.gpu")
     sm90 = gemm.int8_gemm_sm90
     hopper_everywhere(monkeypatch, gemm, gpu)  # the CPU tensors below stand in for an H100's
+    chosen = gemm.choice(torch.device("cpu"))  # what the route decides once
+
+    def not_asked(device):
+        raise AssertionError("a call asked the GPU")
+    monkeypatch.setattr(gpu, "capability", not_asked)
+    monkeypatch.setattr(gpu, "sm_count", not_asked)
     calls = []
     monkeypatch.setattr(sm90, "launch", lambda cfg, *args: calls.append(("sm90", cfg, args[6])))  # its programs
     monkeypatch.setattr(gemm, "_launch_portable", lambda *args: calls.append(("portable",)))
     xq, w = torch.zeros(300, 64, dtype=torch.int8), torch.zeros(520, 64, dtype=torch.int8)
     out = torch.empty(300, 520, dtype=torch.bfloat16)
-    gemm._launch(xq, torch.ones(300, 1), w, torch.ones(()), None, out, None, "pack_sm90")
+    gemm._launch(xq, torch.ones(300, 1), w, torch.ones(()), None, out, None, chosen)
     assert calls == [("sm90", sm90.SM90, 3 * 3)]  # 128 x 256 tiles: 3 x 3 of them, fewer than the 132 SMs
-    gemm._launch(xq, torch.ones(300, 1), w, torch.ones(()), None, out, None, "pack")
+    gemm._launch(xq, torch.ones(300, 1), w, torch.ones(()), None, out, None, gemm.dataclasses.replace(
+        chosen, kernel="pack"))
     assert calls[1:] == [("portable",)]
 
     def broken(*args):
@@ -173,12 +191,14 @@ def test_hopper_launches_it_and_a_build_failure_falls_back_to_the_portable_kerne
     monkeypatch.setattr(sm90, "launch", broken)
     calls.clear()
     for _ in range(2):  # the route's choice, made once, checked per call against what failed since
-        gemm._launch(xq, torch.ones(300, 1), w, torch.ones(()), None, out, None, gemm.still_runs("pack_sm90", xq.device))
+        gemm._launch(xq, torch.ones(300, 1), w, torch.ones(()), None, out, None, gemm.still_runs(chosen))
     assert calls == [("broken",), ("portable",), ("portable",)]
     why = "its Gluon kernel failed here (RuntimeError: PassManager::run failed)"
     assert gpu.ANSWERS.reason("int8_gemm_sm90", xq.device) == why
     assert gpu.ANSWERS.reason("int8_gemm", xq.device) is None  # the portable kernel still runs there
 
+    monkeypatch.setattr(gpu, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(gpu, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     assert route.gemm_status(cuda) == {"kernel": "pack_sm90", "reason": None, "release": "measured"}
     gpu.ANSWERS.fail("int8_gemm_sm90", cuda, why)

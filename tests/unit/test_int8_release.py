@@ -201,7 +201,7 @@ INTERPRETED = r"""
              dtype=torch.bfloat16), s.input_act) for s in check.samples(route.installed_release()[1].min_rows)]
     gemm_calls = []
 
-    def gemm(xq, xs, qdata, w_scale, bias, out_dtype):
+    def gemm(xq, xs, qdata, w_scale, bias, out_dtype, residual=None, *, kernel):
         gemm_calls.append(xq.shape[0])
         return int8_oracle.int8_linear(xq, xs, qdata, w_scale, bias, out_dtype)
 
@@ -257,18 +257,21 @@ def test_private_names_exist_with_the_arguments_the_route_passes(cuda_backend):
              "_int8_weight_scale_arg": (torch.ones(()), cpu), "_empty_cuda_tensor": (cpu, torch.bfloat16),
              "_wrap_for_dlpack": (x,)}
     if release.bias_in_out_dtype:
-        calls[route.BIAS_HELPER] = (torch.ones(8), cpu, torch.bfloat16)
+        calls[kitchen.BIAS_HELPER] = (torch.ones(8), cpu, torch.bfloat16)
     assert set(calls) | {"_DISABLE_CUTLASS_INT8"} == set(kitchen.CUDA_HELPERS) | (
-        {route.BIAS_HELPER} if release.bias_in_out_dtype else set())
+        {kitchen.BIAS_HELPER} if release.bias_in_out_dtype else set())
     for name, args in calls.items():
         inspect.signature(getattr(cuda_backend, name)).bind(*args)  # raises TypeError where they moved
     assert isinstance(cuda_backend._DISABLE_CUTLASS_INT8, bool)
     doc = cuda_backend._C.cutlass_int8_dequant.__doc__.splitlines()[0]
     assert re.findall(r"(\w+): ", doc) == ["a", "b", "xs", "ws", "bias", "d", "out_dtype_code", "stream_ptr"], doc
     assert doc.endswith("-> bool")
-    assert {dtype: cuda_backend.DTYPE_TO_CODE[dtype] for dtype in route.DTYPE_CODES} == route.DTYPE_CODES
+    assert {dtype: cuda_backend.DTYPE_TO_CODE[dtype] for dtype in kitchen.DTYPE_CODES} == kitchen.DTYPE_CODES
     registry = importlib.import_module("comfy_kitchen").registry
     inspect.signature(registry.get_capable_backend).bind("int8_linear", {})
+
+
+KITCHENS = submodule("kernels.int8_gemm").GemmChoice("comfy_kitchen", "the route's GEMM on a GPU without the pack's")
 
 
 class RecordingExtension:
@@ -337,7 +340,7 @@ def test_stock_takes_the_fused_quantiser_and_cutlass_exactly_for_the_routes_rows
         assert quantise[0] is x and quantise[3:6] == (256, False, 2 if act == "swiglu" else 0)  # group, stochastic, act
         stock_gemm = recording.calls[1][1]
         recording.calls.clear()
-        route.gemm(quantise[1], quantise[2], w, w_scale, bias, torch.bfloat16)
+        route.gemm(quantise[1], quantise[2], w, w_scale, bias, torch.bfloat16, kernel=KITCHENS)
         [(name, routed)] = recording.calls
         assert name == "cutlass_int8_dequant" and len(routed) == len(stock_gemm)
         for i, (mine, theirs) in enumerate(zip(routed, stock_gemm)):  # operand 5: the output, not yet written

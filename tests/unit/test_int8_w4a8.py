@@ -77,7 +77,7 @@ INTERPRETED = r"""
         weight = ckt.QuantizedTensor(qdata, "AsymW4A8Int8Layout", params)
         want = eager_w4a8.w4a8_int8_linear(x, qdata, params.scale, params.s_channel, params.codebook, bias=bias,
                                            group_size=params.group_size, out_dtype=x.dtype)
-        got = route.int8_linear_routed(x, *w4a8.operands(weight), bias)
+        got = route.int8_linear_routed(x, *w4a8.operands(weight), bias, kernel=route.choice(x.device, 512, 64))
         out[name] = [int((got.view(torch.int16) != want.view(torch.int16)).sum()), want.numel()]
     report(out)
 """

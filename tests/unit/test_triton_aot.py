@@ -49,14 +49,16 @@ INTERPRETED = r"""
         for width, act in ((hidden, None), (heads * d, None), (2 * ffn, "swiglu")):
             int8_activation.quantize_rows(bf16(2, width), act)
         for params in ((hidden,), (2, hidden)):
-            int8_activation.quantize_rows(bf16(2, hidden), modulation=(bf16(*params), bf16(*params)))
+            int8_activation.quantize_rows(bf16(2, hidden), modulation=[(0, 2, bf16(*params), bf16(*params))])
             h3_block.scale_shift_(bf16(2, hidden), bf16(*params), bf16(*params))
             h3_block.gated_residual_(bf16(2, hidden), bf16(2, hidden), bf16(*params))
         h3_block.swiglu(bf16(2, 2 * ffn))
+        kernel = int8_gemm.choice("cpu", 64, 48)
         for bias in (None, bf16(48)):  # the route's GEMM: tensor-wise scale, with and without a bias
             xq, w = torch.ones(3, 64, dtype=torch.int8), torch.ones(48, 64, dtype=torch.int8)
-            int8_gemm.int8_gemm(xq, torch.ones(3, 1), w, torch.tensor(1e-3), bias)
-        int8_gemm.int8_gemm(xq, torch.ones(3, 1), w, torch.tensor(1e-3), residual=bf16(3, 48), gate=bf16(48))
+            int8_gemm.int8_gemm(xq, torch.ones(3, 1), w, torch.tensor(1e-3), bias, kernel=kernel)
+        int8_gemm.int8_gemm(xq, torch.ones(3, 1), w, torch.tensor(1e-3), residual=bf16(3, 48), gate=bf16(48),
+                            kernel=kernel)
         rot = triton_targets.ROPE_AXES * 2 * FULL_H3["rope_inv_freq_len"]
         for table_dtype in (torch.bfloat16, torch.float32):
             qkv = bf16(1, 16, 3, 2, d)  # 16 tokens, 2 heads: strided views of one fused buffer
