@@ -1,11 +1,22 @@
-"""Isolated attention: HND baseline vs strided NHD, per back-end and sequence length.
+"""Attention alone on random H3-shaped inputs, one fused qkv buffer [S, 3*H*D] (56x128 heads), two reports.
 
     python -m benchmarks.isolated_attention --seq 8192 37810 --out report.json            # GPU, every available back-end
     python -m benchmarks.isolated_attention --device cpu --seq 64 256 --heads 4 --out r.json  # CPU smoke run (sdpa)
+    python -m benchmarks.isolated_attention --prepared --reps 15 --warmup 3 --out sage2-fast.json  # H100/H200
 
-One timed call is the whole attention of a block on a fused qkv buffer [S, 3*H*D] (a fresh copy each call, made
-outside the timing: norm+rope works in place); the layouts alternate rep by rep. One more call per layout gives its
-peak extra memory, output and record. JSON keyed by back-end then S (``benchmarks.results_table --kernels``).
+Layouts (the default): HND baseline against strided NHD, per back-end. One timed call is the whole attention of a
+block on the buffer (a fresh copy each call, made outside the timing: norm+rope works in place); the layouts alternate
+rep by rep. One more call per layout gives its peak extra memory, output and record. JSON keyed by back-end then S
+(``benchmarks.results_table --kernels``).
+
+``--prepared``: the sage2 sm90 prepared path. Speed: strided NHD views, normed and roped; interleaved, CUDA events,
+median of ``--reps``: ``sageattn`` (its own preparation inside), ``kernel_alone`` (``attend()`` on operands prepared
+once), ``prepared_<mode>`` (``prepare()`` + ``attend()``), ``prepare_<mode>``; peak extra memory of one call each;
+whether exact mode is sageattn's bits. Accuracy: relative L2 error against fp32 attention (first and last 256 query
+rows) of random Q/K/V, keys whose energy sits in 1-8 of 128 channels at 10x-100x (as a norm weight's gain puts them),
+a K mean offset, and the channels concentrated in Q and K at constant row norm; for sageattn, both modes, SDPA in
+bf16 and comfy-kitchen's int8_attention. Each mode's error split by source: Q/K int8 alone, all operands dequantised
+(the rest is the kernel's own fp8 P).
 """
 
 from __future__ import annotations
@@ -17,7 +28,9 @@ import statistics
 import sys
 
 import torch
+import torch.nn.functional as F
 
+from devkit import sage2_oracle
 from devkit.backends import describe_backends
 from devkit.inputs import fused_attention_inputs
 from devkit.pack import kernels as _kernels
@@ -28,6 +41,9 @@ from .results_table import KERNELS_HEADER, kernel_rows
 
 kernels = _kernels()
 LAYOUTS = ("hnd", "strided_nhd")
+MODES = ("exact", "rotated")
+HEADS, D, ROT, EPS = 56, 128, 96, 1e-5  # H3's attention (the prepared path is measured at its shape)
+SAGE2 = kernels.BACKENDS["sage2"]
 
 
 def layout_calls(pristine: torch.Tensor, norm: dict, heads: int, head_dim: int, backend: str, device):
@@ -86,31 +102,198 @@ def measure_backend(backend: str, seq: int, args) -> dict:
     return compare_layouts(qkv.to(dtype), norm, args.heads, args.head_dim, backend, device, args.reps, args.warmup)
 
 
+def views(qkv, heads=HEADS):
+    return qkv.unflatten(1, (3, heads, D)).unsqueeze(0).unbind(2)
+
+
+def speed_calls(q, k, v) -> dict:
+    from sageattention import sageattn
+
+    prepared = SAGE2.prepare(q, k, v, mode="exact")
+    calls = {"sageattn": lambda: sageattn(q, k, v, tensor_layout="NHD"), "kernel_alone": lambda: SAGE2.attend(prepared)}
+    for mode in MODES:
+        calls[f"prepared_{mode}"] = lambda mode=mode: SAGE2.attend(SAGE2.prepare(q, k, v, mode=mode))
+        calls[f"prepare_{mode}"] = lambda mode=mode: SAGE2.prepare(q, k, v, mode=mode)
+    return calls
+
+
+def speed(seq: int, reps: int, warmup: int) -> dict:
+    qkv, table, qw, kw = fused_attention_inputs(seq, HEADS, D, ROT, seed=7, weight_mean=1.0, weight_spread=0.2,
+                                                table_dtype=torch.float32)
+    q, k, v = views(qkv)
+    sage2_oracle.norm_rope_eager_(q, k, table, qw, kw, EPS)
+    calls = speed_calls(q, k, v)
+    times = measure.interleaved_times({n: measure.event_timed(f) for n, f in calls.items()}, reps=reps, warmup=warmup)
+    rows = {n: measure.summary(t) for n, t in times.items()}
+    for n, f in calls.items():
+        rows[n]["peak_extra_mib"] = measure.peak_extra_bytes(f, torch.device("cuda"))[0] / 2**20
+    ref, alone = calls["sageattn"](), calls["kernel_alone"]()
+    out = {m: calls[f"prepared_{m}"]() for m in MODES}
+    p50 = {n: r["p50_seconds"] * 1e3 for n, r in rows.items()}
+    return {
+        "seq": seq, "heads": HEADS, "head_dim": D, "reps": reps, "variants": rows,
+        "exact_bit_identical_to_sageattn": bool(torch.equal(out["exact"], ref)),
+        "kernel_alone_bit_identical_to_sageattn": bool(torch.equal(alone, ref)),
+        "max_abs_vs_sageattn": {m: (o.float() - ref.float()).abs().max().item() for m, o in out.items()},
+        "prepared_minus_kernel_ms": {m: p50[f"prepared_{m}"] - p50["kernel_alone"] for m in MODES},
+        "sageattn_minus_kernel_ms": p50["sageattn"] - p50["kernel_alone"],
+        "speedup_vs_sageattn": {m: p50["sageattn"] / p50[f"prepared_{m}"] for m in MODES},
+    }
+
+
+def outlier_keys(k, chans, ratio):
+    """k [1, S, H, D]: per head, channels ``chans[h]`` multiplied by ``ratio`` (as a norm weight's gain does)."""
+    w = torch.ones(k.shape[2], D, device=k.device)
+    w.scatter_(1, chans, float(ratio))
+    return (k.float() * w).to(k.dtype)
+
+
+def concentrate(x, chans, ratio):
+    """x [1, S, H, D]: channels ``chans[h]`` scaled by ``ratio``, each row rescaled to its norm."""
+    y = outlier_keys(x, chans, ratio).float()
+    return (y * (x.float().norm(dim=-1, keepdim=True) / y.norm(dim=-1, keepdim=True))).to(x.dtype)
+
+
+def accuracy_cases():
+    """(name, k channels, ratio, K mean offset, construction: "gain" scales K's channels, "normed" Q's and K's)."""
+    cases = [("plain", 0, 1, False, "gain"), ("k_mean_offset", 0, 1, True, "gain")]
+    cases += [(f"k{n}_x{r}", n, r, False, "gain") for n in (1, 2, 4, 8) for r in (10, 30, 100)]
+    cases += [("k4_x100_offset", 4, 100, True, "gain"), ("qk4_x100_normed", 4, 100, False, "normed")]
+    return cases
+
+
+def rel_l2(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def attention_rows(q, k, v, rows):
+    """fp32 attention of query rows ``rows``: q, k, v [H, S, D] -> [R, H, D]."""
+    return F.scaled_dot_product_attention(q[None, :, rows].float(), k[None].float(), v[None].float())[0].transpose(0, 1)
+
+
+def error_sources(ops, v, rows, ref):
+    """A mode's error from Q/K int8 alone (V exact) and from all operands dequantised, both in fp32."""
+    qd, kd, vd = sage2_oracle.dequantize_operands(ops)
+    v_true = v[0].transpose(0, 1)
+    return {"qk_int8_only": rel_l2(attention_rows(qd, kd, v_true, rows), ref),
+            "operands_dequantised": rel_l2(attention_rows(qd, kd, vd, rows), ref)}
+
+
+def case_inputs(seq: int, heads: int, case: tuple, g: torch.Generator):
+    _, n, ratio, offset, construction = case
+    q, k, v = views(torch.randn(seq, 3 * heads * D, device="cuda", generator=g, dtype=torch.bfloat16), heads)
+    if n:
+        chans = torch.stack([torch.randperm(D, device="cuda", generator=g)[:n] for _ in range(heads)])
+        if construction == "normed":
+            q.copy_(concentrate(q, chans, ratio))
+            k.copy_(concentrate(k, chans, ratio))
+        else:
+            k.copy_(outlier_keys(k, chans, ratio))
+    if offset:
+        k.add_((3 * torch.randn(heads, D, device="cuda", generator=g)).to(k.dtype))
+    return q, k, v
+
+
+def comfy_kitchen_attention():
+    try:
+        import comfy_kitchen
+        return comfy_kitchen.int8_attention, ""
+    except Exception as exc:
+        return None, f"comfy-kitchen not importable on this machine ({type(exc).__name__}: {exc})"
+
+
+def case_outputs(q, k, v, rows, prepared, kitchen) -> dict:
+    from sageattention import sageattn
+
+    def hnd(t):
+        return t.transpose(1, 2)
+    outs = {"sageattn": sageattn(q, k, v, tensor_layout="NHD")[0, rows],
+            **{f"prepared_{m}": SAGE2.attend(p)[0, rows] for m, p in prepared.items()},
+            "sdpa_bf16": F.scaled_dot_product_attention(hnd(q), hnd(k), hnd(v)).transpose(1, 2)[0, rows]}
+    try:
+        if kitchen is not None:
+            outs["comfy_kitchen_int8"] = kitchen(hnd(q), hnd(k), hnd(v)).transpose(1, 2)[0, rows]
+    except Exception as exc:  # the other methods' errors still count; the row says comfy-kitchen's is missing
+        print(f"comfy-kitchen int8_attention failed: {type(exc).__name__}: {exc}", flush=True)
+    return outs
+
+
+def accuracy(seq: int, heads: int = HEADS, seed: int = 11) -> dict:
+    kitchen, kitchen_reason = comfy_kitchen_attention()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = torch.cat([torch.arange(256), torch.arange(seq - 256, seq)]).cuda()
+    results, sources = {}, {}
+    for case in accuracy_cases():
+        q, k, v = case_inputs(seq, heads, case, g)
+        ref = attention_rows(*(t[0].transpose(0, 1) for t in (q, k, v)), rows)  # [R, H, D] fp32
+        prepared = {m: SAGE2.prepare(q, k, v, mode=m) for m in MODES}
+        results[case[0]] = {m: rel_l2(o, ref) for m, o in case_outputs(q, k, v, rows, prepared, kitchen).items()}
+        sources[case[0]] = {m: error_sources(prepared[m].operands, v, rows, ref) for m in prepared}
+        print(f"accuracy S={seq} {case[0]:16s} "
+              + "  ".join(f"{m} {e * 100:.2f}%" for m, e in results[case[0]].items()), flush=True)
+    return {"seq": seq, "heads": heads, "rows": "first and last 256", "rel_l2_vs_fp32": results,
+            "error_sources": sources, "comfy_kitchen": kitchen_reason or "ran",
+            "cases": {c[0]: dict(zip(("channels", "ratio", "k_mean_offset", "construction"), c[1:]))
+                      for c in accuracy_cases()}}
+
+
+def accuracy_verdict(a: dict) -> dict:
+    """Rotated against exact where exact's error is over twice its plain error, against comfy-kitchen, on plain."""
+    err = a["rel_l2_vs_fp32"]
+    plain = err["plain"]["prepared_exact"]
+    triggered = [c for c, e in err.items() if e["prepared_exact"] > 2 * plain]
+    return {"outlier_cases_over_2x_plain": triggered,
+            "rotated_at_most_half_of_sage2": {c: err[c]["prepared_rotated"] <= err[c]["prepared_exact"] / 2
+                                              for c in triggered},
+            "rotated_at_most_comfy_kitchen_int8": {c: e["prepared_rotated"] <= e["comfy_kitchen_int8"]
+                                                   for c, e in err.items() if "comfy_kitchen_int8" in e},
+            "rotated_no_worse_on_plain": err["plain"]["prepared_rotated"] <= err["plain"]["prepared_exact"]}
+
+
+def unavailable() -> str | None:
+    """Why the prepared path cannot run here (None: it can)."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    available = SAGE2.available()
+    if not available:
+        return f"sage2 unavailable: {available.reason}"
+    q = torch.empty(1, 128, 1, D, dtype=torch.bfloat16, device="cuda")
+    verdict = SAGE2.prepared_verdict(q, q, q)
+    return None if verdict else f"prepared path unavailable: {verdict.reason}"
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 37810])
+    p.add_argument("--prepared", action="store_true", help="the sage2 prepared path's speed and accuracy (sm90)")
     p.add_argument("--backends", nargs="+", choices=list(kernels.backends.AUTO_ORDER),
                    help="default: every available one")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--heads", type=int, default=56)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--rot-dim", type=int, default=96)
+    p.add_argument("--heads", type=int, default=HEADS)
+    p.add_argument("--head-dim", type=int, default=D)
+    p.add_argument("--rot-dim", type=int, default=ROT)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=440420)
     p.add_argument("--out", help="write the JSON report here")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+    args = p.parse_args(argv)
     if args.rot_dim > args.head_dim or args.rot_dim % 2:
-        sys.exit(f"--rot-dim must be even and at most --head-dim ({args.head_dim})")
+        p.error(f"--rot-dim must be even and at most --head-dim ({args.head_dim})")
+    return args
+
+
+def write(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def layouts_main(args) -> dict:
     availability = describe_backends(args.device)
     names = args.backends or [row["name"] for row in availability if row["available"]]
-    report = {"environment": {**measure.device_facts(args.device), "torch": torch.__version__}, "heads": args.heads, "head_dim": args.head_dim,
-              "dtype": args.dtype, "backends_available": availability, "results": {}}
+    report = {"environment": {**measure.device_facts(args.device), "torch": torch.__version__}, "heads": args.heads,
+              "head_dim": args.head_dim, "dtype": args.dtype, "backends_available": availability, "results": {}}
     for name in names:
         verdict = kernels.BACKENDS[name].available()
         if not verdict:
@@ -123,9 +306,7 @@ def main(argv=None) -> dict:
             except Exception as exc:  # keep measuring the rest; the JSON says what failed
                 row = {"error": f"{type(exc).__name__}: {exc}"}
             report["results"][name][str(seq)] = row
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(report, f, indent=2)
+            write(report, args.out)
             print(f"{name} S={seq}: " + (row.get("error") or f"HND {row['hnd_median_seconds'] * 1e3:.3f} ms, "
                   f"strided NHD {row['strided_nhd_median_seconds'] * 1e3:.3f} ms, speedup {row['speedup']:.3f}x"),
                   flush=True)
@@ -133,6 +314,32 @@ def main(argv=None) -> dict:
     print(f"\n{env['device']}, torch {env['torch']}, {args.heads}x{args.head_dim} heads {args.dtype}")
     print("\n".join(markdown(KERNELS_HEADER, kernel_rows(report, set()))))
     return report
+
+
+def prepared_main(args) -> dict:
+    why = unavailable()
+    if why:
+        sys.exit(why)
+    report = {**measure.device_facts("cuda"), "torch": torch.__version__, "speed": [], "accuracy": []}
+    for part, run in (("speed", lambda s: speed(s, args.reps, args.warmup)), ("accuracy", accuracy)):
+        for seq in args.seq:
+            result = run(seq)
+            if part == "accuracy":
+                result["verdict"] = accuracy_verdict(result)
+            report[part].append(result)
+            write(report, args.out)
+    for r in report["speed"]:
+        print(f"S = {r['seq']:,}: " + ", ".join(f"{n} {row['p50_seconds'] * 1e3:.3f} ms ({row['spread']:.1%}, "
+                                               f"{row['peak_extra_mib']:.0f} MiB)" for n, row in r["variants"].items())
+              + f"; exact is sageattn's bits: {r['exact_bit_identical_to_sageattn']}")
+    for a in report["accuracy"]:
+        print(f"accuracy S={a['seq']:,}, comfy-kitchen: {a['comfy_kitchen']}; rotated: {json.dumps(a['verdict'])}")
+    return report
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    return prepared_main(args) if args.prepared else layouts_main(args)
 
 
 if __name__ == "__main__":
