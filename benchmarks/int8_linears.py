@@ -37,7 +37,8 @@ def _inputs(m: int, k: int, n: int, act, seed: int):
 def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
     import comfy_kitchen as ck
 
-    route, act_mod, gemm_mod = (submodule(f"kernels.{n}") for n in ("int8_linear", "int8_activation", "int8_gemm"))
+    route, act_mod, gemm_mod, kitchen = (submodule(f"kernels.{n}")
+                                         for n in ("int8_linear", "int8_activation", "int8_gemm", "kitchen"))
     k, n, act = LINEARS[name]
     x, w, ws, bias = _inputs(m, k, n, act, seed=m + k + n)
     xq, xs = act_mod.quantize_rows(x, act)
@@ -46,16 +47,16 @@ def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
                                               input_act=act),
         "pack_layer": lambda: route.routed_or_reason(x, w, ws, bias, input_act=act),
         "pack_quantiser": lambda: act_mod.quantize_rows(x, act),
-        "kitchen_gemm": lambda: route.kitchen_gemm(xq, xs, w, ws, bias, torch.bfloat16),
+        "kitchen_gemm": lambda: kitchen.kitchen_gemm(xq, xs, w, ws, bias, torch.bfloat16),
     }
-    gemm_why = gemm_mod.gemm_problem(x.device, k)
+    chosen = gemm_mod.choice(x.device, k, n)
+    gemm_why = chosen.reason if chosen.kernel == "comfy_kitchen" else None
     if gemm_why is None:
-        runners["pack_gemm"] = lambda: gemm_mod.int8_gemm(xq, xs, w, ws, bias)
+        runners["pack_gemm"] = lambda: gemm_mod.int8_gemm(xq, xs, w, ws, bias, kernel=chosen)
     portable = None
-    if gemm_why is None and gemm_mod.choice(x.device, k, n).kernel == "pack_sm90":
+    if chosen.kernel == "pack_sm90":
         portable = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-        runners["portable_gemm"] = lambda: gemm_mod._launch_portable(xq, xs.reshape(m), w, ws.reshape(1), bias,
-                                                                     portable)
+        runners["portable_gemm"] = lambda: gemm_mod._launch_portable(xq, xs, w, ws, bias, portable, None, chosen)
     want = runners["stock_layer"]()
     got = runners["pack_layer"]()
     route_problem = got if isinstance(got, str) else None  # why stock's call runs, or None: the route ran
@@ -73,17 +74,14 @@ def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
     for variant, ts in times.items():
         s = summary(ts)
         ms = round(s["p50_seconds"] * 1e3, 3)
-        rate = (quantiser_speed(ms, quantiser_bytes(x, m, k)) if variant == "pack_quantiser"  # moves bytes, no MACs
+        # the quantiser moves bytes, no MACs: bf16 input read once, int8 rows and fp32 scales written
+        rate = (quantiser_speed(ms, x.numel() * x.element_size() + m * k + 4 * m) if variant == "pack_quantiser"
                 else {"ms": ms, "tops": round(flops / s["p50_seconds"] / 1e12, 1)})
         row[variant] = {**rate, "spread": round(s["spread"], 3)}
     row["layer_speedup"] = round(times_ratio(row, "stock_layer", "pack_layer"), 3)
     if gemm_why is None:
         row["gemm_speedup"] = round(times_ratio(row, "kitchen_gemm", "pack_gemm"), 3)
     return row
-
-
-def quantiser_bytes(x: torch.Tensor, m: int, k: int) -> int:
-    return x.numel() * x.element_size() + m * k + 4 * m  # bf16 input read once, int8 rows and fp32 scales written
 
 
 def quantiser_speed(ms: float, nbytes: int) -> dict:
