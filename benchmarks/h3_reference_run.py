@@ -42,6 +42,8 @@ REFERENCE_COPY = Path(__file__).resolve().parent / "reference" / "gb10-strided-n
 FIRST_CONTACT_SHAPES = {37810: (1344, 768, 124, 100), 8192: (992, 480, 56, 101)}
 FIRST_CONTACT_NEEDS = {37810: 14 * 2**30, 8192: 7 * 2**30}
 FULL_MODEL_FREE = 80 * 2**30  # the 50-block model (38 GB in bf16) and its activations at 37,810 tokens
+# --first-contact's formats past bf16 and int8_convrot: fp8 scaled and W4A8, where this comfy-kitchen has the layout
+FIRST_CONTACT_KITCHEN_FORMATS = ("float8_e4m3fn", "asym_w4a8_int8")
 
 # The reference report's keys each section makes (a run is checked only for the sections it was asked for)
 REFERENCE_KEYS_BY_SECTION = {
@@ -88,8 +90,16 @@ def first_contact_plan(free_bytes: int | None) -> dict:
     out = ", ".join(f"{t:,} tokens need {n / 2**30:.0f} GiB" for t, n in needs.items() if t not in lengths)
     why = "no CUDA GPU" if free_bytes is None else f"{free_bytes / 2**30:.1f} GiB free" + (out and f"; {out}")
     return {"job": "blocks" if lengths else "tiny_cpu", "why": why, "free_bytes": free_bytes, "lengths": lengths,
-            "formats": list(h3_model.WEIGHT_FORMATS) if lengths else ["bf16"], "blocks": 2,
+            "formats": first_contact_formats() if lengths else ["bf16"], "blocks": 2,
             "full_model": bool(lengths) and free_bytes > FULL_MODEL_FREE}
+
+
+def first_contact_formats() -> list[str]:
+    """bf16, int8_convrot, then each of FIRST_CONTACT_KITCHEN_FORMATS whose layout the installed comfy-kitchen has."""
+    import comfy_kitchen.tensor as ckt
+
+    return list(h3_model.WEIGHT_FORMATS) + [f for f in FIRST_CONTACT_KITCHEN_FORMATS
+                                            if hasattr(ckt, h3_model.KITCHEN_FORMATS[f][0])]
 
 
 def apply_first_contact(parser, args) -> None:
@@ -142,7 +152,7 @@ def parse_args(argv=None):
 
 def add_model_options(p) -> None:
     p.add_argument("--checkpoint", help="H3 diffusion-model checkpoint (default: random full-size weights)")
-    p.add_argument("--weights", choices=h3_model.WEIGHT_FORMATS, default="bf16",
+    p.add_argument("--weights", choices=h3_model.WEIGHT_FORMATS + FIRST_CONTACT_KITCHEN_FORMATS, default="bf16",
                    help="random model only: the linears' format (int8_convrot: as the bundled workflows' checkpoint "
                         "stores qkv/out/fc1/fc2, loaded with ComfyUI's mixed_precision_ops)")
     p.add_argument("--comfyui", help="ComfyUI source tree (default: $COMFYUI_PATH, else ./.comfyui)")

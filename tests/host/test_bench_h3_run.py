@@ -382,11 +382,16 @@ GIB = 2**30
     (80.1, "blocks", [37810, 8192], True, "80.1 GiB free"),  # an H200: the full model is sampled as well
 ])
 def test_first_contact_plan_picks_the_run_by_free_memory(free_gib, job, lengths, full_model, why):
+    import comfy_kitchen.tensor as ckt
+
     from benchmarks.h3_reference_run import FIRST_CONTACT_SHAPES, first_contact_plan
 
     plan = first_contact_plan(None if free_gib is None else int(free_gib * GIB))
     assert (plan["job"], plan["lengths"], plan["full_model"], plan["why"]) == (job, lengths, full_model, why)
-    assert plan["formats"] == (["bf16", "int8_convrot"] if job == "blocks" else ["bf16"])
+    # fp8 scaled and W4A8 where this comfy-kitchen has their layouts (0.2.31 has both)
+    kitchen = [f for f, layout in (("float8_e4m3fn", "TensorCoreFP8Layout"), ("asym_w4a8_int8", "AsymW4A8Int8Layout"))
+               if hasattr(ckt, layout)]
+    assert plan["formats"] == (["bf16", "int8_convrot", *kitchen] if job == "blocks" else ["bf16"])
     for tokens in lengths:  # each length's clip packs exactly that many tokens
         assert packed_token_count(*FIRST_CONTACT_SHAPES[tokens])["total"] == tokens
 
@@ -438,6 +443,7 @@ plan = run.first_contact_plan
 run.FIRST_CONTACT_SHAPES = {32: (64, 64, 5, 8), 110: (64, 64, 22, 8)}
 run.FIRST_CONTACT_NEEDS = {32: 1, 110: 1}
 run.first_contact_plan = lambda free: plan(20 * 2**30)
+run.FIRST_CONTACT_KITCHEN_FORMATS = ("float8_e4m3fn",)  # W4A8 needs 256-wide inputs: the tiny H3's are 64
 sys.exit(run.main(sys.argv[1:]))
 """
 
@@ -457,7 +463,8 @@ def first_contact_run(folder):
 def test_first_contact_measures_each_format_at_each_length_beside_stock(first_contact_run):
     proc, data = first_contact_run
     assert proc.returncode == 0 and data["errors"] == {}, proc.stdout[-3000:] + proc.stderr[-3000:]
-    keys = [f"first_contact_{w}_{t}" for w in ("bf16", "int8_convrot") for t in (32, 110)]
+    keys = [f"first_contact_{w}_{t}" for w in data["first_contact"]["formats"] for t in (32, 110)]
+    assert data["first_contact"]["formats"][:2] == ["bf16", "int8_convrot"]
     assert data["sections_completed"] == keys
     assert data["first_contact"]["job"] == "blocks" and data["layouts_measured"] == ["strided_nhd"]
     for key in keys:
@@ -469,7 +476,8 @@ def test_first_contact_measures_each_format_at_each_length_beside_stock(first_co
             assert b["stock_p50_seconds"] > 0 and b["strided_nhd_p50_seconds"] > 0
             assert b["stock_vs_strided_nhd_bit_exact"] is True
         assert run["pack_ran"].startswith("sdpa x")
-    assert data["model"]["source"].startswith("random int8_convrot weights") and data["model"]["blocks"] == 2
+    last = data["first_contact"]["formats"][-1]
+    assert data["model"]["source"].startswith(f"random {last} weights") and data["model"]["blocks"] == 2
     assert "reference_schema" not in data  # the block job's sections are its own, not the reference's
 
 
