@@ -8,13 +8,11 @@ import torch
 
 from .triton_support import hardware_bf16, interpreting, per_token_params, round_bf16, tl, triton
 
-if triton is not None:
-    from triton.language.extra import libdevice
-
-PASS_DTYPES = (torch.bfloat16,)
 BLOCK_COLS, BLOCK_ROWS = 1024, 4
 
 if triton is not None:
+    from triton.language.extra import libdevice
+
     @triton.jit
     def _row_tile(rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         """This program's tile of a [rows, cols] block: (row offsets, column offsets, column mask, mask)."""
@@ -74,20 +72,8 @@ if triton is not None:
 def fusable(h: torch.Tensor) -> bool:
     """One Triton pass takes ``h``: 2-D bf16 rows, contiguous last dim, on a GPU (or interpreted on the CPU)."""
     on_device = h.is_cuda or (interpreting() and h.device.type == "cpu")
-    return (triton is not None and on_device and h.dim() == 2 and h.dtype in PASS_DTYPES
+    return (triton is not None and on_device and h.dim() == 2 and h.dtype == torch.bfloat16
             and h.stride(-1) == 1 and h.numel() > 0)
-
-
-def _scale_shift_impl(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> None:
-    per_row = per_token_params(h, scale1, shift)
-    if not fusable(h):
-        h.mul_(scale1).add_(shift)
-        return
-    rows, cols = h.shape
-    grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
-    _scale_shift_kernel[grid](h, scale1.contiguous(), shift.contiguous(), rows, cols, h.stride(0),
-                              PER_ROW=per_row, HW_BF16=hardware_bf16(h.device), BLOCK_R=BLOCK_ROWS,
-                              BLOCK_C=BLOCK_COLS, num_warps=4)
 
 
 def scale_shift_(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -95,7 +81,14 @@ def scale_shift_(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> 
     fp32); other dtypes run stock's two passes, torch.compile its expression (inductor fuses it). Returns ``h``."""
     if torch.compiler.is_compiling():
         return h.mul_(scale1).add_(shift)  # inductor fuses it with the norm
-    _scale_shift_impl(h, scale1, shift)
+    per_row = per_token_params(h, scale1, shift)
+    if not fusable(h):
+        return h.mul_(scale1).add_(shift)
+    rows, cols = h.shape
+    grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
+    _scale_shift_kernel[grid](h, scale1.contiguous(), shift.contiguous(), rows, cols, h.stride(0),
+                              PER_ROW=per_row, HW_BF16=hardware_bf16(h.device), BLOCK_R=BLOCK_ROWS,
+                              BLOCK_C=BLOCK_COLS, num_warps=4)
     return h
 
 

@@ -10,9 +10,6 @@ import torch
 from . import kitchen
 from .triton_support import hardware_bf16, interpreting, round_bf16, tl, triton
 
-if triton is not None:
-    from triton.language.extra import libdevice
-
 
 def _kitchen():
     try:
@@ -47,6 +44,8 @@ LANES = 32  # comfy-kitchen's kernel: one warp per (token, head) row
 
 
 if triton is not None:
+    from triton.language.extra import libdevice
+
     @triton.jit
     def _fma(a, b, c, EMULATE: tl.constexpr):
         """a * b + c rounded once. EMULATE: the interpreter's fma rounds twice; fp64 does not round the
@@ -132,21 +131,14 @@ if triton is not None:
         kw_tail = tl.load(KW + 2 * P + t, mask=t < TAIL, other=0.0).to(tl.float32)
         h0 = tl.program_id(1).to(tl.int64) * HG
         for g in range(HG):
-            _norm_rope_qk(Q, K, rows, ok, h0 + g, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi,
-                          kw_tail, f00, f01, f10, f11, eps, R, D, P, PP, TAIL, TP, EMULATE, HW_BF16)
-
-    @triton.jit
-    def _norm_rope_qk(Q, K, rows, ok, h, H, sqs, sqh, sks, skh, qw_lo, qw_hi, qw_tail, kw_lo, kw_hi, kw_tail,
-                      f00, f01, f10, f11, eps, R: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                      PP: tl.constexpr, TAIL: tl.constexpr, TP: tl.constexpr, EMULATE: tl.constexpr,
-                      HW_BF16: tl.constexpr):
-        hok = ok & (h < H)
-        q = _norm_rope_values(Q, rows, hok, h, sqs, sqh, qw_lo, qw_hi, qw_tail, f00, f01, f10, f11, eps,
-                              R, D, P, PP, TAIL, TP, EMULATE, HW_BF16)
-        _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
-        k = _norm_rope_values(K, rows, hok, h, sks, skh, kw_lo, kw_hi, kw_tail, f00, f01, f10, f11, eps,
-                              R, D, P, PP, TAIL, TP, EMULATE, HW_BF16)
-        _norm_rope_store(k[0], k[1], k[2], k[3], hok, P, PP, TAIL, TP)
+            h = h0 + g
+            hok = ok & (h < H)
+            q = _norm_rope_values(Q, rows, hok, h, sqs, sqh, qw_lo, qw_hi, qw_tail, f00, f01, f10, f11, eps,
+                                  R, D, P, PP, TAIL, TP, EMULATE, HW_BF16)
+            _norm_rope_store(q[0], q[1], q[2], q[3], hok, P, PP, TAIL, TP)
+            k = _norm_rope_values(K, rows, hok, h, sks, skh, kw_lo, kw_hi, kw_tail, f00, f01, f10, f11, eps,
+                                  R, D, P, PP, TAIL, TP, EMULATE, HW_BF16)
+            _norm_rope_store(k[0], k[1], k[2], k[3], hok, P, PP, TAIL, TP)
 
 
 def own_pass_takes(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,

@@ -225,24 +225,6 @@ def operand_problem(q, k, v) -> tuple[str, str] | None:
     return None
 
 
-def _geometry(q):
-    _, s, h, d = q.shape
-    return s, h, d, -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
-
-
-# pass 1: reduction
-
-
-def v_absmax_partials(v):
-    """V's per-channel absmax of each ``VMAX_ROWS``-token split: fp32 [splits, H, D]."""
-    s, h, d = v.shape[1:]
-    out = torch.empty(-(-s // VMAX_ROWS), h, d, dtype=torch.float32, device=v.device)
-    _vmax_kernel[(out.shape[0], triton.cdiv(h * d, VMAX_COLS))](
-        v, out, s, h * d, v.stride(1), v.stride(2), D=d, ROWS=VMAX_ROWS, RB=VMAX_TILE_ROWS, BC=VMAX_COLS,
-        num_warps=VMAX_WARPS)
-    return out
-
-
 def k_mean(k):
     """K's mean over its tokens, fp32 [H, D]: SageAttention's own ``k.mean`` (its bits), widened exactly."""
     _, _, h, d = k.shape
@@ -252,8 +234,11 @@ def k_mean(k):
 def v_scales(v):
     """(v_scale [1, H, D], v_recp [H, D]) fp32: V's channel absmax over every token, over fp8 e4m3's largest."""
     _require_triton()
-    _, _, h, d = v.shape
-    vmax = v_absmax_partials(v)
+    s, h, d = v.shape[1:]
+    vmax = torch.empty(-(-s // VMAX_ROWS), h, d, dtype=torch.float32, device=v.device)  # per VMAX_ROWS-token split
+    _vmax_kernel[(vmax.shape[0], triton.cdiv(h * d, VMAX_COLS))](
+        v, vmax, s, h * d, v.stride(1), v.stride(2), D=d, ROWS=VMAX_ROWS, RB=VMAX_TILE_ROWS, BC=VMAX_COLS,
+        num_warps=VMAX_WARPS)
     vscale = torch.empty(1, h, d, dtype=torch.float32, device=v.device)
     vrecp = torch.empty(h, d, dtype=torch.float32, device=v.device)
     _finalize_kernel[(h,)](vmax, vscale, vrecp, vmax.shape[0], h, FP8_MAX, D=d, num_warps=1)
@@ -261,7 +246,6 @@ def v_scales(v):
 
 
 def _reduce_impl(k, v):
-    _require_triton()
     return (k_mean(k), *v_scales(v))
 
 
@@ -276,9 +260,6 @@ def _(k, v):
     _, _, h, d = k.shape
     return (k.new_empty(h, d, dtype=torch.float32), k.new_empty(1, h, d, dtype=torch.float32),
             k.new_empty(h, d, dtype=torch.float32))
-
-
-# pass 2: quantisation
 
 
 def _empty_operands(s, h, d, dev, parts="qkv"):
@@ -322,8 +303,7 @@ def _quant_launch(q, k, v, k_mean, v_recp, rotate, out, *, row0=0):
 
 
 def _quantize_impl(q, k, v, k_mean, v_recp, rotate):
-    s, h, d, _, _, _ = _geometry(q)
-    out = _empty_operands(s, h, d, q.device)
+    out = _empty_operands(*q.shape[1:], q.device)
     _quant_launch(q, k, v, k_mean, v_recp, rotate, out)
     return out
 
@@ -338,11 +318,7 @@ def sage2_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: to
 
 @sage2_quantize.register_fake
 def _(q, k, v, k_mean, v_recp, rotate):
-    _, s, h, d = q.shape
-    nqb, nkb, lpad = -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
-    return (q.new_empty(h, s, d, dtype=torch.int8), q.new_empty(1, h, nqb * 32, dtype=torch.float32),
-            q.new_empty(h, s, d, dtype=torch.int8), q.new_empty(1, h, nkb * 4, dtype=torch.float32),
-            q.new_empty(h, d, lpad, dtype=torch.float8_e4m3fn))
+    return _empty_operands(*q.shape[1:], q.device)
 
 
 def _operand_dict(qo, qs, ko, ks, vo, vscale) -> dict:
@@ -361,9 +337,6 @@ def quantize_operands(q, k, v, *, mode="exact"):
         reduce, quantize = _reduce_impl, _quantize_impl
     kmean, vscale, vrecp = reduce(k, v)
     return _operand_dict(*quantize(q, k, v, kmean, vrecp, rotate), vscale)
-
-
-# the same operands, Q a token chunk at a time (the projection need not exist whole)
 
 
 class RowOperands:

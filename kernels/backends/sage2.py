@@ -72,6 +72,7 @@ class Sage2Backend(AttentionBackend):
         return self._sageattn(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale)
 
     def prepared_verdict(self, q, k, v) -> Verdict:
+        """Can ``prepare`` take these NHD views (no mask)? Asked after ``available`` and ``supports``."""
         cap = gpu.capability(q.device)  # q's own device, not the current one
         if cap != (9, 0):
             got = "no CUDA device" if cap is None else f"{cap[0]}.{cap[1]}"
@@ -95,14 +96,14 @@ class Sage2Backend(AttentionBackend):
         return Prepared(self.name, mode, sage2_quant.quantize_operands(q, k, v, mode=mode),
                         float(d ** -0.5 if scale is None else scale), q.dtype, s, h, d, head_chunks(s, h, d))
 
-    def prepare_projected(self, projection, kv, *, heads, mode="exact", scale=None, norm=None, chunk=8192) -> Prepared:
-        """``prepare``'s operands and bits from a projection taken by token chunks (Q normalised per chunk, with K's
-        rows). By columns, K's bf16 rows are freed once its operand is made, before V is projected."""
-        if norm is not None and not norm.by_rows:
-            raise ValueError("the pending Q/K normalisation cannot be applied by token chunks")
+    def prepare_projected(self, projection, kv, *, heads, norm, mode="exact", scale=None, chunk=8192) -> Prepared:
+        """``prepare``'s operands and bits from a projection taken by token chunks, never whole (``norm`` applied by
+        row ranges: Q's chunk with K's rows). By columns (``kv`` None): K taken ahead as ``projection.k``, Q by
+        ``q_rows(a, b)``, V by ``v()`` once K's operand is made and its bf16 rows freed. By whole rows: ``rows(a, b)``,
+        K/V copied into ``kv`` [S, 2*H*D], then ``release()``."""
         seq, d = projection.seq, sage2_quant.HEAD_DIM
         inner = heads * d
-        by_columns = kv is None  # K projected, Q by rows, V after K; else whole rows, K/V copied into ``kv``
+        by_columns = kv is None
         if by_columns:
             if projection.k is None or tuple(projection.k.shape) != (seq, inner):
                 raise ValueError(f"K taken ahead must be [{seq}, {inner}]")
@@ -120,8 +121,7 @@ class Sage2Backend(AttentionBackend):
             else:
                 rows = projection.rows(a, b)
                 q, k = rows.unflatten(1, (3, heads, d)).unsqueeze(0).unbind(2)[:2]  # no view left to hold the chunk
-            if norm is not None:
-                norm.apply_rows(q, k, a)
+            norm.apply_rows(q, k, a)  # raises where the norm cannot be applied by rows
             ops.add_q_rows(q)
             if not by_columns:
                 kv[a:b].copy_(rows[:, inner:])
@@ -135,8 +135,7 @@ class Sage2Backend(AttentionBackend):
             projection.release()
         ops.add_v(v)
         del v
-        if norm is not None:  # only now: a fallback from a failure before this projects and normalises anew
-            norm.mark_applied()
+        norm.mark_applied()  # only now: a fallback from a failure before this projects and normalises anew
         return Prepared(self.name, mode, ops.operands(), float(d ** -0.5 if scale is None else scale),
                         projection.dtype, seq, heads, d, head_chunks(seq, heads, d), projected_chunks=len(chunks))
 
