@@ -11,10 +11,6 @@ import ctypes
 GIB = 2**30
 
 
-class BallastError(RuntimeError):
-    """The driver would not give the ballast."""
-
-
 def ballast_bytes(total_bytes: int, budget_gib: float) -> int:
     """Bytes to occupy so a card of ``total_bytes`` keeps ``budget_gib`` GiB (the CUDA context comes out of it)."""
     budget = int(budget_gib * GIB)
@@ -37,7 +33,7 @@ class Ballast:
         self._ptr = ctypes.c_uint64(0)
         status = ctypes.CDLL("libcuda.so.1").cuMemAlloc_v2(ctypes.byref(self._ptr), ctypes.c_size_t(nbytes))
         if status != 0:
-            raise BallastError(f"cuMemAlloc of {nbytes / GIB:.2f} GiB failed (CUresult {status})")
+            raise RuntimeError(f"ballast: cuMemAlloc of {nbytes / GIB:.2f} GiB failed (CUresult {status})")
 
 
 def occupy(device_index: int, budget_gib: float) -> tuple[Ballast, dict]:

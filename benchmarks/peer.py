@@ -84,26 +84,16 @@ def load_module(checkout, file: Path = PEER_FILE):
     return module
 
 
-def node_defaults(node_cls) -> dict:
-    schema = node_cls.define_schema()
-    return {i.id: i.default for i in schema.inputs
-            if i.id != "model" and getattr(i, "default", None) is not None}
-
-
-def node_class(checkout, module, node: str):
-    if node in NODE_FILES:
-        return getattr(load_module(checkout, NODE_FILES[node]), node)
-    return getattr(module, node)
-
-
 def make_variant(module, base, nodes: tuple[str, ...], checkout=None):
-    """``(patched clone, [{node, display_name, inputs}])``: each node's ``execute`` on the previous output."""
+    """``(patched clone, [{node, display_name, inputs}])``: each node's ``execute`` on the previous output, every
+    input at its schema default."""
     model, applied = base, []
     for node in nodes:
-        cls = node_class(checkout, module, node)
-        inputs = node_defaults(cls)
+        cls = getattr(load_module(checkout, NODE_FILES[node]) if node in NODE_FILES else module, node)
+        schema = cls.define_schema()
+        inputs = {i.id: i.default for i in schema.inputs if i.id != "model" and getattr(i, "default", None) is not None}
         model = cls.execute(model, **inputs)[0]  # io.NodeOutput: the MODEL output first
-        applied.append({"node": node, "display_name": cls.define_schema().display_name, "inputs": inputs})
+        applied.append({"node": node, "display_name": schema.display_name, "inputs": inputs})
     if model is base:
         raise RuntimeError(f"{' then '.join(nodes)} returned the model unpatched (the peer did not see H3 blocks)")
     return model, applied

@@ -201,18 +201,13 @@ def kernels_table(paths: list[Path]) -> str:
     return "\n".join(markdown(KERNELS_HEADER, rows) + [""] + notes)
 
 
-def budget_crashed(cell: dict) -> str | None:
-    """The variant a cell's process died in (a signal or an exit code before its run was recorded), or None."""
+def budget_runs(cell: dict) -> dict:
+    """The cell's runs by variant, with the one its process died in (a signal or an exit code before its run was
+    recorded) as ``{"crashed": exit code}``."""
     stage, code = cell.get("stage") or "", cell.get("returncode")
     name = stage.removeprefix("sample ")
     crashed = isinstance(code, int) and code != 0 and name != stage and name not in cell.get("runs", {})
-    return name if crashed else None
-
-
-def budget_runs(cell: dict) -> dict:
-    """The cell's runs by variant, with the one its process died in as ``{"crashed": exit code}``."""
-    name = budget_crashed(cell)
-    return dict(cell.get("runs", {}), **({name: {"crashed": cell["returncode"]}} if name else {}))
+    return dict(cell.get("runs", {}), **({name: {"crashed": code}} if crashed else {}))
 
 
 def budget_outcome(run: dict | None) -> str:

@@ -3,7 +3,6 @@ Variants: ``stock``, the layouts ``hnd`` and ``strided_nhd`` (the node's patch),
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -11,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from devkit.aimdo_emulation import object_patches_applied
 from devkit.comfy import SAMPLER, SCHEDULER, custom_sampling, on_each_step
 from devkit.h3 import packed_token_count
 
@@ -56,15 +56,6 @@ class Bench:
         out.update(self.clones)
         out.update(self.extras)
         return out
-
-
-@contextlib.contextmanager
-def object_patches_applied(patcher):
-    patcher.patch_model(load_weights=False)
-    try:
-        yield patcher.model.diffusion_model
-    finally:
-        patcher.unpatch_model(unpatch_weights=False)
 
 
 def patches_left_behind(diffusion_model) -> list[str]:
@@ -141,13 +132,6 @@ def capture_block_inputs(bench: Bench) -> dict:
             "outputs_finite": bench.outputs_finite["stock forward"]}
 
 
-def _compiled_block(bench: Bench, name: str, block):
-    if name not in bench.compiled_blocks:
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        bench.compiled_blocks[name] = torch.compile(block)
-    return bench.compiled_blocks[name]
-
-
 def _block_call(bench: Bench, patcher, index: int, inputs: tuple | None = None, compiled: str | None = None):
     """``run(meter)``: one forward of block ``index`` with ``patcher``'s patches on a fresh copy of its input (made
     before the meter starts), measured by ``meter(fn, device)``; ``compiled``: the variant's name, under torch.compile."""
@@ -155,10 +139,12 @@ def _block_call(bench: Bench, patcher, index: int, inputs: tuple | None = None, 
     transformer_options = patcher.model_options.get("transformer_options", {})
 
     def run(meter=measure.timed):
-        with object_patches_applied(patcher) as dm:
-            block = dm.blocks[index]
-            if compiled is not None:
-                block = _compiled_block(bench, compiled, block)
+        with object_patches_applied(patcher):
+            block = patcher.model.diffusion_model.blocks[index]
+            if compiled is not None and compiled not in bench.compiled_blocks:
+                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+                bench.compiled_blocks[compiled] = torch.compile(block)
+            block = bench.compiled_blocks[compiled] if compiled is not None else block
             x = x0.clone()  # blocks update their input in place
             return meter(lambda: block(x, t_emb, segments, rope, transformer_options=transformer_options),
                          bench.device)
@@ -220,23 +206,22 @@ def block_row(index: int, times: dict, peaks: dict, outputs: dict, reps: int) ->
     return row
 
 
-def _profile_block(bench: Bench, patcher, index: int, large: int) -> dict:
-    x0, t_emb, segments, rope = bench.block_inputs[index]
-    transformer_options = patcher.model_options.get("transformer_options", {})
-    with object_patches_applied(patcher) as dm:
-        block = dm.blocks[index]
-        inputs = [x0.clone() for _ in range(PROFILED_CALLS + 1)]  # the warm call's and the profiled calls'
-        return profile_kernels(
-            lambda: block(inputs.pop(), t_emb, segments, rope, transformer_options=transformer_options),
-            bench.device, large, calls=PROFILED_CALLS)
-
-
 def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
     """CUDA kernels one forward of block 0 launches per variant (torch.profiler), layout copies counted."""
     index = bench.block_indices[0]
+    x0, t_emb, segments, rope = bench.block_inputs[index]
     attn = bench.diffusion_model.blocks[index].attn
-    large = bench.block_inputs[index][0].shape[0] * attn.heads * attn.head_dim
-    counts = {name: _profile_block(bench, p, index, large) for name, p in bench.variants(with_stock).items()}
+    large = x0.shape[0] * attn.heads * attn.head_dim
+
+    def profiled(patcher) -> dict:
+        options = patcher.model_options.get("transformer_options", {})
+        with object_patches_applied(patcher):
+            block = patcher.model.diffusion_model.blocks[index]
+            inputs = [x0.clone() for _ in range(PROFILED_CALLS + 1)]  # the warm call's and the profiled calls'
+            return profile_kernels(lambda: block(inputs.pop(), t_emb, segments, rope, transformer_options=options),
+                                   bench.device, large, calls=PROFILED_CALLS)
+
+    counts = {name: profiled(p) for name, p in bench.variants(with_stock).items()}
     result = {"tool": f"torch.profiler (torch {torch_version})", "block": index,
               "large_copy_threshold_elements": large, "profiled_calls": PROFILED_CALLS}
     for name, c in counts.items():
@@ -267,17 +252,6 @@ def sampling_order(layouts: list[str], reps: int) -> list[str]:
     for rep in range(reps):
         order += layouts if rep % 2 == 0 else layouts[::-1]
     return order
-
-
-def warm_sampling(bench: Bench, variants: dict) -> None:
-    """One untimed 1-step run per variant first: one-time costs would fall on whichever sampled first."""
-    if bench.sampling_warmed:
-        return
-    for name, patcher in variants.items():
-        started = time.perf_counter()
-        run_sampling(bench, patcher, 1, f"warm-up {name}", quiet=True)
-        bench.log(f"  warm-up {name}: {time.perf_counter() - started:.2f} s (not counted)")
-    bench.sampling_warmed = True
 
 
 def run_sampling(bench: Bench, patcher, steps: int, label: str, quiet=False) -> tuple[dict, tuple]:
@@ -318,7 +292,12 @@ def sampling(bench: Bench, steps: int, reps: int, with_stock: bool, extras: list
     order = sampling_order(sampled, reps)  # stock interleaved with the rest, so ratios to it hold too
     every = bench.variants(with_stock=True)
     variants = {name: every[name] for name in sampled}
-    warm_sampling(bench, variants)
+    if not bench.sampling_warmed:  # one untimed 1-step run each: one-time costs would fall on the first sampled
+        for name, patcher in variants.items():
+            started = time.perf_counter()
+            run_sampling(bench, patcher, 1, f"warm-up {name}", quiet=True)
+            bench.log(f"  warm-up {name}: {time.perf_counter() - started:.2f} s (not counted)")
+        bench.sampling_warmed = True
     runs, latents = _sampling_runs(bench, variants, order, steps)
     result = {"sampler": SAMPLER, "scheduler": SCHEDULER, "steps": steps, "seed": bench.seed,
               "guider": "BasicGuider (one model call per step)",
@@ -397,25 +376,21 @@ def frames_for_tokens(tokens: int, width: int, height: int, text_tokens: int) ->
     return best
 
 
-def memory_order(bench: Bench, with_stock: bool = True) -> list[str]:
-    """The pack's main variant, the peer's, the others, stock last: past 2**31 elements a kernel with int32 offsets
-    may fault, and nothing runs after a fault, so the comparison asked for comes first."""
-    main = main_variant(bench)
-    others = [n for n in bench.layouts + list(bench.extras) if n != main and n not in bench.peer]
-    return [main, *bench.peer, *others] + (["stock"] if with_stock else [])
-
-
 def peak_memory_at(bench: Bench, tokens: int, with_stock: bool = True) -> dict:
     """Peak extra memory of one forward of the first timed block per variant at the frame count closest to
     ``tokens`` (its input from a stock forward stopped there); a warm call, then the measured one."""
     frames, rows = frames_for_tokens(tokens, bench.width, bench.height, bench.conditioning[0][0].shape[1])
     index = bench.block_indices[0]
     kept, _, _ = stock_block_inputs(bench, (bench.width, bench.height, frames), [index], stop=True)
-    order = memory_order(bench, with_stock)
+    # the pack's main variant, the peer's, the others, stock last: past 2**31 elements a kernel with int32 offsets
+    # may fault, and nothing runs after a fault, so the comparison asked for comes first
+    main = main_variant(bench)
+    others = [n for n in bench.layouts + list(bench.extras) if n != main and n not in bench.peer]
+    order = [main, *bench.peer, *others] + (["stock"] if with_stock else [])
     rows_in = int(kept[index][0].shape[0])
     bench.log(f"  {rows_in} tokens ({bench.width}x{bench.height}x{frames}), block {index}: " + ", ".join(order))
     peaks, errors = _peaks_in_order(bench, order, index, kept[index])
-    block, main = bench.diffusion_model.blocks[index], main_variant(bench)
+    block = bench.diffusion_model.blocks[index]
     spans = {"fused_qkv": rows_in * 3 * block.attn.heads * block.attn.head_dim,
              "mlp_fc1_output": rows_in * block.mlp.fc1.out_features}
     return {"what": "peak memory allocated above the block's input during one block forward",
@@ -424,8 +399,8 @@ def peak_memory_at(bench: Bench, tokens: int, with_stock: bool = True) -> dict:
             "block": index, "order": order, "peak_extra_bytes": peaks, "errors": errors,
             # plain sageattn forms int32 offsets into the fused qkv buffer, an int8 GEMM maybe into fc1's output
             "elements": spans, "past_int32_offsets": [k for k, n in spans.items() if n >= 2**31],
-            "pack": main, "pack_over_peer": {p: _ratio(peaks.get(main), peaks.get(p)) for p in bench.peer},
-            "pack_over_stock": _ratio(peaks.get(main), peaks.get("stock"))}
+            "pack": main, "pack_over_peer": {p: measure.speedup(peaks.get(main), peaks.get(p)) for p in bench.peer},
+            "pack_over_stock": measure.speedup(peaks.get(main), peaks.get("stock"))}
 
 
 def _peaks_in_order(bench: Bench, order: list[str], index: int, inputs: tuple) -> tuple[dict, dict]:
@@ -446,10 +421,6 @@ def _peaks_in_order(bench: Bench, order: list[str], index: int, inputs: tuple) -
         peak = peaks[name]
         bench.log(f"    {name}: " + (errors.get(name) or ("-" if peak is None else f"{peak / 2**20:,.0f} MiB")))
     return peaks, errors
-
-
-def _ratio(a, b):
-    return None if not a or not b else a / b
 
 
 def _sampled_verdict(same, diff: dict, checksums: str) -> str:

@@ -77,6 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--frames", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--cell-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
@@ -121,20 +122,10 @@ def make_checkpoint(args) -> int:
 
 
 def cell_command(args, tokens: int, frames: int, budget: float | None, out: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "benchmarks.vram_budget", "--cell", "--checkpoint", str(args.checkpoint),
-           "--tokens", str(tokens), "--frames", str(frames), "--steps", str(args.steps),
-           "--variants", ",".join(args.variants), "--backend", args.backend, "--loader", args.loader,
-           "--width", str(args.width), "--height", str(args.height), "--text-tokens", str(args.text_tokens),
-           "--seed", str(args.seed), "--device", args.device, "--cell-out", str(out)]
-    if budget is not None:
-        cmd += ["--budget", str(budget)]
-    if args.timeline:
-        cmd.append("--timeline")
-    if args.kjnodes is not None:
-        cmd += ["--kjnodes", str(args.kjnodes)]
-    if args.comfyui:
-        cmd += ["--comfyui", str(args.comfyui)]
-    return cmd
+    """The cell's process: this run's own options (a repeated option's last value wins), then the cell's."""
+    cmd = [sys.executable, "-m", "benchmarks.vram_budget", *args.argv, "--cell", "--tokens", str(tokens),
+           "--frames", str(frames), "--cell-out", str(out)]
+    return cmd + ([] if budget is None else ["--budget", str(budget)])
 
 
 def run_cells(args) -> int:
@@ -144,7 +135,7 @@ def run_cells(args) -> int:
     from .sections import frames_for_tokens
 
     cells, started = [], time.perf_counter()
-    data = {"what": "full H3 sampled under VRAM budgets (benchmarks.vram_budget)", "argv": sys.argv[1:],
+    data = {"what": "full H3 sampled under VRAM budgets (benchmarks.vram_budget)", "argv": args.argv,
             "checkpoint": str(args.checkpoint), "loader": args.loader, "steps": args.steps, "cells": cells}
     report = Recorder(args.out, data)
     for tokens in args.tokens:

@@ -149,12 +149,12 @@ def test_a_variant_whose_process_died_is_told_apart_from_one_not_run():
     pack = {"seconds_per_step": 2.0, "peak_allocated_bytes": 2**30, "copied_bytes_per_step": 0}
     died = {"name": "x", "budget_gib": 24.0, "packed_rows": {"total": 149936}, "returncode": -6,
             "stage": "sample stock", "runs": {"pack": pack}}
-    assert results_table.budget_crashed(died) == "stock"
+    assert results_table.budget_runs(died) == {"pack": pack, "stock": {"crashed": -6}}
     row = results_table.budget_markdown([{"cells": [died]}])[-1]
     assert row == "| 24 GiB | 149,936 | process died | not run | 2.00 s |  |  |"
     assert "stock: the process died while sampling (exit code -6)" in results_table.budget_details({"cells": [died]})[0]
     for fine in ({**died, "returncode": 0}, {**died, "stage": "done"}, {**died, "stage": "sample pack"}):
-        assert results_table.budget_crashed(fine) is None
+        assert "crashed" not in results_table.budget_runs(fine).get("stock", {})
 
 
 def test_out_of_memory_is_told_apart():
