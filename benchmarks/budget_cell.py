@@ -183,6 +183,7 @@ def _peer_variant(args, base, stock_flag: str, result: dict):
                          "commit": peer.describe(args.kjnodes, module, None)["git_commit"]}
     return clone
 
+
 def loaded_weight_bytes(patcher) -> int | None:
     """The weight bytes ComfyUI holds on the card for ``patcher`` (its own count; a nicety, the run matters)."""
     fn = getattr(patcher, "loaded_size", None) or getattr(patcher, "model_loaded_memory", None)

@@ -34,17 +34,13 @@ VARIANTS = {"stock": ("stock ComfyUI", "#9a9a9a"), "kjnodes": ("KJNodes (lowest 
             "pack": ("this pack", "#2f6db5")}
 
 
-def find_cell(report: dict, tokens: int, card: int) -> dict | None:
-    return next((c for c in report["cells"] if c.get("budget_gib") == card
-                 and c.get("packed_rows", {}).get("total") == tokens), None)
-
-
 def outcomes(results: Path = RESULTS) -> dict:
     out = {}
     for tokens, card, files in CELLS:
         for variant in VARIANTS:
             for name in files:
-                cell = find_cell(json.loads((results / name).read_text()), tokens, card)
+                cell = next((c for c in json.loads((results / name).read_text())["cells"]
+                             if c.get("budget_gib") == card and c.get("packed_rows", {}).get("total") == tokens), None)
                 run = budget_runs(cell).get(variant) if cell else None
                 if run:
                     out[(tokens, card, variant)] = (run["seconds_per_step"] if not run.get("error") and "crashed" not in run
