@@ -51,10 +51,8 @@ class CallRecord:
 
 
 def asked_for(requested: str, skip: Skip) -> bool:
-    """A named choice (the node's, or a checkpoint's preference under auto) asks for that back-end alone: the
-    others a chain passes over on the way to one that runs were never asked for. ``auto`` asks for the fastest
-    back-end this machine has: passing over one it lacks is the normal choice, one it has that cannot take the
-    call is a fallback."""
+    """A named choice (the node's, or a checkpoint's preference under auto) asks for that back-end alone. ``auto``
+    asks for the fastest one here: passing over one it lacks is normal; one that cannot take the call is a fallback."""
     if requested == "auto":
         return skip.kind != "unavailable"
     return skip.backend == requested
@@ -128,7 +126,7 @@ class BackendChain:
     def run_projected(self, projection, heads: int, head_dim: int, *, norm, prepared_mode: str, chunk: int,
                       scale: float | None = None):
         """The prepared path on a projection by token chunks, or (None, None): the caller projects whole."""
-        if not self.prepared or norm is None or not norm.by_rows:
+        if not self.prepared or not norm.by_rows:
             return None, None
         if projection.k is not None:  # K projected ahead: Q and V will be its shape, dtype and place
             kv, views = None, [projection.k.view(1, projection.seq, heads, head_dim)] * 3
@@ -164,12 +162,10 @@ class BackendChain:
         takes the call at all, if it offers that path in ``prepared_mode``), or None."""
         if not self.prepared:
             return None
-        for backend in self._candidates(views, "NHD", None, [] if skipped is None else skipped):
-            if (backend.prepares_projected and prepared_mode in backend.prepared_modes
-                    and backend.prepared_verdict(*views)):
-                return backend
+        backend = next(self._candidates(views, "NHD", None, [] if skipped is None else skipped), None)
+        if backend is None or not backend.prepares_projected or prepared_mode not in backend.prepared_modes:
             return None
-        return None
+        return backend if backend.prepared_verdict(*views) else None
 
     def _candidates(self, views: list, layout: str, mask, skipped: list):
         """The back-ends, in order, that take the call on ``views`` (read anew: a norm may replace Q/K)."""

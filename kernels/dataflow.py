@@ -85,10 +85,6 @@ class RowProjection:
     def released(self) -> bool:
         return not self._x
 
-    @property
-    def by_columns(self) -> bool:
-        return self._columns is not None
-
     def _input(self) -> torch.Tensor:
         if self.released:
             raise RuntimeError("the projection's input was released")
@@ -109,7 +105,7 @@ class RowProjection:
 
     def whole(self, heads: int, head_dim: int) -> list[torch.Tensor]:
         """Every row as ``[q, k, v]`` [1, S, H, D] views, then ``release``; K as taken ahead (else anew)."""
-        if not self.by_columns:
+        if self._columns is None:
             views = list(split_fused_qkv(self.rows(0, self.seq), heads, head_dim))
         else:
             k = self.k if self.k is not None else self._columns[1](self._input())

@@ -11,7 +11,6 @@ class ComfyKitchenInt8Backend(AttentionBackend):
     name = "comfy_kitchen_int8"
     max_element_offset = INT32_MAX_OFFSET
     row_block = 128
-    dtypes = (torch.float16, torch.bfloat16, torch.float32)
     takes_mask = True
 
     def _check_available(self):

@@ -51,7 +51,6 @@ class Fa4Backend(AttentionBackend):
     row_block = 128  # the m/n tile on every arch (sm80/sm120 tile_n 64 divides it)
     dtypes = (torch.float16, torch.bfloat16)
     max_head_dim = 256
-    takes_mask = False
 
     def __init__(self):
         self.compile_events: list[dict] = []

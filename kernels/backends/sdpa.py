@@ -38,7 +38,6 @@ def _kernel_priority(q: torch.Tensor):
 
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
-    max_element_offset = None
     needs_cuda = False
     takes_mask = True
 
