@@ -1,8 +1,7 @@
-"""The int8 activation quantiser of int8 tensor-wise ConvRot linears, with the bits of comfy-kitchen's CUDA
-``quantize_int8_rowwise_convrot64`` (its steps in its order): each 256-wide group rotated by four radix-4 Hadamard
-butterflies, the row's absmax as scale, each value over it (both rounded to bf16) rounded to int8; optionally after
-fc1's SwiGLU or the block's modulation. comfy-kitchen builds with fast math, so the pass issues ``div.approx.ftz``
-and ``ex2.approx.ftz`` too, but does not flush subnormal sums (inputs below ~1e-38 may differ). Offsets are int64."""
+"""The int8 ConvRot activation quantiser with the bits of comfy-kitchen's CUDA ``quantize_int8_rowwise_convrot64``:
+each 256-wide group rotated by four radix-4 Hadamard butterflies, the row's absmax as scale, each value over it (both
+bf16) rounded to int8; optionally after fc1's SwiGLU or the block's modulation. Fast math as comfy-kitchen's build
+(``div.approx.ftz``, ``ex2.approx.ftz``), but subnormal sums are not flushed (inputs below ~1e-38 may differ)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ GROUP = 256            # ConvRot's rotation group (comfy-kitchen's fused kernels
 MAX_COLS = 16384       # comfy-kitchen's fused ConvRot quantiser takes rows up to this width
 INPUT_ACTS = (None, "swiglu")
 BF16_MAX = 3.38953139e38  # the largest finite bf16: an infinite absmax is clamped to it
-
-
 INV_127 = float(torch.tensor(1.0) / torch.tensor(127.0))  # fp32, correctly rounded: what nvcc folds 1.0f / 127.0f to
 
 
@@ -39,8 +36,7 @@ if triton is not None:
 
     @triton.jit
     def _mul_unfused(a, b, EMULATE: tl.constexpr):
-        """``a * b`` rounded on its own (``mul.rn.ftz``: ``.rn`` keeps the compiler from contracting it
-        into the butterfly's next addition as an FMA, which nvcc's code for comfy-kitchen does not do)."""
+        """``a * b`` rounded on its own (``.rn``: never contracted into an FMA, as nvcc's code does not)."""
         if EMULATE:
             return a * b
         return tl.inline_asm_elementwise("mul.rn.ftz.f32 $0, $1, $2;", "=r,r,r", [a, b],
@@ -68,7 +64,7 @@ if triton is not None:
 
     @triton.jit
     def _load(ptr, ok, MASKED: tl.constexpr):
-        """A tile as fp32; masked (zeros where ``ok`` is false) only for a tile that runs past the row."""
+        """A tile as fp32, masked only where it runs past the row."""
         if MASKED:
             return tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
         return tl.load(ptr).to(tl.float32)
@@ -171,7 +167,6 @@ def quantize_rows(x: torch.Tensor, input_act: str | None = None, *, modulation=N
 
 
 def row_warps(width: int) -> int:
-    """Warps of one row's program: the fewest, at least 2, that hold 112 values a thread or fewer (fewer warps
-    issue fewer instructions a row and leave room for more rows at once; 128 values a thread spill): 2 for H3's
-    qkv / fc1 and out_proj inputs, 4 for fc2's (on an H100, 2 warps took those rows 16-18% faster than 4)."""
+    """Warps of one row's program: the fewest, at least 2, holding at most 112 values a thread (128 spill); on an
+    H100, 2 warps took H3's qkv / fc1 / out_proj rows 16-18% faster than 4."""
     return min(16, max(2, triton.next_power_of_2(-(-width // (32 * 112)))))

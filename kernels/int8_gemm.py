@@ -1,12 +1,8 @@
-"""The pack's int8 GEMM for int8 tensor-wise (ConvRot) linears: ``out = bf16(fma(acc * x_scale, w_scale, bias))``,
-the bits of comfy-kitchen's CUTLASS epilogue (its fp32 steps read off its outputs on an H100), ``acc`` the exact
-int32 sum of int8 rows times int8 weight rows: exact in any order, so the tiling is free.
-
-A persistent Triton kernel (tiles in ``grouped_tile``'s order, both operands through TMA: out-of-bounds reads are
-zeros, the sums stay exact) runs where it was measured faster than comfy-kitchen's GEMM (``CONFIGS``); on Hopper the
-warp-specialised kernel of ``int8_gemm_sm90`` (same bits, faster: docs/BENCHMARKS.md), with a Triton release whose
-Gluon it was measured with (``GLUON_TRITON``) or, on another, once its bits matched this kernel's there at first use.
-``choice`` alone answers whose GEMM runs and why. TMA coordinates are element indices (< 2**31 rows and columns)."""
+"""The int8 route's GEMM: ``bf16(fma(acc * x_scale, w_scale, bias))``, the bits of comfy-kitchen's CUTLASS epilogue
+(read off its outputs on an H100), ``acc`` the exact int32 sum (exact in any order: the tiling is free). A persistent
+Triton kernel (TMA operands, zero-filled past the edges) where it was measured faster than comfy-kitchen's GEMM; on
+Hopper ``int8_gemm_sm90``'s warp-specialised kernel (same bits). ``choice`` alone answers whose GEMM runs and why;
+``gemm`` runs it, with its fallbacks. TMA coordinates are element indices (< 2**31 rows and columns)."""
 
 from __future__ import annotations
 
@@ -36,20 +32,17 @@ class GemmConfig:
     group_m: int = 8
 
 
-# Measured faster than comfy-kitchen's CUTLASS int8 GEMM at H3's four linears (docs/BENCHMARKS.md); a GPU not named
-# here keeps comfy-kitchen's GEMM.
+# measured faster than comfy-kitchen's GEMM at H3's linears (docs/BENCHMARKS.md); other GPUs keep comfy-kitchen's
 CONFIGS = {(9, 0): GemmConfig(block_m=128, block_n=256, block_k=128, stages=3, warps=8)}
 MEASURED_TRITON = (3, 6)  # the oldest Triton it was measured with (older ones keep comfy-kitchen's GEMM)
-# Small tiles under the interpreter: the CPU tests' shapes cross several tiles in every dimension.
+# the interpreter's: the CPU tests' shapes cross several tiles in every dimension
 INTERPRETER_CONFIG = GemmConfig(block_m=32, block_n=32, block_k=32, stages=1, warps=4, group_m=2)
 K_ALIGN = 16  # TMA: the row pitch of an int8 operand must be a multiple of 16 bytes
-# The warp-specialised kernel: per compute capability, and the Triton release lines whose Gluon it was measured with
-# (Gluon's API moves between releases; elsewhere this file's kernel runs).
+# the warp-specialised kernel, and the Triton releases whose Gluon it was measured with (Gluon's API moves)
 WS_CONFIGS = {(9, 0): int8_gemm_sm90.SM90}
 GLUON_TRITON = ((3, 6),)
 N_ALIGN = 8  # its TMA store: the row pitch of the bf16 output must be a multiple of 16 bytes
-# The Gluon kernel's first-use check on a Triton release it was not measured with: H3's out_proj and fc2 shapes
-# (rows off the tile, a bias, the gated epilogue), against the portable kernel on the same operands.
+# its first-use check against the portable kernel on another Triton: out_proj's and fc2's (a bias, the gated epilogue)
 GLUON_CHECK_SHAPES = ((300, 512, 7168, False, False), (77, 256, 5376, True, True))
 
 
@@ -117,8 +110,8 @@ if triton is not None:
 
 @dataclasses.dataclass(frozen=True)
 class GemmChoice:
-    """Whose int8 GEMM runs on a device for rows ``k`` wide, why not a faster one, and what its launches need
-    (decided with it: a call never asks the GPU)."""
+    """Whose int8 GEMM runs on a device, why not a faster one, and what its launches need (a call never asks the
+    GPU)."""
     kernel: str  # "pack_sm90" (warp-specialised, Gluon), "pack" (portable Triton) or "comfy_kitchen"
     reason: str | None = None  # why not the pack's warp-specialised kernel (None: it runs)
     release: str = "measured"  # the Gluon kernel on this Triton: "measured", or "self_checked" (a first-use bits check)
@@ -129,9 +122,8 @@ class GemmChoice:
 
 
 def choice(device, k: int = K_ALIGN, n: int | None = None) -> GemmChoice:
-    """The one answer to "whose GEMM, and why" on ``device`` (``n`` None: any width that is a multiple of 8).
-    Declared per GPU and Triton release: the pack's kernels run only where they were measured faster; the Gluon
-    kernel on an unmeasured Triton release only after its bits matched the portable kernel's there."""
+    """The one answer to "whose GEMM, and why" on ``device`` for rows ``k`` wide (``n``: the output width, None: a
+    multiple of 8); the Gluon kernel, on an unmeasured Triton, once its bits matched the portable kernel's there."""
     device = gpu.exact_device(device)
     why = gemm_problem(device, k)
     if why is not None:
@@ -155,8 +147,7 @@ def choice(device, k: int = K_ALIGN, n: int | None = None) -> GemmChoice:
 
 
 def still_runs(chosen: GemmChoice) -> GemmChoice:
-    """The per-call check of a GEMM chosen once: ``chosen``, or the next kernel down where one failed on its device
-    since (``record_failure``; the same bits)."""
+    """``chosen``, or the next kernel down where one failed on its device since (``record_failure``)."""
     if chosen.kernel == "comfy_kitchen":
         return chosen
     failed = gpu.ANSWERS.reasons(chosen.device)
@@ -168,8 +159,7 @@ def still_runs(chosen: GemmChoice) -> GemmChoice:
 
 
 def gemm_problem(device, k: int) -> str | None:
-    """Why no pack GEMM runs on ``device`` for rows ``k`` wide (comfy-kitchen's then does; None: one does): the
-    Triton release, the GPU (only where it was measured faster), a failure here, TMA's alignment."""
+    """Why no pack GEMM runs on ``device`` for rows ``k`` wide (None: one does)."""
     why = triton_problem()
     if why is not None:
         return why
@@ -189,7 +179,7 @@ def gemm_problem(device, k: int) -> str | None:
 
 @functools.cache
 def triton_problem() -> str | None:
-    """Why the installed Triton does not run the kernel: too old to be measured, or without host TMA descriptors."""
+    """Why the installed Triton does not run the kernel."""
     if triton is None:
         return TRITON_ERROR
     if version_key(triton.__version__) < MEASURED_TRITON and not interpreting():  # the CPU tests run on any
@@ -201,8 +191,7 @@ def triton_problem() -> str | None:
 
 
 def record_failure(device: torch.device, exc: Exception, gluon: bool = False) -> None:
-    """Keep the pack's GEMMs (``gluon``: the Gluon kernel alone) off ``device`` for the rest of the process after
-    ``exc``: the next kernel down runs there, with the same bits."""
+    """The pack's GEMMs (``gluon``: the Gluon kernel alone) off ``device`` from now on: the next kernel down runs."""
     if gluon:
         why = gpu.ANSWERS.fail("int8_gemm_sm90", device, f"its Gluon kernel failed here ({gpu.failure_text(exc)})")
         log.warning("[Sage Strided NHD] the warp-specialised int8 GEMM is off on %s: %s", device, why)
@@ -260,8 +249,7 @@ def _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype, residual=None,
 
 
 def _launch(xq, x_scale, qdata, w_scale, bias, out, gate, kernel: GemmChoice):
-    """``kernel`` on the operands: the Gluon kernel where chosen and the output takes its TMA store (16-byte aligned
-    start and row pitch), else, or where it fails to build, the portable kernel."""
+    """The Gluon kernel where chosen and the output takes its TMA store, else (or where it fails) the portable one."""
     m, n = xq.shape[0], qdata.shape[0]
     # TMA reads from 16-byte aligned starts: a view at an odd storage offset is copied
     xq, qdata = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (xq.contiguous(), qdata.contiguous()))
@@ -310,7 +298,6 @@ def _gemm_impl(xq, x_scale, qdata, w_scale, bias, residual, gate, kernel: GemmCh
 
 
 def _pack_kernel(chosen: GemmChoice) -> GemmChoice:
-    """``chosen``, a pack kernel, or the error of a call no pack kernel takes."""
     if chosen.kernel == "comfy_kitchen":
         raise ValueError(f"int8 GEMM: {chosen.reason}")
     return chosen
@@ -320,8 +307,7 @@ if hasattr(torch, "library") and hasattr(torch.library, "custom_op"):
     @torch.library.custom_op(f"{LIB}::int8_gemm", mutates_args=())
     def _int8_gemm_op(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
-        """-> bf16 [m, n]: the int8 GEMM with CUTLASS's epilogue (the operands checked and the kernel chosen when
-        it runs, not traced)."""
+        """-> bf16 [m, n] (the operands checked and the kernel chosen when it runs, not traced)."""
         _check_operands(xq, x_scale, qdata, w_scale, bias, torch.bfloat16)
         chosen = _pack_kernel(choice(xq.device, xq.shape[1], qdata.shape[0]))
         return _gemm_impl(xq, x_scale, qdata, w_scale, bias, None, None, chosen)
@@ -333,12 +319,10 @@ if hasattr(torch, "library") and hasattr(torch.library, "custom_op"):
 
 def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None,
               out_dtype: torch.dtype = torch.bfloat16, *, residual=None, gate=None, kernel: GemmChoice):
-    """``bf16(int32(xq @ qdata.T) * x_scale * w_scale + bias)`` with CUTLASS's bits on ``kernel`` (a pack kernel,
-    ``choice``'s). xq [m, k] int8, x_scale [m, 1] fp32, qdata [n, k] int8, w_scale one value or [n] fp32, bias [n]
-    or None. ``residual`` (bf16 [m, n], contiguous last dim) with ``gate`` (bf16 [n]): the epilogue adds the product
-    to it in place as stock's separate ``residual.addcmul_(product, gate)`` does (same bits) and returns it; the
-    product is never written. Traced by torch.compile, the call records the custom op, the residual a separate
-    ``addcmul_``."""
+    """``bf16(int32(xq @ qdata.T) * x_scale * w_scale + bias)`` on ``kernel``, a pack kernel: xq [m, k] int8, x_scale
+    [m, 1] fp32, qdata [n, k] int8, w_scale one value or [n] fp32, bias [n] or None. ``residual`` (bf16 [m, n]) with
+    ``gate`` (bf16 [n]): the product added to it in the epilogue (stock's ``addcmul_``'s bits), ``residual`` returned.
+    Traced by torch.compile: the custom op, the residual a separate ``addcmul_``."""
     if torch.compiler.is_compiling():
         if out_dtype != torch.bfloat16:
             raise ValueError(f"int8 GEMM: bf16 output only, got {out_dtype}")
@@ -353,10 +337,9 @@ class GemmDeclined(RuntimeError):
 
 
 def gemm(xq, x_scale, qdata, w_scale, bias, out_dtype: torch.dtype, residual=None, *, kernel: GemmChoice):
-    """The int8 route's GEMM, with the bits of comfy-kitchen's CUTLASS GEMM: ``kernel`` (``choice``'s, made once for
-    the calls) where it still runs, else the next one down; None where CUTLASS declines the shape. ``residual`` (a
-    ``PendingResidual``): the product added to it and ``residual.x`` returned, in the pack's epilogue where it folds
-    (the product never written), else by its own pass; None: nothing was added."""
+    """The route's GEMM: ``kernel`` (``choice``'s, made once) where it still runs, else the next one down; None where
+    CUTLASS declines. ``residual`` (``PendingResidual``): the product added to it (in the pack's epilogue where it
+    folds), ``residual.x`` returned; None: nothing was added."""
     runs = still_runs(kernel)
     pack = runs if runs.kernel != "comfy_kitchen" and out_dtype == torch.bfloat16 else None
     if residual is None or pack is None or not residual.foldable:
@@ -372,8 +355,7 @@ def gemm(xq, x_scale, qdata, w_scale, bias, out_dtype: torch.dtype, residual=Non
 
 
 def _one_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype, pack: GemmChoice | None, residual=None, gate=None):
-    """The pack's ``pack`` kernel (None: comfy-kitchen's GEMM), comfy-kitchen's where it fails; ``residual`` with
-    ``gate`` (bf16): the product added to it (after comfy-kitchen's GEMM by stock's ``addcmul_``)."""
+    """The ``pack`` kernel (None: comfy-kitchen's GEMM; also where it fails); ``residual``: the product added."""
     if pack is not None:
         try:
             return int8_gemm(xq, x_scale, qdata, w_scale, bias, residual=residual, gate=gate, kernel=pack)
@@ -386,9 +368,7 @@ def _one_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype, pack: GemmChoice | N
 
 
 def epilogue_reference(acc: torch.Tensor, x_scale, w_scale, bias=None) -> torch.Tensor:
-    """The epilogue in torch, step by step (the tests' oracle, and the K = 0 case): acc times the row's scale in
-    fp32, then times the weight's scale plus the bias in one rounding (through fp64, as the kernel's emulation;
-    a plain fp32 product without a bias), then bf16."""
+    """The epilogue's steps in torch (the tests' oracle, and K = 0): the bias's one rounding through fp64."""
     m, n = acc.shape
     t = acc.float() * x_scale.reshape(m, 1).float()
     ws = w_scale.float().reshape(1, -1)

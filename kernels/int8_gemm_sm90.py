@@ -1,13 +1,8 @@
-"""The int8 GEMM's Hopper kernel, warp-specialised, in Gluon. Same int32 sums and epilogue steps as ``int8_gemm``'s
-portable kernel, its bits twin (the CPU tests check that one; tests/gpu ties this one to it and to comfy-kitchen's
-CUTLASS GEMM bit for bit).
-
-One loader warp streams both operands through TMA into a ring of shared-memory stages, ahead of the MMAs and across
-tiles. Two MMA warpgroups share each 128 x 256 output tile: asynchronous ``wgmma`` (int8 x int8 -> exact int32), one
-stage in flight, each stage handed back once the MMA that read it is done. The epilogue goes out through shared
-memory and a TMA store that overlaps the next tile's MMAs. TMA zero-fills reads past the edges and clips the store.
-Measured on an H100 (Triton 3.6) 1-6% faster at H3's four linears than a ping-pong of two 128 x 128 consumers
-(docs/BENCHMARKS.md)."""
+"""The int8 GEMM's Hopper kernel, warp-specialised, in Gluon: ``int8_gemm``'s portable kernel's sums and epilogue
+steps, bit for bit (tests/gpu). One loader warp streams both operands by TMA into a ring of shared-memory stages,
+across tiles; two MMA warpgroups share each 128 x 256 output tile (async int8 ``wgmma``, one stage in flight); the
+epilogue leaves by a TMA store that overlaps the next tile's MMAs (1-6% faster on an H100 than a ping-pong of two
+128 x 128 consumers: docs/BENCHMARKS.md)."""
 
 import dataclasses
 
@@ -36,12 +31,6 @@ class WsConfig:
     stages: int = 6
     group_m: int = 8
 
-    @property
-    def shared_bytes(self) -> int:
-        """The ring, the output tile and the barriers: within Hopper's 227 KiB a block."""
-        return (self.stages * (self.block_m + self.block_n) * self.block_k + self.block_m * self.block_n * 2
-                + 2 * 8 * self.stages)
-
 
 SM90 = WsConfig()       # H100 / H200: the fastest of the tilings measured (docs/BENCHMARKS.md)
 MMA_WARPS = 8           # two warpgroups, 64 rows each; an int32 64 x 256 accumulator is 128 registers a thread
@@ -67,8 +56,7 @@ if gl is not None:
             return self.tiles_m * self.tiles_n
 
         @gluon.jit
-        def origin(self, tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-            """The first row and column of output tile ``tile``."""
+        def origin(self, tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # tile's first row and column
             pid_m, pid_n = grouped_tile(tile, self.tiles_m, self.tiles_n, self.GROUP_M)
             return pid_m * BLOCK_M, pid_n * BLOCK_N
 
@@ -111,7 +99,7 @@ if gl is not None:
 
     @gluon.jit
     def _loader(p):
-        """One warp: every K step of every tile of this program, in order, into the next free stage."""
+        """One warp: each K step of each tile of this program into the next free stage."""
         BLOCK_M: gl.constexpr = p.a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = p.b_desc.block_type.shape[0]
@@ -132,15 +120,13 @@ if gl is not None:
                 step += 1
 
     @gluon.jit
-    def _mul_rn(a, b):
-        """``a * b`` rounded on its own (``.rn``: never contracted into an FMA)."""
+    def _mul_rn(a, b):  # rounded on its own (.rn: never contracted into an FMA)
         return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.float32,
                                          is_pure=True, pack=1)
 
     @gluon.jit
     def _tile_mma(p, acc, step, k_steps):
-        """One tile's K steps off the ring into ``acc`` (int32), each stage handed back to the loader once the MMA
-        after it was issued (one in flight); returns the sum and the ring's next step."""
+        """One tile's K steps off the ring into ``acc``; -> (the sum, the ring's next step)."""
         STAGES: gl.constexpr = p.a_ring.type.shape[0]
         done = 0
         for ks in range(k_steps):
@@ -159,8 +145,7 @@ if gl is not None:
 
     @gluon.jit
     def _epilogue(p, acc, row0, col0):
-        """CUTLASS's steps: acc times the row's scale, then times the weight's scale plus the bias in one rounding (a
-        plain product without a bias), then bf16; out through ``c_smem`` and a TMA store."""
+        """CUTLASS's steps (acc * x_scale, then one rounding of that * w_scale + bias), bf16, out by TMA."""
         BLOCK_M: gl.constexpr = p.c_smem.type.shape[0]
         BLOCK_N: gl.constexpr = p.c_smem.type.shape[1]
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
@@ -185,9 +170,8 @@ if gl is not None:
 
     @gluon.jit
     def _add_gated_residual(p, row0, col0):
-        """The product in ``c_smem`` (bf16, as stock's output holds it) replaced by ``residual + product * gate``,
-        the residual read from where the tile goes, GATED_ROWS rows at a time in 16-byte vectors (coalesced, few
-        registers: the accumulator is dead by now)."""
+        """``c_smem``'s bf16 product replaced by ``residual + product * gate``, the residual read GATED_ROWS rows
+        at a time in 16-byte vectors (coalesced; the accumulator is dead by now)."""
         BLOCK_M: gl.constexpr = p.c_smem.type.shape[0]
         BLOCK_N: gl.constexpr = p.c_smem.type.shape[1]
         ROWS: gl.constexpr = p.GATED_ROWS
@@ -207,7 +191,7 @@ if gl is not None:
 
     @gluon.jit
     def _mma_and_epilogue(p):
-        """The MMA warpgroups: every tile of this program, its K steps off the ring, then its epilogue."""
+        """The MMA warpgroups: each tile of this program, its K steps, then its epilogue."""
         BLOCK_M: gl.constexpr = p.c_smem.type.shape[0]
         BLOCK_N: gl.constexpr = p.c_smem.type.shape[1]
         BLOCK_K: gl.constexpr = p.a_ring.type.shape[2]
@@ -252,8 +236,7 @@ def descriptor_layouts(cfg: WsConfig):
 
 
 def launch(cfg: WsConfig, xq, x_scale, qdata, w_scale, bias, out, programs: int, gate=None) -> None:
-    """Run the kernel on ``int8_gemm._launch``'s operands (contiguous, 16-byte aligned; ``out`` takes a TMA store;
-    with ``gate``, ``out`` is the residual the product is added to)."""
+    """The kernel on ``int8_gemm._launch``'s operands (``gate``: ``out`` is the residual the product is added to)."""
     m, k = xq.shape
     n = qdata.shape[0]
     a_layout, b_layout, c_layout = descriptor_layouts(cfg)

@@ -1,7 +1,6 @@
-"""int8 tensor-wise ConvRot linears as stock's CUDA ``int8_linear`` runs them (fused quantiser, then comfy-kitchen's
-CUTLASS int8 GEMM), on the pack's quantiser and, where it runs, the pack's GEMM (kernels/int8_gemm.py): same bits.
-Stock's dispatch has no public entry point: the route mirrors each release in ``RELEASES`` (verified), and runs on
-another only where it passes a bits self-check on the device (kernels/int8_release_check.py)."""
+"""int8 tensor-wise ConvRot linears as stock's CUDA ``int8_linear`` runs them, on the pack's quantiser and GEMM: same
+bits. Stock's dispatch has no public entry point: the route mirrors each release in ``RELEASES`` (verified), and runs
+on another only where it passes a bits self-check on the device (kernels/int8_release_check.py)."""
 
 from __future__ import annotations
 
@@ -19,23 +18,21 @@ GROUP = int8_activation.GROUP
 
 
 def int8_call_problem(x: torch.Tensor, *, input_act: str | None = None) -> str | None:
-    """What about calls on rows like ``x`` (their device, dtype and width; not their count) keeps stock's: None when
-    nothing does. Fixed for a layer, a device and the installed releases within a run."""
+    """What about calls on rows like ``x`` (device, dtype, width; not their count) keeps stock's (None: nothing)."""
     if not x.is_cuda:
         return "not on a CUDA device"
     return _call_shape_problem(x, input_act) or release_problem(x.device)
 
 
 def _call_shape_problem(x: torch.Tensor, input_act: str | None) -> str | None:
-    """What keeps stock's about calls on a CUDA device, the release's verification (``release_problem``) aside."""
+    """``int8_call_problem`` on a CUDA device, the release's verification aside."""
     if not int8_activation.quantize_takes(x, input_act):
         return f"the pack's quantiser does not take a {x.dtype} input {x.shape[-1]} wide (act {input_act!r})"
     return kitchen_cuda()[1]
 
 
 def int8_rows_problem(x: torch.Tensor) -> str | None:
-    """What about this one call keeps stock's: traced by torch.compile, or too few rows for the release's CUTLASS
-    GEMM (stock runs a GEMV)."""
+    """What about this one call keeps stock's: traced, or too few rows for the release's CUTLASS GEMM."""
     if torch.compiler.is_compiling():
         return "traced by torch.compile"
     version, release, _ = installed_release()
@@ -46,8 +43,8 @@ def int8_rows_problem(x: torch.Tensor) -> str | None:
 
 
 def release_problem(device: torch.device) -> str | None:
-    """Why the installed comfy-kitchen, loaded (``kitchen_cuda``), keeps stock's quantiser on ``device``: None for
-    a verified release; another runs the self-check there once (``RELEASE_CHECK``) and gives its verdict."""
+    """Why the installed comfy-kitchen keeps stock's quantiser on ``device``: None for a verified release; another
+    is self-checked there once (``RELEASE_CHECK``)."""
     version, release, verified = installed_release()
     if verified:
         return None
@@ -60,8 +57,7 @@ def release_problem(device: torch.device) -> str | None:
 
 def int8_weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias, *,
                         input_act: str | None = None) -> str | None:
-    """Why stock's ConvRot ``int8_linear`` would not run the two kernels the route reproduces, from the weight (for
-    calls whose ``int8_call_problem`` is None); None: it would."""
+    """Why stock's ``int8_linear`` would not run the two kernels the route mirrors on this weight (None: it would)."""
     cuda = kitchen_cuda()[0]
     k = x.shape[1] // (2 if input_act == "swiglu" else 1)
     if qdata.dtype != torch.int8 or qdata.dim() != 2 or qdata.shape[1] != k:
@@ -85,28 +81,27 @@ def int8_weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Ten
 def int8_linear_routed(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *, kernel: GemmChoice,
                        input_act: str | None = None, modulation: list | None = None,
                        residual: PendingResidual | None = None) -> torch.Tensor | None:
-    """Stock's ``int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, input_act=...)`` with the pack's
-    quantiser, for a call the route takes (``nodes/int8_layers.route``), on ``kernel``, the GEMM the route chose
-    for the layer. ``modulation``: foldable segments, applied by the quantiser. ``residual``: the output added to it
-    (``residual.x`` returned, see ``int8_gemm.gemm``); None where CUTLASS declines (nothing added)."""
+    """Stock's ``int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, input_act=...)`` on the pack's quantiser
+    and ``kernel``, the GEMM the route chose for the layer. ``modulation``: segments folded into the quantiser;
+    ``residual``: the output added to it (``residual.x`` returned); None where CUTLASS declines (nothing added)."""
     xq, x_scale = _quantize(x, input_act, modulation)
     return gemm(xq, x_scale, qdata, w_scale, bias, x.dtype, residual, kernel=kernel)
 
 
 def _quantize(x, input_act, modulation):
-    """(int8 rows, scales) of ``x``; ``modulation``: segments that tile its rows, applied by the pass."""
+    """(int8 rows, scales) of ``x``, ``modulation`` applied by the pass."""
     return int8_activation.quantize_rows(x, input_act, modulation=modulation)
 
 
 def stock_int8_linear(x, qdata, w_scale, bias=None, *, input_act: str | None = None) -> torch.Tensor:
-    """Stock's call itself (``comfy.ops.linear_input_act``'s), for a call the route declined after the cast."""
+    """Stock's call itself, for a call the route declined after the cast."""
     ck = importlib.import_module("comfy_kitchen")
     return ck.int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, convrot_groupsize=GROUP, input_act=input_act)
 
 
 def routed_or_reason(x, qdata, w_scale, bias=None, *, input_act: str | None = None) -> torch.Tensor | str:
-    """One whole call through the route as a sampling call takes it, the release's verification aside: its output,
-    or why stock's call runs (what the release self-check compares with stock's call)."""
+    """One call through the route as sampling takes it, the release's verification aside: its output, or why stock's
+    call runs (the release self-check's route)."""
     why = (_call_shape_problem(x, input_act) or int8_rows_problem(x)
            or int8_weight_problem(x, qdata, w_scale, bias, input_act=input_act))
     if why is not None:
@@ -121,9 +116,8 @@ RELEASE_CHECK = int8_release_check.ReleaseCheck(route=lambda *a, **k: routed_or_
 
 
 def kitchen_release_status(device=None) -> dict:
-    """For the report: ``{"release": comfy-kitchen's version or None, "route": "verified" | "self_checked" | "stock",
-    "reason": why stock's quantiser, or None}``. A release outside ``RELEASES`` is self-checked on ``device``
-    (default: the current CUDA device) if it was not yet."""
+    """For the report: ``{"release", "route": "verified" | "self_checked" | "stock", "reason"}``; a release outside
+    ``RELEASES`` is self-checked on ``device`` (default: the current CUDA device) if it was not yet."""
     version, release, verified = installed_release()
     why = kitchen_cuda()[1]
     if why is None and not verified:
@@ -135,9 +129,8 @@ def kitchen_release_status(device=None) -> dict:
 
 
 def gemm_status(device=None) -> dict:
-    """For the report: ``{"kernel": "pack_sm90" | "pack" | "comfy_kitchen", "reason": ..., "release": ...}`` for the
-    int8 route's GEMM on ``device`` (default: the first CUDA device), as ``int8_gemm.choice`` decides it; the reason
-    why not the warp-specialised kernel is given on a GPU only."""
+    """For the report: ``{"kernel", "reason", "release"}`` of ``choice`` on ``device`` (default: the first CUDA one);
+    why not the warp-specialised kernel, on a GPU only."""
     if device is None:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -166,15 +159,14 @@ class QuantizedRows:
 
 
 def int8_quantized_rows(x: torch.Tensor, modulation: list | None = None) -> QuantizedRows:
-    """``x`` quantised as the route quantises it; ``modulation`` as ``int8_linear_routed``'s."""
+    """``x`` quantised as ``int8_linear_routed`` quantises it."""
     return QuantizedRows(*_quantize(x, None, modulation), x.dtype)
 
 
 def int8_column_products(qdata: torch.Tensor, w_scale: torch.Tensor, inner: int | None = None, *,
                          kernel: GemmChoice):
-    """``(project_q, project_k, project_v)``: the GEMM (``kernel``, the route's) on weight rows [0, inner),
-    [inner, 2*inner), [2*inner, ...) (``GemmDeclined``); ``inner`` None: ``(project,)`` on every row. Rows are
-    independent int32 sums: any column block gives the whole product's bits."""
+    """``(project_q, project_k, project_v)`` on weight rows [0, inner), [inner, 2*inner), [2*inner, ...) (``inner``
+    None: ``(project,)``), on ``kernel``: any column block gives the whole product's bits (``GemmDeclined``)."""
     def block(a: int, b: int | None):
         w = qdata[a:b]
         ws = w_scale if w_scale.numel() == 1 else w_scale.reshape(-1)[a:b]

@@ -1,14 +1,12 @@
-"""The bits self-check that lets the int8 route run on a comfy-kitchen release it was not verified against: at its
-first use on a CUDA device, stock's ConvRot ``int8_linear`` and the route on the same random inputs, compared with
-``torch.equal``. Any difference, decline or exception keeps stock's quantiser on that device, with the reason.
-Decided once per (process, device). The samples take H3's widths, so the quantiser variants compiled for them are
-the ones sampling runs anyway; their rows include the fewest the route takes and counts off the GEMM's tiles."""
+"""The bits self-check that lets the int8 route run on a comfy-kitchen release it was not verified against: at first
+use on a CUDA device, stock's ConvRot ``int8_linear`` and the route on the same random inputs, ``torch.equal``; any
+difference, decline or exception keeps stock's quantiser there, with the reason. The samples take H3's widths (the
+quantiser variants sampling compiles anyway), the fewest rows the route takes and counts off the GEMM's tiles."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from typing import Callable
 
 import torch
@@ -36,22 +34,18 @@ def samples(min_rows: int) -> tuple[Sample, ...]:
             Sample(77, 5376, 256, bias=True))
 
 
-def sample_inputs(sample: Sample, device: torch.device, seed: int):
-    """(x, int8 weight, tensor-wise scale, bias or None) for ``sample`` on ``device``, from their own generator."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    cols = sample.width * (2 if sample.input_act == "swiglu" else 1)
-    x = (2 * torch.randn(sample.rows, cols, generator=g, device=device)).bfloat16()
-    w = torch.randint(-127, 128, (sample.out_features, sample.width), generator=g, device=device, dtype=torch.int8)
-    bias = torch.randn(sample.out_features, generator=g, device=device).bfloat16() if sample.bias else None
-    return x, w, torch.tensor(2e-3, device=device), bias
-
-
 def compare(route: Callable, stock: Callable, device: torch.device, checked: tuple[Sample, ...]) -> str | None:
-    """None where ``route`` gives ``stock``'s bits on every sample; else what went wrong, on which sample.
-    Both take ``(x, qdata, w_scale, bias, input_act=...)``; ``route`` returns its output or why it declined."""
+    """None where ``route`` gives ``stock``'s bits on every sample (random inputs from a generator of their own);
+    else what went wrong, on which sample. ``route`` returns its output or why it declined."""
     for seed, sample in enumerate(checked):
+        g = torch.Generator(device=device).manual_seed(seed)
         try:
-            x, w, w_scale, bias = sample_inputs(sample, device, seed)
+            cols = sample.width * (2 if sample.input_act == "swiglu" else 1)
+            x = (2 * torch.randn(sample.rows, cols, generator=g, device=device)).bfloat16()
+            w = torch.randint(-127, 128, (sample.out_features, sample.width), generator=g, device=device,
+                              dtype=torch.int8)
+            bias = torch.randn(sample.out_features, generator=g, device=device).bfloat16() if sample.bias else None
+            w_scale = torch.tensor(2e-3, device=device)
             want = stock(x, w, w_scale, bias, input_act=sample.input_act)
             got = route(x, w, w_scale, bias, input_act=sample.input_act)
         except Exception as exc:  # whatever broke, stock's call is the safe answer
@@ -66,12 +60,6 @@ def compare(route: Callable, stock: Callable, device: torch.device, checked: tup
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    problem: str | None  # None: the route runs on the device
-    seconds: float
-
-
 class ReleaseCheck:
     """The self-check of one process, decided once per device (``gpu.ANSWERS``, question "kitchen_release")."""
 
@@ -80,12 +68,11 @@ class ReleaseCheck:
 
     def problem(self, device, min_rows: int) -> str | None:
         """Why the route may not run on ``device`` (None: it may), from the first check there."""
-        return gpu.ANSWERS.decide("kitchen_release", device, lambda: self.run(device, min_rows).problem)
+        return gpu.ANSWERS.decide("kitchen_release", device, lambda: self.run(device, min_rows))
 
-    def run(self, device, min_rows: int) -> Decision:
+    def run(self, device, min_rows: int) -> str | None:
         """Check now (not cached): the route against stock on ``samples(min_rows)``."""
         device = exact_device(device)
-        start = time.perf_counter()
         try:
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), torch.no_grad():
                 problem = compare(self.route, self.stock, device, samples(min_rows))
@@ -93,4 +80,4 @@ class ReleaseCheck:
                     torch.cuda.synchronize(device)
         except Exception as exc:  # the device itself failing: stock's call is the safe answer
             problem = f"{type(exc).__name__}: {exc}"
-        return Decision(problem, time.perf_counter() - start)
+        return problem

@@ -141,7 +141,7 @@ def test_equal_bits_let_the_route_run_decided_once(monkeypatch):
     rc = decided(monkeypatch, lambda *a, **k: (calls.append(1), fake_stock(*a, **k))[1])
     assert rc.problem("cpu", 3) is None and len(calls) == len(TINY)
     assert rc.problem("cpu", 3) is None and len(calls) == len(TINY)  # cached for the device
-    assert rc.run("cpu", 3).seconds > 0 and len(calls) == 2 * len(TINY)  # run: checked again, timed
+    assert rc.run("cpu", 3) is None and len(calls) == 2 * len(TINY)  # run: checked again
 
 
 def test_a_bit_mismatch_keeps_stocks_quantiser_with_the_count(monkeypatch):
@@ -222,7 +222,7 @@ INTERPRETED = r"""
     same = check.ReleaseCheck(route.routed_or_reason, stock).run("cpu", min_rows)
     differs = check.ReleaseCheck(route.routed_or_reason, nudged).run("cpu", min_rows)
     few = check.ReleaseCheck(route.routed_or_reason, stock).run("cpu", min_rows - 1)  # fewer rows than the GEMM takes
-    report({"takes": takes, "same": same.problem, "differs": differs.problem, "few": few.problem,
+    report({"takes": takes, "same": same, "differs": differs, "few": few,
             "gemm_rows": gemm_calls[:3]})
 """
 
