@@ -40,7 +40,6 @@ def check_rope_table(rope_table: torch.Tensor, seq_len: int, head_dim: int) -> N
 KITCHEN_BACKEND = "cuda"
 # the pass's tiling: tokens per program, heads per program (the rotations are read once for them), warps
 NORM_ROPE_TOKENS, NORM_ROPE_HEADS, NORM_ROPE_WARPS = 16, 8, 4
-LANES = 32  # comfy-kitchen's kernel: one warp per (token, head) row
 
 
 if triton is not None:
@@ -143,11 +142,11 @@ if triton is not None:
 
 def own_pass_takes(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,
                    k_weight: torch.Tensor) -> bool:
-    """Whether the pack's pass takes this in-place call (bf16, head_dim % 32 == 0 as comfy-kitchen's CUDA)."""
+    """Whether the pack's pass takes this in-place call (bf16; head_dim % 32 == 0: a warp per (token, head) row)."""
     on_device = q.is_cuda or (interpreting() and q.device.type == "cpu")
     d = q.shape[-1]
     return (triton is not None and on_device and q.dtype == torch.bfloat16 and k.dtype == q.dtype
-            and q.shape == k.shape and q.dim() == 4 and q.shape[0] == 1 and d % LANES == 0
+            and q.shape == k.shape and q.dim() == 4 and q.shape[0] == 1 and d % 32 == 0
             and q.stride(-1) == 1 and k.stride(-1) == 1 and rope_table.dtype in (torch.bfloat16, torch.float32)
             and all(t.device == q.device for t in (k, rope_table, q_weight, k_weight))
             and q_weight.shape == (d,) and k_weight.shape == (d,) and q.numel() > 0)

@@ -34,17 +34,6 @@ def _installed() -> bool:
         return False
 
 
-def _compile_caches(module) -> list[tuple[str, dict]]:
-    """The in-memory JIT caches (name, dict) of flash_attn.cute's interface functions."""
-    interface = getattr(module, "interface", None) or sys.modules.get(f"{MODULE}.interface")
-    caches = []
-    for name, obj in sorted(vars(interface).items()) if interface is not None else ():
-        cache = getattr(getattr(obj, "compile_cache", None), "cache", None)
-        if callable(obj) and isinstance(cache, dict):
-            caches.append((name, cache))
-    return caches
-
-
 class Fa4Backend(AttentionBackend):
     name = "fa4"
     max_element_offset = None  # per arch in _check_available: None where 64-bit indexing was verified
@@ -72,9 +61,13 @@ class Fa4Backend(AttentionBackend):
         except Exception as exc:  # a broken cutlass-dsl runtime raises anything from ImportError to RuntimeError
             first_line = str(exc).splitlines()[0] if str(exc) else ""
             return no("not_installed", f"flash_attn.cute not importable ({type(exc).__name__}: {first_line})")
-        self._func = func
-        self._caches = _compile_caches(module)
-        self._cap = cap
+        self._func, self._cap = func, cap
+        # the in-memory JIT caches (name, dict) of flash_attn.cute's interface functions
+        interface = getattr(module, "interface", None) or sys.modules.get(f"{MODULE}.interface")
+        for name, obj in sorted(vars(interface).items()) if interface is not None else ():
+            cache = getattr(getattr(obj, "compile_cache", None), "cache", None)
+            if callable(obj) and isinstance(cache, dict):
+                self._caches.append((name, cache))
         if cap not in VERIFIED_64BIT:
             self.max_element_offset = INT32_MAX_OFFSET
         return YES

@@ -62,8 +62,8 @@ class Sage2Backend(AttentionBackend):
         numerical self-test have passed there."""
         if device.type not in SELF_TESTED_DEVICES:
             return YES
-        cap = gpu.capability(device) if device.type == "cuda" else None
-        if device.type == "cuda" and cap not in SUPPORTED_CAPABILITIES:
+        cap = gpu.capability(device)
+        if cap not in SUPPORTED_CAPABILITIES:
             got = "a GPU that is not NVIDIA's" if cap is None else f"compute capability {cap[0]}.{cap[1]}"
             return no("gpu_arch", f"no SageAttention 2 kernel for {got}")
         return self_test(self, device)

@@ -30,12 +30,6 @@ def _hopper_priority():
     return lambda: sdpa_kernel(order, set_priority=True)
 
 
-def _kernel_priority(q: torch.Tensor):
-    hopper = (gpu.capability(q.device) or (0, 0))[0] >= 9
-    factory = _hopper_priority() if hopper else None
-    return factory() if factory is not None else contextlib.nullcontext()
-
-
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     needs_cuda = False
@@ -45,7 +39,8 @@ class SdpaBackend(AttentionBackend):
         return YES
 
     def __call__(self, q, k, v, *, layout, scale=None, mask=None):
-        with _kernel_priority(q):
+        factory = _hopper_priority() if (gpu.capability(q.device) or (0, 0))[0] >= 9 else None
+        with factory() if factory is not None else contextlib.nullcontext():
             if layout == "NHD":
                 # transposed views, no copies; fused paths allocate token-major: usually contiguous NHD
                 out = F.scaled_dot_product_attention(
