@@ -1,51 +1,6 @@
 """One report per sampling run (the OUTER_SAMPLE wrapper opens and closes it): what the patched attention did, every
 number counted or measured but ComfyUI's estimate; logged and sent as ``REPORT_EVENT`` to the client that queued the
-prompt. Payload (every key always present; reasons are data: a ``kernels.REASON_CODES`` code and the sentence)::
-
-    {
-      "schema": 4,                         # bumped when a key changes meaning
-      "node_id": "12" | null,              # graph id of the node that made the patch
-      "prompt_id": "..." | null,           # ComfyUI prompt being executed, when known
-      "model_family": "MiniMaxH3",         # ComfyUI model class (model_base) of the patched model
-      "path": "h3_forward_patch" | "attention_override",
-      "layout": "strided_nhd" | "hnd",
-      "backend_requested": "auto" | "sage2" | "fa4" | "sdpa" | "comfy_kitchen_int8" | "sage1",
-      "prep_mode": "exact" | "rotated",    # the node's sage2_prep
-      "blocks_patched": 50,                # H3 DiT blocks running this node's forward (0 on the override path)
-      "refiner_blocks_patched": 2,         # H3 text refiner blocks, the same way
-      "block_path": "exact" | "attention_only",   # the node's block_path
-      "block_path_blocks": 50,              # H3 DiT blocks whose whole forward ran the block fast path
-      "replaced_own_patch": false,         # the input model already carried this node's patch; it was replaced
-      "status": "ok" | "no_attention_calls" | "not_active" | "no_model_calls" | "interrupted" | "failed",
-                                           # not_active: another loader runs the forward (note forward_taken_away)
-      "error": null | {"type": "RuntimeError", "message": "..."},   # what ended a failed run
-      "attention_calls": 100,              # calls through the pack's attention this run
-      "backends_ran": {"sdpa": 100},       # back-end that actually ran -> number of calls
-      "stock_calls": 0,                    # override path: calls handed back to ComfyUI's own attention
-      "fallbacks": [{"backend": "sage2", "code": "not_installed", "reason": "...", "count": 100}],  # asked, not run
-      "skipped": [{"backend": "fa4", "code": "not_installed", "reason": "...", "count": 100}],  # not asked, passed over
-      "prepared": [{"backend": "sage2", "mode": "exact", "calls": 100}],   # calls on a back-end's prepared path
-      "prepared_skipped": [{"backend": "sage2", "code": "gpu_arch", "reason": "...", "count": 100}],  # and why
-      "head_chunks_max": 1,                # >1: a call was split over heads to stay within int32 offsets
-      "projected_by_chunks": 100,          # calls whose qkv projection a prepared path took by token chunks
-      "copies_per_call": 0.0,              # tensor copies the pack's dataflow made, mean per call
-      "compile_events": [{"backend": "fa4", "key": "...", "seconds": 1.5}],   # JIT compiles the run triggered
-      "int8_own_quantizer_calls": 800,     # int8 ConvRot linear calls whose input the pack's pass quantised
-      "int8_stock_quantizer": [{"reason": "...", "count": 8}],   # int8 ConvRot linear calls left to stock's, and why
-      "other_quantized_linears": [{"layout": "TensorCoreFP8Layout", "count": 4}],  # stock's call, never routed
-      "comfy_kitchen": null | {"release": "0.2.40" | null, "route": "verified" | "self_checked" | "stock",
-                               "reason": null | "..."},   # its release and the int8 route, when int8 linears ran
-      "int8_gemm": null | {"kernel": "pack_sm90" | "pack" | "comfy_kitchen", "reason": null | "...",
-                           "release": "measured" | "self_checked"},  # its GEMM, why
-      "memory": null | {"peak_bytes": 2400000000 | null, "estimate_bytes": 2500000000 | null,
-                        "estimate_by": "pack" | "comfyui" | null,
-                        "released_bytes": 1600000000 | null},   # H3 on CUDA: the largest model call's peak above
-                                           # its start, ComfyUI's estimate of one call and whose, the video embedding
-                                           # handed back at the first block
-      "notes": [{"code": "sparse_composed", "text": "..."}],   # decisions taken at patching or sampling start
-      "messages": ["..."]                  # human-readable lines (also logged)
-    }
-"""
+prompt. Its payload is documented in docs/ARCHITECTURE.md ("The run report")."""
 
 from __future__ import annotations
 
@@ -62,6 +17,9 @@ log = logging.getLogger("sage_strided_nhd")
 REPORT_EVENT = "sage_strided_nhd.report"
 REPORT_SCHEMA = 4
 TAKEN_AWAY = "forward_taken_away"  # the note of rule 10 (conflicts.forward_taken_away): the report's status follows it
+# the comfy-kitchen layouts the int8 route takes, as the log and the status box name them (web/report_text.js:
+# INT8_LAYOUT_LABELS, the same)
+INT8_LAYOUTS = {"TensorWiseINT8Layout": "int8 ConvRot", "AsymW4A8Int8Layout": "W4A8"}
 
 
 class RunReport:
@@ -85,7 +43,8 @@ class RunReport:
         self.fallbacks, self.skipped, self.prepared_skipped = Counter(), Counter(), Counter()
         self.prepared = Counter()            # (backend, mode) -> calls
         self.compile_events: list[dict] = []
-        self.int8_stock = Counter()          # (reason,) -> int8 ConvRot linear calls on stock's quantiser
+        self.int8_own_layouts = Counter()    # (layout,) -> the int8 route's calls on the pack's quantiser
+        self.int8_stock = Counter()          # (reason,) -> the route's layouts' calls on stock's quantiser
         self.other_quantized = Counter()     # (layout,) -> calls of other quantized linears: stock's own call
         self.run = {k: self.static[k] for k in ("blocks_patched", "refiner_blocks_patched")} | {"block_path_blocks": 0}
         self.notes: list[dict] = list(self.patch_notes)
@@ -101,8 +60,7 @@ class RunReport:
     def released(self, nbytes) -> None:  # embedding_release.py
         self.released_bytes = max(self.released_bytes or 0, int(nbytes))
 
-    def estimated(self, nbytes, by: str) -> None:
-        """``memory_required`` for the run's latent, by "pack" or "comfyui": the smallest (one batch) is kept."""
+    def estimated(self, nbytes, by: str) -> None:  # by "pack" or "comfyui": the smallest (one batch) is kept
         if self.estimate is None or nbytes < self.estimate["bytes"]:
             self.estimate = {"bytes": int(nbytes), "by": by}
 
@@ -120,9 +78,11 @@ class RunReport:
             self.prepared_skipped[(s.backend, s.code, s.reason)] += 1
         self.compile_events.extend(dict(e) for e in rec.compiled)
 
-    def record_int8(self, problem: str | None) -> None:  # an int8 ConvRot call on the pack's quantiser, or why not
+    def record_int8(self, problem: str | None, layout: str = "TensorWiseINT8Layout") -> None:
+        """A call of a linear in a layout the int8 route takes (``INT8_LAYOUTS``): the pack's quantiser, or why not."""
         if problem is None:
             self.int8_own += 1
+            self.int8_own_layouts[(layout,)] += 1
         else:
             self.int8_stock[(problem,)] += 1
 
@@ -167,6 +127,7 @@ class RunReport:
              "projected_by_chunks": self.projected,
              "copies_per_call": round(self.copies / self.calls, 3) if self.calls else 0.0,
              "compile_events": list(self.compile_events), "int8_own_quantizer_calls": self.int8_own,
+             "int8_own_layouts": _rows(self.int8_own_layouts, ("layout",)),
              "int8_stock_quantizer": _rows(self.int8_stock, ("reason",)),
              "other_quantized_linears": _rows(self.other_quantized, ("layout",)),
              "comfy_kitchen": _asked(lambda: kernels.kitchen_release_status(), "comfy-kitchen's release",
@@ -181,11 +142,16 @@ class RunReport:
         return p
 
     def finish_run(self) -> dict:
+        """The payload, logged and sent to the client that queued the prompt (None: every client) where one runs."""
         p = self.last = self.payload()
         level = logging.WARNING if p["status"] != "ok" or p["fallbacks"] else logging.INFO
         for line in p["messages"]:
             log.log(level, "[Sage Strided NHD] %s", line)
-        send_to_ui(p)
+        if (server := _prompt_server()) is not None:
+            try:
+                server.send_sync(REPORT_EVENT, p, getattr(server, "client_id", None))
+            except Exception as exc:  # a UI problem must never fail the sampling run
+                log.warning("[Sage Strided NHD] could not send the report to the UI: %s", exc)
         return p
 
 
@@ -251,15 +217,13 @@ def _attention_lines(p: dict) -> list[str]:
 
 
 def _int8_lines(p: dict) -> list[str]:
-    """Whose quantiser the int8 ConvRot linears ran on, comfy-kitchen's release, and the route's GEMM."""
-    lines = []
-    if p["int8_own_quantizer_calls"]:
-        lines.append(f"int8 ConvRot linears: {p['int8_own_quantizer_calls']} calls quantised by the pack's pass "
-                     "(stock's bits)")
-    lines += [f"int8 ConvRot linears on stock's quantiser ({r['count']} calls): {r['reason']}"
+    """Whose quantiser the route's linears ran on, by layout; comfy-kitchen's release, and the route's GEMM."""
+    lines = [f"{INT8_LAYOUTS.get(r['layout'], r['layout'])} linears: {r['count']} calls quantised by the pack's pass "
+             "(stock's bits)" for r in p["int8_own_layouts"]]
+    lines += [f"int8 linears on stock's quantiser ({r['count']} calls): {r['reason']}"
               for r in p["int8_stock_quantizer"]]
-    lines += [f"{r['layout']} linears: stock's call ({r['count']} calls; the int8 route takes int8 ConvRot only)"
-              for r in p["other_quantized_linears"]]
+    lines += [f"{r['layout']} linears: stock's call ({r['count']} calls; the int8 route takes "
+              f"{' and '.join(INT8_LAYOUTS.values())} only)" for r in p["other_quantized_linears"]]
     if (status := p["comfy_kitchen"]) is not None:  # its release, and whether the route ran (not on a CPU) or why not
         route = KITCHEN_ROUTES.get(status.get("route"), f"int8 route {status.get('route')}")
         if not p["int8_own_quantizer_calls"] and status.get("route") in KITCHEN_UNRUN:
@@ -333,13 +297,3 @@ def _prompt_server():
     except Exception:  # not inside a ComfyUI server (tests, benchmarks)
         return None
     return getattr(PromptServer, "instance", None)
-
-
-def send_to_ui(payload: dict) -> None:
-    """To the client that queued the prompt (None: every client), where a server runs."""
-    if (server := _prompt_server()) is None:
-        return
-    try:
-        server.send_sync(REPORT_EVENT, payload, getattr(server, "client_id", None))
-    except Exception as exc:  # a UI problem must never fail the sampling run
-        log.warning("[Sage Strided NHD] could not send the report to the UI: %s", exc)

@@ -2,7 +2,7 @@
 // plain-text lines for the node's status box. Pure functions only: no DOM, no ComfyUI import,
 // so the formatting can be tested on its own (tests/browser/report_text.test.mjs).
 //
-// The report (schema 4, nodes/report.py) carries its reasons as data: every fallback and skip has
+// The report (schema 4, docs/ARCHITECTURE.md: "The run report") carries its reasons as data: every fallback and skip has
 // a short `code` beside the full `reason` sentence. The summary shows the code's label, the details
 // show the sentence; nothing here parses the sentences.
 //
@@ -42,7 +42,7 @@ export const REASON_LABELS = {
 };
 
 // Report keys (nodes/report.py) the status does not show, and why; every other key is rendered
-// (tests/unit/test_web_extension.py checks that against the schema in nodes/report.py).
+// (tests/unit/test_web_extension.py checks that against the schema in docs/ARCHITECTURE.md).
 export const KEYS_NOT_SHOWN = {
   schema: "format version, not news for the user",
   prompt_id: "the run it belongs to is the one just queued",
@@ -70,6 +70,12 @@ export const GEMM_KERNEL_LABELS = {
   pack_sm90: "the pack's (Gluon, warp-specialised)",
   pack: "the pack's (Triton)",
   comfy_kitchen: "comfy-kitchen's CUTLASS",
+};
+
+// The layouts the int8 route takes, as the status box names them (nodes/report.py: INT8_LAYOUTS, the same).
+export const INT8_LAYOUT_LABELS = {
+  TensorWiseINT8Layout: "int8 ConvRot",
+  AsymW4A8Int8Layout: "W4A8",
 };
 
 // The node ran but no sampling run used its model (nodes/report.py: NO_MODEL_CALLS, the same words).
@@ -192,7 +198,7 @@ export function reportState(report) {
   return Array.isArray(r.fallbacks) && r.fallbacks.length ? "fallback" : "report";
 }
 
-// The status lines for one report (schema 4, documented in nodes/report.py). Every value is turned
+// The status lines for one report (schema 4, documented in docs/ARCHITECTURE.md). Every value is turned
 // into a string here: the caller puts the result into textContent, never into HTML.
 export function formatReport(report) {
   const r = report && typeof report === "object" ? report : {};
@@ -259,7 +265,12 @@ export function formatReport(report) {
 
   if (Number(r.head_chunks_max) > 1) lines.push(`split over heads: up to ${Number(r.head_chunks_max)} chunks (int32 offsets)`);
   if (Number(r.projected_by_chunks) > 0) lines.push(`qkv projected by token chunks: ${Number(r.projected_by_chunks)} calls`);
-  if (Number(r.int8_own_quantizer_calls) > 0) lines.push(`int8 linears on the pack's quantiser: ${Number(r.int8_own_quantizer_calls)} calls`);
+  // the int8 route's calls by layout (a report without them: the total, as "int8")
+  const own = objects(r.int8_own_layouts);
+  for (const s of own.length ? own : [{ layout: "int8", count: r.int8_own_quantizer_calls }]) {
+    const layout = Object.hasOwn(INT8_LAYOUT_LABELS, s.layout) ? INT8_LAYOUT_LABELS[s.layout] : text(s.layout);
+    if (Number(s.count) > 0) lines.push(`${layout} linears on the pack's quantiser: ${Number(s.count)} calls`);
+  }
   for (const s of objects(r.int8_stock_quantizer)) {
     lines.push(`int8 linears on stock's quantiser${times(s.count)}`);
     if (s.reason) details.push(`why int8 linears kept stock's quantiser: ${text(s.reason)}`);

@@ -1,12 +1,12 @@
 // Unit tests of web/report_text.js: the text the node's status box shows for a report (schema 4,
-// nodes/report.py). Run: node --test tests/browser/report_text.test.mjs
+// docs/ARCHITECTURE.md: "The run report"). Run: node --test tests/browser/report_text.test.mjs
 import { test } from "node:test";
 import assert from "node:assert/strict";
 
 import { readFileSync } from "node:fs";
 
 import {
-  GEMM_KERNEL_LABELS, KEYS_NOT_SHOWN, KITCHEN_ROUTE_LABELS, KITCHEN_UNRUN_LABELS, NO_CALLS_CAUSE, NO_MODEL_CALLS, REASON_LABELS,
+  GEMM_KERNEL_LABELS, INT8_LAYOUT_LABELS, KEYS_NOT_SHOWN, KITCHEN_ROUTE_LABELS, KITCHEN_UNRUN_LABELS, NO_CALLS_CAUSE, NO_MODEL_CALLS, REASON_LABELS,
   STATUS_VISIBLE_LINES,
   formatBackendsRan,
   formatBytes, formatError, formatKitchen, formatMemory, formatPrepared, formatReport,
@@ -41,6 +41,7 @@ const REPORT = {
   copies_per_call: 0.0,
   compile_events: [],
   int8_own_quantizer_calls: 0,
+  int8_own_layouts: [],
   int8_stock_quantizer: [],
   comfy_kitchen: null,
   int8_gemm: null,
@@ -195,6 +196,18 @@ test("on a CPU no int8 linear takes the route: the release line says the route d
     "comfy-kitchen 0.2.40: int8 route not run (a release verified for it)");
   // a release that keeps the route off says so whether or not a call could have taken it
   assert.equal(formatKitchen({ release: "0.2.41", route: "stock" }, false), `comfy-kitchen 0.2.41: ${KITCHEN_ROUTE_LABELS.stock}`);
+});
+
+test("the int8 route's calls on the pack's quantiser are named by layout: int8 ConvRot and W4A8", () => {
+  const lines = formatReport({ ...REPORT, int8_own_quantizer_calls: 900, int8_own_layouts: [
+    { layout: "TensorWiseINT8Layout", count: 800 }, { layout: "AsymW4A8Int8Layout", count: 100 }] });
+  assert.ok(lines.includes("int8 ConvRot linears on the pack's quantiser: 800 calls"), show(lines));
+  assert.ok(lines.includes("W4A8 linears on the pack's quantiser: 100 calls"), show(lines));
+  assert.deepEqual(INT8_LAYOUT_LABELS, { TensorWiseINT8Layout: "int8 ConvRot", AsymW4A8Int8Layout: "W4A8" });
+  // a report without the layouts (an older pack): the total, as int8 linears
+  const older = formatReport({ ...REPORT, int8_own_quantizer_calls: 800, int8_own_layouts: undefined });
+  assert.ok(older.includes("int8 linears on the pack's quantiser: 800 calls"), show(older));
+  assert.ok(!formatReport(REPORT).some((l) => l.includes("on the pack's quantiser")), show(formatReport(REPORT)));
 });
 
 test("the int8 route's GEMM: which kernel ran, and why comfy-kitchen's where it did", () => {

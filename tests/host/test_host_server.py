@@ -225,7 +225,7 @@ def test_int8_reason_and_comfy_kitchen_release_are_whole_in_payload_log_and_stat
     assert kitchen["release"] == version("comfy-kitchen") and kitchen["route"] in ("verified", "self_checked", "stock")
     assert (kitchen["reason"] is None) == (kitchen["route"] == "verified"), kitchen
 
-    line = f"int8 ConvRot linears on stock's quantiser ({reasons['not on a CUDA device']} calls): not on a CUDA device"
+    line = f"int8 linears on stock's quantiser ({reasons['not on a CUDA device']} calls): not on a CUDA device"
     (kitchen_line,) = [m for m in r["messages"] if m.startswith(f"comfy-kitchen {kitchen['release']}: ")]
     assert line in r["messages"] and (kitchen["reason"] or "") in kitchen_line, r["messages"]
     log = comfy_server.log_path.read_text(errors="replace")

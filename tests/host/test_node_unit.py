@@ -455,13 +455,29 @@ def test_int8_reasons_stay_whole_and_comfy_kitchens_release_is_reported(pack, mo
     assert p["int8_stock_quantizer"] == [{"reason": LONG_INT8_REASON, "count": 2},
                                          {"reason": "not on a CUDA device", "count": 1}]
     assert p["comfy_kitchen"] == {"release": "0.2.41", "route": "stock", "reason": LONG_INT8_REASON} and asked
-    assert f"int8 ConvRot linears on stock's quantiser (2 calls): {LONG_INT8_REASON}" in p["messages"]
+    assert f"int8 linears on stock's quantiser (2 calls): {LONG_INT8_REASON}" in p["messages"]
     assert (f"comfy-kitchen 0.2.41: int8 route off, stock's quantiser runs ({LONG_INT8_REASON})" in p["messages"]), \
         p["messages"]
 
     monkeypatch.setattr(pack.kernels, "kitchen_release_status",
                         lambda device=None: {"release": "0.2.40", "route": "verified", "reason": None})
     assert "comfy-kitchen 0.2.40: verified for the int8 route" in report.payload()["messages"]
+
+
+def test_the_int8_routes_calls_are_counted_and_named_by_layout(pack, monkeypatch):
+    """int8 ConvRot and W4A8 calls on the pack's quantiser: one count and one log line per layout."""
+    monkeypatch.setattr(pack.kernels, "gemm_status", lambda: {"kernel": "pack", "reason": None}, raising=False)
+    report = make_patch(pack).report
+    report.record(pack.kernels.CallRecord("sdpa", backend="sdpa"))
+    for layout in ("AsymW4A8Int8Layout", "AsymW4A8Int8Layout", "TensorWiseINT8Layout"):
+        report.record_int8(None, layout=layout)
+    report.record_int8(None)  # a caller that names no layout: int8 ConvRot's (the qkv projection by columns)
+    p = report.payload()
+    assert p["int8_own_quantizer_calls"] == 4 and p["int8_own_layouts"] == [
+        {"layout": "AsymW4A8Int8Layout", "count": 2}, {"layout": "TensorWiseINT8Layout", "count": 2}]
+    for line in ("W4A8 linears: 2 calls quantised by the pack's pass (stock's bits)",
+                 "int8 ConvRot linears: 2 calls quantised by the pack's pass (stock's bits)"):
+        assert line in p["messages"], p["messages"]
 
 
 def test_comfy_kitchen_status_that_cannot_be_had_is_said_not_raised(pack, monkeypatch):

@@ -73,11 +73,17 @@ def test_status_formatting_unit_tests():
     assert re.search(r"^# pass [1-9]", proc.stdout, re.M) and re.search(r"^# fail 0$", proc.stdout, re.M)
 
 
+def payload_doc() -> str:
+    """The UI payload as documented in docs/ARCHITECTURE.md ("The run report")."""
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8").split("\n## The run report\n")[1]
+    return doc.split("```")[1]
+
+
 def report_payload_keys() -> list[str]:
-    """Top-level keys of the UI payload as documented at the top of nodes/report.py."""
-    doc = (ROOT / "nodes" / "report.py").read_text(encoding="utf-8").split('"""')[1]
+    """Top-level keys of the UI payload as documented."""
+    doc = payload_doc()
     first = re.search(r'^( +)"schema":', doc, re.M)
-    assert first, "payload schema not found in nodes/report.py"
+    assert first, "payload schema not found in docs/ARCHITECTURE.md"
     return re.findall(rf'^{first.group(1)}"(\w+)":', doc, re.M)
 
 
@@ -144,8 +150,7 @@ def test_longest_report_fixture_is_a_payload_of_the_documented_schema():
     assert fixture.pop("_comment")
     assert list(fixture) and set(fixture) == set(report_payload_keys()), \
         sorted(set(fixture) ^ set(report_payload_keys()))
-    doc = (ROOT / "nodes" / "report.py").read_text(encoding="utf-8").split('"""')[1]
-    assert fixture["schema"] == int(re.search(r'^ +"schema": (\d+),', doc, re.M).group(1))
+    assert fixture["schema"] == int(re.search(r'^ +"schema": (\d+),', payload_doc(), re.M).group(1))
     codes = python_dict_constant(ROOT / "kernels" / "backends" / "base.py", "REASON_CODES")
     for key in ("fallbacks", "skipped", "prepared_skipped"):
         for entry in fixture[key]:
@@ -195,6 +200,13 @@ def test_a_run_with_no_model_call_reads_the_same_in_the_log_the_status_box_and_t
     assert f"`ran: {logged.split(' (')[0]}" in HELP.read_text(encoding="utf-8")
 
 
+def test_int8_layout_labels_are_the_reports():
+    """The route's layouts read the same in the log and the status box (int8 ConvRot, W4A8)."""
+    names = python_dict_constant(ROOT / "nodes" / "report.py", "INT8_LAYOUTS")
+    labels = dict(re.findall(r'^  (\w+): "([^"]+)",$', js_object_block(JS["report_text.js"], "INT8_LAYOUT_LABELS"), re.M))
+    assert labels == names and set(names) == {"TensorWiseINT8Layout", "AsymW4A8Int8Layout"}, (labels, names)
+
+
 def test_gemm_kernel_labels_cover_the_reports_kernels():
     kernels = python_dict_constant(ROOT / "nodes" / "report.py", "GEMM_KERNELS")
     labels = set(re.findall(r"^  (\w+): \"", js_object_block(JS["report_text.js"], "GEMM_KERNEL_LABELS"), re.M))
@@ -221,7 +233,7 @@ COMPOSED_LINES = {"fallback from", "to ComfyUI attention", "fell back:", "was sk
                   "why calls went to ComfyUI attention:", "why the int8 route is off:",
                   "why not the warp-specialised int8 GEMM:", "why comfy-kitchen's int8 GEMM runs:", "compiled in",
                   "compiled for", "blocks + ", "attention override", "model call needed:", "ComfyUI told",
-                  "its own estimate", "of stock's video embedding handed back"}
+                  "its own estimate", "of stock's video embedding handed back", "linears on the pack's quantiser:"}
 
 
 def test_help_page_names_every_input_with_its_values():
@@ -248,7 +260,8 @@ def test_help_page_explains_every_line_the_status_box_can_show():
     missing = sorted(s for s in starts if s not in text)
     assert not missing, f"status lines the help page does not explain: {missing}"
     labels = {}
-    for table in ("REASON_LABELS", "KITCHEN_ROUTE_LABELS", "KITCHEN_UNRUN_LABELS", "GEMM_KERNEL_LABELS"):
+    for table in ("REASON_LABELS", "KITCHEN_ROUTE_LABELS", "KITCHEN_UNRUN_LABELS", "GEMM_KERNEL_LABELS",
+                  "INT8_LAYOUT_LABELS"):
         labels[table] = re.findall(r'^  \w+: "([^"]+)",$', js_object_block(JS["report_text.js"], table), re.M)
     missing = {t: [label for label in found if label not in text] for t, found in labels.items()}
     assert all(labels.values()) and not any(missing.values()), missing
