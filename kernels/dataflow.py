@@ -19,8 +19,7 @@ def split_fused_qkv(qkv: torch.Tensor, heads: int, head_dim: int):
         raise ValueError(f"fused qkv has {qkv.shape[1]} columns, expected 3*{heads}*{head_dim} = {3 * inner}")
     if qkv.stride(1) != 1:
         raise ValueError("fused qkv must have a contiguous last dim")
-    q, k, v = qkv.unflatten(1, (3, heads, head_dim)).unsqueeze(0).unbind(2)
-    return q, k, v
+    return qkv.unflatten(1, (3, heads, head_dim)).unsqueeze(0).unbind(2)
 
 
 def token_major(out: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -59,12 +58,11 @@ def _attention_from_views(views: list, head_dim: int, *, chain: BackendChain, no
     else:
         out, record = chain.run_handed(views, layout="NHD", scale=scale, norm=norm,
                                        prepared_mode=prepared_mode if norm.inplace else None)
-        record.layout = layout
-    return _token_major_result(out, record)
+    return _token_major_result(out, record, layout)
 
 
-def _token_major_result(out: torch.Tensor, record: CallRecord) -> tuple[torch.Tensor, CallRecord]:
-    """The NHD output as [S, H*D] (``token_major``), a copy counted if one was made."""
+def _token_major_result(out: torch.Tensor, record: CallRecord, layout: str) -> tuple[torch.Tensor, CallRecord]:
+    record.layout = layout
     flat, copies = token_major(out)
     record.copies += copies
     return flat, record
@@ -128,8 +126,7 @@ def attention_from_projection(projection: RowProjection, heads: int, head_dim: i
         out, record = chain.run_projected(projection, heads, head_dim, norm=norm, prepared_mode=prepared_mode,
                                           chunk=chunk, scale=scale)
         if out is not None:
-            record.layout = layout
-            return _token_major_result(out, record)
+            return _token_major_result(out, record, layout)
     return _attention_from_views(projection.whole(heads, head_dim), head_dim, chain=chain, norm=norm,
                                  layout=layout, scale=scale, prepared_mode=prepared_mode)
 

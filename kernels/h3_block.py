@@ -180,7 +180,6 @@ class PendingResidual:
 
 
 def settled(rows):
-    """``rows`` as a tensor: a ``PendingModulation`` applied, a tensor as it is."""
     return rows.apply() if isinstance(rows, PendingModulation) else rows
 
 

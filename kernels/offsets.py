@@ -3,37 +3,30 @@ the wrong memory: H3's fused-buffer views at S > 99,864), and even token chunks.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
-def _round_up(n: int, block: int) -> int:
-    return -(-n // block) * block
+def _padded(t: torch.Tensor, seq_dim: int, row_block: int) -> list[int]:
+    """``t``'s sizes, the sequence's rounded up to the row tile: tiled kernels address whole tiles before masking."""
+    return [-(-n // row_block) * row_block if dim == seq_dim else n for dim, n in enumerate(t.shape)]
 
 
 def largest_offset(t: torch.Tensor, seq_dim: int, row_block: int) -> int:
-    """Largest element offset a kernel may form: tiled kernels address whole row tiles before masking."""
-    extent = 0
-    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
-        if dim == seq_dim:
-            size = _round_up(size, row_block)
-        extent += (size - 1) * stride
-    return extent
+    """Largest element offset a kernel may form into ``t`` (whole row tiles)."""
+    return sum((n - 1) * stride for n, stride in zip(_padded(t, seq_dim, row_block), t.stride()))
 
 
 def compact_numel(t: torch.Tensor, seq_dim: int, row_block: int) -> int:
     """Elements of a compact copy of t padded to the row tile (the kernel's own buffers)."""
-    n = 1
-    for dim, size in enumerate(t.shape):
-        n *= _round_up(size, row_block) if dim == seq_dim else size
-    return n
+    return math.prod(_padded(t, seq_dim, row_block))
 
 
 def fits(tensors, seq_dim: int, row_block: int, limit: int) -> bool:
     """True when every offset into the inputs and into same-shaped kernel buffers stays <= limit."""
-    return all(
-        largest_offset(t, seq_dim, row_block) <= limit and compact_numel(t, seq_dim, row_block) - 1 <= limit
-        for t in tensors
-    )
+    return all(largest_offset(t, seq_dim, row_block) <= limit and compact_numel(t, seq_dim, row_block) - 1 <= limit
+               for t in tensors)
 
 
 def heads_per_chunk(q: torch.Tensor, k: torch.Tensor, head_dim_index: int, seq_dim: int,

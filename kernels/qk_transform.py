@@ -155,8 +155,7 @@ def own_pass_takes(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q
 def kitchen_backend(q, k, rope_table, q_weight, k_weight, eps: float, rot: int) -> str | None:
     """The comfy-kitchen implementation stock's in-place call would run (None: none would)."""
     ck = _kitchen()
-    kwargs = {"q": q, "k": k, "freqs_cis": rope_table, "q_scale": q_weight, "k_scale": k_weight,
-              "epsilon": eps, "rot_dim": rot}
+    kwargs = dict(q=q, k=k, freqs_cis=rope_table, q_scale=q_weight, k_scale=k_weight, epsilon=eps, rot_dim=rot)
     try:
         return ck.registry.get_capable_backend("rms_rope_split_half_", kwargs)
     except Exception:

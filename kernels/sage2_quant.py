@@ -27,7 +27,6 @@ QUANT_WARPS = {False: 8, True: 4}
 
 
 def rotates(mode: str) -> bool:
-    """Whether ``mode`` rotates Q and K before int8."""
     if mode not in MODES:
         raise ValueError(f"unknown sage2 preparation mode {mode!r}; expected one of {list(MODES)}")
     return MODES[mode]
@@ -348,8 +347,7 @@ class RowOperands:
         self.seq, self.heads, self.device = seq, heads, device
         # Q's outputs now, K's and V's only when they come: they would sit unused beside every chunk
         self.q_out = _empty_operands(seq, heads, HEAD_DIM, device, parts="q")
-        self.rows_done = 0
-        self.k_out = self.v_out = None
+        self.rows_done, self.k_out, self.v_out = 0, None, None
 
     def add_q_rows(self, q):
         """Quantise Q's next rows: ``q`` [1, n, H, 128] (n a multiple of 128 but for the last chunk)."""

@@ -97,10 +97,9 @@ class Sage2Backend(AttentionBackend):
                         float(d ** -0.5 if scale is None else scale), q.dtype, s, h, d, head_chunks(s, h, d))
 
     def prepare_projected(self, projection, kv, *, heads, norm, mode="exact", scale=None, chunk=8192) -> Prepared:
-        """``prepare``'s operands and bits from a projection taken by token chunks, never whole (``norm`` applied by
-        row ranges: Q's chunk with K's rows). By columns (``kv`` None): K taken ahead as ``projection.k``, Q by
-        ``q_rows(a, b)``, V by ``v()`` once K's operand is made and its bf16 rows freed. By whole rows: ``rows(a, b)``,
-        K/V copied into ``kv`` [S, 2*H*D], then ``release()``."""
+        """``prepare``'s bits from a projection taken by token chunks (``norm`` applied per chunk to Q's and K's rows).
+        By columns (``kv`` None): K taken ahead as ``projection.k``, Q by ``q_rows(a, b)``, V by ``v()`` once K's
+        operand is made and its rows freed. Whole rows: ``rows(a, b)``, K/V copied into ``kv``, then ``release()``."""
         seq, d = projection.seq, sage2_quant.HEAD_DIM
         inner = heads * d
         by_columns = kv is None
