@@ -80,10 +80,7 @@ class BackendChain:
         """``auto``: every back-end, fastest first. A named back-end: it first, then the rest as fallbacks."""
         if choice not in BACKEND_CHOICES:
             raise ValueError(f"unknown attention back-end {choice!r}; choose one of {', '.join(BACKEND_CHOICES)}")
-        order = list(AUTO_ORDER)
-        if choice != "auto":
-            order.remove(choice)
-            order.insert(0, choice)
+        order = sorted(AUTO_ORDER, key=lambda name: name != choice)  # stable: the rest keep AUTO_ORDER
         return cls(choice, tuple(BACKENDS[name] for name in order), prepared)
 
     def run(self, q, k, v, **kwargs):

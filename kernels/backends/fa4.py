@@ -13,7 +13,6 @@ import torch
 from .. import gpu
 from .base import INT32_MAX_OFFSET, YES, AttentionBackend, no
 
-INSTALL_HINT = "pip install flash-attn-4"
 MODULE = "flash_attn.cute"
 
 # Compute-capability majors flash_attn.cute's forward dispatches (interface._flash_attn_fwd).
@@ -49,7 +48,7 @@ class Fa4Backend(AttentionBackend):
 
     def _check_available(self):
         if not _installed():
-            return no("not_installed", f"flash-attn-4 not installed ({INSTALL_HINT})")
+            return no("not_installed", "flash-attn-4 not installed (pip install flash-attn-4)")
         cap = gpu.capability("cuda")  # the process's GPU family (fa4 declares its limits per process)
         if cap is None:
             return no("no_cuda", "no CUDA device")

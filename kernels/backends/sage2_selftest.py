@@ -29,9 +29,8 @@ SAGEATTN_KEYWORDS = ("tensor_layout", "is_causal", "sm_scale")
 # Few heads, a length that is no multiple of SageAttention's 128-token blocks, H3's head_dim, bf16.
 HEADS, TOKENS, HEAD_DIM = 4, 320, 128
 SCALE = 1.5 * HEAD_DIM ** -0.5  # not SageAttention's default: a binding that drops sm_scale is off by far more
-# Worst head's relative L2 error against float32 SDPA (computed after the call). Int8 Q/K and fp8 P/V stay several times
-# below it; output never written (the NaN it was handed, zeros, stale memory) or another problem's attention is near 1
-# or more, or not finite.
+# Worst head's relative L2 error against float32 SDPA (computed after the call). Int8 Q/K and fp8 P/V stay several
+# times below it; output never written (NaN, zeros, stale memory) or another problem's is near 1 or more, or not finite.
 MAX_RELATIVE_ERROR = 0.15
 
 
