@@ -6,7 +6,6 @@ import contextlib
 import functools
 import inspect
 
-import torch
 import torch.nn.functional as F
 
 from .. import gpu
