@@ -30,8 +30,8 @@ CHUNKED_DEVICES = ("cuda",)
 def weight_resident(layer, device) -> bool:
     """Each call of ``layer`` uses its weight as it lies on ``device``: nothing to transfer or patch per call. Not a
     DynamicVRAM layer (``_v``: its weight stays on the CPU, each call's cast maps its pages) nor a weight function."""
-    if getattr(layer, "weight_function", None) or hasattr(layer, "_v"):
-        return False
+    if getattr(layer, "weight_function", None) or hasattr(layer, "_v") or int8_layers.gguf_type(getattr(layer, "weight", None)):
+        return False  # (a GGUF weight is dequantized by each call: each chunk's call would do it again)
     return getattr(getattr(layer, "weight", None), "device", None) == device
 
 
@@ -70,8 +70,7 @@ class Chunking:
 def linear_chunking(layer, x, input_act: str | None = None, routes: dict | None = None,
                     shape: tuple | None = None) -> tuple[str | None, str | None]:
     """How ``layer``'s calls on token chunks of ``x`` give its whole call's bits with no weight transferred twice:
-    ``(RESIDENT, None)``, ``(CAST_ONCE, None)``, or ``(None, why)``: it runs whole. ``routes``: the run's int8 routes
-    where the int8 route is on (None: off);
+    ``(RESIDENT, None)``, ``(CAST_ONCE, None)``, or ``(None, why)``: it runs whole. ``routes``: the run's int8 routes;
     ``shape``: the ``(rows, width)`` of one chunk's input where that is not ``x``'s (fc2's)."""
     if x.dtype not in CHUNKED_DTYPES:
         return None, f"{x.dtype} activations: GEMMs split by rows may round differently"

@@ -43,8 +43,16 @@ def routable(weight) -> bool:
     return is_int8_convrot(weight) or is_w4a8(weight)
 
 
+def gguf_type(weight) -> str | None:
+    """A GGUF weight's type name where its calls dequantize it (ComfyUI-GGUF's ``tensor_type``: all but F32, F16)."""
+    name = getattr(getattr(weight, "tensor_type", None), "name", None)
+    return None if name in (None, "F32", "F16") else name
+
+
 def quantized_layout(weight) -> str:
-    """A quantized weight's comfy-kitchen layout as the report names it (int8 tensor-wise without ConvRot apart)."""
+    """A quantized weight's layout as the report names it (int8 tensor-wise without ConvRot apart; GGUF's type)."""
+    if gguf_type(weight):
+        return f"GGUF {gguf_type(weight)}"
     layout = getattr(weight, "_layout_cls", None) or type(weight)
     layout = getattr(layout, "__name__", str(layout))
     if layout != INT8_LAYOUT:
@@ -145,7 +153,7 @@ def call(layer, x, input_act: str | None = None, record=None, into=None, routes=
              if not (v is None if EXTENDED_DEFAULTS[k] is None else v == EXTENDED_DEFAULTS[k])}
     weight = getattr(layer, "weight", None)
     if torch.compiler.is_compiling() or not routable(weight):
-        if layouts is not None and _quantized(weight):
+        if layouts is not None and (_quantized(weight) or gguf_type(weight)):
             layouts(quantized_layout(weight))
         return _stock(layer, x, input_act, into, **extra)  # (stock's int8 linears do not compile)
     if extra:
