@@ -75,6 +75,7 @@ class Route:
     gemm: str                       # the pack's quantiser: "pack_sm90", "pack" or "comfy_kitchen"; else "stock"
     reason: str | None = None       # why stock's quantiser (None: the pack's)
     gemm_reason: str | None = None  # why not the pack's warp-specialised GEMM
+    choice: object = None           # the pack's quantiser: the GEMM's kernels.GemmChoice, what each call launches
 
 
 UNDECIDED = Route("pack", "undecided")  # the layer allows the route; its cast weight decides the rest
@@ -102,8 +103,9 @@ def route(layer, x, input_act=None, cast=None, routes: dict | None = None) -> Ro
     elif cast is None:
         answer = UNDECIDED  # the cast weight decides the rest
     else:
-        chosen = kernels.gemm_choice(x.device, x.shape[-1] // (2 if input_act == "swiglu" else 1))
-        answer = Route("pack", chosen.kernel, None, chosen.reason)
+        qdata = cast[0]._qdata
+        chosen = kernels.gemm_choice(x.device, x.shape[-1] // (2 if input_act == "swiglu" else 1), qdata.shape[0])
+        answer = Route("pack", chosen.kernel, None, chosen.reason, chosen)
     if routes is not None:
         routes[key] = (layer, answer)  # the layer held: its id is not reused while the memo lives
     return answer
@@ -176,10 +178,11 @@ def _added(out, into):
 
 def _routed_on_cast(layer, x, pending, input_act, weight, bias, record, into=None, routes=None):
     """The rest of ``call`` once the weight is cast (the reason recorded either way)."""
-    reason, out = route(layer, x, input_act, (weight, bias), routes).reason, None
+    answer, out = route(layer, x, input_act, (weight, bias), routes), None
+    reason = answer.reason
     if reason is None:  # a W4A8 weight decoded to its int8 grid for this call only (kernels/int8_w4a8.py)
         qdata, w_scale = int8_w4a8.operands(weight) if is_w4a8(weight) else (weight._qdata, weight._params.scale)
-        out = kernels.int8_linear_routed(x, qdata, w_scale, bias, input_act=input_act,
+        out = kernels.int8_linear_routed(x, qdata, w_scale, bias, kernel=answer.choice, input_act=input_act,
                                          modulation=pending.segments if pending is not None else None, residual=into)
         reason = None if out is not None else "CUTLASS declined the shape"
     _tell(record, reason)
@@ -278,12 +281,13 @@ def quantized_columns(layer, x, inner: int, record=None, cast=None, routes=None)
     if (not is_int8_convrot(weight) or bias is not None or weight._qdata.shape[0] != 3 * inner
             or stock_quantizer_reason(layer, x, cast=(weight, None), routes=routes) is not None):
         return None
+    kernel = route(layer, x, None, (weight, None), routes).choice
     _every_op()
     rows = kernels.int8_quantized_rows(x, pending.segments if pending is not None else None)
     _tell(record, None)
     qdata, scale = weight._qdata, weight._params.scale
-    (project,) = kernels.int8_column_products(qdata, scale)
-    return rows, project, kernels.int8_column_products(qdata, scale, inner)
+    (project,) = kernels.int8_column_products(qdata, scale, kernel=kernel)
+    return rows, project, kernels.int8_column_products(qdata, scale, inner, kernel=kernel)
 
 
 def run_routes(patch) -> dict:
