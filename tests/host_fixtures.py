@@ -40,7 +40,6 @@ from devkit.pack import import_pack as devkit_import_pack
 ROOT = Path(__file__).resolve().parents[1]
 PACK_DIR_NAME = "comfyui-sage-strided-nhd"
 HELPER_NODES = "sage_nhd_test_helpers.py"
-LOADER_STANDINS = "sage_nhd_test_loaders.py"  # tests/host_loader_standins.py: loaders that run the forward themselves
 REPORT_EVENT = "sage_strided_nhd.report"
 H3_CKPT = "sage_nhd_test_h3_tiny.safetensors"
 WAN_CKPT = "sage_nhd_test_wan_tiny.safetensors"
@@ -268,10 +267,9 @@ def _install_into_host(host: Path) -> None:
         elif link.exists():
             shutil.rmtree(link)
         link.symlink_to(ROOT, target_is_directory=True)
-    for source, name in (("host_helper_nodes.py", HELPER_NODES), ("host_loader_standins.py", LOADER_STANDINS)):
-        helpers = Path(__file__).with_name(source).read_bytes()
-        if not (custom / name).is_file() or (custom / name).read_bytes() != helpers:
-            (custom / name).write_bytes(helpers)  # written once: a server starting beside may be reading it
+    helpers = Path(__file__).with_name("host_helper_nodes.py").read_bytes()
+    if not (custom / HELPER_NODES).is_file() or (custom / HELPER_NODES).read_bytes() != helpers:
+        (custom / HELPER_NODES).write_bytes(helpers)  # written once: a server starting beside may be reading it
 
 
 def start_server(host: Path, workdir: Path) -> "ComfyServer":

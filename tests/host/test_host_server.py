@@ -372,7 +372,7 @@ def test_a_run_at_denoise_0_reports_that_no_model_call_was_made(comfy_server, tm
     assert r["status"] == "ok" and r["attention_calls"] > 0, r
 
 
-# --- rule 10: loaders that run the model's forward themselves (stand-ins: tests/host_loader_standins.py) --------
+# --- rule 10: loaders that run the model's forward themselves (stand-ins: tests/host_helper_nodes.py) --------
 def after_our_node(graph: dict, class_type: str) -> dict:
     """``graph`` with ``class_type`` between our node ("3") and the sampler, as node "21"."""
     graph["21"] = {"class_type": class_type, "inputs": {"model": ["3", 0]}}
