@@ -3,6 +3,8 @@ sampling starts (:func:`plan_h3`, :func:`plan_override`: the run's Plan, or Patc
 
 from __future__ import annotations
 
+import itertools
+import types
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -17,21 +19,17 @@ STOCK_EQUAL_FORWARDS = {"minimax_attn_lowmem_forward": "KJNodes' MiniMax H3 Low 
 # Block forwards of other packs that compute stock's result; the block fast path takes their place (rule 9)
 STOCK_EQUAL_BLOCK_FORWARDS = {"minimax_block_lowmem_forward": "KJNodes' MiniMax H3 Low VRAM Attention"}
 ON_PREPARE_STATE = "on_prepare_state"            # comfy.patcher_extension.CallbacksMP.ON_PREPARE_STATE
-# Rule 10: loaders that run the diffusion model's forward themselves, by a name they leave on the model (a class,
-# function or module name part): SGLang's executor in place of the diffusion model, Raylight's usp_dit_forward set as
-# the model's _forward, the Ulysses SP loader's object patch of diffusion_model._forward
+# Rule 10: loaders that run the diffusion model's forward themselves, by a name they leave on the model (a part of a
+# class, function or module name: SGLang's executor, Raylight's usp_dit_forward, the Ulysses SP loader's closure)
 FORWARD_TAKERS = {"SGLDiffusionExecutor": "SGLang Diffusion's integrated mode", "raylight": "Raylight",
                   "MiniMaxH3SPUNETLoader": "the MiniMax H3 Multi-GPU Loader (Ulysses SP)"}
 UNKNOWN_TAKER = "another loader or node"
+EMPTY_CELL = types.CellType()  # an unset closure cell equals it (a set one is never compared by its contents)
 H3_MODULE = "comfy.ldm.minimax.model"
 
 
 class PatchConflictError(RuntimeError):
     """The model carries another node's patch on what this node replaces."""
-
-
-def existing_override(model_options):
-    return model_options.get("transformer_options", {}).get("optimized_attention_override")
 
 
 def sparse_node_present(model_patcher) -> bool:
@@ -43,19 +41,12 @@ def _is_sparse_override(fn, sparse_present: bool) -> bool:
     return sparse_present and getattr(fn, "__qualname__", "").endswith(SPARSE_OVERRIDE_QUALNAME)
 
 
-def _contents(cell):
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
-
-
 def wrapped_attention(fn, depth: int = 0) -> list:
     """Callables ``fn`` holds as the attention it falls back to (closure cells, ``previous``,
     ``__wrapped__``, partials), outermost first. Best effort: what cannot be seen is not listed."""
     if fn is None or depth > 8:
         return []
-    cells = [_contents(c) for c in getattr(fn, "__closure__", None) or ()]
+    cells = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if c != EMPTY_CELL]
     found = []
     for obj in cells + [getattr(fn, name, None) for name in ("previous", "__wrapped__", "func")]:
         wraps = is_own(obj) or getattr(obj, "__closure__", None) or hasattr(obj, "previous")
@@ -64,6 +55,19 @@ def wrapped_attention(fn, depth: int = 0) -> list:
             if not is_own(obj):
                 found.extend(wrapped_attention(obj, depth + 1))
     return found
+
+
+# Rules 3 and 4: what another node's override (not this pack's, not Model Sparse Attention's) does to this node
+NO_OVERRIDE_CALL = "this node's H3 forwards do not call optimized_attention, so it would silently"
+FOREIGN_OVERRIDE = {("h3_forward_patch", "patch"): f"is on this model; {NO_OVERRIDE_CALL} stop running",
+                    ("attention_override", "patch"): "is already on this model and this node would replace it",
+                    ("h3_forward_patch", "sampling"): f"was added to this model; {NO_OVERRIDE_CALL} get no calls"}
+
+
+def _refuse_foreign_override(current, sparse: bool, path: str, when: str) -> None:
+    for fn in [current] + wrapped_attention(current):
+        if not (is_own(fn) or _is_sparse_override(fn, sparse)):
+            raise _override_error(fn, FOREIGN_OVERRIDE[path, when])
 
 
 def _override_error(other, how: str) -> PatchConflictError:
@@ -75,20 +79,10 @@ def _override_error(other, how: str) -> PatchConflictError:
 
 def check_override_at_patch(model_patcher, path: str) -> bool:
     """Rules 1, 3, 4 when the node executes. True when the existing override is this pack's own."""
-    current = existing_override(model_patcher.model_options)
-    if current is None:
-        return False
-    if is_own(current):
-        return True
-    sparse = sparse_node_present(model_patcher)
-    for fn in [current] + wrapped_attention(current):
-        if is_own(fn) or _is_sparse_override(fn, sparse):
-            continue
-        if path == "h3_forward_patch":
-            raise _override_error(fn, "is on this model; this node's H3 forwards do not call optimized_attention, "
-                                      "so it would silently stop running")
-        raise _override_error(fn, "is already on this model and this node would replace it")
-    return False
+    current = model_patcher.model_options.get("transformer_options", {}).get("optimized_attention_override")
+    if current is not None and not is_own(current):
+        _refuse_foreign_override(current, sparse_node_present(model_patcher), path, "patch")
+    return is_own(current)
 
 
 def check_override_at_sampling(model_patcher, model_options, path: str, ours=None) -> list[Note]:
@@ -102,47 +96,42 @@ def check_override_at_sampling(model_patcher, model_options, path: str, ours=Non
             if path == "h3_forward_patch" else
             "composed with Model Sparse Attention: its override runs first and hands this node the calls it keeps "
             "dense"))
-    current = existing_override(model_options)
+    current = model_options.get("transformer_options", {}).get("optimized_attention_override")
     if current is None:
         if path == "attention_override":
             notes.append(Note("override_missing", "this node's attention override is not on the model being "
                                                   "sampled: nothing ran through it"))
         return notes
-    chain = [current] + wrapped_attention(current)
     if path == "h3_forward_patch":
-        for fn in chain:
-            if not (is_own(fn) or _is_sparse_override(fn, sparse)):
-                raise _override_error(fn, "was added to this model; this node's H3 forwards do not call "
-                                          "optimized_attention, so it would silently get no calls")
+        _refuse_foreign_override(current, sparse, path, "sampling")
         return notes
-    if current is ours:
-        return notes
+    chain = [current] + wrapped_attention(current)
     if not any(fn is ours for fn in chain):
         raise _override_error(current, "replaced this node's override (it was added after this node)")
-    for fn in chain:
-        if fn is ours:
-            break
+    for fn in chain[:next(i for i, fn in enumerate(chain) if fn is ours)]:
         if not _is_sparse_override(fn, sparse):
             notes.append(Note("override_composed", f"composed with another node's attention override ({describe(fn)}): "
                                                    "it runs first and hands this node the calls it declines"))
     return notes
 
 
+def _stock_equal(patches, keys, known: dict, mark: str | None = None) -> dict[str, str]:
+    """key -> node of each forward of another pack in ``known`` (by name; carrying ``mark``): it computes stock's
+    result, so this node takes its place."""
+    fns = {key: plain_function(patches.get(key)) for key in keys}
+    return {key: known[fn.__name__] for key, fn in fns.items()
+            if getattr(fn, "__name__", None) in known and (mark is None or getattr(fn, mark, 0))}
+
+
 def check_object_patches(model_patcher, keys) -> tuple[bool, dict[str, str]]:
-    """Rules 1, 2, 8 for the attention forwards this node would set: (any is our own, key -> node of
-    each known stock-equal forward this node takes over); another node's forward is refused."""
+    """Rules 1, 2, 8 for the attention forwards this node would set: (any is our own, the stock-equal forwards it
+    takes over); another node's forward is refused."""
     patches = model_patcher.object_patches
-    taken_over = {key: node for key in keys if (node := stock_equal(patches.get(key)))}
+    taken_over = _stock_equal(patches, keys, STOCK_EQUAL_FORWARDS, "_uses_optimized_attention")
     foreign = [key for key in keys if is_foreign(patches.get(key)) and key not in taken_over]
     if foreign:
         raise forward_conflict(model_patcher, foreign, "already replaced")
     return any(is_own(patches.get(key)) for key in keys), taken_over
-
-
-def stock_equal(obj) -> str | None:
-    """The node name of a known attention forward that computes stock's result (rule 8), else None."""
-    fn = plain_function(obj)
-    return STOCK_EQUAL_FORWARDS.get(fn.__name__) if getattr(fn, "_uses_optimized_attention", 0) else None
 
 
 def forward_conflict(model_patcher, foreign: list[str], how: str) -> PatchConflictError:
@@ -164,8 +153,7 @@ FUNCTION_BACKENDS = {"attention_comfy_kitchen_int8": "comfy_kitchen_int8", "atte
 
 
 def preference(model_patcher, prefix: str):
-    """(pack back-end or None, its source, why it is ignored or None) for one attention module (rule 6);
-    PatchConflictError for a foreign attention function the pack cannot run (rule 7)."""
+    """Rule 6: (pack back-end or None, its source, why it is ignored) for one attention module; rule 7 refuses."""
     patched = model_patcher.object_patches.get(prefix + ".comfy_attention.function")
     try:
         cattn = model_patcher.get_model_object(prefix + ".comfy_attention")
@@ -193,18 +181,12 @@ def preference(model_patcher, prefix: str):
 
 def span(indices) -> str:
     """[0, 1, 2, 5] -> "0-2, 5"."""
-    runs: list[list[int]] = []
-    for i in sorted(indices):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    runs = [[i for _, i in run] for _, run in itertools.groupby(enumerate(sorted(indices)), lambda n: n[1] - n[0])]
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 # --- rule 10: a loader or node that runs the diffusion model's forward itself -----------------------------------
-def _taker(obj) -> str:
-    """The known loader whose class, function or module name ``obj`` carries (its class's MRO too), or a generic one."""
+def _taker(obj) -> str:  # the known loader whose class, function or module name ``obj`` carries
     fn = plain_function(obj)
     names = [getattr(fn, "__module__", None) or "", getattr(fn, "__qualname__", "")]
     parts = {part for name in names + [f"{c.__module__}.{c.__qualname__}" for c in type(fn).__mro__]
@@ -222,8 +204,7 @@ def h3_base(model_patcher) -> bool:
 
 
 def forward_taken_away(model_patcher) -> Note | None:
-    """Rule 10: another loader or node runs the diffusion model's forward, so this node's patches are never
-    reached: who, and what on the model shows it; None where nothing does."""
+    """Rule 10: who runs the diffusion model's forward instead (this node's patches unreached), and what shows it."""
     for key in ("diffusion_model.forward", "diffusion_model._forward"):
         if is_foreign(obj := model_patcher.object_patches.get(key)):
             return _taken(obj, f"an object patch of {key}: {describe(obj)}")
@@ -274,14 +255,25 @@ def _preference_plan(model_patcher, keys, backend: str, default):
 
 def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default, taken_over: dict,
             blocks: BlockPath) -> Plan:
-    """The H3 patch's plan for one sampling run (rules 2-10): ``forwards`` key -> ours, ``taken_over`` key -> node
-    of a stock-equal forward replaced when the node executed, ``blocks`` the fast path as installed."""
+    """The H3 patch's plan for one sampling run (rules 2-10): ``forwards`` key -> ours, ``taken_over`` the stock-equal
+    forwards replaced when the node executed, ``blocks`` the fast path as installed."""
+    patches = model_patcher.object_patches
     fast, block_notes = _block_path_notes(model_patcher, blocks)
     notes = [n for n in (forward_taken_away(model_patcher),) if n]
     notes += check_override_at_sampling(model_patcher, model_options, "h3_forward_patch")
-    notes += _block_notes(model_patcher, forwards, taken_over) + block_notes
-    active = [key for key, fwd in forwards.items() if model_patcher.object_patches.get(key) is fwd]
-    foreign = [key for key in forwards if is_foreign(model_patcher.object_patches.get(key))]
+    # rule 8: other nodes' block forwards call the block's attention (this node's forward, which takes an input
+    # handed over in a list); the stock-equal attention forwards taken over
+    theirs = [obj for key in sorted({key.rsplit(".attn.", 1)[0] + ".forward" for key in forwards})
+              if is_foreign(obj := patches.get(key))]
+    if theirs:
+        notes.append(Note("block_forwards", f"composed with another node's block forward ({describe(theirs[0])}) on "
+                                            f"{len(theirs)} blocks: the attention it calls runs this node's forward; "
+                                            "the block fast path does not run there"))
+    notes += [Note("forward_taken_over", f"{node}'s attention forward (stock-equal) on {n} blocks was taken over by "
+                                         "this node's; its other patches stay")
+              for node, n in sorted(Counter(taken_over.values()).items())] + block_notes
+    active = [key for key, fwd in forwards.items() if patches.get(key) is fwd]
+    foreign = [key for key in forwards if is_foreign(patches.get(key))]
     if foreign:
         raise forward_conflict(model_patcher, foreign, "replaced (after this node)")
     chains, preference_notes = _preference_plan(model_patcher, active, backend, default)
@@ -295,20 +287,6 @@ def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default,
     return Plan(default, chains, tuple(notes), n_blocks, len(active) - n_blocks, fast)
 
 
-def _block_notes(model_patcher, forwards, taken_over) -> list[Note]:
-    """Rule 8: other nodes' block forwards (they call the block's attention: this node's forward,
-    which takes an input handed over in a list) and the stock-equal attention forwards taken over."""
-    blocks = {key.rsplit(".attn.", 1)[0] + ".forward" for key in forwards}
-    theirs = [obj for key in sorted(blocks) if is_foreign(obj := model_patcher.object_patches.get(key))]
-    notes = [Note("block_forwards", f"composed with another node's block forward ({describe(theirs[0])}) on "
-                                    f"{len(theirs)} blocks: the attention it calls runs this node's forward; "
-                                    "the block fast path does not run there")] if theirs else []
-    for node, n in sorted(Counter(taken_over.values()).items()):
-        notes.append(Note("forward_taken_over", f"{node}'s attention forward (stock-equal) on {n} blocks was taken "
-                                                "over by this node's; its other patches stay"))
-    return notes
-
-
 @dataclass(frozen=True)
 class BlockPath:
     """The block fast path as the node installed it: key -> our block forward, the stock-equal block
@@ -320,11 +298,10 @@ class BlockPath:
 
 
 def check_block_forwards(model_patcher, keys) -> tuple[list[str], dict[str, str]]:
-    """Rule 9 when the node executes: (block forward keys the fast path may take, key -> node of the stock-equal
-    block forwards among them); another node's unknown block forward keeps its block (rule 8)."""
+    """Rule 9 when the node executes: (the keys the fast path may take, the stock-equal forwards among them); another
+    node's unknown block forward keeps its block (rule 8)."""
     patches = model_patcher.object_patches
-    names = {k: getattr(plain_function(patches.get(k)), "__name__", "") for k in keys}
-    taken_over = {k: node for k in keys if (node := STOCK_EQUAL_BLOCK_FORWARDS.get(names[k]))}
+    taken_over = _stock_equal(patches, keys, STOCK_EQUAL_BLOCK_FORWARDS)
     return [k for k in keys if not is_foreign(patches.get(k)) or k in taken_over], taken_over
 
 

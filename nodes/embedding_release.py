@@ -12,21 +12,20 @@ VIDEO_PROJECTION = "diffusion_model.video_patch_proj"
 
 
 class EmbeddingRelease:
-    """One clone's state: the model call in progress, its compute dtype and the embedding recorded in it. A reader of
-    the released tensor would raise (a storage of size 0), never read stale values."""
+    """One clone's embedding recorded in the model call in progress. A reader of the released tensor would raise (a
+    storage of size 0), never read stale values."""
 
     sage_strided_nhd = True  # ownership mark (see ownership.py)
 
     def __init__(self, projection, report):
-        self.projection = projection  # the video patch projection module (stock's forward on its class)
-        self.report = report
+        self.projection, self.report = projection, report  # the video patch projection (stock's forward on its class)
         self.dtype: torch.dtype | None = None  # the model call's compute dtype, while one runs
         self.embedding: torch.Tensor | None = None
 
     @contextlib.contextmanager
     def model_call(self, model, device):
-        """One model call of ``model`` (a BaseModel) on ``device`` (the clone's APPLY_MODEL wrapper): its compute
-        dtype, the one ComfyUI casts H3's context to; none where the Comfy Compiler records the forward."""
+        """One model call of ``model`` (a BaseModel) on ``device`` (the clone's APPLY_MODEL wrapper): its compute dtype
+        (ComfyUI casts H3's context to it); none where the Comfy Compiler records the forward."""
         dtype = getattr(model, "get_dtype_inference", lambda: None)()
         self.dtype = None if device is None or comfy_compiler_records(device) else dtype
         self.embedding = None
@@ -50,14 +49,10 @@ class EmbeddingRelease:
         if torch.compiler.is_compiling():
             return
         embedding, self.embedding = self.embedding, None
-        if embedding is None:
-            return
-        storage = embedding.untyped_storage()
-        if storage.data_ptr() == residual.untyped_storage().data_ptr():
-            return
-        nbytes = storage.nbytes()
-        storage.resize_(0)
-        self.report.released(nbytes)
+        storage = None if embedding is None else embedding.untyped_storage()
+        if storage is not None and storage.data_ptr() != residual.untyped_storage().data_ptr():
+            self.report.released(storage.nbytes())
+            storage.resize_(0)
 
 
 def comfy_compiler_records(device) -> bool:

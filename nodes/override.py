@@ -11,19 +11,6 @@ from .patch import InstalledPatch, Plan, Settings
 from .report import RunReport
 
 
-def _nhd_views(q, k, v, heads, skip_reshape):
-    """(q, k, v as NHD views, heads, head_dim), or the reason (a string) the call's shape is left to stock."""
-    if q.dim() != (4 if skip_reshape else 3):
-        return f"unexpected q shape {list(q.shape)} for skip_reshape={skip_reshape}"
-    if skip_reshape:
-        return tuple(t.transpose(1, 2) for t in (q, k, v)), q.shape[1], q.shape[3]
-    inner = q.shape[2]
-    if inner % heads:
-        return f"{inner} channels do not split into {heads} heads"
-    d = inner // heads
-    return tuple(t.view(t.shape[0], t.shape[1], heads, d) for t in (q, k, v)), heads, d
-
-
 class AttentionOverride:
     """``optimized_attention_override`` for one patched clone."""
 
@@ -35,8 +22,7 @@ class AttentionOverride:
     @torch.compiler.disable
     def __call__(self, func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                  skip_output_reshape=False, **kwargs):
-        """The override's work and its record; never traced by dynamo."""
-        patch = self.patch
+        patch = self.patch  # the override's work and its record; never traced by dynamo
 
         def stock(code, reason):
             patch.report.record_stock(code, reason)
@@ -47,10 +33,15 @@ class AttentionOverride:
             return stock("model_request", "grouped-query attention (enable_gqa) is left to ComfyUI's attention")
         if kwargs.get("low_precision_attention", True) is False:
             return stock("model_request", "the model turned off low-precision attention for this call")
-        shaped = _nhd_views(q, k, v, heads, skip_reshape)
-        if isinstance(shaped, str):
-            return stock("shape", shaped)
-        views, h, d = shaped
+        if q.dim() != (4 if skip_reshape else 3):
+            return stock("shape", f"unexpected q shape {list(q.shape)} for skip_reshape={skip_reshape}")
+        if skip_reshape:  # [B, H, S, D] -> NHD views
+            views, h, d = tuple(t.transpose(1, 2) for t in (q, k, v)), q.shape[1], q.shape[3]
+        elif q.shape[2] % heads:
+            return stock("shape", f"{q.shape[2]} channels do not split into {heads} heads")
+        else:
+            h, d = heads, q.shape[2] // heads
+            views = tuple(t.view(t.shape[0], t.shape[1], h, d) for t in (q, k, v))
         mask4 = mask
         while mask4 is not None and mask4.ndim in (2, 3):  # ComfyUI's broadcast: [S, S] / [B, S, S] -> [B, H, S, S]
             mask4 = mask4.unsqueeze(0 if mask4.ndim == 2 else 1)

@@ -3,11 +3,8 @@ attribute. Also how another node's forward patch is recognised and named in a me
 
 from __future__ import annotations
 
-OWN_MARK = "sage_strided_nhd"
-
-
 def is_own(obj) -> bool:
-    return bool(getattr(obj, OWN_MARK, False))
+    return bool(getattr(obj, "sage_strided_nhd", False))
 
 
 def is_foreign(obj) -> bool:

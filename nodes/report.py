@@ -30,8 +30,8 @@ class RunReport:
         self.static = {"node_id": None if node_id is None else str(node_id), "model_family": model_family,
                        "path": path, "layout": settings.layout, "backend_requested": settings.backend,
                        "prep_mode": settings.prep_mode, "block_path": settings.block_path,
-                       "blocks_patched": blocks_patched,
-                       "refiner_blocks_patched": refiner_blocks_patched, "replaced_own_patch": replaced_own_patch}
+                       "blocks_patched": blocks_patched, "refiner_blocks_patched": refiner_blocks_patched,
+                       "replaced_own_patch": replaced_own_patch}
         self.patch_notes = [asdict(n) for n in notes]  # decided when the node executed
         self.last: dict | None = None  # the last payload built
         self.begin_run()
@@ -49,7 +49,7 @@ class RunReport:
         self.run = {k: self.static[k] for k in ("blocks_patched", "refiner_blocks_patched")} | {"block_path_blocks": 0}
         self.notes: list[dict] = list(self.patch_notes)
         self.status: str | None = None
-        self.error: dict | None = None
+        self.error: dict | None = None  # what ended a failed run
         self.peak_bytes: int | None = None   # the largest model call's peak allocation above its start
         self.estimate: dict | None = None    # {"bytes", "by"}: ComfyUI's estimate for one model call, and whose
         self.released_bytes: int | None = None   # stock's video embedding handed back in a model call
@@ -248,11 +248,17 @@ NO_CALLS_CAUSE = ("likely cause: something runs the model's forward without them
                   "cannot see (a loader's DIFFUSION_MODEL wrapper that does not call the model, a forward set on the "
                   "model while it samples, block replaces that skip the blocks' attention)")
 
+# comfy-kitchen's release and the int8 route, the route's GEMM (web/report_text.js: KITCHEN_ROUTE_LABELS,
+# GEMM_KERNEL_LABELS, the same keys)
 KITCHEN_ROUTES = {"verified": "verified for the int8 route", "self_checked": "passed the int8 route's bits self-check",
                   "stock": "int8 route off, stock's quantiser runs"}
 # the same releases where no int8 linear took the route this run (web/report_text.js: KITCHEN_UNRUN_LABELS)
 KITCHEN_UNRUN = {"verified": "int8 route not run (a release verified for it)",
                  "self_checked": "int8 route not run (a release that passed its bits self-check)"}
+# the Gluon kernel on a Triton release it was not measured with runs (or not) by a first-use bits check
+SELF_CHECKED_GEMM = ", Gluon bits checked on this Triton"
+GEMM_KERNELS = {"pack_sm90": "the pack's (Gluon, warp-specialised)", "pack": "the pack's (Triton)",
+                "comfy_kitchen": "comfy-kitchen's CUTLASS"}
 
 
 def _asked(ask, what: str, **on_error) -> dict:
@@ -261,12 +267,6 @@ def _asked(ask, what: str, **on_error) -> dict:
         return dict(ask())
     except Exception as exc:
         return {**on_error, "reason": f"asking for {what} raised {type(exc).__name__}: {exc}"}
-
-
-# the Gluon kernel on a Triton release it was not measured with runs (or not) by a first-use bits check
-SELF_CHECKED_GEMM = ", Gluon bits checked on this Triton"
-GEMM_KERNELS = {"pack_sm90": "the pack's (Gluon, warp-specialised)", "pack": "the pack's (Triton)",
-                "comfy_kitchen": "comfy-kitchen's CUTLASS"}
 
 
 def byte_size(nbytes) -> str:
