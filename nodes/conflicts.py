@@ -33,8 +33,7 @@ class PatchConflictError(RuntimeError):
 
 
 def sparse_node_present(model_patcher) -> bool:
-    callbacks = getattr(model_patcher, "callbacks", {}) or {}
-    return SPARSE_CALLBACK_KEY in callbacks.get(ON_PREPARE_STATE, {})
+    return SPARSE_CALLBACK_KEY in (getattr(model_patcher, "callbacks", {}) or {}).get(ON_PREPARE_STATE, {})
 
 
 def _is_sparse_override(fn, sparse_present: bool) -> bool:
@@ -137,10 +136,9 @@ def check_object_patches(model_patcher, keys) -> tuple[bool, dict[str, str]]:
 def forward_conflict(model_patcher, foreign: list[str], how: str) -> PatchConflictError:
     shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
     return PatchConflictError(
-        f"{NODE}: another node {how} {len(foreign)} attention forward(s) "
-        f"this node patches ({shown}; first by {describe(model_patcher.object_patches[foreign[0]])}). "
-        "Only one patch can own a forward: remove the other H3 attention patch node from this model's chain, "
-        "or remove this one.")
+        f"{NODE}: another node {how} {len(foreign)} attention forward(s) this node patches ({shown}; first by "
+        f"{describe(model_patcher.object_patches[foreign[0]])}). Only one patch can own a forward: remove the other "
+        "H3 attention patch node from this model's chain, or remove this one.")
 
 
 # --- rules 6 and 7: the checkpoint's attention preference ----------------------------------------
@@ -289,8 +287,7 @@ def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default,
 
 @dataclass(frozen=True)
 class BlockPath:
-    """The block fast path as the node installed it: key -> our block forward, the stock-equal block
-    forwards it took over (key -> node), or why it was not installed at all."""
+    """The block fast path as installed: key -> our block forward, the stock-equal ones taken over, or why not."""
 
     forwards: dict = field(default_factory=dict)
     taken_over: dict = field(default_factory=dict)

@@ -20,14 +20,6 @@ try:  # ComfyUI's cache providers, whose on_prompt_end is the hook PromptEnd nee
 except ImportError:
     cache_provider, CacheProvider = None, object
 
-CATEGORY = "advanced/model_patches"
-
-DESCRIPTION = (
-    "Runs the model's attention on SageAttention (or a fallback) without layout copies: MiniMax H3's Q/K/V stay "
-    "views of the fused qkv buffer; other models get an attention override. Patches a copy of the model only; a "
-    "report of what ran is sent after each sampling run.")
-
-
 def patch_any_model(model_patcher, settings: Settings = Settings(), node_id=None, notes=()):
     """The node's whole job, callable without a graph: ``(clone, patch)``; ``notes`` go to the report (a removed
     input value mapped). Probes no back-end (that happens when sampling starts)."""
@@ -57,7 +49,10 @@ class SageStridedNHDAttention(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         # widget order is the bundled workflows' (layout, backend, patch_text_refiner, sage2_prep), then block_path
         return io.Schema(
-            node_id="SageStridedNHDAttention", display_name=NODE, category=CATEGORY, description=DESCRIPTION,
+            node_id="SageStridedNHDAttention", display_name=NODE, category="advanced/model_patches", description=(
+                "Runs the model's attention on SageAttention (or a fallback) without layout copies: MiniMax H3's "
+                "Q/K/V stay views of the fused qkv buffer; other models get an attention override. Patches a copy of "
+                "the model only; a report of what ran is sent after each sampling run."),
             inputs=[
                 io.Model.Input("model", tooltip="The diffusion model to patch. The input model itself is left "
                                                 "unchanged."),
