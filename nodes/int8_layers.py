@@ -185,7 +185,7 @@ def _routed_on_cast(layer, x, pending, input_act, weight, bias, record, into=Non
         out = kernels.int8_linear_routed(x, qdata, w_scale, bias, kernel=answer.choice, input_act=input_act,
                                          modulation=pending.segments if pending is not None else None, residual=into)
         reason = None if out is not None else "CUTLASS declined the shape"
-    _tell(record, reason)
+    _tell(record, reason, int8_w4a8.LAYOUT if is_w4a8(weight) else None)
     if out is not None:
         return out
     return _stock_on_cast(x if pending is None else kernels.settled(pending), weight, bias, input_act)
@@ -312,8 +312,11 @@ def _every_op() -> None:
     getattr(comfy.ops, "run_every_op", lambda: None)()  # stock's forward checks for an interrupt first
 
 
-def _tell(record, reason) -> None:
-    if record is not None:
+def _tell(record, reason, layout=None) -> None:
+    """``reason`` to the report (None: the route ran the call; a W4A8 ``layout`` is told, int8 ConvRot is the default)."""
+    if record is not None and layout is not None:
+        record(reason, layout=layout)
+    elif record is not None:
         record(reason)
 
 

@@ -308,8 +308,6 @@ def test_a_block_without_a_fused_qkv_is_declined_with_stock_bits(pack, block_inp
     assert payload["attention_calls"] == 0 and payload["int8_own_quantizer_calls"] == 0 and torch.equal(got, want)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="nodes/int8_layers.py does not tell the report a routed call's layout yet: "
-                                       "_routed_on_cast must pass layout= for W4A8 to record_int8")
 def test_w4a8_calls_on_the_route_are_named_w4a8_in_the_report(pack):
     """The log lines of a W4A8 block run whole on the route (as above) name its calls W4A8, not int8 ConvRot."""
     from comfy_kitchen.backends.eager import w4a8_int8 as eager_w4a8
