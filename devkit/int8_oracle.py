@@ -77,6 +77,17 @@ def int8_linear(xq: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_sc
     return y.to(out_dtype)
 
 
+def gemm_epilogue(acc: torch.Tensor, x_scale, w_scale, bias=None) -> torch.Tensor:
+    """The int8 GEMM's epilogue as CUTLASS takes it (kernels/int8_gemm.py): ``acc * x_scale`` in fp32, then
+    ``* w_scale + bias`` rounded once (an FMA; through fp64 here), bf16. Tied to CUTLASS's output in tests/gpu."""
+    m, n = acc.shape
+    t = acc.float() * x_scale.reshape(m, 1).float()
+    ws = w_scale.float().reshape(1, -1)
+    if bias is None:
+        return (t * ws).to(torch.bfloat16)
+    return (t.double() * ws.double() + bias.to(torch.bfloat16).double().reshape(1, n)).float().to(torch.bfloat16)
+
+
 def cuda_int8_linear(x, weight, weight_scale, bias=None, out_dtype=None, convrot=False, convrot_groupsize=256,
                      input_act=None, **extended):
     """comfy-kitchen's CUDA ``int8_linear`` (stock's int8 ConvRot call on a GPU) in torch: the quantiser above, then

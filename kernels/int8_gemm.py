@@ -17,7 +17,6 @@ from . import gpu, int8_gemm_sm90
 from .kitchen import kitchen_gemm
 from .triton_support import TRITON_ERROR, grouped_tile, interpreting, round_bf16, tl, triton, version_key
 
-LIB = "sage_strided_nhd"
 log = logging.getLogger("sage_strided_nhd")
 
 
@@ -172,8 +171,8 @@ def gemm_problem(device, k: int) -> str | None:
             measured = ", ".join(f"sm{a}{b}" for a, b in CONFIGS)
             return f"measured faster than comfy-kitchen's GEMM only on {measured}, not on this sm{cap[0]}{cap[1]} GPU"
     why = gpu.ANSWERS.reason("int8_gemm", device)
-    if why is None and k % K_ALIGN:
-        why = f"rows {k} wide: TMA needs a multiple of {K_ALIGN}"
+    if why is None and (k <= 0 or k % K_ALIGN):
+        why = f"rows {k} wide: TMA needs a positive multiple of {K_ALIGN}"
     return why
 
 
@@ -285,51 +284,19 @@ def _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate, kernel: GemmC
         EMULATE=interpreting(), num_warps=cfg.warps, num_stages=cfg.stages)
 
 
-def _gemm_impl(xq, x_scale, qdata, w_scale, bias, residual, gate, kernel: GemmChoice):
-    out = residual if residual is not None else torch.empty(xq.shape[0], qdata.shape[0], dtype=torch.bfloat16,
-                                                            device=xq.device)
-    if not out.numel():
-        return out
-    if xq.shape[1]:
-        _launch(xq, x_scale, qdata, w_scale, bias, out, gate, kernel)
-        return out
-    y = epilogue_reference(torch.zeros(out.shape, dtype=torch.int32, device=out.device), x_scale, w_scale, bias)
-    return out.copy_(y) if residual is None else residual.addcmul_(y, gate.reshape(1, -1))
-
-
-def _pack_kernel(chosen: GemmChoice) -> GemmChoice:
-    if chosen.kernel == "comfy_kitchen":
-        raise ValueError(f"int8 GEMM: {chosen.reason}")
-    return chosen
-
-
-if hasattr(torch, "library") and hasattr(torch.library, "custom_op"):
-    @torch.library.custom_op(f"{LIB}::int8_gemm", mutates_args=())
-    def _int8_gemm_op(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
-        """-> bf16 [m, n] (the operands checked and the kernel chosen when it runs, not traced)."""
-        _check_operands(xq, x_scale, qdata, w_scale, bias, torch.bfloat16)
-        chosen = _pack_kernel(choice(xq.device, xq.shape[1], qdata.shape[0]))
-        return _gemm_impl(xq, x_scale, qdata, w_scale, bias, None, None, chosen)
-
-    @_int8_gemm_op.register_fake
-    def _(xq, x_scale, qdata, w_scale, bias):
-        return xq.new_empty(xq.shape[0], qdata.shape[0], dtype=torch.bfloat16)
-
-
 def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None,
               out_dtype: torch.dtype = torch.bfloat16, *, residual=None, gate=None, kernel: GemmChoice):
     """``bf16(int32(xq @ qdata.T) * x_scale * w_scale + bias)`` on ``kernel``, a pack kernel: xq [m, k] int8, x_scale
     [m, 1] fp32, qdata [n, k] int8, w_scale one value or [n] fp32, bias [n] or None. ``residual`` (bf16 [m, n]) with
-    ``gate`` (bf16 [n]): the product added to it in the epilogue (stock's ``addcmul_``'s bits), ``residual`` returned.
-    Traced by torch.compile: the custom op, the residual a separate ``addcmul_``."""
-    if torch.compiler.is_compiling():
-        if out_dtype != torch.bfloat16:
-            raise ValueError(f"int8 GEMM: bf16 output only, got {out_dtype}")
-        out = torch.ops.sage_strided_nhd.int8_gemm(xq, x_scale, qdata, w_scale, bias)
-        return out if residual is None else residual.addcmul_(out, gate.reshape(1, -1))
+    ``gate`` (bf16 [n]): the product added to it in the epilogue (stock's ``addcmul_``'s bits), ``residual`` returned."""
     _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype, residual, gate)
-    return _gemm_impl(xq, x_scale, qdata, w_scale, bias, residual, gate, _pack_kernel(kernel))
+    if kernel.kernel == "comfy_kitchen":
+        raise ValueError(f"int8 GEMM: {kernel.reason}")
+    out = residual if residual is not None else torch.empty(xq.shape[0], qdata.shape[0], dtype=torch.bfloat16,
+                                                            device=xq.device)
+    if out.numel():
+        _launch(xq, x_scale, qdata, w_scale, bias, out, gate, kernel)
+    return out
 
 
 class GemmDeclined(RuntimeError):
@@ -366,14 +333,3 @@ def _one_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype, pack: GemmChoice | N
     out = kitchen_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype)
     return out if out is None or residual is None else residual.addcmul_(out, gate)
 
-
-def epilogue_reference(acc: torch.Tensor, x_scale, w_scale, bias=None) -> torch.Tensor:
-    """The epilogue's steps in torch (the tests' oracle, and K = 0): the bias's one rounding through fp64."""
-    m, n = acc.shape
-    t = acc.float() * x_scale.reshape(m, 1).float()
-    ws = w_scale.float().reshape(1, -1)
-    if bias is None:
-        y = t * ws
-    else:
-        y = (t.double() * ws.double() + bias.to(torch.bfloat16).double().reshape(1, n)).float()
-    return y.to(torch.bfloat16)
