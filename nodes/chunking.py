@@ -71,7 +71,8 @@ def linear_chunking(layer, x, input_act: str | None = None, routes: dict | None 
                     shape: tuple | None = None) -> tuple[str | None, str | None]:
     """How ``layer``'s calls on token chunks of ``x`` give its whole call's bits with no weight transferred twice:
     ``(RESIDENT, None)``, ``(CAST_ONCE, None)``, or ``(None, why)``: it runs whole. ``routes``: the run's int8 routes;
-    ``shape``: the ``(rows, width)`` of one chunk's input where that is not ``x``'s (fc2's)."""
+    ``shape``: the ``(rows, width)`` of one chunk's input where that is not ``x``'s (fc2's). To cast once, the cast and
+    the arithmetic on it must be the ones the layer's own call runs."""
     if x.dtype not in CHUNKED_DTYPES:
         return None, f"{x.dtype} activations: GEMMs split by rows may round differently"
     if x.device.type not in CHUNKED_DEVICES:
@@ -82,40 +83,32 @@ def linear_chunking(layer, x, input_act: str | None = None, routes: dict | None 
         return None, "its activation scale is taken from the whole input"
     if weight_resident(layer, x.device):
         return RESIDENT, None
-    why = cast_once_problem(layer, x if shape is None else call_input(x, *shape), input_act, routes)
-    return (None, why) if why else (CAST_ONCE, None)
-
-
-def cast_once_problem(layer, x, input_act: str | None = None, routes: dict | None = None) -> str | None:
-    """Why stock's weight cast for ``layer``'s call on ``x`` cannot be entered once for all its token chunks
-    (None: it can): the cast and the arithmetic on it must be the ones the layer's own call runs."""
-    if torch.compiler.is_compiling():
-        return "traced by torch.compile, where the cast runs per call"
-    if getattr(comfy.ops, "CastBiasWeightContext", None) is None:
-        return "this ComfyUI has no comfy.ops.CastBiasWeightContext"
     weight = getattr(layer, "weight", None)
-    if int8_layers.routable(weight):  # int8 ConvRot or W4A8: the route's own cast
-        return int8_layers.stock_quantizer_reason(layer, x, input_act, routes=routes)
-    if type(weight) not in (torch.Tensor, torch.nn.Parameter):
-        return f"a {type(weight).__name__} weight, whose cast the cast once does not mirror"
-    if not float_forward_mirrored(layer):
-        return f"{type(layer).__qualname__}.forward is not comfy.ops' Linear forward, whose cast the cast once mirrors"
-    if input_act is not None:
-        return f"linear_input_act({input_act!r}) on a float weight"
-    if not (getattr(layer, "comfy_cast_weights", False) or getattr(layer, "weight_function", None)
-            or getattr(layer, "bias_function", None)):
-        return "its forward uses the weight as it lies, on another device"
-    return None
-
-
-def float_forward_mirrored(layer) -> bool:
-    """``layer``'s forward is comfy.ops' Linear forward, whose cast ``float_cast_once`` enters (FLOAT_CAST_NAMES)."""
-    return _float_forward_mirrored(type(layer))
+    if torch.compiler.is_compiling():
+        why = "traced by torch.compile, where the cast runs per call"
+    elif getattr(comfy.ops, "CastBiasWeightContext", None) is None:
+        why = "this ComfyUI has no comfy.ops.CastBiasWeightContext"
+    elif int8_layers.routable(weight):  # int8 ConvRot or W4A8: the route's own cast
+        why = int8_layers.stock_quantizer_reason(layer, x if shape is None else call_input(x, *shape), input_act,
+                                                 routes=routes)
+    elif type(weight) not in (torch.Tensor, torch.nn.Parameter):
+        why = f"a {type(weight).__name__} weight, whose cast the cast once does not mirror"
+    elif not _float_forward_mirrored(type(layer)):
+        why = f"{type(layer).__qualname__}.forward is not comfy.ops' Linear forward, whose cast the cast once mirrors"
+    elif input_act is not None:
+        why = f"linear_input_act({input_act!r}) on a float weight"
+    elif not (getattr(layer, "comfy_cast_weights", False) or getattr(layer, "weight_function", None)
+              or getattr(layer, "bias_function", None)):
+        why = "its forward uses the weight as it lies, on another device"
+    else:
+        why = None
+    return (None, why) if why else (CAST_ONCE, None)
 
 
 @functools.cache
 def _float_forward_mirrored(cls) -> bool:
-    """``float_forward_mirrored`` by class (a class's forward does not change in a process)."""
+    """``cls``'s forward is comfy.ops' Linear forward, whose cast ``cast_once`` enters (``FLOAT_CAST_NAMES``); asked
+    once a class (a class's forward does not change in a process)."""
     base = getattr(getattr(comfy.ops, "disable_weight_init", None), "Linear", None)
     if base is None or getattr(cls, "forward", None) is not base.forward:
         return False
@@ -136,20 +129,10 @@ def call_input(x, rows: int, width: int) -> torch.Tensor:
     return x.new_empty((1, width)).expand(rows, width)
 
 
-def casts_held_apart() -> bool:
-    """Two weights cast at once lie apart: ComfyUI casts each offloaded weight into its offload stream's one buffer
-    and alternates the streams, so two casts held together need two streams, or none (each then allocates its
-    own). ``int8_layers.shares_memory`` checks the casts themselves."""
-    return getattr(comfy.model_management, "NUM_STREAMS", 0) != 1
-
-
-def int8_tensorwise(layer) -> bool:
-    return int8_layers.is_int8_tensorwise(getattr(layer, "weight", None))
-
-
 def mlp_chunk_setting(settings, mlp) -> int:
     """The settings' rows per MLP chunk for this MLP's weight format (fc1's: the larger GEMM)."""
-    return settings.int8_mlp_chunk_tokens if int8_tensorwise(mlp.fc1) else settings.mlp_chunk_tokens
+    int8 = int8_layers.is_int8_tensorwise(getattr(mlp.fc1, "weight", None))
+    return settings.int8_mlp_chunk_tokens if int8 else settings.mlp_chunk_tokens
 
 
 def mlp_chunking(mlp, x, chunk: int, routes: dict | None = None) -> Chunking:
@@ -157,19 +140,33 @@ def mlp_chunking(mlp, x, chunk: int, routes: dict | None = None) -> Chunking:
     MLP forward runs as it is). ``routes``: as ``linear_chunking``'s."""
     if replaced_forward(mlp):
         return Chunking(reason="another node's MLP forward runs as it is")
+    act = "swiglu" if folds_swiglu(mlp.fc2) else None
+    width = (getattr(mlp.fc2, "in_features", None) or mlp.fc2.weight.shape[-1]) * (2 if act else 1)
+    return _chunking(x, chunk, routes, ("fc1: ", mlp.fc1, None, x.shape[-1]), ("fc2: ", mlp.fc2, act, width))
+
+
+def projection_chunking(linear, x, chunk: int, routes: dict | None = None) -> Chunking:
+    """The qkv projection's token chunks of ``chunk`` rows, or why it runs whole (torch.compile, bits at risk)."""
+    if torch.compiler.is_compiling():
+        return Chunking(reason="traced by torch.compile: the projection runs whole")
+    return _chunking(x, chunk, routes, ("", linear, None, None))
+
+
+def _chunking(x, chunk: int, routes, *linears) -> Chunking:
+    """Chunks of ``chunk`` rows of ``x`` for each ``(prefix of its reason, layer, input_act, width of its input
+    where not x's)`` of ``linears``, or why they run whole (None width: checked on all of ``x``)."""
     if x.shape[0] <= chunk:
         return Chunking()
     a, b = kernels.token_chunks(x.shape[0], chunk)[0]
-    act = "swiglu" if folds_swiglu(mlp.fc2) else None
-    width = (getattr(mlp.fc2, "in_features", None) or mlp.fc2.weight.shape[-1]) * (2 if act else 1)
     modes = []
-    for name, layer, input_act, shape in (("fc1", mlp.fc1, None, (b - a, x.shape[-1])),
-                                          ("fc2", mlp.fc2, act, (b - a, width))):
-        mode, why = linear_chunking(layer, x, input_act, routes, shape)
+    for prefix, layer, input_act, width in linears:
+        mode, why = linear_chunking(layer, x, input_act, routes, None if width is None else (b - a, width))
         if mode is None:
-            return Chunking(reason=f"{name}: {why}")
+            return Chunking(reason=prefix + why)
         modes.append(mode)
-    if modes.count(CAST_ONCE) > 1 and not casts_held_apart():
+    # ComfyUI casts each offloaded weight into its offload stream's one buffer and alternates the streams: two casts
+    # held together need two streams, or none (each then allocates its own); ``hold_casts`` checks the casts too
+    if modes.count(CAST_ONCE) > 1 and getattr(comfy.model_management, "NUM_STREAMS", 0) == 1:
         return Chunking(reason="one offload stream: fc1's and fc2's casts would share its one buffer")
     return Chunking(rows=chunk, modes=tuple(modes))
 
@@ -189,28 +186,17 @@ def column_products(linear, x, inner: int, cast=None):
             lambda rows: torch.mm(rows, w[2 * inner:].t()))
 
 
-def projection_chunking(linear, x, chunk: int, routes: dict | None = None) -> Chunking:
-    """The qkv projection's token chunks of ``chunk`` rows, or why it runs whole (torch.compile, bits at risk)."""
-    if torch.compiler.is_compiling():
-        return Chunking(reason="traced by torch.compile: the projection runs whole")
-    if x.shape[0] <= chunk:
-        return Chunking()
-    mode, why = linear_chunking(linear, x, None, routes)
-    return Chunking(reason=why) if mode is None else Chunking(rows=chunk, modes=(mode,))
-
-
 def cast_once(layer, x, input_act: str | None = None, record=None, routes=None):
     """Stock's weight cast for ``layer``'s calls on the token chunks of ``x`` (``linear_chunking`` gave CAST_ONCE),
-    entered once: a context manager yielding an ``int8_layers.HeldCast``, left as stock's call leaves its cast."""
+    entered once: a context manager yielding an ``int8_layers.HeldCast``, left as stock's call leaves its cast. A float
+    weight (comfy.ops' Linear forward): each chunk is ``F.linear(rows, weight, bias)``, the forward's own arithmetic."""
     if int8_layers.routable(getattr(layer, "weight", None)):
         return int8_layers.cast_once(layer, x, input_act, record, routes)
-    return float_cast_once(layer, x.rows if isinstance(x, kernels.PendingModulation) else x)
+    return _float_cast_once(layer, x.rows if isinstance(x, kernels.PendingModulation) else x)
 
 
 @contextlib.contextmanager
-def float_cast_once(layer, x):
-    """Stock's ``layer(x)`` of comfy.ops' Linear casting per call (``float_forward_mirrored``) with its cast entered
-    once: each chunk is ``F.linear(rows, weight, bias)`` on the cast weight, the forward's own arithmetic."""
+def _float_cast_once(layer, x):
     int8_layers._every_op()  # stock's forward checks for an interrupt first
     with comfy.ops.CastBiasWeightContext(layer, x, offloadable=True) as (weight, bias):
         # (a residual owed is added after the product, by HeldCast)
@@ -240,5 +226,5 @@ def hold_casts(stack: contextlib.ExitStack, linear, casts, x, record=None, route
 
 def folds_swiglu(linear) -> bool:
     """``comfy.ops.linear_input_act`` folds SwiGLU into this linear's int8 activation quantiser (its conditions)."""
-    return (not comfy.model_management.in_training and int8_tensorwise(linear)
+    return (not comfy.model_management.in_training and int8_layers.is_int8_tensorwise(getattr(linear, "weight", None))
             and not getattr(getattr(linear.weight, "_params", None), "transposed", False))

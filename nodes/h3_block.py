@@ -8,6 +8,7 @@ docs/ARCHITECTURE.md has the details."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 
@@ -24,38 +25,30 @@ STOCK_HELPERS = ("_mod_scale_shift", "_mod_gate")
 FUSED_LINEAR_ARGS = ("act_weight", "act_eps", "residual", "residual_scale", "rms_norm", "gelu_tanh")
 
 
+def missing(obj, *paths) -> list[str]:
+    """``no <path>`` for each dotted attribute path of ``obj`` that is absent or None."""
+    return [f"no {p}" for p in paths if functools.reduce(lambda o, n: getattr(o, n, None), p.split("."), obj) is None]
+
+
 def structure_problems(block) -> list[str]:
     """What differs from the DiT block the fast path was written for (empty: it matches)."""
-    problems = [f"no {name}" for name in ("adaln_proj", "norm1", "norm2", "attn", "mlp")
-                if getattr(block, name, None) is None]
+    problems = missing(block, "adaln_proj", "norm1", "norm2", "attn", "mlp", "mlp.fc1.weight", "mlp.fc2.weight")
     mlp = getattr(block, "mlp", None)
-    problems += [f"no mlp.{name}.weight" for name in ("fc1", "fc2")
-                 if getattr(getattr(mlp, name, None), "weight", None) is None]
     if mlp is not None and "linear_input_act" not in type(mlp).forward.__code__.co_names:
         problems.append("MLP.forward no longer calls comfy.ops.linear_input_act")
     for where, fn in (("MLP.forward", getattr(type(mlp), "forward", None)), ("forward", type(block).forward)):
-        if fused := fused_linear_arguments(fn):
+        code = getattr(fn, "__code__", None)  # the names it calls, keyword names and string constants included
+        names = [] if code is None else [*code.co_names, *(c for c in code.co_consts if isinstance(c, str)),
+                                         *(n for c in code.co_consts if isinstance(c, tuple) for n in c)]
+        if fused := [a for a in FUSED_LINEAR_ARGS if a in names]:
             problems.append(f"{where} fuses into its linears ({', '.join(fused)}), which the fast path does not")
     params = tuple(inspect.signature(type(block).forward).parameters)
     if params not in (BLOCK_PARAMS, BLOCK_PARAMS + ("attention",)):
         problems.append(f"forward{params} differs from forward{BLOCK_PARAMS}[+attention]")
-    module = sys.modules.get(type(block).__module__)
-    names = getattr(type(block).forward, "__code__", None)
-    missing = [n for n in STOCK_HELPERS if getattr(module, n, None) is None
-               or n not in getattr(names, "co_names", ())]
-    if missing:
-        problems.append(f"the block forward no longer uses {', '.join(missing)}")
+    module, code = sys.modules.get(type(block).__module__), getattr(type(block).forward, "__code__", None)
+    if gone := [n for n in STOCK_HELPERS if getattr(module, n, None) is None or n not in getattr(code, "co_names", ())]:
+        problems.append(f"the block forward no longer uses {', '.join(gone)}")
     return problems
-
-
-def fused_linear_arguments(fn) -> list[str]:
-    """The ``FUSED_LINEAR_ARGS`` that ``fn``'s code names (keyword names and string constants included)."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return []
-    consts = [c for c in code.co_consts if isinstance(c, str)]
-    consts += [n for c in code.co_consts if isinstance(c, tuple) for n in c if isinstance(n, str)]
-    return [a for a in FUSED_LINEAR_ARGS if a in consts or a in code.co_names]
 
 
 def pending_modulation(h, shift, scale, segments) -> kernels.PendingModulation:
@@ -116,7 +109,7 @@ class H3BlockForward:
         """``x += mlp(modulate(norm2(x))) * gate``, by token chunks where they give the same bits. The MLP's
         input goes as its normed rows with the modulation still owed (fc1's int8 quantiser applies it)."""
         blk, settings, report = self.block, self.patch.settings, self.patch.report
-        linear, routes = int8_layers.caller(self.patch), int8_layers.run_routes(self.patch)
+        linear, routes = int8_layers.caller(self.patch), self.patch.plan.int8_routes
         plan = chunking.mlp_chunking(blk.mlp, x, chunking.mlp_chunk_setting(settings, blk.mlp), routes)
         normed = None
         with contextlib.ExitStack() as held:

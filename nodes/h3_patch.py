@@ -65,8 +65,7 @@ def declined_note(model_patcher, prefixes) -> Note | None:
 
 def structure_problems(attn) -> list[str]:
     """Everything about ``attn`` that differs from the H3 attention the patch was written for."""
-    problems = [f"no {name}.weight" for name in ("qkv_proj", "q_norm", "k_norm", "out_proj")
-                if getattr(getattr(attn, name, None), "weight", None) is None]
+    problems = h3_block.missing(attn, "qkv_proj.weight", "q_norm.weight", "k_norm.weight", "out_proj.weight")
     problems += [f"{name} is not an int ({getattr(attn, name, None)!r})" for name in ("heads", "head_dim")
                  if not isinstance(getattr(attn, name, None), int)]
     if problems:
@@ -90,9 +89,9 @@ def structure_problems(attn) -> list[str]:
 
 
 class H3Patch(InstalledPatch):
-    """The node's state on an H3 clone: the generic patch's, the sampling run's latent shapes and the video
-    embedding's release; its wrappers add the memory estimate (PREPARE_SAMPLING) and the peak per model call
-    (APPLY_MODEL: outside any compiled region, around it)."""
+    """The node's state on an H3 clone, with the run's latent shapes and the video embedding's release; its wrappers
+    add the memory estimate (PREPARE_SAMPLING) and the peak per model call (APPLY_MODEL: outside any compiled
+    region, around it)."""
 
     def __init__(self, settings: Settings, report: RunReport, planner, plan: Plan):
         super().__init__(settings, report, planner, plan)
@@ -122,19 +121,13 @@ class H3Patch(InstalledPatch):
         """ComfyUI APPLY_MODEL wrapper: the model call's peak allocation goes to the report (CUDA); with the block
         path, the call is the scope of the video embedding's release."""
         with contextlib.ExitStack() as scope:
-            if self.embedding is not None:
-                scope.enter_context(self.embedding.model_call(getattr(executor, "class_obj", None), input_device(x)))
+            if self.embedding is not None:  # the input's device: a tensor's, or the first of H3's video and audio
+                device = next((t.device for t in (x if isinstance(x, (list, tuple)) else (x,))
+                               if isinstance(t, torch.Tensor)), None)
+                scope.enter_context(self.embedding.model_call(getattr(executor, "class_obj", None), device))
             if not self.settings.measure_peak:
                 return executor(x, *args, **kwargs)
             return memory.measured_call(executor, x, args, kwargs, self.report.measured_peak)
-
-
-def input_device(x):
-    """The device of a model call's input: a tensor's, or the first tensor's of a list (H3's video and audio)."""
-    for t in x if isinstance(x, (list, tuple)) else (x,):
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return None
 
 
 class H3AttentionForward:
@@ -153,63 +146,44 @@ class H3AttentionForward:
         if isinstance(x, list):  # a block forward handed its input over (KJNodes' Low VRAM Attention; ours)
             x = x.pop()
         rows = x.rows if isinstance(x, kernels.PendingModulation) else x  # ours: with the modulation still owed
-        device, settings = rows.device, self.patch.settings
-        plan = chunking.projection_chunking(self.attn.qkv_proj, rows, settings.qkv_chunk_tokens,
-                                            int8_layers.run_routes(self.patch))
+        device, qkv, routes = rows.device, self.attn.qkv_proj, self.patch.plan.int8_routes
+        linear = int8_layers.caller(self.patch)  # int8 ConvRot GEMMs on the pack's quantiser where the route runs
+        plan = chunking.projection_chunking(qkv, rows, self.patch.settings.qkv_chunk_tokens, routes)
         if plan.rows is None or rope_freqs is None:
             del rows
-            source = [self._linear(self.attn.qkv_proj)(x)]
+            source = [linear(qkv, x)]
             del x  # the fused buffer, handed over, is the only thing alive while the kernel runs
             out = _attend(self, source, device, rope_freqs)
         else:  # a prepared path may take the projection by token chunks: the fused buffer never exists whole
-            # a weight ComfyUI casts per call is cast once, held until the attention has taken every row
-            with self._held_projection(plan, rows) as held:
+            # a weight ComfyUI casts per call is cast once (CAST_ONCE), held until the attention has taken every row
+            with (chunking.cast_once(qkv, rows, None, self.patch.report.record_int8, routes)
+                  if chunking.CAST_ONCE in plan.modes else contextlib.nullcontext()) as held:
                 del rows
-                source = self._row_projection(x, held)
+                source = self._row_projection(x, held, linear)
                 del x  # the projection, handed over, is the only thing alive while the kernel runs
                 out = _attend(self, source, device, rope_freqs, plan.rows)
                 del source, held  # nothing keeps the cast weight past its context
-        return self._linear(self.attn.out_proj)(out, into=into)
+        return linear(self.attn.out_proj, out, into=into)
 
-    def _held_projection(self, plan, rows):
-        """Stock's cast of the qkv weight entered once for the projection by rows (``CAST_ONCE``), or nothing."""
-        if chunking.CAST_ONCE not in plan.modes:
-            return contextlib.nullcontext()
-        return chunking.cast_once(self.attn.qkv_proj, rows, None, self.patch.report.record_int8,
-                                  int8_layers.run_routes(self.patch))
-
-    def _row_projection(self, x, held=None):
+    def _row_projection(self, x, held, linear):
         """The projection taken by token ranges (``kernels.RowProjection``): by columns on its input quantised once
-        where the int8 route takes it, else each range through the layer's call, K/V by column blocks where they
-        give its bits. ``held``: the weight as cast once (``int8_layers.HeldCast``), else the layer's own."""
-        inner = self.attn.heads * self.attn.head_dim
-        source = self._int8_projection(x, inner, held)
-        if source is not None:
-            return source
-        x = kernels.settled(x)
-        project = self._linear(self.attn.qkv_proj) if held is None else held
+        where the int8 route takes it (``int8_layers.quantized_columns``), else each range through the layer's call,
+        K/V by column blocks where they give its bits. ``held``: the weight as cast once (``int8_layers.HeldCast``)."""
+        qkv, inner, report = self.attn.qkv_proj, self.attn.heads * self.attn.head_dim, self.patch.report
         cast = None if held is None else (held.weight, held.bias)
-        return kernels.RowProjection(project, x, columns=chunking.column_products(self.attn.qkv_proj, x, inner, cast))
-
-    def _int8_projection(self, x, inner, held=None):
-        """The int8 ConvRot qkv projection by columns on its input quantised once
-        (``int8_layers.quantized_columns``), where the route takes it; else None."""
-        form = int8_layers.quantized_columns(self.attn.qkv_proj, x, inner, record=self.patch.report.record_int8,
-                                             routes=int8_layers.run_routes(self.patch),
-                                             cast=None if held is None else (held.weight, held.bias))
-        if form is None:
-            return None
-        rows, project, columns = form
-        del form
-        try:
-            return kernels.RowProjection(project, rows, columns=columns)  # K projected here
-        except kernels.GemmDeclined as exc:
-            self.patch.report.record_int8(str(exc))
-            return None  # by rows, each chunk as stock computes it
-
-    def _linear(self, layer):
-        """``layer``'s call (its int8 ConvRot GEMMs on the pack's quantiser with the block fast path on)."""
-        return functools.partial(int8_layers.caller(self.patch), layer)
+        form = int8_layers.quantized_columns(qkv, x, inner, record=report.record_int8,
+                                             routes=self.patch.plan.int8_routes, cast=cast)
+        if form is not None:
+            rows, project, columns = form
+            del form
+            try:
+                return kernels.RowProjection(project, rows, columns=columns)  # K projected here
+            except kernels.GemmDeclined as exc:
+                report.record_int8(str(exc))  # by rows, each chunk as stock computes it
+            del rows, project, columns
+        x = kernels.settled(x)
+        project = functools.partial(linear, qkv) if held is None else held
+        return kernels.RowProjection(project, x, columns=chunking.column_products(qkv, x, inner, cast))
 
 
 @torch.compiler.disable
@@ -235,7 +209,7 @@ def _attend(fwd: H3AttentionForward, source, device, rope_freqs, chunk=None):
     return out
 
 
-def _check_structure(model_patcher, prefixes) -> None:
+def _check_structure(model_patcher, prefixes) -> None:  # raises H3StructureError
     problems = {p: found for p in prefixes if (found := structure_problems(model_patcher.get_model_object(p)))}
     if problems:
         first, why = next(iter(problems.items()))
@@ -253,23 +227,21 @@ def patch_model(model_patcher, settings: Settings, node_id=None, notes=()):
         raise ValueError(f"{NODE}: {type(diffusion_model).__name__} is not {H3_MODEL_CLASS}")
     prefixes = attention_keys(diffusion_model, settings.patch_refiner)
     declined = declined_note(model_patcher, prefixes)
-    if declined is not None:
-        return _declined_patch(model_patcher, settings, node_id, tuple(notes) + (declined,))
+    if declined is not None:  # a clone carrying no forward of this node's, only its report: sampling runs stock
+        clone, report, default = _clone(model_patcher, settings, node_id, tuple(notes) + (declined,), True)
+        patch = H3Patch(settings, report, lambda patcher, options: Plan(default), Plan(default))
+        patch.install(clone)
+        return clone, patch
     conflicts.check_override_at_patch(model_patcher, "h3_forward_patch")
     replaced_own, taken_over = conflicts.check_object_patches(model_patcher, [p + ".forward" for p in prefixes])
     _check_structure(model_patcher, prefixes)
     for prefix in prefixes:
         conflicts.preference(model_patcher, prefix)  # rule 7 when the node executes, too
 
-    clone = model_patcher.clone()
-    if replaced_own:  # rule 1; our earlier patch may have covered the refiner when this one does not
-        for key in [k for k, v in clone.object_patches.items() if is_own(v)]:
-            del clone.object_patches[key]
     n_refiner = sum(1 for p in prefixes if ".token_refiner." in p)
-    report = RunReport(node_id=node_id, model_family=type(model_patcher.model).__name__, path="h3_forward_patch",
-                       settings=settings, blocks_patched=len(prefixes) - n_refiner,
-                       refiner_blocks_patched=n_refiner, replaced_own_patch=replaced_own, notes=notes)
-    default = kernels.BackendChain.for_choice(settings.backend, prepared=settings.prepared)
+    clone, report, default = _clone(model_patcher, settings, node_id, notes, replaced_own,
+                                    blocks_patched=len(prefixes) - n_refiner, refiner_blocks_patched=n_refiner,
+                                    replaced_own_patch=replaced_own)
     forwards = {}
     patch = H3Patch(settings, report, lambda patcher, options: conflicts.plan_h3(
         patcher, options, forwards, settings.backend, default, taken_over, blocks), Plan(default))
@@ -283,17 +255,16 @@ def patch_model(model_patcher, settings: Settings, node_id=None, notes=()):
     return clone, patch
 
 
-def _declined_patch(model_patcher, settings: Settings, node_id, notes):
-    """A clone carrying no forward of this node's, only its report (``notes`` say why): sampling runs stock."""
+def _clone(model_patcher, settings: Settings, node_id, notes, shed_own: bool, **counts):
+    """``(clone, its report, the node's own chain)``; ``shed_own``: this node's earlier patches taken off the clone
+    (rule 1; our earlier patch may have covered the refiner when this one does not)."""
     clone = model_patcher.clone()
-    for key in [k for k, v in clone.object_patches.items() if is_own(v)]:
-        del clone.object_patches[key]
+    if shed_own:
+        for key in [k for k, v in clone.object_patches.items() if is_own(v)]:
+            del clone.object_patches[key]
     report = RunReport(node_id=node_id, model_family=type(model_patcher.model).__name__, path="h3_forward_patch",
-                       settings=settings, notes=notes)
-    default = kernels.BackendChain.for_choice(settings.backend, prepared=settings.prepared)
-    patch = H3Patch(settings, report, lambda patcher, options: Plan(default), Plan(default))
-    patch.install(clone)
-    return clone, patch
+                       settings=settings, notes=notes, **counts)
+    return clone, report, kernels.BackendChain.for_choice(settings.backend, prepared=settings.prepared)
 
 
 def _install_block_path(model_patcher, clone, diffusion_model, patch: H3Patch) -> conflicts.BlockPath:

@@ -14,7 +14,6 @@ import comfy.ops
 import torch
 
 from .. import kernels
-from ..kernels import int8_w4a8
 from .ownership import replaced_forward
 
 # comfy-kitchen's int8 tensor-wise layout (the bundled checkpoint's): ``linear_input_act`` folds SwiGLU into it
@@ -35,7 +34,7 @@ def is_int8_tensorwise(weight) -> bool:
 
 
 def is_w4a8(weight) -> bool:
-    return _quantized(weight) and weight._layout_cls == int8_w4a8.LAYOUT
+    return _quantized(weight) and weight._layout_cls == kernels.int8_w4a8.LAYOUT
 
 
 def routable(weight) -> bool:
@@ -94,7 +93,8 @@ def route(layer, x, input_act=None, cast=None, routes: dict | None = None) -> Ro
     if reason is None and cast is not None:
         weight, bias = cast
         if is_w4a8(layer.weight):
-            reason = int8_w4a8.weight_problem(x, weight, bias) if is_w4a8(weight) else "the cast gave no W4A8 weight"
+            reason = (kernels.int8_w4a8.weight_problem(x, weight, bias) if is_w4a8(weight)
+                      else "the cast gave no W4A8 weight")
         else:
             reason = (kernels.int8_weight_problem(x, weight._qdata, weight._params.scale, bias, input_act=input_act)
                       if is_int8_convrot(weight) else "the cast gave a weight that is not int8 ConvRot")
@@ -139,7 +139,7 @@ def stock_quantizer_reason(layer, x, input_act=None, cast=None, routes: dict | N
     the weight and bias as cast for this call), or this call's rows (the only check a routed layer's call repeats)."""
     if comfy.model_management.in_training or x.requires_grad:
         return "training"
-    rows = int8_w4a8.rows_problem if is_w4a8(layer.weight) else kernels.int8_rows_problem
+    rows = kernels.int8_w4a8.rows_problem if is_w4a8(layer.weight) else kernels.int8_rows_problem
     return route(layer, x, input_act, cast, routes).reason or rows(x)
 
 
@@ -169,26 +169,32 @@ def call(layer, x, input_act: str | None = None, record=None, into=None, routes=
     with _cast(layer, x, input_act) as (weight, bias):
         if input_act is None:
             weight = weight.to(dtype=x.dtype)
-        return _added(_routed_on_cast(layer, x, pending, input_act, weight, bias, record, into, routes), into)
+        return _added(_on_cast(layer, x, pending, input_act, weight, bias, record, into, routes), into)
 
 
 def _added(out, into):
     return out if into is None or into.applied else into.apply(out)
 
 
-def _routed_on_cast(layer, x, pending, input_act, weight, bias, record, into=None, routes=None):
-    """The rest of ``call`` once the weight is cast (the reason recorded either way)."""
-    answer, out = route(layer, x, input_act, (weight, bias), routes), None
-    reason = answer.reason
+def _on_cast(layer, x, pending, input_act, weight, bias, record, into=None, routes=None):
+    """One call on the weight as cast for it: the route where it takes the call (``stock_quantizer_reason``), else
+    stock's arithmetic on that weight; the reason told either way."""
+    reason, out, w4a8 = stock_quantizer_reason(layer, x, input_act, (weight, bias), routes), None, is_w4a8(weight)
     if reason is None:  # a W4A8 weight decoded to its int8 grid for this call only (kernels/int8_w4a8.py)
-        qdata, w_scale = int8_w4a8.operands(weight) if is_w4a8(weight) else (weight._qdata, weight._params.scale)
-        out = kernels.int8_linear_routed(x, qdata, w_scale, bias, kernel=answer.choice, input_act=input_act,
+        qdata, w_scale = kernels.int8_w4a8.operands(weight) if w4a8 else (weight._qdata, weight._params.scale)
+        out = kernels.int8_linear_routed(x, qdata, w_scale, bias, input_act=input_act,
+                                         kernel=route(layer, x, input_act, (weight, bias), routes).choice,
                                          modulation=pending.segments if pending is not None else None, residual=into)
         reason = None if out is not None else "CUTLASS declined the shape"
-    _tell(record, reason, int8_w4a8.LAYOUT if is_w4a8(weight) else None)
+    _tell(record, reason, kernels.int8_w4a8.LAYOUT if w4a8 else None)
     if out is not None:
         return out
-    return _stock_on_cast(x if pending is None else kernels.settled(pending), weight, bias, input_act)
+    x = x if pending is None else kernels.settled(pending)
+    if is_int8_convrot(weight) and input_act is not None:
+        return kernels.stock_int8_linear(x, weight._qdata, weight._params.scale, bias, input_act=input_act)
+    if input_act is not None:
+        x = comfy.ops.INPUT_ACT_EAGER[input_act](x)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 class HeldCast:
@@ -218,13 +224,8 @@ def cast_once(layer, x, input_act: str | None = None, record=None, routes=None):
         if input_act is None:
             weight = weight.to(dtype=rows.dtype)
 
-        def run(chunk, into=None):
-            chunk_rows, pending = _owed(chunk, input_act is None)
-            reason = stock_quantizer_reason(layer, chunk_rows, input_act, routes=routes)
-            if reason is not None:  # the whole call's checks passed: only a chunk's row count could differ
-                _tell(record, reason)
-                return _stock_on_cast(kernels.settled(chunk), weight, bias, input_act)
-            return _routed_on_cast(layer, chunk_rows, pending, input_act, weight, bias, record, into, routes)
+        def run(chunk, into=None):  # the whole call's checks passed: only a chunk's row count could differ
+            return _on_cast(layer, *_owed(chunk, input_act is None), input_act, weight, bias, record, into, routes)
 
         held = HeldCast(run, weight, bias, rows, input_act)
         del x, rows  # the context lasts as long as the attention: it keeps no input alive
@@ -258,14 +259,6 @@ def _cast(layer, x, input_act):
     return comfy.ops.CastBiasWeightContext(layer, x, offloadable=True, compute_dtype=x.dtype, want_requant=True)
 
 
-def _stock_on_cast(x, weight, bias, input_act):
-    if is_int8_convrot(weight) and input_act is not None:
-        return kernels.stock_int8_linear(x, weight._qdata, weight._params.scale, bias, input_act=input_act)
-    if input_act is not None:
-        x = comfy.ops.INPUT_ACT_EAGER[input_act](x)
-    return torch.nn.functional.linear(x, weight, bias)
-
-
 def quantized_columns(layer, x, inner: int, record=None, cast=None, routes=None):
     """The int8 ConvRot qkv projection (no bias) by output columns on ``x`` quantised once: ``(rows, project,
     columns)``, or None (then by rows through ``call``). ``cast``: the weight and bias as cast once for this call."""
@@ -290,14 +283,9 @@ def quantized_columns(layer, x, inner: int, record=None, cast=None, routes=None)
     return rows, project, kernels.int8_column_products(qdata, scale, inner, kernel=kernel)
 
 
-def run_routes(patch) -> dict:
-    """The current run's memo of ``route`` answers."""
-    return patch.plan.int8_routes
-
-
 def caller(patch):
     """How one installed patch calls a linear ``(layer, x, input_act=None)`` in the current run."""
-    return functools.partial(call, record=patch.report.record_int8, routes=run_routes(patch),
+    return functools.partial(call, record=patch.report.record_int8, routes=patch.plan.int8_routes,
                              layouts=patch.report.record_layout)
 
 
@@ -314,10 +302,8 @@ def _every_op() -> None:
 
 def _tell(record, reason, layout=None) -> None:
     """``reason`` to the report (None: the route ran the call; a W4A8 ``layout`` is told, int8 ConvRot is the default)."""
-    if record is not None and layout is not None:
-        record(reason, layout=layout)
-    elif record is not None:
-        record(reason)
+    if record is not None:
+        record(reason, **({} if layout is None else {"layout": layout}))
 
 
 def _stock(layer, x, input_act=None, into=None, **extra):

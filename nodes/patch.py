@@ -73,15 +73,11 @@ def value_problem(name: str, value) -> str | None:
     offered = ", ".join(OFFERED_VALUES[name])
     if not isinstance(value, str):
         what = {dict: "a JSON object", list: "a list", type(None): "no value"}.get(type(value), f"a {type(value).__name__}")
-        shown = "" if value is None else f" {_cut(repr(value))}"
+        shown = "" if value is None else f" {repr(value) if len(repr(value)) <= 60 else repr(value)[:59] + '…'}"
         return f"{name} takes one of {offered} (text); it got {what}{shown}"
     if value in OFFERED_VALUES[name] or value in REMOVED_VALUES[name]:
         return None
     return f"{name} {value!r} is not one of {offered}"
-
-
-def _cut(text: str, most: int = 60) -> str:
-    return text if len(text) <= most else text[:most - 1] + "…"
 
 
 def current_value(name: str, value) -> tuple[str, Note | None]:
@@ -126,8 +122,7 @@ class InstalledPatch:
         self.planner = planner
         self.plan = plan  # before the first sampling run: the node's own chain everywhere
 
-    def wrappers(self) -> dict:
-        """The ComfyUI wrappers this patch puts on its clone, by kind: here OUTER_SAMPLE (the H3 patch adds its own)."""
+    def wrappers(self) -> dict:  # by kind: here OUTER_SAMPLE (the H3 patch adds its own)
         return {WrappersMP.OUTER_SAMPLE: self.outer_sample_wrapper}
 
     def install(self, clone) -> None:
@@ -147,19 +142,15 @@ class InstalledPatch:
                 options = getattr(guider, "model_options", None)
                 self.plan = self.planner(patcher, options if options is not None else patcher.model_options)
                 self.report.planned(self.plan)
-                self._vet_backends(getattr(patcher, "load_device", None))
+                # each chain's back-ends check themselves on the model's device (once a process), in order up to the
+                # first that can run there, as a first call would, but before the model forward: SageAttention's
+                # self-test then allocates nothing inside a block or a graph the Comfy Compiler records
+                device = getattr(patcher, "load_device", None)
+                for chain in (self.plan.default, *self.plan.chains.values()) if device is not None else ():
+                    next((b for b in chain.backends if b.available(device)), None)
             return executor(*args, **kwargs)
         except BaseException as exc:
             self.report.ended_by(exc)
             raise
         finally:
             self.report.finish_run()
-
-    def _vet_backends(self, device) -> None:
-        """Each chain's back-ends check themselves on the model's device (once a process), in order up to the first
-        that can run there, as a first call would, but before the model forward: SageAttention's self-test then
-        allocates nothing inside a block or a graph the Comfy Compiler records."""
-        if device is None:
-            return
-        for chain in (self.plan.default, *self.plan.chains.values()):
-            next((b for b in chain.backends if b.available(device)), None)

@@ -71,7 +71,7 @@ def test_the_caller_follows_the_settings(pack):
         assert taken.func is layers.call
         assert taken.keywords == {"record": report.record_int8, "routes": on.plan.int8_routes,
                                   "layouts": report.record_layout}
-        assert taken.keywords["routes"] is on.plan.int8_routes is layers.run_routes(on)
+        assert taken.keywords["routes"] is on.plan.int8_routes
     assert patch.Plan(default=None).int8_routes is not patch.Plan(default=None).int8_routes  # a run's own
 
 
