@@ -65,8 +65,5 @@ class DeviceAnswers:
     def reason(self, question: str, device) -> str | None:
         return self._answers.get(exact_device(device), {}).get(question)
 
-    def clear(self) -> None:
-        self._answers.clear()
-
 
 ANSWERS = DeviceAnswers()

@@ -168,7 +168,7 @@ def test_a_failed_launch_turns_the_gemm_off_on_that_device_and_says_why(monkeypa
     assert status["reason"] == "it failed on this GPU (RuntimeError: PTX .version 8.7 does not support .target sm_90)"
     assert gpu.ANSWERS.reason("int8_gemm", device) == status["reason"]
 
-    gpu.ANSWERS.clear()
+    monkeypatch.setattr(gpu, "ANSWERS", gpu.DeviceAnswers())  # fresh answers
 
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory")

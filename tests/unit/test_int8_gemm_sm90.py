@@ -91,7 +91,7 @@ def test_runs_only_where_declared_and_says_why(monkeypatch):
     gpu.ANSWERS.fail("int8_gemm_sm90", cuda, "its Gluon kernel failed here (RuntimeError: x)")
     assert decided(gemm.choice(cuda, n=64)) == ("pack", "its Gluon kernel failed here (RuntimeError: x)", "measured")
     assert gemm.choice(torch.device("cuda", 1), n=64).kernel == "pack_sm90"  # a failure is per device
-    gpu.ANSWERS.clear()
+    monkeypatch.setattr(gpu, "ANSWERS", gpu.DeviceAnswers())  # fresh answers
     monkeypatch.setattr(gpu, "capability", lambda device: (8, 9))
     assert decided(gemm.choice(cuda, n=64)) == (
         "comfy_kitchen", "measured faster than comfy-kitchen's GEMM only on sm90, not on this sm89 GPU", "measured")
@@ -121,7 +121,7 @@ def test_a_triton_it_was_not_measured_with_runs_it_after_a_bits_check(monkeypatc
     assert checked == [cuda0, cuda1]  # once per device
     assert gpu.ANSWERS.reason("int8_gemm_sm90", cuda1) == "it differed"
     monkeypatch.setattr(gemm.triton, "__version__", "3.6.0+git1234")
-    gpu.ANSWERS.clear()
+    monkeypatch.setattr(gpu, "ANSWERS", gpu.DeviceAnswers())  # fresh answers
     assert decided(gemm.choice(cuda1)) == ("pack_sm90", None, "measured")
     assert checked == [cuda0, cuda1]  # a measured release is not checked
 

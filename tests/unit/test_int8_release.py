@@ -132,7 +132,7 @@ def decided(monkeypatch, route_fn, stock_fn=fake_stock):
     """A check of ``route_fn`` against ``stock_fn`` on the tiny samples, no device decided yet (the decisions are
     the process's, in ``gpu.ANSWERS``)."""
     monkeypatch.setattr(check, "samples", lambda min_rows: TINY)
-    gpu.ANSWERS.clear()
+    monkeypatch.setattr(gpu, "ANSWERS", gpu.DeviceAnswers())
     return check.ReleaseCheck(route_fn, stock_fn)
 
 
