@@ -1,6 +1,6 @@
 """int8 tensor-wise ConvRot linears as stock's CUDA ``int8_linear`` runs them, on the pack's quantiser and GEMM: same
-bits. Stock's dispatch has no public entry point: the route mirrors each release in ``RELEASES`` (verified), and runs
-on another only where it passes a bits self-check on the device (kernels/int8_release_check.py)."""
+bits. Stock's dispatch has no public entry point: the route mirrors each release in ``kitchen.RELEASES`` (verified),
+and runs on another only where it passes a bits self-check on the device (``kitchen.release_problem``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import importlib
 
 import torch
 
-from . import int8_activation, int8_release_check
+from . import int8_activation
 from .h3_block import PendingResidual
 from .int8_gemm import GemmChoice, GemmDeclined, choice, gemm
-from .kitchen import VERIFIED_VERSIONS, installed_release, kitchen_cuda
+from .kitchen import installed_release, kitchen_cuda, kitchen_release_status, release_problem  # noqa: F401 (status)
 
 GROUP = int8_activation.GROUP
 
@@ -40,19 +40,6 @@ def int8_rows_problem(x: torch.Tensor) -> str | None:
         return (f"{x.shape[0]} row{'s' if x.shape[0] > 1 else ''}: comfy-kitchen {version} runs a GEMV for fewer than "
                 f"{release.min_rows} rows, not its CUTLASS GEMM")
     return None
-
-
-def release_problem(device: torch.device) -> str | None:
-    """Why the installed comfy-kitchen keeps stock's quantiser on ``device``: None for a verified release; another
-    is self-checked there once (``RELEASE_CHECK``)."""
-    version, release, verified = installed_release()
-    if verified:
-        return None
-    why = RELEASE_CHECK.problem(device, release.min_rows)
-    if why is None:
-        return None
-    return (f"comfy-kitchen {version} is not a release the route was verified on ({', '.join(VERIFIED_VERSIONS)}), and "
-            f"on this device the route did not give stock's bits in its self-check: {why}")
 
 
 def int8_weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias, *,
@@ -109,23 +96,6 @@ def routed_or_reason(x, qdata, w_scale, bias=None, *, input_act: str | None = No
     kernel = choice(x.device, qdata.shape[1], qdata.shape[0])
     out = int8_linear_routed(x, qdata, w_scale, bias, input_act=input_act, kernel=kernel)
     return "CUTLASS declined the shape" if out is None else out
-
-
-RELEASE_CHECK = int8_release_check.ReleaseCheck(route=lambda *a, **k: routed_or_reason(*a, **k),
-                                                stock=lambda *a, **k: stock_int8_linear(*a, **k))
-
-
-def kitchen_release_status(device=None) -> dict:
-    """For the report: ``{"release", "route": "verified" | "self_checked" | "stock", "reason"}``; a release outside
-    ``RELEASES`` is self-checked on ``device`` (default: the current CUDA device) if it was not yet."""
-    version, release, verified = installed_release()
-    why = kitchen_cuda()[1]
-    if why is None and not verified:
-        if device is None and torch.cuda.is_available():
-            device = torch.device("cuda")
-        on_cuda = device is not None and torch.device(device).type == "cuda"
-        why = release_problem(torch.device(device)) if on_cuda else "no CUDA device to self-check the release on"
-    return {"release": version, "route": "stock" if why else "verified" if verified else "self_checked", "reason": why}
 
 
 def gemm_status(device=None) -> dict:

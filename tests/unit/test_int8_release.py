@@ -30,7 +30,6 @@ from devkit.interpreted import run_interpreted
 from devkit.pack import submodule
 
 route = submodule("kernels.int8_linear")
-check = submodule("kernels.int8_release_check")
 kitchen = submodule("kernels.kitchen")
 gpu = submodule("kernels.gpu")
 kernels = submodule("kernels")
@@ -57,7 +56,8 @@ def fresh_release(monkeypatch):
         kitchen.installed_release.cache_clear()
         real_kitchen_cuda.cache_clear()
         if version is not None:  # the backend stands in loaded, whichever release is really installed
-            monkeypatch.setattr(route, "kitchen_cuda", lambda: (SimpleNamespace(), None))
+            for module in (route, kitchen):
+                monkeypatch.setattr(module, "kitchen_cuda", lambda: (SimpleNamespace(), None))
     yield installed
     kitchen.installed_release.cache_clear()
     real_kitchen_cuda.cache_clear()
@@ -67,7 +67,6 @@ def fresh_release(monkeypatch):
 def test_verified_releases_are_the_table():
     assert kitchen.KITCHEN_VERSIONS == ("0.2.31", "0.2.36", "0.2.40")
     assert kitchen.VERIFIED_VERSIONS == ("0.2.31", "0.2.40")  # 0.2.36: read from its code, not yet run on a GPU
-    assert route.VERIFIED_VERSIONS is kitchen.VERIFIED_VERSIONS  # one table
     for version in kitchen.KITCHEN_VERSIONS:
         assert kitchen.release_for(version) == (kitchen.RELEASES[version], version in kitchen.VERIFIED_VERSIONS)
     # the two-row GEMV and the aligned out-dtype bias came together (0.2.36)
@@ -90,8 +89,8 @@ def test_not_installed_keeps_stocks_quantiser(fresh_release):
 
 def test_a_verified_release_routes_without_a_self_check(fresh_release, monkeypatch):
     fresh_release("0.2.40")
-    monkeypatch.setattr(route.RELEASE_CHECK, "run", lambda *a: pytest.fail("a verified release was self-checked"))
-    assert route.release_problem(torch.device("cuda", 0)) is None
+    monkeypatch.setattr(kitchen, "self_check", lambda *a: pytest.fail("a verified release was self-checked"))
+    assert kitchen.release_problem(torch.device("cuda", 0)) is None
     assert kernels.kitchen_release_status("cuda:0") == {"release": "0.2.40", "route": "verified", "reason": None}
 
 
@@ -112,14 +111,14 @@ def test_fewer_rows_than_the_release_gemm_takes_keep_stocks_call(fresh_release, 
 
 def test_cpu_calls_never_self_check(fresh_release, monkeypatch):
     fresh_release("9.9.9")
-    monkeypatch.setattr(route.RELEASE_CHECK, "run", lambda *a: pytest.fail("self-checked on the CPU"))
+    monkeypatch.setattr(kitchen, "self_check", lambda *a: pytest.fail("self-checked on the CPU"))
     assert route.int8_call_problem(torch.zeros(4, 512, dtype=torch.bfloat16)) == "not on a CUDA device"
     assert kernels.kitchen_release_status("cpu") == {
         "release": "9.9.9", "route": "stock", "reason": "no CUDA device to self-check the release on"}
 
 
 # --- the self-check's decision -----------------------------------------------------------------------------------
-TINY = (check.Sample(3, 256, 8), check.Sample(5, 256, 4, "swiglu"), check.Sample(3, 256, 8, bias=True))
+TINY = (kitchen.Sample(3, 256, 8), kitchen.Sample(5, 256, 4, "swiglu"), kitchen.Sample(3, 256, 8, bias=True))
 
 
 def fake_stock(x, w, w_scale, bias, input_act=None):
@@ -128,20 +127,22 @@ def fake_stock(x, w, w_scale, bias, input_act=None):
     return int8_oracle.int8_linear(q, s, w, w_scale, bias, x.dtype)
 
 
-def decided(monkeypatch, route_fn, stock_fn=fake_stock):
-    """A check of ``route_fn`` against ``stock_fn`` on the tiny samples, no device decided yet (the decisions are
-    the process's, in ``gpu.ANSWERS``)."""
-    monkeypatch.setattr(check, "samples", lambda min_rows: TINY)
-    monkeypatch.setattr(gpu, "ANSWERS", gpu.DeviceAnswers())
-    return check.ReleaseCheck(route_fn, stock_fn)
+def checking(monkeypatch, route_fn, stock_fn=fake_stock):
+    """The self-check takes ``route_fn`` for the route and ``stock_fn`` for stock's call on the tiny samples; ->
+    ``check()``, the check run now (``kitchen.self_check`` on the CPU, with the fewest rows 3)."""
+    monkeypatch.setattr(kitchen, "samples", lambda min_rows: TINY)
+    monkeypatch.setattr(route, "routed_or_reason", route_fn)
+    monkeypatch.setattr(route, "stock_int8_linear", stock_fn)
+    return lambda: kitchen.self_check("cpu", 3)
 
 
-def test_equal_bits_let_the_route_run_decided_once(monkeypatch):
+def test_equal_bits_let_the_route_run_decided_once(fresh_release, monkeypatch):
     calls = []
-    rc = decided(monkeypatch, lambda *a, **k: (calls.append(1), fake_stock(*a, **k))[1])
-    assert rc.problem("cpu", 3) is None and len(calls) == len(TINY)
-    assert rc.problem("cpu", 3) is None and len(calls) == len(TINY)  # cached for the device
-    assert rc.run("cpu", 3) is None and len(calls) == 2 * len(TINY)  # run: checked again
+    check = checking(monkeypatch, lambda *a, **k: (calls.append(1), fake_stock(*a, **k))[1])
+    fresh_release("0.2.99")
+    assert kitchen.release_problem("cpu") is None and len(calls) == len(TINY)
+    assert kitchen.release_problem("cpu") is None and len(calls) == len(TINY)  # decided for the device
+    assert check() is None and len(calls) == 2 * len(TINY)  # self_check: checked again
 
 
 def test_a_bit_mismatch_keeps_stocks_quantiser_with_the_count(monkeypatch):
@@ -150,26 +151,24 @@ def test_a_bit_mismatch_keeps_stocks_quantiser_with_the_count(monkeypatch):
         if input_act == "swiglu":
             out.view(torch.int16)[0, 0] ^= 1  # the lowest bit of one output
         return out
-    why = decided(monkeypatch, one_bit_off).problem("cpu", 3)
+    why = checking(monkeypatch, one_bit_off)()
     assert why == "1 of 20 outputs differ from stock's on 5 x 256 swiglu -> 4"
 
 
 def test_an_exception_or_a_decline_keeps_stocks_quantiser_with_the_reason(monkeypatch):
     def broken(*args, **kwargs):
         raise TypeError("cutlass_int8_dequant(): incompatible function arguments")
-    assert decided(monkeypatch, broken).problem("cpu", 3) == (
+    assert checking(monkeypatch, broken)() == (
         "TypeError on 3 x 256 -> 8: cutlass_int8_dequant(): incompatible function arguments")
-    assert decided(monkeypatch, fake_stock, stock_fn=broken).problem("cpu", 3).startswith("TypeError on 3 x 256")
-    declines = decided(monkeypatch, lambda *a, **k: "CUTLASS declined the shape")
-    assert declines.problem("cpu", 3) == "the route declined 3 x 256 -> 8: CUTLASS declined the shape"
+    assert checking(monkeypatch, fake_stock, stock_fn=broken)().startswith("TypeError on 3 x 256")
+    declines = checking(monkeypatch, lambda *a, **k: "CUTLASS declined the shape")
+    assert declines() == "the route declined 3 x 256 -> 8: CUTLASS declined the shape"
 
 
 def test_the_failed_check_is_the_calls_whole_reason(fresh_release, monkeypatch):
     fresh_release("0.2.99")
-    monkeypatch.setattr(check, "samples", lambda min_rows: TINY)
-    monkeypatch.setattr(route.RELEASE_CHECK, "route", lambda *a, **k: "CUTLASS declined the shape")
-    monkeypatch.setattr(route.RELEASE_CHECK, "stock", fake_stock)
-    why = route.release_problem(torch.device("cpu"))
+    checking(monkeypatch, lambda *a, **k: "CUTLASS declined the shape")
+    why = kitchen.release_problem(torch.device("cpu"))
     assert why == ("comfy-kitchen 0.2.99 is not a release the route was verified on (0.2.31, 0.2.40), and on "
                    "this device the route did not give stock's bits in its self-check: the route declined "
                    "3 x 256 -> 8: CUTLASS declined the shape")
@@ -177,7 +176,7 @@ def test_the_failed_check_is_the_calls_whole_reason(fresh_release, monkeypatch):
 
 def test_status_reports_each_devices_decision(fresh_release, monkeypatch):
     fresh_release("0.2.41")
-    monkeypatch.setattr(route.RELEASE_CHECK, "run", lambda *a: pytest.fail("a decided device was checked again"))
+    monkeypatch.setattr(kitchen, "self_check", lambda *a: pytest.fail("a decided device was checked again"))
     gpu.ANSWERS.decide("kitchen_release", torch.device("cuda", 0), lambda: None)
     gpu.ANSWERS.fail("kitchen_release", torch.device("cuda", 1), "3 of 9 outputs differ")
     assert kernels.kitchen_release_status("cuda:0") == {"release": "0.2.41", "route": "self_checked", "reason": None}
@@ -187,18 +186,18 @@ def test_status_reports_each_devices_decision(fresh_release, monkeypatch):
 
 def test_samples_are_h3_widths_the_quantiser_takes_with_the_fewest_rows():
     for min_rows in (2, 3):
-        got = check.samples(min_rows)
+        got = kitchen.samples(min_rows)
         assert {s.width for s in got} == {5376, 7168, 14336} and min(s.rows for s in got) == min_rows
         assert {s.input_act for s in got} == {None, "swiglu"} and any(s.bias for s in got)
         assert any(s.rows % 64 for s in got)  # rows off the GEMM's tiles
 
 
 INTERPRETED = r"""
-    from comfyui_sage_strided_nhd.kernels import int8_linear as route, int8_release_check as check, int8_activation
+    from comfyui_sage_strided_nhd.kernels import int8_linear as route, kitchen, int8_activation
     from devkit import int8_oracle
     # the samples the runtime checks are ones the pack's quantiser takes
     takes = [int8_activation.quantize_takes(torch.empty(s.rows, s.width * (2 if s.input_act else 1),
-             dtype=torch.bfloat16), s.input_act) for s in check.samples(route.installed_release()[1].min_rows)]
+             dtype=torch.bfloat16), s.input_act) for s in kitchen.samples(route.installed_release()[1].min_rows)]
     gemm_calls = []
 
     def gemm(xq, xs, qdata, w_scale, bias, out_dtype, residual=None, *, kernel):
@@ -217,11 +216,14 @@ INTERPRETED = r"""
     route.gemm = gemm  # the GEMM a CPU lacks; its caller (the quantiser and the call) is the route's own
     route.int8_weight_problem = lambda *a, **k: None  # the CPU's registry never picks comfy-kitchen's CUDA backend
     min_rows = route.installed_release()[1].min_rows
-    check.samples = lambda rows: (check.Sample(rows, 256, 8), check.Sample(7, 1280, 16, "swiglu"),
-                                  check.Sample(5, 512, 8, bias=True))
-    same = check.ReleaseCheck(route.routed_or_reason, stock).run("cpu", min_rows)
-    differs = check.ReleaseCheck(route.routed_or_reason, nudged).run("cpu", min_rows)
-    few = check.ReleaseCheck(route.routed_or_reason, stock).run("cpu", min_rows - 1)  # fewer rows than the GEMM takes
+    kitchen.samples = lambda rows: (kitchen.Sample(rows, 256, 8), kitchen.Sample(7, 1280, 16, "swiglu"),
+                                    kitchen.Sample(5, 512, 8, bias=True))
+    route.stock_int8_linear = stock
+    same = kitchen.self_check("cpu", min_rows)
+    route.stock_int8_linear = nudged
+    differs = kitchen.self_check("cpu", min_rows)
+    route.stock_int8_linear = stock
+    few = kitchen.self_check("cpu", min_rows - 1)  # fewer rows than the GEMM takes
     report({"takes": takes, "same": same, "differs": differs, "few": few,
             "gemm_rows": gemm_calls[:3]})
 """
