@@ -1,8 +1,6 @@
 """The chunk and cast-once rules of the H3 block fast path: where a linear's calls on token chunks give its whole
-call's bits (``mlp_chunking``, ``projection_chunking``), a weight that ComfyUI casts per call (offloaded,
-streamed, patched) entered once for every chunk (``cast_once``, ``hold_casts``), and the qkv projection by column
-blocks (``column_products``). The block forward (h3_block.py), the attention forward (h3_patch.py) and the memory
-estimate (memory.py) read them here. docs/ARCHITECTURE.md has the details."""
+call's bits, a weight that ComfyUI casts per call (offloaded, streamed, patched) entered once for every chunk, and
+the qkv projection by column blocks. docs/ARCHITECTURE.md has the details."""
 
 from __future__ import annotations
 
@@ -60,8 +58,7 @@ FLOAT_CAST_NAMES = ("CastBiasWeightContext", "torch", "nn", "functional", "linea
 
 @dataclass(frozen=True)
 class Chunking:
-    """How one block's linears take token chunks: ``rows`` per chunk and each linear's mode (``RESIDENT`` or
-    ``CAST_ONCE``); or ``rows`` None: they run whole, ``reason`` saying why where a rule declined (None: one chunk)."""
+    """``rows`` per token chunk and each linear's mode; or ``rows`` None: whole, ``reason`` None for one chunk."""
     rows: int | None = None
     modes: tuple = ()
     reason: str | None = None
@@ -129,8 +126,7 @@ def call_input(x, rows: int, width: int) -> torch.Tensor:
     return x.new_empty((1, width)).expand(rows, width)
 
 
-def mlp_chunk_setting(settings, mlp) -> int:
-    """The settings' rows per MLP chunk for this MLP's weight format (fc1's: the larger GEMM)."""
+def mlp_chunk_setting(settings, mlp) -> int:  # by fc1's weight format: the larger GEMM
     int8 = int8_layers.is_int8_tensorwise(getattr(mlp.fc1, "weight", None))
     return settings.int8_mlp_chunk_tokens if int8 else settings.mlp_chunk_tokens
 

@@ -1,9 +1,7 @@
-"""MiniMax H3: the block fast path, each DiT block's forward replaced on the clone by stock's computation in
-stock's order with stock's bits: one-pass modulation, the normed input handed to this pack's attention (freed
-after the qkv projection), the MLP half in token chunks where rows are independent (fc1's [S, 2*ffn] output never
-exists whole), a weight that ComfyUI casts per call (offloaded, streamed, patched) cast once per block for every
-chunk (the rules: chunking.py), int8 ConvRot linears on the pack's quantiser (int8_layers.py).
-docs/ARCHITECTURE.md has the details."""
+"""MiniMax H3: the block fast path, each DiT block's forward replaced by stock's computation in stock's order with
+stock's bits: one-pass modulation, the normed input handed to the pack's attention (freed after the qkv projection),
+the MLP half in token chunks (fc1's [S, 2*ffn] output never exists whole; the rules and the cast once: chunking.py),
+int8 ConvRot linears on the pack's quantiser (int8_layers.py). docs/ARCHITECTURE.md has the details."""
 
 from __future__ import annotations
 
@@ -58,8 +56,7 @@ def pending_modulation(h, shift, scale, segments) -> kernels.PendingModulation:
 
 
 def pending_residual(x, gate, segments) -> kernels.PendingResidual:
-    """Stock's ``_mod_gate`` (``x += other * gate`` per segment, same expressions), owed for an ``other`` to come:
-    the int8 GEMM that computes it may add it in its epilogue."""
+    """Stock's ``_mod_gate`` owed for an ``other`` to come: the int8 GEMM computing it may add it in its epilogue."""
     return kernels.PendingResidual(x, [(a, b, gate[row].to(x.dtype)) for a, b, row in segments])
 
 
@@ -69,9 +66,8 @@ def gated_residual(x, gate, other, segments):
 
 
 def mlp_forward(mlp, h, linear, into=None):
-    """Stock's ``MLP.forward(h)``: fc1, SwiGLU (folded into fc2's quantiser, or one pass with stock's
-    bits), fc2; each linear through ``linear(layer, x, input_act=None, into=None)`` (int8_layers.caller).
-    ``into``: a ``kernels.PendingResidual`` fc2's output is added to (its ``x`` returned)."""
+    """Stock's ``MLP.forward(h)``: fc1, SwiGLU (folded into fc2's quantiser, or one pass with stock's bits), fc2;
+    each through ``linear`` (int8_layers.caller). ``into``: a ``kernels.PendingResidual`` for fc2's output."""
     u = linear(mlp.fc1, h)
     if chunking.folds_swiglu(mlp.fc2):
         return linear(mlp.fc2, u, "swiglu", into=into)

@@ -37,8 +37,7 @@ class H3StructureError(ValueError):
 
 
 def is_h3_model(diffusion_model) -> bool:
-    cls = type(diffusion_model)
-    return any(f"{c.__module__}.{c.__qualname__}" == H3_MODEL_CLASS for c in cls.__mro__)
+    return any(f"{c.__module__}.{c.__qualname__}" == H3_MODEL_CLASS for c in type(diffusion_model).__mro__)
 
 
 def attention_keys(diffusion_model, patch_refiner: bool) -> list[str]:
@@ -131,8 +130,7 @@ class H3Patch(InstalledPatch):
 
 
 class H3AttentionForward:
-    """Replacement for one H3 ``Attention.forward``: same arguments, same output. Its calls use the
-    chain the current sampling run's plan gives its object-patch ``key``."""
+    """Replacement for one H3 ``Attention.forward`` (same arguments, same output) on the run's chain for its ``key``."""
 
     sage_strided_nhd = True  # ownership mark (see ownership.py)
 
@@ -209,16 +207,6 @@ def _attend(fwd: H3AttentionForward, source, device, rope_freqs, chunk=None):
     return out
 
 
-def _check_structure(model_patcher, prefixes) -> None:  # raises H3StructureError
-    problems = {p: found for p in prefixes if (found := structure_problems(model_patcher.get_model_object(p)))}
-    if problems:
-        first, why = next(iter(problems.items()))
-        raise H3StructureError(
-            f"{NODE}: {len(problems)} of {len(prefixes)} H3 attention modules differ from the "
-            f"structure this patch knows, so nothing was patched. First: {first}: {'; '.join(why)}. "
-            "This ComfyUI's H3 code has changed: update the pack, or run without this node.")
-
-
 def patch_model(model_patcher, settings: Settings, node_id=None, notes=()):
     """Patch a clone of an H3 ModelPatcher as the node does; returns ``(clone, patch)``. Raises
     ValueError (not H3), H3StructureError, or conflicts.PatchConflictError (the stack rules)."""
@@ -234,7 +222,13 @@ def patch_model(model_patcher, settings: Settings, node_id=None, notes=()):
         return clone, patch
     conflicts.check_override_at_patch(model_patcher, "h3_forward_patch")
     replaced_own, taken_over = conflicts.check_object_patches(model_patcher, [p + ".forward" for p in prefixes])
-    _check_structure(model_patcher, prefixes)
+    problems = {p: found for p in prefixes if (found := structure_problems(model_patcher.get_model_object(p)))}
+    if problems:
+        first, why = next(iter(problems.items()))
+        raise H3StructureError(
+            f"{NODE}: {len(problems)} of {len(prefixes)} H3 attention modules differ from the "
+            f"structure this patch knows, so nothing was patched. First: {first}: {'; '.join(why)}. "
+            "This ComfyUI's H3 code has changed: update the pack, or run without this node.")
     for prefix in prefixes:
         conflicts.preference(model_patcher, prefix)  # rule 7 when the node executes, too
 
@@ -288,8 +282,8 @@ def _install_block_path(model_patcher, clone, diffusion_model, patch: H3Patch) -
 
 def _install_embedding_release(model_patcher, clone, diffusion_model, blocks: conflicts.BlockPath,
                                report) -> EmbeddingRelease | None:
-    """The video embedding's release (embedding_release.py) where the block path runs the first DiT block and no
-    other node has replaced the video patch projection's forward; None elsewhere (stock keeps the embedding)."""
+    """The video embedding's release where the block path runs the first DiT block and no other node replaced the
+    video patch projection's forward; None elsewhere (stock keeps the embedding)."""
     key = VIDEO_PROJECTION + ".forward"
     first = h3_block.block_keys(diffusion_model)[:1]
     if not first or first[0] not in blocks.forwards or is_foreign(clone.object_patches.get(key)):

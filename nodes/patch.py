@@ -31,11 +31,10 @@ class Settings:
     prep_mode: str = "exact"
     patch_refiner: bool = True
     block_path: str = "exact"
-    # Not node inputs (benchmarks set them): rows per MLP chunk by weight format (cuBLAS's bf16 GEMMs lose
-    # speed under ~12k rows; comfy-kitchen's int8 fc1 is fastest in 8k-row chunks), rows per qkv-projection
-    # chunk, the back-ends' prepared paths (False: plain calls), the
-    # report's peak per model call (False: the device's peak statistics are left alone, for a caller that
-    # measures a whole run's peak: measuring resets them at each model call).
+    # Not node inputs: rows per MLP chunk by weight format (cuBLAS's bf16 GEMMs lose speed under ~12k rows;
+    # comfy-kitchen's int8 fc1 is fastest in 8k-row chunks), rows per qkv-projection chunk, the back-ends' prepared
+    # paths (False: plain calls), the report's peak per model call (False, for a caller that measures a whole run's
+    # peak: measuring resets the device's peak statistics at each model call).
     mlp_chunk_tokens: int = 12800
     int8_mlp_chunk_tokens: int = 8192
     qkv_chunk_tokens: int = 8192
