@@ -32,7 +32,6 @@ def capability(device) -> tuple[int, int] | None:
 
 
 def sm_count(device) -> int:
-    """Streaming multiprocessors of the CUDA ``device``."""
     return _properties(exact_device(device).index)[1]
 
 
@@ -48,8 +47,7 @@ class DeviceAnswers:
     def __init__(self):
         self._answers: dict[torch.device, dict[str, str | None]] = {}
 
-    def reasons(self, device) -> dict[str, str | None]:
-        """``device``'s answers so far, question -> reason (a copy)."""
+    def reasons(self, device) -> dict[str, str | None]:  # a copy
         return dict(self._answers.get(exact_device(device), {}))
 
     def decide(self, question: str, device, decide: Callable[[], str | None]) -> str | None:

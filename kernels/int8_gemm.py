@@ -1,8 +1,7 @@
 """The int8 route's GEMM: ``bf16(fma(acc * x_scale, w_scale, bias))``, the bits of comfy-kitchen's CUTLASS epilogue
 (read off its outputs on an H100), ``acc`` the exact int32 sum (exact in any order: the tiling is free). A persistent
 Triton kernel (TMA operands, zero-filled past the edges) where it was measured faster than comfy-kitchen's GEMM; on
-Hopper ``int8_gemm_sm90``'s warp-specialised kernel (same bits). ``choice`` alone answers whose GEMM runs and why;
-``gemm`` runs it, with its fallbacks. TMA coordinates are element indices (< 2**31 rows and columns)."""
+Hopper ``int8_gemm_sm90``'s warp-specialised kernel (same bits). TMA coordinates are element indices (< 2**31)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ log = logging.getLogger("sage_strided_nhd")
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmConfig:
-    """One tiling of the kernel: output tile, K step, pipeline depth, warps, M tiles per L2 group."""
+class GemmConfig:  # the portable kernel's tiling
     block_m: int
     block_n: int
     block_k: int
@@ -109,8 +107,7 @@ if triton is not None:
 
 @dataclasses.dataclass(frozen=True)
 class GemmChoice:
-    """Whose int8 GEMM runs on a device, why not a faster one, and what its launches need (a call never asks the
-    GPU)."""
+    """Whose int8 GEMM runs on a device, why not a faster one, and what its launches need (never asked per call)."""
     kernel: str  # "pack_sm90" (warp-specialised, Gluon), "pack" (portable Triton) or "comfy_kitchen"
     reason: str | None = None  # why not the pack's warp-specialised kernel (None: it runs)
     release: str = "measured"  # the Gluon kernel on this Triton: "measured", or "self_checked" (a first-use bits check)
@@ -178,7 +175,6 @@ def gemm_problem(device, k: int) -> str | None:
 
 @functools.cache
 def triton_problem() -> str | None:
-    """Why the installed Triton does not run the kernel."""
     if triton is None:
         return TRITON_ERROR
     if version_key(triton.__version__) < MEASURED_TRITON and not interpreting():  # the CPU tests run on any

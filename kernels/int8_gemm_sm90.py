@@ -23,8 +23,7 @@ except Exception as exc:  # noqa: BLE001 - whatever stops the import means the k
 
 
 @dataclasses.dataclass(frozen=True)
-class WsConfig:
-    """The warp-specialised kernel's tiling: output tile, K step, ring depth, M tiles per L2 group."""
+class WsConfig:  # the warp-specialised kernel's tiling
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
@@ -190,8 +189,7 @@ if gl is not None:
             part.store((residual + part.load(layout).to(gl.float32) * gate).to(gl.bfloat16))
 
     @gluon.jit
-    def _mma_and_epilogue(p):
-        """The MMA warpgroups: each tile of this program, its K steps, then its epilogue."""
+    def _mma_and_epilogue(p):  # the MMA warpgroups
         BLOCK_M: gl.constexpr = p.c_smem.type.shape[0]
         BLOCK_N: gl.constexpr = p.c_smem.type.shape[1]
         BLOCK_K: gl.constexpr = p.a_ring.type.shape[2]

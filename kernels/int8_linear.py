@@ -24,8 +24,7 @@ def int8_call_problem(x: torch.Tensor, *, input_act: str | None = None) -> str |
     return _call_shape_problem(x, input_act) or release_problem(x.device)
 
 
-def _call_shape_problem(x: torch.Tensor, input_act: str | None) -> str | None:
-    """``int8_call_problem`` on a CUDA device, the release's verification aside."""
+def _call_shape_problem(x: torch.Tensor, input_act: str | None) -> str | None:  # the release's check aside
     if not int8_activation.quantize_takes(x, input_act):
         return f"the pack's quantiser does not take a {x.dtype} input {x.shape[-1]} wide (act {input_act!r})"
     return kitchen_cuda()[1]
@@ -76,7 +75,7 @@ def int8_linear_routed(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tens
 
 
 def _quantize(x, input_act, modulation):
-    """(int8 rows, scales) of ``x``, ``modulation`` applied by the pass."""
+    """(int8 rows, scales) of ``x``, ``modulation`` applied by the pass (the host tests' seam for a CPU quantiser)."""
     return int8_activation.quantize_rows(x, input_act, modulation=modulation)
 
 

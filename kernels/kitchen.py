@@ -1,8 +1,7 @@
-"""comfy-kitchen as installed: its release, what the pack checked with each release it knows (one table), the
-int8 route's standing with it, its CUDA backend (asked once a process) and the CUTLASS int8 GEMM the route calls as
-its ``int8_linear`` does. A release not checked on a GPU runs the route on a device only after a bits self-check
-there at first use: stock's ConvRot ``int8_linear`` and the route on the same random inputs, ``torch.equal``; any
-difference, decline or exception keeps stock's quantiser there, with the reason."""
+"""comfy-kitchen as installed: its release, what the pack checked with each release it knows (one table), the int8
+route's standing with it, its CUDA backend and the CUTLASS int8 GEMM the route calls as its ``int8_linear`` does. A
+release not checked on a GPU runs the route on a device only after a bits self-check there at first use: any
+difference from stock's ConvRot ``int8_linear``, decline or exception keeps stock's quantiser there, with the reason."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Triton where it imports, and what the pack's passes share: interpreter flag, bf16 rounding, row tiles, params, the
-int8 GEMM's tile order."""
+"""Triton where it imports, and what the pack's Triton passes share."""
 
 from __future__ import annotations
 
