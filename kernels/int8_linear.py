@@ -12,7 +12,8 @@ import torch
 from . import int8_activation
 from .h3_block import PendingResidual
 from .int8_gemm import GemmChoice, GemmDeclined, choice, gemm
-from .kitchen import installed_release, kitchen_cuda, kitchen_release_status, release_problem  # noqa: F401 - kernels/__init__ reads the status here
+# kitchen_release_status: kernels/__init__ reads it here
+from .kitchen import installed_release, kitchen_cuda, kitchen_release_status, release_problem  # noqa: F401
 
 GROUP = int8_activation.GROUP
 
