@@ -4,9 +4,9 @@ The kernel runs under ``TRITON_INTERPRET=1`` in a subprocess with the interprete
 bit for bit, the exact int32 product taken through the epilogue's steps in torch (devkit/int8_oracle.py's
 ``gemm_epilogue``: the fp32 scale product, one rounding of acc * scale + bias, then bf16; the GPU test ties those
 steps to comfy-kitchen's CUTLASS output). Edges: M, N and K off the tiles, one row, an empty segment, a weight scale
-per column, a bias, row and weight slices of larger buffers (as the block path's row chunks and Q/KV column blocks take them), sums
-near int32's reach where fp32 rounds the accumulator, and the gated residual added in the epilogue (stock's
-``addcmul_`` of the product: the same bits, rows outside a residual slice untouched)."""
+per column, a bias, row and weight slices of larger buffers (as the block path's row chunks and Q/KV column blocks
+take them), sums near int32's reach where fp32 rounds the accumulator, and the gated residual added in the epilogue
+(stock's ``addcmul_`` of the product: the same bits, rows outside a residual slice untouched)."""
 
 from __future__ import annotations
 
