@@ -1,19 +1,19 @@
 """int8 tensor-wise ConvRot linears as stock's CUDA ``int8_linear`` runs them, on the pack's quantiser and GEMM: same
 bits. Stock's dispatch has no public entry point: the route mirrors each release in ``kitchen.RELEASES`` (verified),
-and runs on another only where it passes a bits self-check on the device (``kitchen.release_problem``)."""
+and runs on another only where it passes a bits self-check on the device (``release_problem``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 
 import torch
 
-from . import int8_activation
+from . import gpu, int8_activation, kitchen
 from .h3_block import PendingResidual
 from .int8_gemm import GemmChoice, GemmDeclined, choice, gemm
-# kitchen_release_status: kernels/__init__ reads it here
-from .kitchen import installed_release, kitchen_cuda, kitchen_release_status, release_problem  # noqa: F401
+from .kitchen import installed_release, kitchen_cuda
 
 GROUP = int8_activation.GROUP
 
@@ -151,3 +151,87 @@ def int8_column_products(qdata: torch.Tensor, w_scale: torch.Tensor, inner: int 
     if inner is None:
         return (block(0, None),)
     return block(0, inner), block(inner, 2 * inner), block(2 * inner, None)
+
+
+# --- a release outside the verified ones: the route checks itself against stock on the device at first use ----
+
+def release_problem(device: torch.device) -> str | None:
+    """Why the installed comfy-kitchen keeps stock's quantiser on ``device``: None for a verified release; another
+    is self-checked there once (``gpu.ANSWERS``, question "kitchen_release")."""
+    version, release, verified = kitchen.installed_release()
+    if verified:
+        return None
+    why = gpu.ANSWERS.decide("kitchen_release", device, lambda: self_check(device, release.min_rows))
+    if why is None:
+        return None
+    return (f"comfy-kitchen {version} is not a release the route was verified on ({', '.join(kitchen.VERIFIED_VERSIONS)}), and "
+            f"on this device the route did not give stock's bits in its self-check: {why}")
+
+
+def kitchen_release_status(device=None) -> dict:
+    """For the report: ``{"release", "route": "verified" | "self_checked" | "stock", "reason"}``; a release outside
+    ``kitchen.RELEASES`` is self-checked on ``device`` (default: the current CUDA device) if it was not yet."""
+    version, _, verified = kitchen.installed_release()
+    why = kitchen.kitchen_cuda()[1]
+    if why is None and not verified:
+        if device is None and torch.cuda.is_available():
+            device = torch.device("cuda")
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        why = release_problem(torch.device(device)) if on_cuda else "no CUDA device to self-check the release on"
+    return {"release": version, "route": "stock" if why else "verified" if verified else "self_checked", "reason": why}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    rows: int
+    width: int  # the quantised width (the input is twice as wide with SwiGLU)
+    out_features: int
+    input_act: str | None = None
+    bias: bool = False
+
+    def __str__(self) -> str:
+        act = f" {self.input_act}" if self.input_act else ""
+        return f"{self.rows} x {self.width}{act} -> {self.out_features}{' with a bias' if self.bias else ''}"
+
+
+def samples(min_rows: int) -> tuple[Sample, ...]:
+    """H3's qkv/fc1 input (5,376), out input (7,168), fc2 input (SwiGLU to 14,336) (the quantiser variants sampling
+    compiles anyway); rows ``min_rows`` (the fewest the route takes), 77, 300 (off the GEMM's tiles)."""
+    return (Sample(min_rows, 5376, 384), Sample(77, 7168, 256), Sample(300, 14336, 256, "swiglu"),
+            Sample(77, 5376, 256, bias=True))
+
+
+def self_check(device, min_rows: int) -> str | None:
+    """Now (not memoised): None where the route (``routed_or_reason``) gives stock's call's bits on every
+    sample (random inputs from a generator of their own); else what went wrong, on which sample."""
+    device = gpu.exact_device(device)
+    try:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), torch.no_grad():
+            problem = next(filter(None, (_sample_problem(device, seed, sample)
+                                         for seed, sample in enumerate(samples(min_rows)))), None)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    except Exception as exc:  # the device itself failing: stock's call is the safe answer
+        problem = f"{type(exc).__name__}: {exc}"
+    return problem
+
+
+def _sample_problem(device, seed: int, sample: Sample) -> str | None:
+    g = torch.Generator(device=device).manual_seed(seed)
+    try:
+        cols = sample.width * (2 if sample.input_act == "swiglu" else 1)
+        x = (2 * torch.randn(sample.rows, cols, generator=g, device=device)).bfloat16()
+        w = torch.randint(-127, 128, (sample.out_features, sample.width), generator=g, device=device, dtype=torch.int8)
+        bias = torch.randn(sample.out_features, generator=g, device=device).bfloat16() if sample.bias else None
+        w_scale = torch.tensor(2e-3, device=device)
+        want = stock_int8_linear(x, w, w_scale, bias, input_act=sample.input_act)
+        got = routed_or_reason(x, w, w_scale, bias, input_act=sample.input_act)
+    except Exception as exc:  # whatever broke, stock's call is the safe answer
+        return f"{type(exc).__name__} on {sample}: {exc}"
+    if isinstance(got, str):
+        return f"the route declined {sample}: {got}"
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"the route gave {got.dtype} {tuple(got.shape)} for stock's {want.dtype} {tuple(want.shape)} on {sample}"
+    if not torch.equal(got, want):
+        return f"{int((got != want).sum())} of {want.numel()} outputs differ from stock's on {sample}"
+    return None

@@ -1,11 +1,9 @@
-"""comfy-kitchen as installed: its release, what the pack checked with each release it knows (one table), the int8
-route's standing with it, its CUDA backend and the CUTLASS int8 GEMM the route calls as its ``int8_linear`` does. A
-release not checked on a GPU runs the route on a device only after a bits self-check there at first use: any
-difference from stock's ConvRot ``int8_linear``, decline or exception keeps stock's quantiser there, with the reason."""
+"""comfy-kitchen as installed: its release, what the pack checked with each release it knows (one table), its CUDA
+backend and the CUTLASS int8 GEMM the route calls as its ``int8_linear`` does. (A release outside the table: the
+route's own first-use self-check, ``int8_linear.release_problem``.)"""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -13,7 +11,6 @@ import importlib.metadata
 
 import torch
 
-from . import gpu
 from .triton_support import version_key
 
 
@@ -70,90 +67,6 @@ def norm_rope_checked() -> bool:
     """The installed release is one the pack's norm+RoPE pass was checked against (exactly: no nearest form)."""
     release = RELEASES.get(installed_release()[0])
     return release is not None and release.norm_rope_checked
-
-
-def release_problem(device: torch.device) -> str | None:
-    """Why the installed comfy-kitchen keeps stock's quantiser on ``device``: None for a verified release; another
-    is self-checked there once (``gpu.ANSWERS``, question "kitchen_release")."""
-    version, release, verified = installed_release()
-    if verified:
-        return None
-    why = gpu.ANSWERS.decide("kitchen_release", device, lambda: self_check(device, release.min_rows))
-    if why is None:
-        return None
-    return (f"comfy-kitchen {version} is not a release the route was verified on ({', '.join(VERIFIED_VERSIONS)}), and "
-            f"on this device the route did not give stock's bits in its self-check: {why}")
-
-
-def kitchen_release_status(device=None) -> dict:
-    """For the report: ``{"release", "route": "verified" | "self_checked" | "stock", "reason"}``; a release outside
-    ``RELEASES`` is self-checked on ``device`` (default: the current CUDA device) if it was not yet."""
-    version, _, verified = installed_release()
-    why = kitchen_cuda()[1]
-    if why is None and not verified:
-        if device is None and torch.cuda.is_available():
-            device = torch.device("cuda")
-        on_cuda = device is not None and torch.device(device).type == "cuda"
-        why = release_problem(torch.device(device)) if on_cuda else "no CUDA device to self-check the release on"
-    return {"release": version, "route": "stock" if why else "verified" if verified else "self_checked", "reason": why}
-
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    rows: int
-    width: int  # the quantised width (the input is twice as wide with SwiGLU)
-    out_features: int
-    input_act: str | None = None
-    bias: bool = False
-
-    def __str__(self) -> str:
-        act = f" {self.input_act}" if self.input_act else ""
-        return f"{self.rows} x {self.width}{act} -> {self.out_features}{' with a bias' if self.bias else ''}"
-
-
-def samples(min_rows: int) -> tuple[Sample, ...]:
-    """H3's qkv/fc1 input (5,376), out input (7,168), fc2 input (SwiGLU to 14,336) (the quantiser variants sampling
-    compiles anyway); rows ``min_rows`` (the fewest the route takes), 77, 300 (off the GEMM's tiles)."""
-    return (Sample(min_rows, 5376, 384), Sample(77, 7168, 256), Sample(300, 14336, 256, "swiglu"),
-            Sample(77, 5376, 256, bias=True))
-
-
-def self_check(device, min_rows: int) -> str | None:
-    """Now (not memoised): None where the route (``int8_linear.routed_or_reason``) gives stock's call's bits on every
-    sample (random inputs from a generator of their own); else what went wrong, on which sample."""
-    from . import int8_linear  # the route reads this table: taken when a check runs
-
-    device = gpu.exact_device(device)
-    try:
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), torch.no_grad():
-            problem = next(filter(None, (_sample_problem(int8_linear, device, seed, sample)
-                                         for seed, sample in enumerate(samples(min_rows)))), None)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-    except Exception as exc:  # the device itself failing: stock's call is the safe answer
-        problem = f"{type(exc).__name__}: {exc}"
-    return problem
-
-
-def _sample_problem(route, device, seed: int, sample: Sample) -> str | None:
-    g = torch.Generator(device=device).manual_seed(seed)
-    try:
-        cols = sample.width * (2 if sample.input_act == "swiglu" else 1)
-        x = (2 * torch.randn(sample.rows, cols, generator=g, device=device)).bfloat16()
-        w = torch.randint(-127, 128, (sample.out_features, sample.width), generator=g, device=device, dtype=torch.int8)
-        bias = torch.randn(sample.out_features, generator=g, device=device).bfloat16() if sample.bias else None
-        w_scale = torch.tensor(2e-3, device=device)
-        want = route.stock_int8_linear(x, w, w_scale, bias, input_act=sample.input_act)
-        got = route.routed_or_reason(x, w, w_scale, bias, input_act=sample.input_act)
-    except Exception as exc:  # whatever broke, stock's call is the safe answer
-        return f"{type(exc).__name__} on {sample}: {exc}"
-    if isinstance(got, str):
-        return f"the route declined {sample}: {got}"
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return f"the route gave {got.dtype} {tuple(got.shape)} for stock's {want.dtype} {tuple(want.shape)} on {sample}"
-    if not torch.equal(got, want):
-        return f"{int((got != want).sum())} of {want.numel()} outputs differ from stock's on {sample}"
-    return None
 
 
 @functools.cache

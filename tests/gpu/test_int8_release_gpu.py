@@ -49,13 +49,13 @@ def test_release_self_check_passes_and_its_time(route):
     seconds, problems = [], []
     for _ in range(2):
         start = time.perf_counter()
-        problems.append(kitchen.self_check("cuda", release.min_rows))
+        problems.append(route.self_check("cuda", release.min_rows))
         seconds.append(time.perf_counter() - start)
     print(f"\n[Sage Strided NHD] comfy-kitchen {version} ({'verified' if verified else 'not verified'}) on "
           f"{torch.cuda.get_device_name()}: self-check {seconds[0] * 1e3:.0f} ms in a fresh process "
           f"(Triton compiles included), {seconds[1] * 1e3:.1f} ms again")
     assert problems == [None, None], problems
-    status = kitchen.kitchen_release_status()
+    status = route.kitchen_release_status()
     assert status == {"release": version, "route": "verified" if verified else "self_checked", "reason": None}
 
 

@@ -89,8 +89,8 @@ def test_not_installed_keeps_stocks_quantiser(fresh_release):
 
 def test_a_verified_release_routes_without_a_self_check(fresh_release, monkeypatch):
     fresh_release("0.2.40")
-    monkeypatch.setattr(kitchen, "self_check", lambda *a: pytest.fail("a verified release was self-checked"))
-    assert kitchen.release_problem(torch.device("cuda", 0)) is None
+    monkeypatch.setattr(route, "self_check", lambda *a: pytest.fail("a verified release was self-checked"))
+    assert route.release_problem(torch.device("cuda", 0)) is None
     assert kernels.kitchen_release_status("cuda:0") == {"release": "0.2.40", "route": "verified", "reason": None}
 
 
@@ -111,14 +111,14 @@ def test_fewer_rows_than_the_release_gemm_takes_keep_stocks_call(fresh_release, 
 
 def test_cpu_calls_never_self_check(fresh_release, monkeypatch):
     fresh_release("9.9.9")
-    monkeypatch.setattr(kitchen, "self_check", lambda *a: pytest.fail("self-checked on the CPU"))
+    monkeypatch.setattr(route, "self_check", lambda *a: pytest.fail("self-checked on the CPU"))
     assert route.int8_call_problem(torch.zeros(4, 512, dtype=torch.bfloat16)) == "not on a CUDA device"
     assert kernels.kitchen_release_status("cpu") == {
         "release": "9.9.9", "route": "stock", "reason": "no CUDA device to self-check the release on"}
 
 
 # --- the self-check's decision -----------------------------------------------------------------------------------
-TINY = (kitchen.Sample(3, 256, 8), kitchen.Sample(5, 256, 4, "swiglu"), kitchen.Sample(3, 256, 8, bias=True))
+TINY = (route.Sample(3, 256, 8), route.Sample(5, 256, 4, "swiglu"), route.Sample(3, 256, 8, bias=True))
 
 
 def fake_stock(x, w, w_scale, bias, input_act=None):
@@ -129,19 +129,19 @@ def fake_stock(x, w, w_scale, bias, input_act=None):
 
 def checking(monkeypatch, route_fn, stock_fn=fake_stock):
     """The self-check takes ``route_fn`` for the route and ``stock_fn`` for stock's call on the tiny samples; ->
-    ``check()``, the check run now (``kitchen.self_check`` on the CPU, with the fewest rows 3)."""
-    monkeypatch.setattr(kitchen, "samples", lambda min_rows: TINY)
+    ``check()``, the check run now (``route.self_check`` on the CPU, with the fewest rows 3)."""
+    monkeypatch.setattr(route, "samples", lambda min_rows: TINY)
     monkeypatch.setattr(route, "routed_or_reason", route_fn)
     monkeypatch.setattr(route, "stock_int8_linear", stock_fn)
-    return lambda: kitchen.self_check("cpu", 3)
+    return lambda: route.self_check("cpu", 3)
 
 
 def test_equal_bits_let_the_route_run_decided_once(fresh_release, monkeypatch):
     calls = []
     check = checking(monkeypatch, lambda *a, **k: (calls.append(1), fake_stock(*a, **k))[1])
     fresh_release("0.2.99")
-    assert kitchen.release_problem("cpu") is None and len(calls) == len(TINY)
-    assert kitchen.release_problem("cpu") is None and len(calls) == len(TINY)  # decided for the device
+    assert route.release_problem("cpu") is None and len(calls) == len(TINY)
+    assert route.release_problem("cpu") is None and len(calls) == len(TINY)  # decided for the device
     assert check() is None and len(calls) == 2 * len(TINY)  # self_check: checked again
 
 
@@ -168,7 +168,7 @@ def test_an_exception_or_a_decline_keeps_stocks_quantiser_with_the_reason(monkey
 def test_the_failed_check_is_the_calls_whole_reason(fresh_release, monkeypatch):
     fresh_release("0.2.99")
     checking(monkeypatch, lambda *a, **k: "CUTLASS declined the shape")
-    why = kitchen.release_problem(torch.device("cpu"))
+    why = route.release_problem(torch.device("cpu"))
     assert why == ("comfy-kitchen 0.2.99 is not a release the route was verified on (0.2.31, 0.2.40), and on "
                    "this device the route did not give stock's bits in its self-check: the route declined "
                    "3 x 256 -> 8: CUTLASS declined the shape")
@@ -176,7 +176,7 @@ def test_the_failed_check_is_the_calls_whole_reason(fresh_release, monkeypatch):
 
 def test_status_reports_each_devices_decision(fresh_release, monkeypatch):
     fresh_release("0.2.41")
-    monkeypatch.setattr(kitchen, "self_check", lambda *a: pytest.fail("a decided device was checked again"))
+    monkeypatch.setattr(route, "self_check", lambda *a: pytest.fail("a decided device was checked again"))
     gpu.ANSWERS.decide("kitchen_release", torch.device("cuda", 0), lambda: None)
     gpu.ANSWERS.fail("kitchen_release", torch.device("cuda", 1), "3 of 9 outputs differ")
     assert kernels.kitchen_release_status("cuda:0") == {"release": "0.2.41", "route": "self_checked", "reason": None}
@@ -186,7 +186,7 @@ def test_status_reports_each_devices_decision(fresh_release, monkeypatch):
 
 def test_samples_are_h3_widths_the_quantiser_takes_with_the_fewest_rows():
     for min_rows in (2, 3):
-        got = kitchen.samples(min_rows)
+        got = route.samples(min_rows)
         assert {s.width for s in got} == {5376, 7168, 14336} and min(s.rows for s in got) == min_rows
         assert {s.input_act for s in got} == {None, "swiglu"} and any(s.bias for s in got)
         assert any(s.rows % 64 for s in got)  # rows off the GEMM's tiles
@@ -197,7 +197,7 @@ INTERPRETED = r"""
     from devkit import int8_oracle
     # the samples the runtime checks are ones the pack's quantiser takes
     takes = [int8_activation.quantize_takes(torch.empty(s.rows, s.width * (2 if s.input_act else 1),
-             dtype=torch.bfloat16), s.input_act) for s in kitchen.samples(route.installed_release()[1].min_rows)]
+             dtype=torch.bfloat16), s.input_act) for s in route.samples(route.installed_release()[1].min_rows)]
     gemm_calls = []
 
     def gemm(xq, xs, qdata, w_scale, bias, out_dtype, residual=None, *, kernel):
@@ -216,14 +216,14 @@ INTERPRETED = r"""
     route.gemm = gemm  # the GEMM a CPU lacks; its caller (the quantiser and the call) is the route's own
     route.int8_weight_problem = lambda *a, **k: None  # the CPU's registry never picks comfy-kitchen's CUDA backend
     min_rows = route.installed_release()[1].min_rows
-    kitchen.samples = lambda rows: (kitchen.Sample(rows, 256, 8), kitchen.Sample(7, 1280, 16, "swiglu"),
-                                    kitchen.Sample(5, 512, 8, bias=True))
+    route.samples = lambda rows: (route.Sample(rows, 256, 8), route.Sample(7, 1280, 16, "swiglu"),
+                                  route.Sample(5, 512, 8, bias=True))
     route.stock_int8_linear = stock
-    same = kitchen.self_check("cpu", min_rows)
+    same = route.self_check("cpu", min_rows)
     route.stock_int8_linear = nudged
-    differs = kitchen.self_check("cpu", min_rows)
+    differs = route.self_check("cpu", min_rows)
     route.stock_int8_linear = stock
-    few = kitchen.self_check("cpu", min_rows - 1)  # fewer rows than the GEMM takes
+    few = route.self_check("cpu", min_rows - 1)  # fewer rows than the GEMM takes
     report({"takes": takes, "same": same, "differs": differs, "few": few,
             "gemm_rows": gemm_calls[:3]})
 """
