@@ -488,6 +488,18 @@ def _replica(model):
     return _worker_model(model).model.diffusion_model
 
 
+class _ModelLoaderStandIn:
+    """A stand-in loader node: MODEL in, the loader's MODEL out (``load``)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "load"
+    CATEGORY = "testing/sage_nhd"
+
+
 class SGLDiffusionExecutor(torch.nn.Module):
     """SGLang's executor in place of the diffusion model (the name is SGLang's: it is what the model shows)."""
 
@@ -514,15 +526,7 @@ class MiniMaxH3Executor(SGLDiffusionExecutor):
     pass
 
 
-class SageNHDTestSGLangIntegrated:
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",)}}
-
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "load"
-    CATEGORY = "testing/sage_nhd"
-
+class SageNHDTestSGLangIntegrated(_ModelLoaderStandIn):
     def load(self, model):
         m = model.clone()
         m.add_object_patch("diffusion_model", MiniMaxH3Executor(_replica(model)))
@@ -545,15 +549,7 @@ for _fn in (usp_dit_forward, usp_attn_forward):  # where Raylight defines them
     _fn.__module__ = "raylight.diffusion_models.minimax.xdit_context_parallel"
 
 
-class SageNHDTestRaylight:
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",)}}
-
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "load"
-    CATEGORY = "testing/sage_nhd"
-
+class SageNHDTestRaylight(_ModelLoaderStandIn):
     def load(self, model):
         import types
 
@@ -565,15 +561,7 @@ class SageNHDTestRaylight:
         return (worker,)
 
 
-class SageNHDTestUlyssesSP:
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",)}}
-
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "load"
-    CATEGORY = "testing/sage_nhd"
-
+class SageNHDTestUlyssesSP(_ModelLoaderStandIn):
     def load(self, model):
         from comfy.ldm.minimax.model import MiniMaxH3Model
 
@@ -589,15 +577,7 @@ class SageNHDTestUlyssesSP:
         return (m,)
 
 
-class SageNHDTestWrapperRunsReplica:
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",)}}
-
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "load"
-    CATEGORY = "testing/sage_nhd"
-
+class SageNHDTestWrapperRunsReplica(_ModelLoaderStandIn):
     def load(self, model):
         import comfy.patcher_extension
         from comfy.ldm.minimax.model import MiniMaxH3Model
