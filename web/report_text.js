@@ -31,7 +31,6 @@ export const REASON_LABELS = {
   mask: "no mask support",
   strides: "needs contiguous last dim",
   shape: "shape unsupported",
-  layout: "layout unsupported",
   too_long: "sequence too long",
   raised: "raised an error",
   switched_off: "switched off",

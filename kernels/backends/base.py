@@ -22,7 +22,7 @@ REASON_CODES = {
     "gpu_unavailable": "unavailable on this GPU", "dtype": "dtype unsupported",
     "head_dim": "head_dim unsupported", "mask": "no mask support",
     "strides": "needs contiguous last dim", "shape": "shape unsupported",
-    "layout": "layout unsupported", "too_long": "sequence too long",
+    "too_long": "sequence too long",
     "raised": "raised an error", "switched_off": "switched off", "mode": "mode not offered",
     "model_request": "model asked for stock attention",
     "no_backend": "no back-end could run", "self_test_failed": "failed its self-test",
