@@ -284,7 +284,8 @@ def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_sc
               out_dtype: torch.dtype = torch.bfloat16, *, residual=None, gate=None, kernel: GemmChoice):
     """``bf16(int32(xq @ qdata.T) * x_scale * w_scale + bias)`` on ``kernel``, a pack kernel: xq [m, k] int8, x_scale
     [m, 1] fp32, qdata [n, k] int8, w_scale one value or [n] fp32, bias [n] or None. ``residual`` (bf16 [m, n]) with
-    ``gate`` (bf16 [n]): the product added to it in the epilogue (stock's ``addcmul_``'s bits), ``residual`` returned."""
+    ``gate`` (bf16 [n]): the product added to it in the epilogue (stock's ``addcmul_``'s bits), ``residual``
+    returned."""
     _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype, residual, gate)
     if kernel.kernel == "comfy_kitchen":
         raise ValueError(f"int8 GEMM: {kernel.reason}")

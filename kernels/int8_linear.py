@@ -164,8 +164,9 @@ def release_problem(device: torch.device) -> str | None:
     why = gpu.ANSWERS.decide("kitchen_release", device, lambda: self_check(device, release.min_rows))
     if why is None:
         return None
-    return (f"comfy-kitchen {version} is not a release the route was verified on ({', '.join(kitchen.VERIFIED_VERSIONS)}), and "
-            f"on this device the route did not give stock's bits in its self-check: {why}")
+    return (f"comfy-kitchen {version} is not a release the route was verified on "
+            f"({', '.join(kitchen.VERIFIED_VERSIONS)}), and on this device the route did not give stock's bits in its "
+            f"self-check: {why}")
 
 
 def kitchen_release_status(device=None) -> dict:

@@ -105,6 +105,7 @@ def kitchen_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w
     else:  # fp32 from the bias cast to the output dtype
         bias_arg = bias.to(device=device, dtype=out_dtype).contiguous().to(torch.float32).contiguous()
     wrap = cuda._wrap_for_dlpack
+    stream = torch.cuda.current_stream(device).cuda_stream
     used = cuda._C.cutlass_int8_dequant(wrap(xq), wrap(qdata.contiguous()), wrap(x_scale), wrap(ws), wrap(bias_arg),
-                                        wrap(out), DTYPE_CODES[out_dtype], torch.cuda.current_stream(device).cuda_stream)
+                                        wrap(out), DTYPE_CODES[out_dtype], stream)
     return out if used else None

@@ -28,9 +28,10 @@ CHUNKED_DEVICES = ("cuda",)
 def weight_resident(layer, device) -> bool:
     """Each call of ``layer`` uses its weight as it lies on ``device``: nothing to transfer or patch per call. Not a
     DynamicVRAM layer (``_v``: its weight stays on the CPU, each call's cast maps its pages) nor a weight function."""
-    if getattr(layer, "weight_function", None) or hasattr(layer, "_v") or int8_layers.gguf_type(getattr(layer, "weight", None)):
+    weight = getattr(layer, "weight", None)
+    if getattr(layer, "weight_function", None) or hasattr(layer, "_v") or int8_layers.gguf_type(weight):
         return False  # (a GGUF weight is dequantized by each call: each chunk's call would do it again)
-    return getattr(getattr(layer, "weight", None), "device", None) == device
+    return getattr(weight, "device", None) == device
 
 
 def rows_independent(layer) -> bool:

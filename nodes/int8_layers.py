@@ -137,10 +137,16 @@ def _layer_reason(layer, x, input_act) -> str | None:
 def stock_quantizer_reason(layer, x, input_act=None, cast=None, routes: dict | None = None) -> str | None:
     """Why ``layer``'s call on ``x`` keeps stock's quantiser (None: the pack's runs): training, its ``route`` (``cast``:
     the weight and bias as cast for this call), or this call's rows (the only check a routed layer's call repeats)."""
+    return _decided(layer, x, input_act, cast, routes)[1]
+
+
+def _decided(layer, x, input_act, cast, routes) -> tuple[Route | None, str | None]:
+    """(the layer's ``route``, or None in training; ``stock_quantizer_reason``'s answer)."""
     if comfy.model_management.in_training or x.requires_grad:
-        return "training"
+        return None, "training"
+    answer = route(layer, x, input_act, cast, routes)
     rows = kernels.int8_w4a8.rows_problem if is_w4a8(layer.weight) else kernels.int8_rows_problem
-    return route(layer, x, input_act, cast, routes).reason or rows(x)
+    return answer, answer.reason or rows(x)
 
 
 def call(layer, x, input_act: str | None = None, record=None, into=None, routes=None, layouts=None,
@@ -179,11 +185,10 @@ def _added(out, into):
 def _on_cast(layer, x, pending, input_act, weight, bias, record, into=None, routes=None):
     """One call on the weight as cast for it: the route where it takes the call (``stock_quantizer_reason``), else
     stock's arithmetic on that weight; the reason told either way."""
-    reason, out, w4a8 = stock_quantizer_reason(layer, x, input_act, (weight, bias), routes), None, is_w4a8(weight)
+    (answer, reason), out, w4a8 = _decided(layer, x, input_act, (weight, bias), routes), None, is_w4a8(weight)
     if reason is None:  # a W4A8 weight decoded to its int8 grid for this call only (kernels/int8_w4a8.py)
         qdata, w_scale = kernels.int8_w4a8.operands(weight) if w4a8 else (weight._qdata, weight._params.scale)
-        out = kernels.int8_linear_routed(x, qdata, w_scale, bias, input_act=input_act,
-                                         kernel=route(layer, x, input_act, (weight, bias), routes).choice,
+        out = kernels.int8_linear_routed(x, qdata, w_scale, bias, input_act=input_act, kernel=answer.choice,
                                          modulation=pending.segments if pending is not None else None, residual=into)
         reason = None if out is not None else "CUTLASS declined the shape"
     _tell(record, reason, kernels.int8_w4a8.LAYOUT if w4a8 else None)
@@ -271,10 +276,12 @@ def quantized_columns(layer, x, inner: int, record=None, cast=None, routes=None)
             return None
         cast = (w, getattr(layer, "bias", None))
     weight, bias = cast
-    if (not is_int8_convrot(weight) or bias is not None or weight._qdata.shape[0] != 3 * inner
-            or stock_quantizer_reason(layer, x, cast=(weight, None), routes=routes) is not None):
+    if not is_int8_convrot(weight) or bias is not None or weight._qdata.shape[0] != 3 * inner:
         return None
-    kernel = route(layer, x, None, (weight, None), routes).choice
+    answer, reason = _decided(layer, x, None, (weight, None), routes)
+    if reason is not None:
+        return None
+    kernel = answer.choice
     _every_op()
     rows = kernels.int8_quantized_rows(x, pending.segments if pending is not None else None)
     _tell(record, None)
@@ -301,7 +308,8 @@ def _every_op() -> None:
 
 
 def _tell(record, reason, layout=None) -> None:
-    """``reason`` to the report (None: the route ran the call; a W4A8 ``layout`` is told, int8 ConvRot is the default)."""
+    """``reason`` to the report (None: the route ran the call); a W4A8 ``layout`` is told, int8 ConvRot is the
+    default."""
     if record is not None:
         record(reason, **({} if layout is None else {"layout": layout}))
 

@@ -71,7 +71,8 @@ def value_problem(name: str, value) -> str | None:
     A removed value can run (``current_value`` maps it). Anything but text (a JSON object, a list, None) is refused."""
     offered = ", ".join(OFFERED_VALUES[name])
     if not isinstance(value, str):
-        what = {dict: "a JSON object", list: "a list", type(None): "no value"}.get(type(value), f"a {type(value).__name__}")
+        what = {dict: "a JSON object", list: "a list", type(None): "no value"}.get(type(value),
+                                                                                f"a {type(value).__name__}")
         shown = "" if value is None else f" {repr(value) if len(repr(value)) <= 60 else repr(value)[:59] + '…'}"
         return f"{name} takes one of {offered} (text); it got {what}{shown}"
     if value in OFFERED_VALUES[name] or value in REMOVED_VALUES[name]:
