@@ -1,17 +1,11 @@
-"""SageAttention 2's sm90 kernel through the sage2 back-end's ``attend`` on its prepared operands, the heads split
-into launches of different sizes (``LAUNCH_HEADS`` set for the run), each split run on its own long enough (about
-8 s at 149,936 tokens) for the card to settle the clock its power cap leaves it: ms a call, SM clock, power,
-temperature (NVML through torch.cuda: needs nvidia-ml-py), and whether the output has the first split's bits.
-Interleaving the splits every call would give them one shared clock.
-
-    python -m benchmarks.attention_launches --tokens 149936 --heads-per-launch 56 14 7 28 56 --out launches.jsonl
-
-What ``kernels/backends/sage2.py``'s ``LAUNCH_HEADS`` rests on (docs/BENCHMARKS.md)."""
+"""SageAttention 2's sm90 kernel (the sage2 back-end's ``attend`` on prepared operands) with its heads split into
+launches of different sizes, each split run on its own long enough for the card to settle the clock its power cap
+leaves it (interleaved, they would share one): ms a call, SM clock, power, temperature (NVML: needs nvidia-ml-py),
+and whether the output has the first split's bits. What ``LAUNCH_HEADS`` rests on (docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 
@@ -33,21 +27,12 @@ def prepared(seq: int, seed: int = 1):
     return submodule("kernels.backends.sage2").Sage2Backend().prepare(q, k, v, mode="exact")
 
 
-@contextlib.contextmanager
-def heads_per_launch(per_launch: int):
-    """The back-end's ``attend`` launching ``per_launch`` heads at a time, at any length, while inside."""
-    sage2 = submodule("kernels.backends.sage2")
-    saved = sage2.LAUNCH_HEADS, sage2.LAUNCH_SPLIT_TOKENS
-    sage2.LAUNCH_HEADS, sage2.LAUNCH_SPLIT_TOKENS = per_launch, 0
-    try:
-        yield
-    finally:
-        sage2.LAUNCH_HEADS, sage2.LAUNCH_SPLIT_TOKENS = saved
-
-
 def run_split(backend, p, out, per_launch: int, calls: int) -> dict:
     """``calls`` timed calls of one split back to back, the clock sampled over them (the first quarter dropped)."""
-    with heads_per_launch(per_launch):
+    sage2 = submodule("kernels.backends.sage2")
+    saved = sage2.LAUNCH_HEADS, sage2.LAUNCH_SPLIT_TOKENS
+    sage2.LAUNCH_HEADS, sage2.LAUNCH_SPLIT_TOKENS = per_launch, 0  # per_launch heads a launch, at any length
+    try:
         backend.attend(p, out)
         torch.cuda.synchronize()
         sampler = ClockSampler(torch.device("cuda"))
@@ -59,6 +44,8 @@ def run_split(backend, p, out, per_launch: int, calls: int) -> dict:
             events[i + 1].record()
         torch.cuda.synchronize()
         samples = sampler.stop()
+    finally:
+        sage2.LAUNCH_HEADS, sage2.LAUNCH_SPLIT_TOKENS = saved
     settled = samples[len(samples) // 4:]
     ms = sorted(a.elapsed_time(b) for a, b in zip(events, events[1:]))
 

@@ -21,27 +21,19 @@ def ballast_bytes(total_bytes: int, budget_gib: float) -> int:
     return total_bytes - budget
 
 
-class Ballast:
-    """The device memory held back from a CUDA device for the rest of the process (the driver frees it at exit)."""
-
-    def __init__(self, device_index: int, nbytes: int):
-        import torch
-
-        torch.cuda.set_device(device_index)
-        torch.cuda.synchronize(device_index)  # the primary context exists and is current on this thread
-        self.nbytes = nbytes
-        self._ptr = ctypes.c_uint64(0)
-        status = ctypes.CDLL("libcuda.so.1").cuMemAlloc_v2(ctypes.byref(self._ptr), ctypes.c_size_t(nbytes))
-        if status != 0:
-            raise RuntimeError(f"ballast: cuMemAlloc of {nbytes / GIB:.2f} GiB failed (CUresult {status})")
-
-
-def occupy(device_index: int, budget_gib: float) -> tuple[Ballast, dict]:
-    """Hold back all but ``budget_gib`` GiB; the ballast and the card's free and total bytes before and after."""
+def occupy(device_index: int, budget_gib: float) -> tuple[ctypes.c_uint64, dict]:
+    """Hold back all but ``budget_gib`` GiB for the rest of the process (the driver frees it at exit): the
+    allocation, for the caller to hold, and the card's free and total bytes before and after."""
     import torch
 
     free_before, total = torch.cuda.mem_get_info(device_index)
-    ballast = Ballast(device_index, ballast_bytes(total, budget_gib))
+    nbytes = ballast_bytes(total, budget_gib)
+    torch.cuda.set_device(device_index)
+    torch.cuda.synchronize(device_index)  # the primary context exists and is current on this thread
+    pointer = ctypes.c_uint64(0)
+    status = ctypes.CDLL("libcuda.so.1").cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(nbytes))
+    if status != 0:
+        raise RuntimeError(f"ballast: cuMemAlloc of {nbytes / GIB:.2f} GiB failed (CUresult {status})")
     free_after, _ = torch.cuda.mem_get_info(device_index)
-    return ballast, {"budget_gib": budget_gib, "card_total_bytes": total, "ballast_bytes": ballast.nbytes,
+    return pointer, {"budget_gib": budget_gib, "card_total_bytes": total, "ballast_bytes": nbytes,
                      "free_before_bytes": free_before, "free_after_bytes": free_after}

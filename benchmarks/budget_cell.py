@@ -1,16 +1,11 @@
-"""One cell of the VRAM-budget benchmark (``benchmarks.vram_budget`` starts it as its own process): one budget, one
-clip length, every variant sampled in turn on the same model in the same process.
-
-The start-up follows ComfyUI's ``main.py`` (``devkit.aimdo_emulation`` has the steps), with the ballast
-(``benchmarks.ballast``) before aimdo's devices; not ``--highvram``: ComfyUI's own model management loads the
-weights it can and streams the rest every step. Per variant: seconds per step (after the first, which also loads),
-peaks (comfy-aimdo's weight pages are not torch's: the card's least free memory at a step's end says more), weight
-bytes copied to the card per step, ComfyUI's resident weight bytes, the error if any, the latents against stock's.
+"""One cell of the VRAM-budget benchmark, a process of its own that ``benchmarks.vram_budget`` starts: one budget, one
+clip length, every variant sampled in turn on the same model. The start-up follows ComfyUI's ``main.py``
+(``devkit.aimdo_emulation`` has the steps), the ballast (``benchmarks.ballast``) before aimdo's devices; not
+``--highvram``: ComfyUI's own model management loads the weights it can and streams the rest every step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import sys
 import time
@@ -84,7 +79,6 @@ def start(args, recorder: Recorder):
     dynamic = cuda and args.loader == "dynamic"
     if cuda:
         result["pytorch_cuda_alloc_conf"] = startup.cuda_malloc_env()
-    control = None
     if dynamic:
         recorder.stage("comfy_aimdo.control.init")
         control = startup.init_aimdo_library()
@@ -135,43 +129,13 @@ def start(args, recorder: Recorder):
     return torch, device, stock_flag, ballast
 
 
-def make_variants(args, base, stock_flag: str, result: dict) -> tuple[dict, dict]:
-    """(name -> patcher, name -> the pack's patch): stock, the node at its defaults, KJNodes' peer.LOW_MEMORY."""
-    from devkit.pack import submodule
-
-    variants, patches = {}, {}
-    for name in args.variants:
-        if name == "stock":
-            variants[name] = base
-        elif name in ("pack", "pack_stock_estimate"):
-            # measure_peak off: the cell reads every variant's peak the same way, over the whole run
-            settings = submodule("nodes.patch").Settings(backend=args.backend, measure_peak=False)
-            variants[name], patches[name] = submodule("nodes.h3_patch").patch_model(base, settings)
-        elif name == "kjnodes":
-            variants[name] = _peer_variant(args, base, stock_flag, result)
-    return variants, patches
-
-
-@contextlib.contextmanager
-def stock_estimate(on: bool):
-    """``pack_stock_estimate``: the node with ComfyUI's own memory estimate (what the pack's estimate buys)."""
-    from devkit.pack import submodule
-
-    memory = submodule("nodes.memory")
-    saved = memory.ESTIMATED_DEVICES
-    memory.ESTIMATED_DEVICES = () if on else saved
-    try:
-        yield
-    finally:
-        memory.ESTIMATED_DEVICES = saved
-
-
 def _peer_variant(args, base, stock_flag: str, result: dict):
+    """KJNodes' lowest-memory chain (``peer.LOW_MEMORY``; without its sage patch where stock runs no SageAttention
+    or the patch refuses this one)."""
     from . import peer
 
     module = peer.load_module(args.kjnodes)
-    chains = peer.LOW_MEMORY if stock_flag == "use_sage_attention" else peer.LOW_MEMORY_WITHOUT_SAGE
-    nodes = chains["kj_lowmem"]
+    nodes = (peer.LOW_MEMORY if stock_flag == "use_sage_attention" else peer.LOW_MEMORY_WITHOUT_SAGE)["kj_lowmem"]
     try:
         clone, applied = peer.make_variant(module, base, nodes, args.kjnodes)
     except RuntimeError as exc:  # its sage patch refuses this SageAttention: the rest of the combination runs
@@ -184,17 +148,10 @@ def _peer_variant(args, base, stock_flag: str, result: dict):
     return clone
 
 
-def loaded_weight_bytes(patcher) -> int | None:
-    """The weight bytes ComfyUI holds on the card for ``patcher`` (its own count; a nicety, the run matters)."""
-    fn = getattr(patcher, "loaded_size", None) or getattr(patcher, "model_loaded_memory", None)
-    try:
-        return int(fn()) if callable(fn) else None
-    except Exception:  # noqa: BLE001
-        return None
-
-
 def sample(torch, device, patcher, conditioning, args, counter: TransferCounter) -> tuple[dict, tuple | None]:
-    """One ``args.steps``-step run of ``patcher`` from a cold start (nothing of the model on the card)."""
+    """One ``args.steps``-step run of ``patcher`` from a cold start (nothing of the model on the card): seconds per
+    step (after the first, which also loads), weight bytes copied to the card, torch's peaks and the card's least
+    free memory at a step's end (comfy-aimdo's weight pages are not torch's), the error if any."""
     import comfy.model_management as mm
     from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
 
@@ -207,18 +164,15 @@ def sample(torch, device, patcher, conditioning, args, counter: TransferCounter)
         torch.cuda.reset_peak_memory_stats(device)
     latent = EmptyMiniMaxH3LatentAV.execute(args.width, args.height, args.frames)[0]
     sampling = custom_sampling(patcher, conditioning, latent, args.seed, args.steps)
-    ends, streamed, least_free = [], [], None
+    ends, streamed, free = [], [], []
     timeline = StepTimeline(device) if cuda and args.timeline else None
     run, latents = {"steps": args.steps}, None
-    start_bytes = counter.bytes
-    start = time.perf_counter()
+    start_bytes, start = counter.bytes, time.perf_counter()
 
     def progress(value, total):
-        nonlocal least_free
         if cuda:
             torch.cuda.synchronize(device)
-            free = torch.cuda.mem_get_info(device)[0]
-            least_free = free if least_free is None else min(least_free, free)
+            free.append(torch.cuda.mem_get_info(device)[0])
         ends.append(time.perf_counter() - start)
         streamed.append(counter.bytes - start_bytes)
         print(f"    step {value}/{total} at {ends[-1]:.2f} s, {streamed[-1] / 2**30:.2f} GiB copied", flush=True)
@@ -245,11 +199,15 @@ def sample(torch, device, patcher, conditioning, args, counter: TransferCounter)
     run["seconds_per_step"] = sum(later) / len(later) if later and "error" not in run else None
     copied = [b - a for a, b in zip(streamed, streamed[1:])]
     run["copied_bytes_per_step"] = int(sum(copied) / len(copied)) if copied else None
-    run["resident_weight_bytes"] = loaded_weight_bytes(patcher)
+    loaded = getattr(patcher, "loaded_size", None) or getattr(patcher, "model_loaded_memory", None)
+    try:  # the weight bytes ComfyUI holds on the card (its own count; a nicety, the run matters)
+        run["resident_weight_bytes"] = int(loaded()) if callable(loaded) else None
+    except Exception:  # noqa: BLE001
+        run["resident_weight_bytes"] = None
     if cuda:
         run["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
         run["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
-        run["least_free_bytes"] = least_free
+        run["least_free_bytes"] = min(free, default=None)
     return run, latents
 
 
@@ -260,6 +218,9 @@ def run_cell(args) -> int:
     try:
         torch, device, stock_flag, ballast = start(args, recorder)
         from devkit import h3 as h3_model
+        from devkit.pack import submodule
+
+        from .measure import max_abs_difference
 
         counter = TransferCounter()
         counter.install()
@@ -267,21 +228,31 @@ def run_cell(args) -> int:
         base = h3_model.load_checkpoint_model(str(args.checkpoint))
         result["model"] = {"checkpoint": str(args.checkpoint), "bytes": Path(args.checkpoint).stat().st_size,
                            "patcher": type(base).__name__, "blocks": len(base.model.diffusion_model.blocks)}
-        variants, patches = make_variants(args, base, stock_flag, result)
+        variants, patches = {}, {}  # stock, the node at its defaults (twice: its estimate, stock's) and KJNodes
+        for name in args.variants:
+            if name == "stock":
+                variants[name] = base
+            elif name in ("pack", "pack_stock_estimate"):
+                # measure_peak off: the cell reads every variant's peak the same way, over the whole run
+                settings = submodule("nodes.patch").Settings(backend=args.backend, measure_peak=False)
+                variants[name], patches[name] = submodule("nodes.h3_patch").patch_model(base, settings)
+            elif name == "kjnodes":
+                variants[name] = _peer_variant(args, base, stock_flag, result)
+        memory = submodule("nodes.memory")
+        estimated = memory.ESTIMATED_DEVICES
         dm = base.model.diffusion_model
         conditioning = h3_model.random_conditioning(args.text_tokens, dm.condition_proj.weight.shape[1], args.seed + 1)
         result["packed_rows"] = h3_model.packed_token_count(args.width, args.height, args.frames, args.text_tokens)
         latents = {}
         for name, patcher in variants.items():
             recorder.stage(f"sample {name}")
-            with stock_estimate(name == "pack_stock_estimate"):
-                run, latents[name] = sample(torch, device, patcher, conditioning, args, counter)
+            # pack_stock_estimate: the node with ComfyUI's own memory estimate (what the pack's estimate buys)
+            memory.ESTIMATED_DEVICES = () if name == "pack_stock_estimate" else estimated
+            run, latents[name] = sample(torch, device, patcher, conditioning, args, counter)
             if name in patches:
                 run["report"] = patches[name].report.last
             result["runs"][name] = run
             recorder.write()
-        from .measure import max_abs_difference
-
         for name in [n for n in latents if n != "stock"]:
             if latents.get("stock") is not None and latents[name] is not None:
                 diffs = [max_abs_difference(x, y) for x, y in zip(latents["stock"], latents[name])]

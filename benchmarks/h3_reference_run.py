@@ -1,10 +1,7 @@
-"""The reference run for MiniMax H3 in ComfyUI's own H3 code: stock ComfyUI, the pack's layouts and KJNodes'
-H3 nodes (the peer, ``benchmarks/peer.py``), side by side; one JSON report in the reference's shape
-(docs/BENCHMARKS.md gives the commands). With no ``--checkpoint`` the full-size H3 DiT gets seeded random
-weights and 100 random text tokens (1344x768x124 packs 37,810 tokens). Sections, each written as it ends:
-``isolated``, ``blocks`` (0 / middle / last, variants interleaved rep by rep), ``profiler``, ``sampling_2_step``
-/ ``sampling_12_step`` (ComfyUI's sampling nodes, ABBA order) and ``memory`` (``--memory-at``). Stock ComfyUI
-runs the pack's kernel through its own flag (``--use-sage-attention`` for sage2).
+"""The reference run for MiniMax H3 in ComfyUI's own H3 code: stock ComfyUI, the pack's layouts and KJNodes' H3
+nodes (``benchmarks/peer.py``) side by side, one JSON report in the reference's shape, written as each section
+ends. With no ``--checkpoint`` the full-size H3 gets seeded random weights and 100 random text tokens (1344x768x124
+packs 37,810 tokens). Stock runs the pack's kernel through its own flag (``--use-sage-attention`` for sage2).
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ import copy
 import dataclasses
 import gc
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -89,17 +85,58 @@ def first_contact_plan(free_bytes: int | None) -> dict:
     lengths = [t for t, need in needs.items() if need <= (free_bytes or 0)]
     out = ", ".join(f"{t:,} tokens need {n / 2**30:.0f} GiB" for t, n in needs.items() if t not in lengths)
     why = "no CUDA GPU" if free_bytes is None else f"{free_bytes / 2**30:.1f} GiB free" + (out and f"; {out}")
+    if lengths:  # bf16, int8_convrot, then the kitchen formats whose layout this comfy-kitchen has
+        import comfy_kitchen.tensor as ckt
+
+        formats = list(h3_model.WEIGHT_FORMATS) + [f for f in FIRST_CONTACT_KITCHEN_FORMATS
+                                                   if hasattr(ckt, h3_model.KITCHEN_FORMATS[f][0])]
     return {"job": "blocks" if lengths else "tiny_cpu", "why": why, "free_bytes": free_bytes, "lengths": lengths,
-            "formats": first_contact_formats() if lengths else ["bf16"], "blocks": 2,
+            "formats": formats if lengths else ["bf16"], "blocks": 2,
             "full_model": bool(lengths) and free_bytes > FULL_MODEL_FREE}
 
 
-def first_contact_formats() -> list[str]:
-    """bf16, int8_convrot, then each of FIRST_CONTACT_KITCHEN_FORMATS whose layout the installed comfy-kitchen has."""
-    import comfy_kitchen.tensor as ckt
-
-    return list(h3_model.WEIGHT_FORMATS) + [f for f in FIRST_CONTACT_KITCHEN_FORMATS
-                                            if hasattr(ckt, h3_model.KITCHEN_FORMATS[f][0])]
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.h3_reference_run",
+                                description="MiniMax H3 reference run: stock vs HND vs strided NHD attention.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", type=Path, help="results JSON (default: benchmarks/results/h3-<device>-<backend>.json)")
+    p.add_argument("--layout", choices=("ab",) + LAYOUTS, help=f"layouts to measure (default: ${LAYOUT_ENV}, or ab)")
+    p.add_argument("--backend", default="auto", help="auto, sage2, fa4, sdpa, comfy_kitchen_int8 or sage1")
+    p.add_argument("--checkpoint", help="H3 diffusion-model checkpoint (default: random full-size weights)")
+    p.add_argument("--weights", choices=h3_model.WEIGHT_FORMATS + FIRST_CONTACT_KITCHEN_FORMATS, default="bf16",
+                   help="random model only: the linears' format")
+    p.add_argument("--comfyui", help="ComfyUI source tree (default: $COMFYUI_PATH, else ./.comfyui)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="a narrow H3 of a few blocks at 64x64x5 (tests, CPU)")
+    p.add_argument("--blocks", type=int, help="random model only: this many DiT blocks instead of the config's")
+    for name in ("width", "height", "frames", "text_tokens"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int)
+    p.add_argument("--seed", type=int, default=440420, help="noise seed (the reference's)")
+    p.add_argument("--weight-seed", type=int, default=0, help="seed of the random weights and text states")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list ({MEMORY_SECTION}: see --memory-at)")
+    p.add_argument("--compile-blocks", action="store_true", help="also time block 0 under torch.compile")
+    p.add_argument("--reps", type=int, default=9, help="timed reps per block and variant")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--attention-reps", type=int, default=10)
+    p.add_argument("--reps-2-step", type=int, default=2, help="2-step runs per layout (2 = ABBA)")
+    p.add_argument("--reps-12-step", type=int, default=1, help="12-step runs per layout (2 = ABBA)")
+    p.add_argument("--no-stock", action="store_true", help="leave stock ComfyUI out of blocks, profiler and memory")
+    p.add_argument("--stock-sampling", action="store_true", help="also sample stock and the extra variants")
+    p.add_argument("--memory-at", type=int, metavar="TOKENS",
+                   help="adds the memory section: each variant's peak memory in one block at about TOKENS")
+    p.add_argument("--kjnodes", type=Path, metavar="DIR", help="a ComfyUI-KJNodes checkout: adds the peer's variants")
+    p.add_argument("--peer-table", action="store_true", help=f"stock, strided_nhd, {ATTENTION_ONLY} and the peer")
+    p.add_argument("--first-contact", action="store_true", help="the README's first command: picks its own run")
+    args = p.parse_args(argv)
+    args.first_contact_plan = None
+    if args.first_contact:
+        apply_first_contact(p, args)
+    check_options(p, args)
+    shape = (64, 64, 5, 8) if args.tiny else (1344, 768, 124, 100)
+    for name, default in zip(("width", "height", "frames", "text_tokens"), shape):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return args
 
 
 def apply_first_contact(parser, args) -> None:
@@ -113,93 +150,22 @@ def apply_first_contact(parser, args) -> None:
         args.tiny, args.device, args.sections, args.stock_sampling = True, "cpu", "sampling_2_step", True
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.h3_reference_run",
-                                description="MiniMax H3 reference run: stock vs HND vs strided NHD attention.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", type=Path, help="results JSON (default: benchmarks/results/h3-<device>-<backend>.json)")
-    p.add_argument("--layout", choices=("ab",) + LAYOUTS,
-                   help=f"layouts to measure (default: ${LAYOUT_ENV} if set, else ab = both)")
-    p.add_argument("--backend", default="auto", help="attention back-end of the patch: auto, sage2, fa4, sdpa, "
-                   "comfy_kitchen_int8, sage1 (stock ComfyUI runs the same kernel through its own flag)")
-    add_model_options(p)
-    add_section_options(p)
-    p.add_argument("--kjnodes", type=Path, metavar="DIR",
-                   help="a ComfyUI-KJNodes checkout: adds the peer's variants " + ", ".join(peer.VARIANTS)
-                        + " (its nodes/minimax_nodes.py, nodes at their defaults) wherever variants take part")
-    p.add_argument("--peer-table", action="store_true",
-                   help=f"preset: stock, strided_nhd, {ATTENTION_ONLY} (strided_nhd, block_path attention_only) "
-                        "and, with --kjnodes, the peer's variants, all interleaved; sampling sections sample them "
-                        "all with stock")
-    p.add_argument("--first-contact", action="store_true", help="the README's first command: picks the run from "
-                   "the device and its free memory (first_contact_plan); sets the model, layout and section options")
-    args = p.parse_args(argv)
-    args.first_contact_plan = None
-    if args.first_contact:
-        apply_first_contact(p, args)
+def check_options(parser, args) -> None:
+    """The layout, the sections, --peer-table's variant and --kjnodes' checkout; the extras sample with stock."""
     # --layout, else the preset's one layout, else the reference system's switch, else both
     args.layout = args.layout or ("strided_nhd" if args.peer_table else None) or os.environ.get(LAYOUT_ENV) or "ab"
     if args.layout not in ("ab",) + LAYOUTS:
-        p.error(f"{LAYOUT_ENV}={args.layout!r}: expected one of {', '.join(LAYOUTS)}")
-    args.sections = parse_sections(p, args)
-    parse_peer_options(p, args)
-    shape = (64, 64, 5, 8) if args.tiny else (1344, 768, 124, 100)
-    for name, default in zip(("width", "height", "frames", "text_tokens"), shape):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-    return args
-
-
-def add_model_options(p) -> None:
-    p.add_argument("--checkpoint", help="H3 diffusion-model checkpoint (default: random full-size weights)")
-    p.add_argument("--weights", choices=h3_model.WEIGHT_FORMATS + FIRST_CONTACT_KITCHEN_FORMATS, default="bf16",
-                   help="random model only: the linears' format (int8_convrot: as the bundled workflows' checkpoint "
-                        "stores qkv/out/fc1/fc2, loaded with ComfyUI's mixed_precision_ops)")
-    p.add_argument("--comfyui", help="ComfyUI source tree (default: $COMFYUI_PATH, else ./.comfyui)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true",
-                   help=f"a {h3_model.TINY_H3['num_layers']}-block narrow H3 at 64x64x5 (tests, CPU)")
-    p.add_argument("--blocks", type=int, help="random model only: this many DiT blocks instead of the config's")
-    for name in ("width", "height", "frames", "text_tokens"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int)
-    p.add_argument("--seed", type=int, default=440420, help="noise seed (the reference's)")
-    p.add_argument("--weight-seed", type=int, default=0, help="seed of the random weights and text states")
-
-
-def add_section_options(p) -> None:
-    p.add_argument("--sections", default=",".join(SECTIONS),
-                   help=f"comma list of {', '.join(SECTIONS)} ({MEMORY_SECTION}: added by --memory-at)")
-    p.add_argument("--compile-blocks", action="store_true",
-                   help="also time block 0 of stock and the layouts under torch.compile (inductor), interleaved")
-    p.add_argument("--reps", type=int, default=9, help="timed reps per block and variant")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--attention-reps", type=int, default=10)
-    p.add_argument("--reps-2-step", type=int, default=2, help="2-step runs per layout (2 = ABBA)")
-    p.add_argument("--reps-12-step", type=int, default=1, help="12-step runs per layout (2 = ABBA)")
-    p.add_argument("--no-stock", action="store_true", help="leave stock ComfyUI out of blocks, profiler and memory")
-    p.add_argument("--stock-sampling", action="store_true",
-                   help="also sample stock and the extra variants (--peer-table, --kjnodes), interleaved")
-    p.add_argument("--memory-at", type=int, metavar="TOKENS",
-                   help="adds the memory section: peak extra memory of one block per variant at the frame count "
-                        "whose packed token count is closest to TOKENS (e.g. 120000); no timing")
-
-
-def parse_sections(parser, args) -> list[str]:
-    chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in SECTIONS + (MEMORY_SECTION,)]
+        parser.error(f"{LAYOUT_ENV}={args.layout!r}: expected one of {', '.join(LAYOUTS)}")
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in args.sections if s not in SECTIONS + (MEMORY_SECTION,)]
     if unknown:
         parser.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS + (MEMORY_SECTION,))}")
     if args.memory_at is not None:
         if args.memory_at <= 0:
             parser.error(f"--memory-at {args.memory_at}: expected a positive token count")
-        chosen += [] if MEMORY_SECTION in chosen else [MEMORY_SECTION]
-    elif MEMORY_SECTION in chosen:
+        args.sections += [] if MEMORY_SECTION in args.sections else [MEMORY_SECTION]
+    elif MEMORY_SECTION in args.sections:
         parser.error(f"section {MEMORY_SECTION} needs --memory-at TOKENS")
-    return chosen
-
-
-def parse_peer_options(parser, args) -> None:
-    """--peer-table's variant, --kjnodes' checkout; the extra variants sample with stock."""
     args.variants = []
     if args.peer_table:
         if args.no_stock:
@@ -236,36 +202,20 @@ def resolve_backend(kernels, choice: str, device: torch.device) -> str:
     raise SystemExit("no attention back-end is available on " + str(device))
 
 
-def default_out(facts: dict, backend: str) -> Path:
-    slug = facts["device"].split("(")[0].strip().lower().replace("nvidia ", "").replace(" ", "-") or "device"
-    return Path("benchmarks/results") / f"h3-{slug}-{backend}.json"
-
-
-def patch_model(model_patcher, settings: dict):
-    """(clone patched as the node patches it, installed patch, every Settings field). No peak per model call: it
-    would reset the device's peak statistics, which the sampling section reads over the whole run."""
-    chosen = submodule("nodes.patch").Settings(**{"measure_peak": False, **settings})
-    clone, patch = submodule("nodes.h3_patch").patch_model(model_patcher, chosen)
-    return clone, patch, dataclasses.asdict(chosen)
-
-
-def build_model(args, device) -> tuple[object, dict, str]:
-    """(ModelPatcher, H3 config, where the weights came from)."""
+def build_bench(args, device, layouts, report) -> sec.Bench:
+    """The model (a checkpoint, or random weights), stock's and every variant's patched clone, the conditioning."""
+    started = time.perf_counter()
     if args.checkpoint:
         log(f"loading {args.checkpoint}")
         base = h3_model.load_checkpoint_model(args.checkpoint)
-        return base, h3_model.model_config_of(base), f"checkpoint {args.checkpoint}"
-    config = dict(h3_model.TINY_H3 if args.tiny else h3_model.FULL_H3)
-    if args.blocks:
-        config["num_layers"] = args.blocks
-    log(f"building {'tiny' if args.tiny else 'full-size'} H3 with random {args.weights} weights on {device}")
-    base = h3_model.build_model(config, device, torch.bfloat16, args.weight_seed, args.weights)
-    return base, config, f"random {args.weights} weights (seed {args.weight_seed}, N(0, 1/fan_in), norms 1, biases 0)"
-
-
-def build_bench(args, device, layouts, report) -> sec.Bench:
-    started = time.perf_counter()
-    base, config, source = build_model(args, device)
+        config, source = h3_model.model_config_of(base), f"checkpoint {args.checkpoint}"
+    else:
+        config = dict(h3_model.TINY_H3 if args.tiny else h3_model.FULL_H3)
+        if args.blocks:
+            config["num_layers"] = args.blocks
+        log(f"building {'tiny' if args.tiny else 'full-size'} H3 with random {args.weights} weights on {device}")
+        base = h3_model.build_model(config, device, torch.bfloat16, args.weight_seed, args.weights)
+        source = f"random {args.weights} weights (seed {args.weight_seed}, N(0, 1/fan_in), norms 1, biases 0)"
     build_seconds = time.perf_counter() - started
     dm = base.model.diffusion_model
     expected = h3_model.packed_token_count(args.width, args.height, args.frames, args.text_tokens)
@@ -273,7 +223,10 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
              for layout in layouts] + args.variants
     clones, patches, settings = {}, {}, {}
     for spec in specs:
-        clones[spec["name"]], patches[spec["name"]], settings[spec["name"]] = patch_model(base, spec["settings"])
+        # no peak per model call: it would reset the device's peak statistics, which sampling reads over the run
+        chosen = submodule("nodes.patch").Settings(**{"measure_peak": False, **spec["settings"]})
+        clones[spec["name"]], patches[spec["name"]] = submodule("nodes.h3_patch").patch_model(base, chosen)
+        settings[spec["name"]] = dataclasses.asdict(chosen)
     extras = {name: clones.pop(name) for name in list(clones) if name not in layouts}
     if args.kjnodes is not None:
         extras.update(build_peer_variants(args, base, report))
@@ -303,7 +256,9 @@ def build_peer_variants(args, base, report) -> dict:
     import comfy.ldm.minimax.model as h3
 
     module = peer.load_module(args.kjnodes)
-    clones, applied = peer.make_variants(module, base)
+    clones, applied = {}, {}
+    for name, nodes in peer.VARIANTS.items():
+        clones[name], applied[name] = peer.make_variant(module, base, nodes)
     facts = peer.describe(args.kjnodes, module, h3.optimized_attention)
     report.update(peer=dict(facts, variants=applied))
     chains = ", ".join(f"{name} = {' + '.join(a['node'] for a in nodes)}" for name, nodes in applied.items())
@@ -318,7 +273,8 @@ def main(argv=None) -> int:
     facts = device_facts(device)
     # ComfyUI is imported after its flags are set; the stock flag needs the resolved back-end
     backend_first = resolve_backend(pack_kernels(), args.backend, device)
-    out = args.out or default_out(facts, backend_first)
+    slug = facts["device"].split("(")[0].strip().lower().replace("nvidia ", "").replace(" ", "-") or "device"
+    out = args.out or Path("benchmarks/results") / f"h3-{slug}-{backend_first}.json"
     report = Report(out)
     layouts = list(LAYOUTS) if args.layout == "ab" else [args.layout]
     report.update(**facts, torch=str(torch.__version__), attention=backend_first, attention_requested=args.backend,
@@ -333,10 +289,14 @@ def main(argv=None) -> int:
     log(f"{facts['device']} ({facts['compute_capability']}), torch {torch.__version__}, back-end {args.backend} "
         f"-> {backend_first}, layouts {layouts}, sections {args.sections}; writing {out}")
     try:
-        bench = set_up(args, device, layouts, backend_first, report)
+        root = comfy_host.find_comfyui(args.comfyui)
+        flags = comfy_host.import_comfyui(root, cpu=device.type == "cpu",
+                                          stock_flag=comfy_host.STOCK_FLAG_FOR_BACKEND[backend_first])
+        report.update(comfyui={"path": str(root), "version": comfy_host.comfyui_version(root), "flags": flags},
+                      stock_attention=comfy_host.stock_attention_name())
+        bench = build_bench(args, device, layouts, report)
     except Exception as exc:
         report.fail("setup", exc)
-        copy_to_out(out)
         log(f"setup failed: {type(exc).__name__}: {exc}")
         raise
     try:
@@ -347,16 +307,6 @@ def main(argv=None) -> int:
     finally:
         finish(args, bench, report, out)
     return 1 if report.data["errors"] else 0
-
-
-def set_up(args, device, layouts, backend_first: str, report: Report) -> sec.Bench:
-    """Import ComfyUI with the stock flag for ``backend_first``, build the model and its variants."""
-    root = comfy_host.find_comfyui(args.comfyui)
-    flags = comfy_host.import_comfyui(root, cpu=device.type == "cpu",
-                                      stock_flag=comfy_host.STOCK_FLAG_FOR_BACKEND[backend_first])
-    report.update(comfyui={"path": str(root), "version": comfy_host.comfyui_version(root), "flags": flags},
-                  stock_attention=comfy_host.stock_attention_name())
-    return build_bench(args, device, layouts, report)
 
 
 def _section(report: Report, name: str, fn):
@@ -378,6 +328,7 @@ def _section(report: Report, name: str, fn):
 
 
 def run_sections(args, bench: sec.Bench, backend: str, report: Report) -> None:
+    """The sections asked for, in order, each followed by its validation items."""
     with_stock = not args.no_stock
     if _section(report, "capture", lambda: sec.capture_block_inputs(bench)) is None:
         return
@@ -387,11 +338,23 @@ def run_sections(args, bench: sec.Bench, backend: str, report: Report) -> None:
     report.validation("packed_tokens", f"{bench.packed_tokens} as expected" if bench.packed_tokens == expected
                       else f"{bench.packed_tokens}, expected {expected}")
     if "isolated" in args.sections:
-        run_isolated(args, bench, report)
+        iso = _section(report, "isolated_attention_layout",
+                       lambda: sec.isolated_attention(bench, args.backend, args.attention_reps, args.warmup))
+        if iso:
+            report.validation("isolated_attention", equality_verdict(iso))
+            copies = {layout: record["copies"] for layout, record in iso["records"].items()}
+            report.data["dataflow"]["removed_copies_per_block"] = copies["hnd"] - copies["strided_nhd"]
     if bench.peer:
         report.validation("peer_attention", peer_kernel_verdict(report.data, backend))
     if "blocks" in args.sections:
-        run_blocks(args, bench, report, names["blocks_0_24_49"])
+        sec.ensure_stock_loaded(bench)
+        rows = _section(report, "real_block_results",
+                        lambda: sec.real_blocks(bench, args.reps, args.warmup, with_stock))
+        if rows:
+            report.validation(names["blocks_0_24_49"], sec.blocks_verdict(rows))
+            report.validation("blocks_compared", ", ".join(str(r["block"]) for r in rows))
+            for name in bench.variants(with_stock=False) if with_stock else ():
+                report.validation(f"blocks_stock_vs_{name}", sec.blocks_verdict(rows, f"stock_vs_{name}_"))
     if args.compile_blocks:
         sec.ensure_stock_loaded(bench)
         _section(report, "compiled_block_results", lambda: sec.real_blocks(
@@ -399,49 +362,21 @@ def run_sections(args, bench: sec.Bench, backend: str, report: Report) -> None:
     if "profiler" in args.sections:
         sec.ensure_stock_loaded(bench)
         _section(report, "profiler_block_recapture", lambda: sec.kernel_launches(bench, with_stock, torch.__version__))
-    for steps, key, item in ((2, "sampling_2_step", names["full_50_block_two_step_trajectory"]),
-                             (12, "sampling_12_step", "canonical_12_step_trajectory")):
-        if key in args.sections:
-            run_sampling_section(args, bench, report, steps, key, item)
+    sampled = ((2, args.reps_2_step, "sampling_2_step", names["full_50_block_two_step_trajectory"]),
+               (12, args.reps_12_step, "sampling_12_step", "canonical_12_step_trajectory"))
+    extras = args.sampled_extras
+    for steps, reps, key, item in [s for s in sampled if s[2] in args.sections]:
+        result = _section(report, key, lambda: sec.sampling(bench, steps, reps, args.stock_sampling, extras))
+        if not result:
+            continue
+        report.validation(item, sec.sampling_verdict(result))
+        repeats = [r.get("repeat_identical") for r in result["runs"] if "repeat_identical" in r]
+        if repeats:
+            report.validation(f"{key}_repeat_runs", "identical" if all(repeats) else "differ between repeats")
+        for name in [n for n in dict.fromkeys(result["order"]) if n != "stock"] if args.stock_sampling else ():
+            report.validation(f"{key}_stock_vs_{name}", sec.sampling_verdict(result, name))
     if MEMORY_SECTION in args.sections:  # last: past the int32 line stock's attention may fault the device
-        sec.ensure_stock_loaded(bench)
         _section(report, "peak_memory_long_sequence", lambda: sec.peak_memory_at(bench, args.memory_at, with_stock))
-
-
-def run_isolated(args, bench: sec.Bench, report: Report) -> None:
-    iso = _section(report, "isolated_attention_layout",
-                   lambda: sec.isolated_attention(bench, args.backend, args.attention_reps, args.warmup))
-    if iso:
-        report.validation("isolated_attention", equality_verdict(iso))
-        copies = {layout: record["copies"] for layout, record in iso["records"].items()}
-        report.data["dataflow"]["removed_copies_per_block"] = copies["hnd"] - copies["strided_nhd"]
-
-
-def run_blocks(args, bench: sec.Bench, report: Report, item: str) -> None:
-    sec.ensure_stock_loaded(bench)
-    rows = _section(report, "real_block_results",
-                    lambda: sec.real_blocks(bench, args.reps, args.warmup, not args.no_stock))
-    if not rows:
-        return
-    report.validation(item, sec.blocks_verdict(rows))
-    report.validation("blocks_compared", ", ".join(str(r["block"]) for r in rows))
-    if not args.no_stock:
-        for name in bench.variants(with_stock=False):
-            report.validation(f"blocks_stock_vs_{name}", sec.blocks_verdict(rows, f"stock_vs_{name}_"))
-
-
-def run_sampling_section(args, bench: sec.Bench, report: Report, steps: int, key: str, item: str) -> None:
-    reps = args.reps_2_step if steps == 2 else args.reps_12_step
-    result = _section(report, key, lambda: sec.sampling(bench, steps, reps, args.stock_sampling, args.sampled_extras))
-    if not result:
-        return
-    report.validation(item, sec.trajectory_verdict(result))
-    repeats = [r.get("repeat_identical") for r in result["runs"] if "repeat_identical" in r]
-    if repeats:
-        report.validation(f"{key}_repeat_runs", "identical" if all(repeats) else "differ between repeats")
-    if args.stock_sampling:
-        for name in [n for n in dict.fromkeys(result["order"]) if n != "stock"]:
-            report.validation(f"{key}_stock_vs_{name}", sec.stock_sampling_verdict(result, name))
 
 
 def run_first_contact(args, bench: sec.Bench, report: Report) -> sec.Bench:
@@ -487,8 +422,21 @@ def peer_kernel_verdict(data: dict, backend: str) -> str:
 
 
 def finish(args, bench: sec.Bench, report: Report, out: Path) -> None:
+    """What ran per variant, the shared model left unpatched, every output finite; the report written and printed."""
     data = report.data
-    after_the_runs(bench, report)
+    data["attention"], data["attention_fallbacks"], by_layout = backends_that_ran(bench.patches)
+    peer_ran = {name: f"{data.get('stock_attention', '-')} (KJNodes' forward)" for name in bench.peer}
+    data["attention_by_variant"] = dict(by_layout, stock=data.get("stock_attention", "-"), **peer_ran)
+    try:
+        sec.ensure_stock_loaded(bench)  # ComfyUI unpatches the last sampled clone when stock loads
+        left = sec.patches_left_behind(bench.diffusion_model)
+    except Exception as exc:
+        left = [f"could not check: {type(exc).__name__}: {exc}"]
+    report.validation("patch_reverted", "no attention forward left patched on the shared model" if not left
+                      else f"still patched: {left[:3]}{'...' if len(left) > 3 else ''}")
+    bad = [k for k, ok in bench.outputs_finite.items() if not ok]
+    report.validation("outputs_finite", f"all {len(bench.outputs_finite)} outputs finite" if not bad
+                      else f"non-finite values in: {', '.join(bad)}")
     data["source_artifacts"] = [str(out)]
     blocks_job = (args.first_contact_plan or {}).get("job") == "blocks"
     if REFERENCE_COPY.is_file() and not blocks_job:  # the block job's sections are its own
@@ -497,7 +445,6 @@ def finish(args, bench: sec.Bench, report: Report, out: Path) -> None:
                                                   allow_null=allow)
         data["reference_schema"] = "follows the reference report's keys and types" if not problems else problems
     report.write()
-    copy_to_out(out)
     release(bench)
     print()
     if blocks_job:
@@ -513,35 +460,15 @@ def finish(args, bench: sec.Bench, report: Report, out: Path) -> None:
     print(f"report: {out}")
 
 
-def after_the_runs(bench: sec.Bench, report: Report) -> None:
-    """What ran per variant; the shared model left unpatched; every output finite."""
-    data = report.data
-    data["attention"], data["attention_fallbacks"], by_layout = backends_that_ran(bench.patches)
-    peer_ran = {name: f"{data.get('stock_attention', '-')} (KJNodes' forward)" for name in bench.peer}
-    data["attention_by_variant"] = dict(by_layout, stock=data.get("stock_attention", "-"), **peer_ran)
-    try:
-        sec.ensure_stock_loaded(bench)  # ComfyUI unpatches the last sampled clone when stock loads
-        left = sec.patches_left_behind(bench.diffusion_model)
-    except Exception as exc:
-        left = [f"could not check: {type(exc).__name__}: {exc}"]
-    report.validation("patch_reverted", "no attention forward left patched on the shared model" if not left
-                      else f"still patched: {left[:3]}{'...' if len(left) > 3 else ''}")
-    bad = [k for k, ok in bench.outputs_finite.items() if not ok]
-    report.validation("outputs_finite", f"all {len(bench.outputs_finite)} outputs finite" if not bad
-                      else f"non-finite values in: {', '.join(bad)}")
-
-
 def last_payload(report):
-    last = getattr(report, "last", None)  # the node's report of the clone's last sampling run
-    if last is None and report.calls:  # blocks-only runs: the calls recorded outside any sampling run
-        last = report.payload()
-    return last
+    """The node's report of the clone's last sampling run, or in a blocks-only run of the calls made outside one."""
+    last = getattr(report, "last", None)
+    return report.payload() if last is None and report.calls else last
 
 
 def backends_that_ran(patches: dict) -> tuple[str, list, dict]:
     """Back-ends the patched forwards ran (the node's own run reports), their fallbacks, and those per variant."""
-    payloads = {name: last_payload(patch.report) for name, patch in patches.items()}
-    payloads = {name: p for name, p in payloads.items() if p is not None}
+    payloads = {name: p for name, patch in patches.items() if (p := last_payload(patch.report)) is not None}
     by_variant, fallbacks = {}, []
     for name, payload in payloads.items():
         by_variant[name] = "+".join(f"{b} x{n}" for b, n in sorted(payload["backends_ran"].items())) or "none"
@@ -550,14 +477,6 @@ def backends_that_ran(patches: dict) -> tuple[str, list, dict]:
         fallbacks += payload["fallbacks"]
     ran = sorted({b for p in payloads.values() for b in p["backends_ran"]})
     return "+".join(ran) or "none", fallbacks, by_variant
-
-
-def copy_to_out(path: Path) -> None:
-    """Also leave the report under $OUT (the GPU machine hands that folder back)."""
-    dest = Path(os.environ.get("OUT", "")) / path.name
-    if os.environ.get("OUT") and path.is_file() and path.resolve() != dest.resolve():
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, dest)
 
 
 def release(bench: sec.Bench) -> None:

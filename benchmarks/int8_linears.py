@@ -1,12 +1,7 @@
-"""H3's four int8 tensor-wise ConvRot linears, each alone, stock's layer beside the pack's, on a GPU.
-
-    python -m benchmarks.int8_linears --tokens 37810 8192 --out int8-linears.json
-
-Per linear (qkv, out, fc1, fc2 with its SwiGLU) and their sum per block, interleaved, CUDA events, median of
-``--reps``: ``stock_layer`` (comfy-kitchen's ``int8_linear`` as stock's layer calls it), ``pack_layer`` (the int8
-route), ``pack_quantiser`` alone (GB/s of its HBM traffic), ``kitchen_gemm`` and ``pack_gemm`` alone on the pack's
-quantised rows, and ``portable_gemm`` (the portable Triton kernel, where the pack's GEMM is the Hopper one).
-TOPS = 2 M N K / time. Each layer's output is compared with stock's, bit for bit."""
+"""H3's four int8 tensor-wise ConvRot linears, each alone, stock's layer beside the pack's, on a GPU: per linear and
+their sum per block, interleaved, CUDA events, median of ``--reps``, stock's layer, the pack's layer and quantiser,
+comfy-kitchen's and the pack's GEMMs (and the portable one) on the same quantised rows; each output against stock's
+bit for bit (docs/BENCHMARKS.md, "The int8 GEMM")."""
 
 from __future__ import annotations
 
@@ -19,6 +14,7 @@ import torch
 from devkit.pack import submodule
 
 from .measure import event_timed, interleaved_times, summary
+from .report import markdown
 
 HIDDEN, INNER, FFN = 5376, 7168, 14336
 LINEARS = {"qkv": (HIDDEN, 3 * INNER, None), "out": (INNER, HIDDEN, None), "fc1": (HIDDEN, 2 * FFN, None),
@@ -78,18 +74,19 @@ def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
         rate = (quantiser_speed(ms, x.numel() * x.element_size() + m * k + 4 * m) if variant == "pack_quantiser"
                 else {"ms": ms, "tops": round(flops / s["p50_seconds"] / 1e12, 1)})
         row[variant] = {**rate, "spread": round(s["spread"], 3)}
-    row["layer_speedup"] = round(times_ratio(row, "stock_layer", "pack_layer"), 3)
-    if gemm_why is None:
-        row["gemm_speedup"] = round(times_ratio(row, "kitchen_gemm", "pack_gemm"), 3)
-    return row
+    return with_speedups(row)
 
 
 def quantiser_speed(ms: float, nbytes: int) -> dict:
     return {"ms": ms, "bytes": nbytes, "gbps": round(nbytes / ms / 1e6)}
 
 
-def times_ratio(row: dict, base: str, new: str) -> float:
-    return row[base]["ms"] / row[new]["ms"]
+def with_speedups(row: dict) -> dict:
+    """``row`` with stock's layer time over the pack's, and comfy-kitchen's GEMM time over the pack's where it ran."""
+    row["layer_speedup"] = round(row["stock_layer"]["ms"] / row["pack_layer"]["ms"], 3)
+    if "pack_gemm" in row:
+        row["gemm_speedup"] = round(row["kitchen_gemm"]["ms"] / row["pack_gemm"]["ms"], 3)
+    return row
 
 
 def block_sum(rows: list[dict]) -> dict:
@@ -104,27 +101,21 @@ def block_sum(rows: list[dict]) -> dict:
     if all("pack_quantiser" in r for r in rows):
         out["pack_quantiser"] = quantiser_speed(round(sum(r["pack_quantiser"]["ms"] for r in rows), 3),
                                                 sum(r["pack_quantiser"]["bytes"] for r in rows))
-    out["layer_speedup"] = round(times_ratio(out, "stock_layer", "pack_layer"), 3)
-    if "pack_gemm" in out:
-        out["gemm_speedup"] = round(times_ratio(out, "kitchen_gemm", "pack_gemm"), 3)
-    return out
+    return with_speedups(out)
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| linear | tokens | stock layer ms | pack layer ms | layer x | pack quantiser ms (GB/s) | "
-            "comfy-kitchen GEMM ms (TOPS) | pack GEMM ms (TOPS) | GEMM x | portable GEMM ms (TOPS) | bits |")
-    lines = [head, "|" + "---|" * 11]
-    for r in rows:
-        g, p = r.get("pack_gemm"), r.get("portable_gemm")
-        q = r.get("pack_quantiser")
-        q = f"{q['ms']:.2f} ({q['gbps']:,})" if q else "-"
-        lines.append(f"| {r['linear']} | {r['tokens']:,} | {r['stock_layer']['ms']:.2f} | {r['pack_layer']['ms']:.2f} | "
-                     f"{r['layer_speedup']:.3f} | {q} | "
-                     f"{r['kitchen_gemm']['ms']:.2f} ({r['kitchen_gemm']['tops']:,.0f}) | "
-                     + (f"{g['ms']:.2f} ({g['tops']:,.0f}) | {r['gemm_speedup']:.3f}" if g else "- | -")
-                     + (f" | {p['ms']:.2f} ({p['tops']:,.0f})" if p else " | -")
-                     + f" | {'identical' if r['identical_to_stock'] else 'DIFFER'} |")
-    return "\n".join(lines)
+    def ms_tops(v: dict | None) -> str:
+        return f"{v['ms']:.2f} ({v['tops']:,.0f})" if v else "-"
+
+    header = ("linear", "tokens", "stock layer ms", "pack layer ms", "layer x", "pack quantiser ms (GB/s)",
+              "comfy-kitchen GEMM ms (TOPS)", "pack GEMM ms (TOPS)", "GEMM x", "portable GEMM ms (TOPS)", "bits")
+    return "\n".join(markdown(header, [
+        (r["linear"], f"{r['tokens']:,}", f"{r['stock_layer']['ms']:.2f}", f"{r['pack_layer']['ms']:.2f}",
+         f"{r['layer_speedup']:.3f}", f"{q['ms']:.2f} ({q['gbps']:,})" if (q := r.get("pack_quantiser")) else "-",
+         ms_tops(r["kitchen_gemm"]), ms_tops(r.get("pack_gemm")),
+         f"{r['gemm_speedup']:.3f}" if "pack_gemm" in r else "-", ms_tops(r.get("portable_gemm")),
+         "identical" if r["identical_to_stock"] else "DIFFER") for r in rows]))
 
 
 def main(argv=None) -> int:

@@ -1,22 +1,10 @@
-"""Attention alone on random H3-shaped inputs, one fused qkv buffer [S, 3*H*D] (56x128 heads), two reports.
+"""Attention alone on random H3-shaped inputs, one fused qkv buffer [S, 3*H*D] (56x128 heads), two reports
+(docs/BENCHMARKS.md has the commands; ``--device cpu --seq 64 256 --heads 4`` is a CPU smoke run).
 
-    python -m benchmarks.isolated_attention --seq 8192 37810 --out report.json            # GPU, every available back-end
-    python -m benchmarks.isolated_attention --device cpu --seq 64 256 --heads 4 --out r.json  # CPU smoke run (sdpa)
-    python -m benchmarks.isolated_attention --prepared --reps 15 --warmup 3 --out sage2-fast.json  # H100/H200
-
-Layouts (the default): HND baseline against strided NHD, per back-end. One timed call is the whole attention of a
-block on the buffer (a fresh copy each call, made outside the timing: norm+rope works in place); the layouts alternate
-rep by rep. One more call per layout gives its peak extra memory, output and record. JSON keyed by back-end then S
-(``benchmarks.results_table --kernels``).
-
-``--prepared``: the sage2 sm90 prepared path. Speed: strided NHD views, normed and roped; interleaved, CUDA events,
-median of ``--reps``: ``sageattn`` (its own preparation inside), ``kernel_alone`` (``attend()`` on operands prepared
-once), ``prepared_<mode>`` (``prepare()`` + ``attend()``), ``prepare_<mode>``; peak extra memory of one call each;
-whether exact mode is sageattn's bits. Accuracy: relative L2 error against fp32 attention (first and last 256 query
-rows) of random Q/K/V, keys whose energy sits in 1-8 of 128 channels at 10x-100x (as a norm weight's gain puts them),
-a K mean offset, and the channels concentrated in Q and K at constant row norm; for sageattn, both modes, SDPA in
-bf16 and comfy-kitchen's int8_attention. Each mode's error split by source: Q/K int8 alone, all operands dequantised
-(the rest is the kernel's own fp8 P).
+Layouts (the default): the HND baseline against strided NHD per back-end, the whole attention of a block on a fresh
+copy of the buffer each call (norm+rope works in place), interleaved; JSON by back-end then S (``results_table``).
+``--prepared``: the sage2 sm90 prepared path's speed (``sageattn``, the kernel alone, ``prepare`` and ``attend``
+per mode) and accuracy against fp32 attention in ``ACCURACY_CASES``, each mode's error split by its source.
 """
 
 from __future__ import annotations
@@ -44,11 +32,17 @@ LAYOUTS = ("hnd", "strided_nhd")
 MODES = ("exact", "rotated")
 HEADS, D, ROT, EPS = 56, 128, 96, 1e-5  # H3's attention (the prepared path is measured at its shape)
 SAGE2 = kernels.BACKENDS["sage2"]
+# accuracy cases: (name, K's outlier channels, their gain, a K mean offset, construction: "gain" scales K's channels,
+# "normed" Q's and K's at constant row norm)
+ACCURACY_CASES = [("plain", 0, 1, False, "gain"), ("k_mean_offset", 0, 1, True, "gain"),
+                  *((f"k{n}_x{r}", n, r, False, "gain") for n in (1, 2, 4, 8) for r in (10, 30, 100)),
+                  ("k4_x100_offset", 4, 100, True, "gain"), ("qk4_x100_normed", 4, 100, False, "normed")]
 
 
-def layout_calls(pristine: torch.Tensor, norm: dict, heads: int, head_dim: int, backend: str, device):
-    """``(timers, once)``: per layout a runner timing one call on a fresh copy of ``pristine``, and ``once(layout)``:
-    ``(peak extra bytes, (out, record))``. ``norm``: ``kernels.QKNorm``'s arguments (a QKNorm applies once)."""
+def compare_layouts(pristine, norm: dict, heads: int, head_dim: int, backend: str, device, reps: int, warmup: int,
+                    progress=None) -> dict:
+    """Both layouts timed interleaved on fresh copies of ``pristine``, outputs compared; a named ``backend`` that did
+    not run is refused. ``norm``: ``kernels.QKNorm``'s arguments (a QKNorm applies once)."""
     work = torch.empty_like(pristine)
     chain = kernels.BackendChain.for_choice(backend)
 
@@ -57,64 +51,35 @@ def layout_calls(pristine: torch.Tensor, norm: dict, heads: int, head_dim: int, 
                                                 norm=kernels.QKNorm(**norm))
 
     def timer(layout):
-        run = measure.device_timed(lambda: call(layout), device)
+        run = (measure.event_timed(lambda: call(layout)) if device.type == "cuda"
+               else lambda: measure.timed(lambda: call(layout), device)[0])
 
         def rep():
             work.copy_(pristine)
             return run()
         return rep
 
-    def once(layout):
-        work.copy_(pristine)
-        return measure.peak_extra_bytes(lambda: call(layout), device)
-    return {layout: timer(layout) for layout in LAYOUTS}, once
-
-
-def compare_layouts(pristine, norm: dict, heads: int, head_dim: int, backend: str, device, reps: int, warmup: int,
-                    progress=None) -> dict:
-    """Both layouts timed interleaved, outputs compared; a named ``backend`` that did not run is refused."""
-    timers, once = layout_calls(pristine, norm, heads, head_dim, backend, device)
-    times = measure.interleaved_times(timers, reps, warmup, progress=progress)
-    peak, outputs, records = {}, {}, {}
+    times = measure.interleaved_times({layout: timer(layout) for layout in LAYOUTS}, reps, warmup, progress=progress)
+    row, outputs, records = {}, {}, {}
     for layout in LAYOUTS:
-        peak[layout], (out, rec) = once(layout)
+        work.copy_(pristine)
+        peak, (out, rec) = measure.peak_extra_bytes(lambda: call(layout), device)
         if backend != "auto" and rec.backend != backend:
             raise RuntimeError(f"{backend} did not run ({[(s.backend, s.reason) for s in rec.skipped]}); "
                                "refusing to report it")
         outputs[layout], records[layout] = out.float().cpu(), dataclasses.asdict(rec)
-    diff = measure.max_abs_difference(outputs["hnd"], outputs["strided_nhd"])
-    row = {}
-    for layout in LAYOUTS:
         row.update({f"{layout}_mean_seconds": statistics.fmean(times[layout]),
                     f"{layout}_median_seconds": statistics.median(times[layout]),
                     f"{layout}_min_max_seconds": [min(times[layout]), max(times[layout])],
-                    f"{layout}_peak_extra_bytes": peak[layout]})
+                    f"{layout}_peak_extra_bytes": peak})
+    diff = measure.max_abs_difference(outputs["hnd"], outputs["strided_nhd"])
     return dict(row, speedup=row["hnd_median_seconds"] / row["strided_nhd_median_seconds"], speedup_basis="median",
                 max_abs_difference=diff["max_abs_difference"], mean_abs_difference=diff["mean_abs_difference"],
                 bit_exact=diff["bit_exact"], finite=measure.all_finite(*outputs.values()), records=records, reps=reps)
 
 
-def measure_backend(backend: str, seq: int, args) -> dict:
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    qkv, table, qw, kw = fused_attention_inputs(seq, args.heads, args.head_dim, args.rot_dim, seed=args.seed,
-                                                device=device, weight_mean=1.0, weight_spread=0.1, table_dtype=dtype)
-    norm = {"rope_table": table, "q_weight": qw.to(dtype), "k_weight": kw.to(dtype), "eps": 1e-5}
-    return compare_layouts(qkv.to(dtype), norm, args.heads, args.head_dim, backend, device, args.reps, args.warmup)
-
-
 def views(qkv, heads=HEADS):
     return qkv.unflatten(1, (3, heads, D)).unsqueeze(0).unbind(2)
-
-
-def speed_calls(q, k, v) -> dict:
-    from sageattention import sageattn
-
-    prepared = SAGE2.prepare(q, k, v, mode="exact")
-    calls = {"sageattn": lambda: sageattn(q, k, v, tensor_layout="NHD"), "kernel_alone": lambda: SAGE2.attend(prepared)}
-    for mode in MODES:
-        calls[f"prepared_{mode}"] = lambda mode=mode: SAGE2.attend(SAGE2.prepare(q, k, v, mode=mode))
-        calls[f"prepare_{mode}"] = lambda mode=mode: SAGE2.prepare(q, k, v, mode=mode)
-    return calls
 
 
 def speed(seq: int, reps: int, warmup: int) -> dict:
@@ -122,7 +87,13 @@ def speed(seq: int, reps: int, warmup: int) -> dict:
                                                 table_dtype=torch.float32)
     q, k, v = views(qkv)
     sage2_oracle.norm_rope_eager_(q, k, table, qw, kw, EPS)
-    calls = speed_calls(q, k, v)
+    from sageattention import sageattn
+
+    prepared = SAGE2.prepare(q, k, v, mode="exact")
+    calls = {"sageattn": lambda: sageattn(q, k, v, tensor_layout="NHD"), "kernel_alone": lambda: SAGE2.attend(prepared)}
+    for mode in MODES:
+        calls[f"prepared_{mode}"] = lambda mode=mode: SAGE2.attend(SAGE2.prepare(q, k, v, mode=mode))
+        calls[f"prepare_{mode}"] = lambda mode=mode: SAGE2.prepare(q, k, v, mode=mode)
     times = measure.interleaved_times({n: measure.event_timed(f) for n, f in calls.items()}, reps=reps, warmup=warmup)
     rows = {n: measure.summary(t) for n, t in times.items()}
     for n, f in calls.items():
@@ -152,14 +123,6 @@ def concentrate(x, chans, ratio):
     """x [1, S, H, D]: channels ``chans[h]`` scaled by ``ratio``, each row rescaled to its norm."""
     y = outlier_keys(x, chans, ratio).float()
     return (y * (x.float().norm(dim=-1, keepdim=True) / y.norm(dim=-1, keepdim=True))).to(x.dtype)
-
-
-def accuracy_cases():
-    """(name, k channels, ratio, K mean offset, construction: "gain" scales K's channels, "normed" Q's and K's)."""
-    cases = [("plain", 0, 1, False, "gain"), ("k_mean_offset", 0, 1, True, "gain")]
-    cases += [(f"k{n}_x{r}", n, r, False, "gain") for n in (1, 2, 4, 8) for r in (10, 30, 100)]
-    cases += [("k4_x100_offset", 4, 100, True, "gain"), ("qk4_x100_normed", 4, 100, False, "normed")]
-    return cases
 
 
 def rel_l2(out, ref):
@@ -194,19 +157,12 @@ def case_inputs(seq: int, heads: int, case: tuple, g: torch.Generator):
     return q, k, v
 
 
-def comfy_kitchen_attention():
-    try:
-        import comfy_kitchen
-        return comfy_kitchen.int8_attention, ""
-    except Exception as exc:
-        return None, f"comfy-kitchen not importable on this machine ({type(exc).__name__}: {exc})"
-
-
 def case_outputs(q, k, v, rows, prepared, kitchen) -> dict:
     from sageattention import sageattn
 
     def hnd(t):
         return t.transpose(1, 2)
+
     outs = {"sageattn": sageattn(q, k, v, tensor_layout="NHD")[0, rows],
             **{f"prepared_{m}": SAGE2.attend(p)[0, rows] for m, p in prepared.items()},
             "sdpa_bf16": F.scaled_dot_product_attention(hnd(q), hnd(k), hnd(v)).transpose(1, 2)[0, rows]}
@@ -219,11 +175,15 @@ def case_outputs(q, k, v, rows, prepared, kitchen) -> dict:
 
 
 def accuracy(seq: int, heads: int = HEADS, seed: int = 11) -> dict:
-    kitchen, kitchen_reason = comfy_kitchen_attention()
+    try:
+        import comfy_kitchen
+        kitchen, kitchen_reason = comfy_kitchen.int8_attention, ""
+    except Exception as exc:
+        kitchen, kitchen_reason = None, f"comfy-kitchen not importable on this machine ({type(exc).__name__}: {exc})"
     g = torch.Generator(device="cuda").manual_seed(seed)
     rows = torch.cat([torch.arange(256), torch.arange(seq - 256, seq)]).cuda()
     results, sources = {}, {}
-    for case in accuracy_cases():
+    for case in ACCURACY_CASES:
         q, k, v = case_inputs(seq, heads, case, g)
         ref = attention_rows(*(t[0].transpose(0, 1) for t in (q, k, v)), rows)  # [R, H, D] fp32
         prepared = {m: SAGE2.prepare(q, k, v, mode=m) for m in MODES}
@@ -231,43 +191,27 @@ def accuracy(seq: int, heads: int = HEADS, seed: int = 11) -> dict:
         sources[case[0]] = {m: error_sources(prepared[m].operands, v, rows, ref) for m in prepared}
         print(f"accuracy S={seq} {case[0]:16s} "
               + "  ".join(f"{m} {e * 100:.2f}%" for m, e in results[case[0]].items()), flush=True)
+    # the verdict: rotated against exact where exact's error is over twice its plain error, against comfy-kitchen,
+    # and on plain inputs
+    plain = results["plain"]["prepared_exact"]
+    triggered = [c for c, e in results.items() if e["prepared_exact"] > 2 * plain]
+    verdict = {"outlier_cases_over_2x_plain": triggered,
+               "rotated_at_most_half_of_sage2": {c: results[c]["prepared_rotated"] <= results[c]["prepared_exact"] / 2
+                                                 for c in triggered},
+               "rotated_at_most_comfy_kitchen_int8": {c: e["prepared_rotated"] <= e["comfy_kitchen_int8"]
+                                                      for c, e in results.items() if "comfy_kitchen_int8" in e},
+               "rotated_no_worse_on_plain": results["plain"]["prepared_rotated"] <= plain}
     return {"seq": seq, "heads": heads, "rows": "first and last 256", "rel_l2_vs_fp32": results,
             "error_sources": sources, "comfy_kitchen": kitchen_reason or "ran",
             "cases": {c[0]: dict(zip(("channels", "ratio", "k_mean_offset", "construction"), c[1:]))
-                      for c in accuracy_cases()}}
-
-
-def accuracy_verdict(a: dict) -> dict:
-    """Rotated against exact where exact's error is over twice its plain error, against comfy-kitchen, on plain."""
-    err = a["rel_l2_vs_fp32"]
-    plain = err["plain"]["prepared_exact"]
-    triggered = [c for c, e in err.items() if e["prepared_exact"] > 2 * plain]
-    return {"outlier_cases_over_2x_plain": triggered,
-            "rotated_at_most_half_of_sage2": {c: err[c]["prepared_rotated"] <= err[c]["prepared_exact"] / 2
-                                              for c in triggered},
-            "rotated_at_most_comfy_kitchen_int8": {c: e["prepared_rotated"] <= e["comfy_kitchen_int8"]
-                                                   for c, e in err.items() if "comfy_kitchen_int8" in e},
-            "rotated_no_worse_on_plain": err["plain"]["prepared_rotated"] <= err["plain"]["prepared_exact"]}
-
-
-def unavailable() -> str | None:
-    """Why the prepared path cannot run here (None: it can)."""
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU"
-    available = SAGE2.available()
-    if not available:
-        return f"sage2 unavailable: {available.reason}"
-    q = torch.empty(1, 128, 1, D, dtype=torch.bfloat16, device="cuda")
-    verdict = SAGE2.prepared_verdict(q, q, q)
-    return None if verdict else f"prepared path unavailable: {verdict.reason}"
+                      for c in ACCURACY_CASES}, "verdict": verdict}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 37810])
     p.add_argument("--prepared", action="store_true", help="the sage2 prepared path's speed and accuracy (sm90)")
-    p.add_argument("--backends", nargs="+", choices=list(kernels.backends.AUTO_ORDER),
-                   help="default: every available one")
+    p.add_argument("--backends", nargs="+", choices=list(kernels.backends.AUTO_ORDER), help="default: all available")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--heads", type=int, default=HEADS)
@@ -290,6 +234,7 @@ def write(report: dict, path: str | None) -> None:
 
 
 def layouts_main(args) -> dict:
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     availability = describe_backends(args.device)
     names = args.backends or [row["name"] for row in availability if row["available"]]
     report = {"environment": {**measure.device_facts(args.device), "torch": torch.__version__}, "heads": args.heads,
@@ -302,7 +247,12 @@ def layouts_main(args) -> dict:
         report["results"][name] = {}
         for seq in args.seq:
             try:
-                row = measure_backend(name, seq, args)
+                qkv, table, qw, kw = fused_attention_inputs(seq, args.heads, args.head_dim, args.rot_dim,
+                                                            seed=args.seed, device=device, weight_mean=1.0,
+                                                            weight_spread=0.1, table_dtype=dtype)
+                norm = {"rope_table": table, "q_weight": qw.to(dtype), "k_weight": kw.to(dtype), "eps": 1e-5}
+                row = compare_layouts(qkv.to(dtype), norm, args.heads, args.head_dim, name, device, args.reps,
+                                      args.warmup)
             except Exception as exc:  # keep measuring the rest; the JSON says what failed
                 row = {"error": f"{type(exc).__name__}: {exc}"}
             report["results"][name][str(seq)] = row
@@ -317,16 +267,19 @@ def layouts_main(args) -> dict:
 
 
 def prepared_main(args) -> dict:
-    why = unavailable()
-    if why:
-        sys.exit(why)
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    available = SAGE2.available()
+    if not available:
+        sys.exit(f"sage2 unavailable: {available.reason}")
+    q = torch.empty(1, 128, 1, D, dtype=torch.bfloat16, device="cuda")
+    verdict = SAGE2.prepared_verdict(q, q, q)
+    if not verdict:
+        sys.exit(f"prepared path unavailable: {verdict.reason}")
     report = {**measure.device_facts("cuda"), "torch": torch.__version__, "speed": [], "accuracy": []}
     for part, run in (("speed", lambda s: speed(s, args.reps, args.warmup)), ("accuracy", accuracy)):
         for seq in args.seq:
-            result = run(seq)
-            if part == "accuracy":
-                result["verdict"] = accuracy_verdict(result)
-            report[part].append(result)
+            report[part].append(run(seq))
             write(report, args.out)
     for r in report["speed"]:
         print(f"S = {r['seq']:,}: " + ", ".join(f"{n} {row['p50_seconds'] * 1e3:.3f} ms ({row['spread']:.1%}, "

@@ -44,26 +44,17 @@ def event_timed(fn: Callable[[], object]) -> Callable[[], float]:
     return run
 
 
-def device_timed(fn: Callable[[], object], device: torch.device) -> Callable[[], float]:
-    """A runner returning the seconds of one ``fn()``: CUDA events on a GPU, elsewhere ``timed``."""
-    return event_timed(fn) if device.type == "cuda" else (lambda: timed(fn, device)[0])
-
-
-def rotated(names: list[str], rep: int) -> list[str]:
-    shift = rep % len(names)
-    return names[shift:] + names[:shift]
-
-
 def interleaved_times(runners: dict[str, Callable[[], float]], reps: int, warmup: int,
                       progress: Callable[[str], None] | None = None) -> dict[str, list[float]]:
     """Run each variant's ``runner()`` (which returns its own measured seconds) rep by rep, rotated."""
     names = list(runners)
+    rotations = [names[i:] + names[:i] for i in range(len(names))]  # the variant going first moves each rep
     for rep in range(warmup):
-        for name in rotated(names, rep):
+        for name in rotations[rep % len(names)]:
             runners[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
-        for name in rotated(names, rep):
+        for name in rotations[rep % len(names)]:
             times[name].append(runners[name]())
         if progress:
             progress(f"rep {rep + 1}/{reps}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.2f} ms" for n in names))

@@ -28,10 +28,10 @@ LOW_MEMORY = {"kj_lowmem": (MEM_EFF_SAGE, LOW_VRAM, CHUNK_FF)}
 LOW_MEMORY_WITHOUT_SAGE = {"kj_lowmem": (LOW_VRAM, CHUNK_FF)}
 
 
-def check_checkout(checkout) -> Path:
-    path = Path(checkout).expanduser().resolve() / PEER_FILE
+def check_checkout(checkout, file: Path = PEER_FILE) -> Path:
+    path = Path(checkout).expanduser().resolve() / file
     if not path.is_file():
-        raise FileNotFoundError(f"no {PEER_FILE} under {checkout} (expected a ComfyUI-KJNodes checkout)")
+        raise FileNotFoundError(f"no {file} under {checkout} (not a ComfyUI-KJNodes checkout, or one too old)")
     return path
 
 
@@ -63,10 +63,8 @@ def _server_for_import() -> None:
 
 def load_module(checkout, file: Path = PEER_FILE):
     """The peer's ``minimax_nodes`` module, or another of its ``nodes/`` files (ComfyUI imported first)."""
-    check_checkout(checkout)
-    path = Path(checkout).expanduser().resolve() / file
-    if not path.is_file():
-        raise FileNotFoundError(f"no {file} under {checkout} (a ComfyUI-KJNodes checkout without it is too old)")
+    check_checkout(checkout)  # the checkout's own file first, whichever file is asked for
+    path = check_checkout(checkout, file)
     name = f"{PACKAGE}.nodes.{path.stem}"
     if name in sys.modules:
         return sys.modules[name]
@@ -97,13 +95,6 @@ def make_variant(module, base, nodes: tuple[str, ...], checkout=None):
     if model is base:
         raise RuntimeError(f"{' then '.join(nodes)} returned the model unpatched (the peer did not see H3 blocks)")
     return model, applied
-
-
-def make_variants(module, base) -> tuple[dict, dict]:
-    clones, applied = {}, {}
-    for name, nodes in VARIANTS.items():
-        clones[name], applied[name] = make_variant(module, base, nodes)
-    return clones, applied
 
 
 def describe(checkout, module, stock_attention) -> dict:

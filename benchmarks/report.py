@@ -34,33 +34,30 @@ class Report:
         self.data["errors"][name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": "".join(lines[-6:])}
         self.write()
 
-    def write(self) -> None:  # atomically: a reader never sees half a file
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=_json_default) + "\n")
-        os.replace(tmp, self.path)
+    def write(self) -> None:
+        """Atomically (a reader never sees half a file); a copy under $OUT too (the GPU machine hands it back)."""
+        copy = Path(os.environ["OUT"]) / self.path.name if os.environ.get("OUT") else self.path
+        for path in dict.fromkeys([self.path, copy]):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp.write_text(json.dumps(self.data, indent=2, default=_json_default) + "\n")
+            os.replace(tmp, path)
 
 
 def _json_default(value):
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return str(value)
+    return value.tolist() if hasattr(value, "tolist") else str(value)
 
 
-def equality_verdict(diff: dict | None, what: str = "outputs") -> str:
-    if diff is None:
-        return "not measured"
+def equality_verdict(diff: dict) -> str:
     if diff.get("bit_exact"):
         return "bit-exact"
-    return f"{what} differ: max abs {diff['max_abs_difference']:.6g}, mean abs {diff['mean_abs_difference']:.6g}"
+    return f"outputs differ: max abs {diff['max_abs_difference']:.6g}, mean abs {diff['mean_abs_difference']:.6g}"
 
 
 def seconds(value, unit="s") -> str:
     if value is None:
         return "-"
-    if unit == "ms":
-        return f"{value * 1e3:.2f} ms"
-    return f"{value:.3f} s"
+    return f"{value * 1e3:.2f} ms" if unit == "ms" else f"{value:.3f} s"
 
 
 def ratio(value) -> str:
@@ -84,20 +81,15 @@ def table_rows(data: dict) -> list[tuple[str, str, str, str, str]]:
                          seconds(s.get("strided_nhd_seconds")), ratio(s.get("speedup"))))
     prof = data.get("profiler_block_recapture")
     if prof:
-        def n(v):
-            return "-" if v is None else str(v)
+        counts = [prof.get(f"{n}_kernel_launches") for n in ("stock", "hnd", "strided_nhd")]
         removed = prof.get("removed_kernel_launches")
-        rows.append(("kernel launches per block", n(prof.get("stock_kernel_launches")),
-                     n(prof.get("hnd_kernel_launches")), n(prof.get("strided_nhd_kernel_launches")),
+        rows.append(("kernel launches per block", *("-" if c is None else str(c) for c in counts),
                      "-" if removed is None else f"-{removed}"))
     s2 = data.get("sampling_2_step")
     if s2 and s2.get("peak_allocated_bytes_saved") is not None:
         rows.append(("2-step peak allocated saved", "-", "-", "-",
                      f"{s2['peak_allocated_bytes_saved'] / 2**30:.2f} GiB"))
     return rows
-
-
-HEADER = ("measurement", "stock ComfyUI", "HND", "strided NHD", "HND / strided NHD")
 
 
 def aligned(rows: list[tuple[str, ...]], numbers: bool = False) -> list[str]:
@@ -109,7 +101,8 @@ def aligned(rows: list[tuple[str, ...]], numbers: bool = False) -> list[str]:
 
 
 def text_table(data: dict) -> str:
-    return "\n".join(aligned([HEADER] + table_rows(data), numbers=True))
+    header = ("measurement", "stock ComfyUI", "HND", "strided NHD", "HND / strided NHD")
+    return "\n".join(aligned([header] + table_rows(data), numbers=True))
 
 
 def correctness_table(data: dict) -> str:
@@ -133,10 +126,6 @@ def correctness_table(data: dict) -> str:
     return "\n".join(aligned(rows) + verdicts)
 
 
-FIRST_CONTACT_HEADER = ("weights", "tokens", "stock ms/block", "pack ms/block", "stock / pack", "bit-identical",
-                        "peak extra MiB, stock / pack")
-
-
 def first_contact_row(run: dict) -> tuple[str, ...]:
     blocks, pack = run["blocks"], run["pack"]
     stock_s, pack_s = ([b[f"{n}_p50_seconds"] for b in blocks] for n in ("stock", pack))
@@ -151,7 +140,9 @@ def first_contact_row(run: dict) -> tuple[str, ...]:
 def first_contact_table(data: dict) -> str:
     """``--first-contact``'s table: per format and length, stock and the pack; what the pack ran; the memory."""
     plan, errors = data["first_contact"], data["errors"]
-    rows, notes, reps = [FIRST_CONTACT_HEADER], {}, "?"
+    rows = [("weights", "tokens", "stock ms/block", "pack ms/block", "stock / pack", "bit-identical",
+             "peak extra MiB, stock / pack")]
+    notes, reps = {}, "?"
     for weights in plan["formats"]:
         for tokens in plan["lengths"]:
             run = data.get(f"first_contact_{weights}_{tokens}")

@@ -1,9 +1,7 @@
-"""Markdown tables from benchmark JSONs: docs/BENCHMARKS.md's tables are made with this (the doc gives the command),
-never by hand. Each option makes one table, a row per report (or sampled variant), and with ``--doc`` fills the
-doc's block between ``<!-- NAME-table:start -->`` and ``<!-- NAME-table:end -->``: ``--blocks`` and ``--sampling``
-(``benchmarks.h3_reference_run``), ``--kernels`` (``benchmarks.isolated_attention``; a back-end shown from an
-earlier report is left out of the later ones), ``--budget`` (``benchmarks.vram_budget``). Variants run with a
-setting the pack no longer offers (``REMOVED_SETTINGS``) are left out of every table; the JSON keeps them.
+"""Markdown tables from benchmark JSONs, a row per report (or sampled variant): docs/BENCHMARKS.md's tables are made
+with this, never by hand (the doc gives the command). With ``--doc``, each fills the doc's block between
+``<!-- NAME-table:start -->`` and ``<!-- NAME-table:end -->``. Variants run with a setting the pack no longer offers
+(``REMOVED_SETTINGS``) are left out of every table; the JSON keeps them.
 """
 
 from __future__ import annotations
@@ -54,18 +52,17 @@ def weights_of(data: dict) -> str:
     return data.get("weights") or (source.split()[1] if source.startswith("random ") else "checkpoint")
 
 
-def environment(data: dict) -> str:
-    comfy = (data.get("comfyui") or {}).get("version", "?")
-    peer = data.get("peer") or {}
-    where = peer.get("git_commit") or (peer.get("sha256") and f"nodes/minimax_nodes.py sha256 {peer['sha256'][:12]}")
-    return (f"{data.get('device', '?')}, torch {data.get('torch', '?')}, ComfyUI {comfy}, "
-            f"stock `{data.get('stock_attention', '?')}`" + (f", KJNodes {where}" if where else ""))
-
-
 def sources(reports: list[dict], paths: list[Path]) -> list[str]:
+    """A line per environment (device, versions, stock's attention, the peer) naming the reports made there."""
     by_env: dict[str, list[str]] = {}
     for data, path in zip(reports, paths):
-        by_env.setdefault(environment(data), []).append(f"`{Path(path).as_posix()}`")
+        peer = data.get("peer") or {}
+        sha = peer.get("sha256")
+        where = peer.get("git_commit") or (sha and f"nodes/minimax_nodes.py sha256 {sha[:12]}")
+        env = (f"{data.get('device', '?')}, torch {data.get('torch', '?')}, "
+               f"ComfyUI {(data.get('comfyui') or {}).get('version', '?')}, "
+               f"stock `{data.get('stock_attention', '?')}`" + (f", KJNodes {where}" if where else ""))
+        by_env.setdefault(env, []).append(f"`{Path(path).as_posix()}`")
     return [f"- {env}: {', '.join(files)}" for env, files in by_env.items()]
 
 
@@ -78,30 +75,23 @@ def _mib(n) -> str:
 
 
 def block_variants(reports: list[dict]) -> list[str]:
-    names = []
-    for data in reports:
-        for key in (data.get("real_block_results") or [{}])[0]:
-            name = key[:-len("_p50_seconds")] if key.endswith("_p50_seconds") else None
-            if name and name != "stock" and name not in names:
-                names.append(name)
-    return names
-
-
-def _equality(blocks: list[dict], names: list[str]) -> str:
-    compared = [n for n in names if f"stock_vs_{n}_bit_exact" in blocks[0]]
-    differ = [f"{n} max abs " + " / ".join(f"{b[f'stock_vs_{n}_max_abs_difference']:.3g}" for b in blocks)
-              for n in compared if not all(b[f"stock_vs_{n}_bit_exact"] for b in blocks)]
-    return "-" if not compared else "; ".join(differ) or "all bit-exact"
+    keys = [key for data in reports for key in (data.get("real_block_results") or [{}])[0]]
+    return list(dict.fromkeys(key[:-len("_p50_seconds")] for key in keys
+                              if key.endswith("_p50_seconds") and key != "stock_p50_seconds"))
 
 
 def block_row(data: dict, names: list[str], report: str) -> tuple[str, ...]:
     blocks = data["real_block_results"]
     ratios = [" / ".join(ratio(b.get(f"stock_over_{n}")) for b in blocks) if f"{n}_p50_seconds" in blocks[0] else "-"
               for n in names]
+    compared = [n for n in names if f"stock_vs_{n}_bit_exact" in blocks[0]]
+    differ = [f"{n} max abs " + " / ".join(f"{b[f'stock_vs_{n}_max_abs_difference']:.3g}" for b in blocks)
+              for n in compared if not all(b[f"stock_vs_{n}_bit_exact"] for b in blocks)]
     peaks = blocks[0].get("peak_extra_bytes") or {}
     return (report, weights_of(data), f"{data.get('packed_tokens', 0):,}", str(blocks[0].get("reps", "?")),
             " / ".join(_ms(b.get("stock_p50_seconds")) for b in blocks) + " ms", *ratios,
-            _equality(blocks, names), " / ".join(_mib(peaks.get(n)) for n in ["stock", *names]))
+            "-" if not compared else "; ".join(differ) or "all bit-exact",
+            " / ".join(_mib(peaks.get(n)) for n in ["stock", *names]))
 
 
 def block_notes(data: dict, report: str) -> list[str]:
@@ -148,8 +138,10 @@ def sampling_rows(data: dict) -> list[tuple[str, ...]]:
         for name in [n for n in dict.fromkeys(s.get("order", ())) if n != "stock" and "stock_seconds" in s]:
             same = s.get(f"stock_vs_{name}_identical")
             peaks = [s.get(f"{n}_peak_allocated_bytes") for n in ("stock", name)]
-            rows.append((weights_of(data), str((data.get("model") or {}).get("blocks", "?")), str(s["steps"]), name,
-                         f"{s['stock_seconds']:.2f} s", f"{s[f'{name}_seconds']:.2f} s", ratio(s.get(f"stock_over_{name}")),
+            blocks = str((data.get("model") or {}).get("blocks", "?"))
+            rows.append((weights_of(data), blocks, str(s["steps"]), name,
+                         f"{s['stock_seconds']:.2f} s", f"{s[f'{name}_seconds']:.2f} s",
+                         ratio(s.get(f"stock_over_{name}")),
                          "identical" if same else "differ" if same is False else "-",
                          " / ".join("-" if p is None else f"{p / 1e9:.2f}" for p in peaks)))
     return rows
@@ -173,6 +165,7 @@ KERNELS_HEADER = ("back-end", "S", "HND", "strided NHD", "speedup", "max abs dif
 
 
 def kernel_rows(report: dict, shown: set) -> list[tuple[str, ...]]:
+    """``benchmarks.isolated_attention``'s rows; a back-end in ``shown`` (an earlier report's) is left out."""
     rows = []
     for name, by_seq in report["results"].items():
         if name in shown:
@@ -194,7 +187,7 @@ def kernel_rows(report: dict, shown: set) -> list[tuple[str, ...]]:
 
 def kernels_table(paths: list[Path]) -> str:
     shown: set = set()
-    reports = [json.loads(Path(p).read_text()) for p in paths]
+    reports = [load(p) for p in paths]
     rows = [r for report in reports for r in kernel_rows(report, shown)]
     notes = [f"- `{Path(p).as_posix()}`: {r['environment']['device']}, torch {r['environment']['torch']}, "
              f"{r['heads']}x{r['head_dim']} heads {r['dtype']}" for r, p in zip(reports, paths)]
@@ -247,28 +240,30 @@ def timeline_text(run: dict) -> str | None:
     return text
 
 
+def _card(cell: dict) -> str:
+    return "whole card" if cell.get("budget_gib") is None else f"{cell['budget_gib']:g} GiB"
+
+
+def _tokens(cell: dict) -> str:
+    return f"{cell.get('packed_rows', {}).get('total', cell.get('tokens_asked')):,}"
+
+
 def budget_markdown(datas: list[dict]) -> list[str]:
     """Budget x length: seconds per step (steps after the first) or why not, and the pack's lead."""
-    head = ["card", "tokens", "stock", "KJNodes (lowest memory)", "the pack", "pack vs stock", "pack vs KJNodes"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    cells = [c for d in datas for c in d["cells"]]
-    cells.sort(key=lambda c: (c.get("packed_rows", {}).get("total", 0), c.get("budget_gib") or 1e9))
-    for cell in cells:
+    rows = []
+    for cell in sorted((c for d in datas for c in d["cells"]),
+                       key=lambda c: (c.get("packed_rows", {}).get("total", 0), c.get("budget_gib") or 1e9)):
         runs = budget_runs(cell)
-        budget = cell.get("budget_gib")
-        rows = cell.get("packed_rows", {}).get("total", cell.get("tokens_asked"))
         lead = [budget_ratio(runs.get(other), runs.get("pack")) for other in ("stock", "kjnodes")]
-        lines.append("| " + " | ".join([
-            "whole card" if budget is None else f"{budget:g} GiB", f"{rows:,}",
-            budget_outcome(runs.get("stock")), budget_outcome(runs.get("kjnodes")), budget_outcome(runs.get("pack")),
-            *("" if r is None else f"{r:.3f}x" for r in lead)]) + " |")
-    return lines
+        rows.append((_card(cell), _tokens(cell), *(budget_outcome(runs.get(n)) for n in ("stock", "kjnodes", "pack")),
+                     *("" if r is None else f"{r:.3f}x" for r in lead)))
+    return markdown(("card", "tokens", "stock", "KJNodes (lowest memory)", "the pack", "pack vs stock",
+                     "pack vs KJNodes"), rows)
 
 
 def budget_details(data: dict) -> list[str]:
     lines = []
     for cell in data["cells"]:
-        card = "whole card" if cell.get("budget_gib") is None else f"{cell['budget_gib']:g} GiB"
         error = cell.get("error")
         parts = [f"cell failed at {cell.get('stage')}: {error['type']}: {error['message']}"] if error else []
         for name, run in budget_runs(cell).items():
@@ -287,8 +282,7 @@ def budget_details(data: dict) -> list[str]:
             if timeline := timeline_text(run):
                 facts.append(timeline)
             parts.append(f"{name} " + ", ".join(facts))
-        tokens = cell.get("packed_rows", {}).get("total", cell.get("tokens_asked"))
-        lines.append(f"- {card}, {tokens:,} tokens: " + "; ".join(parts))
+        lines.append(f"- {_card(cell)}, {_tokens(cell)} tokens: " + "; ".join(parts))
     return lines
 
 

@@ -52,21 +52,15 @@ class Bench:
         return self.base.model.diffusion_model
 
     def variants(self, with_stock: bool) -> dict[str, object]:
-        out = {"stock": self.base} if with_stock else {}
-        out.update(self.clones)
-        out.update(self.extras)
-        return out
+        return {**({"stock": self.base} if with_stock else {}), **self.clones, **self.extras}
 
 
 def patches_left_behind(diffusion_model) -> list[str]:
     """Modules whose forward is still replaced on the shared model (ComfyUI restores an object patch by setting
     the saved original back, so only a bound ``forward`` that is not the class's own counts)."""
-    left = []
-    for name, module in diffusion_model.named_modules():
-        forward = vars(module).get("forward")
-        if forward is not None and getattr(forward, "__func__", None) is not type(module).forward:
-            left.append(name)
-    return left
+    return [name for name, module in diffusion_model.named_modules()
+            if (forward := vars(module).get("forward")) is not None
+            and getattr(forward, "__func__", None) is not type(module).forward]
 
 
 def ensure_stock_loaded(bench: Bench) -> None:
@@ -107,13 +101,10 @@ def stock_block_inputs(bench: Bench, shape, indices: list[int], stop: bool = Fal
 
     hooks = [dm.blocks[i].register_forward_pre_hook(lambda m, a, k, i=i: keep(i, a), with_kwargs=True)
              for i in indices]
-
-    def forward():
-        return dm(x=[video, audio], timestep=torch.tensor([1000.0], device=bench.device), context=context,
-                  transformer_options={}, minimax_payload={})
-
     try:
-        seconds, out = measure.timed(forward, bench.device)
+        seconds, out = measure.timed(lambda: dm(x=[video, audio], timestep=torch.tensor([1000.0], device=bench.device),
+                                                context=context, transformer_options={}, minimax_payload={}),
+                                     bench.device)
     except _Captured:
         seconds, out = None, None
     finally:
@@ -179,31 +170,25 @@ def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool, compiled
                    for name, p in variants.items()}
         times = measure.interleaved_times({n: (lambda r=r: r()[0]) for n, r in runners.items()}, reps, warmup,
                                           progress=lambda m: bench.log(f"    {m}"))
-        outputs, peaks = {}, {}
+        row, outputs, peaks = {"block": index}, {}, {}
+        for name, t in times.items():
+            stats = measure.summary(t)
+            row[f"{name}_p50_seconds"], row[f"{name}_spread"] = stats["p50_seconds"], stats["spread"]
         for name, run in runners.items():
             peaks[name], outputs[name] = run(measure.peak_extra_bytes)
             bench.outputs_finite[f"block {index} {name}"] = measure.all_finite(outputs[name])
-        results.append(block_row(index, times, peaks, outputs, reps))
+        row["peak_extra_bytes"] = peaks
+        if "hnd" in outputs and "strided_nhd" in outputs:
+            diff = measure.max_abs_difference(outputs["hnd"], outputs["strided_nhd"])
+            row["speedup"] = measure.speedup(row["hnd_p50_seconds"], row["strided_nhd_p50_seconds"])
+            row["max_abs_difference"], row["bit_exact"] = diff["max_abs_difference"], diff["bit_exact"]
+        for name in [n for n in outputs if n != "stock" and "stock" in outputs]:
+            diff = measure.max_abs_difference(outputs["stock"], outputs[name])
+            for key in ("max_abs_difference", "bit_exact", "relative_l2"):
+                row[f"stock_vs_{name}_{key}"] = diff[key]
+            row[f"stock_over_{name}"] = measure.speedup(row["stock_p50_seconds"], row[f"{name}_p50_seconds"])
+        results.append(dict(row, reps=reps))
     return results
-
-
-def block_row(index: int, times: dict, peaks: dict, outputs: dict, reps: int) -> dict:
-    row = {"block": index}
-    for name, t in times.items():
-        stats = measure.summary(t)
-        row[f"{name}_p50_seconds"], row[f"{name}_spread"] = stats["p50_seconds"], stats["spread"]
-    row["peak_extra_bytes"] = peaks
-    if "hnd" in outputs and "strided_nhd" in outputs:
-        diff = measure.max_abs_difference(outputs["hnd"], outputs["strided_nhd"])
-        row["speedup"] = measure.speedup(row["hnd_p50_seconds"], row["strided_nhd_p50_seconds"])
-        row["max_abs_difference"], row["bit_exact"] = diff["max_abs_difference"], diff["bit_exact"]
-    for name in [n for n in outputs if n != "stock" and "stock" in outputs]:
-        diff = measure.max_abs_difference(outputs["stock"], outputs[name])
-        for key in ("max_abs_difference", "bit_exact", "relative_l2"):
-            row[f"stock_vs_{name}_{key}"] = diff[key]
-        row[f"stock_over_{name}"] = measure.speedup(row["stock_p50_seconds"], row[f"{name}_p50_seconds"])
-    row["reps"] = reps
-    return row
 
 
 def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
@@ -246,12 +231,7 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
 
 def sampling_order(layouts: list[str], reps: int) -> list[str]:
     """HND first, then ABBA: each pair of reps cancels a linear drift (one rep penalises the second, strided NHD)."""
-    if len(layouts) == 1:
-        return layouts * reps
-    order = []
-    for rep in range(reps):
-        order += layouts if rep % 2 == 0 else layouts[::-1]
-    return order
+    return [name for rep in range(reps) for name in (layouts if rep % 2 == 0 else layouts[::-1])]
 
 
 def run_sampling(bench: Bench, patcher, steps: int, label: str, quiet=False) -> tuple[dict, tuple]:
@@ -298,23 +278,6 @@ def sampling(bench: Bench, steps: int, reps: int, with_stock: bool, extras: list
             run_sampling(bench, patcher, 1, f"warm-up {name}", quiet=True)
             bench.log(f"  warm-up {name}: {time.perf_counter() - started:.2f} s (not counted)")
         bench.sampling_warmed = True
-    runs, latents = _sampling_runs(bench, variants, order, steps)
-    result = {"sampler": SAMPLER, "scheduler": SCHEDULER, "steps": steps, "seed": bench.seed,
-              "guider": "BasicGuider (one model call per step)",
-              "nodes": "RandomNoise, KSamplerSelect, BasicScheduler, BasicGuider, SamplerCustomAdvanced",
-              "latent": bench.latent_source, "order": order, "runs": runs}
-    for name in dict.fromkeys(order):
-        result.update(_sampling_means(name, [r for r in runs if r["variant"] == name]))
-    result["checksums"] = result[f"{main_variant(bench)}_checksums"]
-    if "hnd" in latents and "strided_nhd" in latents:
-        result.update(_layouts_compared(result, latents))
-    if "stock" in latents:
-        for name in [n for n in latents if n != "stock"]:
-            result.update(_compared_with_stock(result, latents, name))
-    return result
-
-
-def _sampling_runs(bench: Bench, variants: dict, order: list[str], steps: int) -> tuple[list, dict]:
     runs, latents = [], {}
     for i, name in enumerate(order):
         label = f"{steps}-step {name} run {i + 1}/{len(order)}"
@@ -328,39 +291,36 @@ def _sampling_runs(bench: Bench, variants: dict, order: list[str], steps: int) -
         else:
             latents[name] = latent
         bench.outputs_finite[f"{steps}-step {name}"] = run["finite"]
-    return runs, latents
-
-
-def _sampling_means(name: str, mine: list[dict]) -> dict:
-    out = {f"{name}_seconds": sum(r["seconds"] for r in mine) / len(mine),  # ABBA: the mean cancels drift
-           f"{name}_checksums": mine[0]["checksums"]}
-    if "peak_allocated_bytes" in mine[0]:
-        out[f"{name}_peak_allocated_bytes"] = max(r["peak_allocated_bytes"] for r in mine)
-        out[f"{name}_peak_reserved_bytes"] = max(r["peak_reserved_bytes"] for r in mine)
-    return out
+    result = {"sampler": SAMPLER, "scheduler": SCHEDULER, "steps": steps, "seed": bench.seed,
+              "guider": "BasicGuider (one model call per step)",
+              "nodes": "RandomNoise, KSamplerSelect, BasicScheduler, BasicGuider, SamplerCustomAdvanced",
+              "latent": bench.latent_source, "order": order, "runs": runs}
+    for name in dict.fromkeys(order):
+        mine = [r for r in runs if r["variant"] == name]
+        result[f"{name}_seconds"] = sum(r["seconds"] for r in mine) / len(mine)  # ABBA: the mean cancels drift
+        result[f"{name}_checksums"] = mine[0]["checksums"]
+        for kind in ("allocated", "reserved") if "peak_allocated_bytes" in mine[0] else ():
+            result[f"{name}_peak_{kind}_bytes"] = max(r[f"peak_{kind}_bytes"] for r in mine)
+    result["checksums"] = result[f"{main_variant(bench)}_checksums"]
+    if "hnd" in latents and "strided_nhd" in latents:
+        result["speedup"] = measure.speedup(result["hnd_seconds"], result["strided_nhd_seconds"])
+        result["latency_reduction"] = 1.0 - result["strided_nhd_seconds"] / result["hnd_seconds"]
+        result["identical_video_and_audio"], result["max_abs_difference"] = _latents_compared(
+            latents["hnd"], latents["strided_nhd"])
+        for kind in ("allocated", "reserved"):
+            hnd, nhd = result.get(f"hnd_peak_{kind}_bytes"), result.get(f"strided_nhd_peak_{kind}_bytes")
+            result[f"peak_{kind}_bytes_saved"] = None if hnd is None else hnd - nhd
+    for name in [n for n in latents if n != "stock"] if "stock" in latents else []:
+        same, diff = _latents_compared(latents["stock"], latents[name])
+        result.update({f"stock_vs_{name}_identical": same, f"stock_vs_{name}_max_abs_difference": diff,
+                       f"stock_over_{name}": measure.speedup(result["stock_seconds"], result[f"{name}_seconds"])})
+    return result
 
 
 def _latents_compared(a: tuple, b: tuple) -> tuple[bool, dict]:
     diffs = [measure.max_abs_difference(x, y) for x, y in zip(a, b)]
     return all(d["bit_exact"] for d in diffs), {"video": diffs[0]["max_abs_difference"],
                                                 "audio": diffs[1]["max_abs_difference"]}
-
-
-def _layouts_compared(result: dict, latents: dict) -> dict:
-    out = {"speedup": measure.speedup(result["hnd_seconds"], result["strided_nhd_seconds"]),
-           "latency_reduction": 1.0 - result["strided_nhd_seconds"] / result["hnd_seconds"]}
-    out["identical_video_and_audio"], out["max_abs_difference"] = _latents_compared(latents["hnd"],
-                                                                                   latents["strided_nhd"])
-    for kind in ("allocated", "reserved"):
-        hnd, nhd = result.get(f"hnd_peak_{kind}_bytes"), result.get(f"strided_nhd_peak_{kind}_bytes")
-        out[f"peak_{kind}_bytes_saved"] = None if hnd is None else hnd - nhd
-    return out
-
-
-def _compared_with_stock(result: dict, latents: dict, name: str) -> dict:
-    same, diff = _latents_compared(latents["stock"], latents[name])
-    return {f"stock_vs_{name}_identical": same, f"stock_vs_{name}_max_abs_difference": diff,
-            f"stock_over_{name}": measure.speedup(result["stock_seconds"], result[f"{name}_seconds"])}
 
 
 MAX_FRAMES = 3600  # EmptyMiniMaxH3LatentAV's largest length
@@ -423,24 +383,19 @@ def _peaks_in_order(bench: Bench, order: list[str], index: int, inputs: tuple) -
     return peaks, errors
 
 
-def _sampled_verdict(same, diff: dict, checksums: str) -> str:
+def sampling_verdict(result: dict, name: str | None = None) -> str:
+    """Whether the sampled latents were the same: HND's and strided NHD's, or with ``name`` stock's and its."""
+    if name:
+        same, diff = result.get(f"stock_vs_{name}_identical"), result.get(f"stock_vs_{name}_max_abs_difference")
+        pair = f"stock {result.get('stock_checksums')} vs {name} {result.get(f'{name}_checksums')}"
+    else:
+        same, diff = result.get("identical_video_and_audio"), result.get("max_abs_difference")
+        pair = f"hnd {result.get('hnd_checksums')} vs strided NHD {result.get('strided_nhd_checksums')}"
+    if same is None:
+        return "not compared" + ("" if name else " (one layout measured)")
     if same:
         return "identical video and audio checksums"
-    return f"differ: video max abs {diff['video']:.6g}, audio max abs {diff['audio']:.6g}; checksums {checksums}"
-
-
-def trajectory_verdict(result: dict) -> str:
-    if "identical_video_and_audio" not in result:
-        return "not compared (one layout measured)"
-    return _sampled_verdict(result["identical_video_and_audio"], result["max_abs_difference"],
-                            f"hnd {result['hnd_checksums']} vs strided NHD {result['strided_nhd_checksums']}")
-
-
-def stock_sampling_verdict(result: dict, name: str) -> str:
-    if f"stock_vs_{name}_identical" not in result:
-        return "not compared"
-    return _sampled_verdict(result[f"stock_vs_{name}_identical"], result[f"stock_vs_{name}_max_abs_difference"],
-                            f"stock {result['stock_checksums']} vs {name} {result[f'{name}_checksums']}")
+    return f"differ: video max abs {diff['video']:.6g}, audio max abs {diff['audio']:.6g}; checksums {pair}"
 
 
 def blocks_verdict(rows: list[dict], prefix: str = "") -> str:

@@ -1,8 +1,8 @@
 """torch.profiler's device activity. Where one sampling step's time goes: kernels, weight copies to the card, the
 part of those copies no kernel ran beside, and waits; with nvidia-ml-py, the card's SM clock, power and temperature
 while each kernel family ran (a card at its power cap runs the same kernel slower). ``summarize`` is interval
-arithmetic on ``(kind, start_us, end_us, name)`` (the CPU tests feed it made-up timelines). Torch is imported only
-inside the functions: a budget cell must start comfy-aimdo first. ``profile_kernels``: the kernels one call launches.
+arithmetic on ``(kind, start_us, end_us, name)``. ``profile_kernels``: the kernels one call launches. Torch is
+imported only inside the functions: a budget cell must start comfy-aimdo first.
 """
 
 from __future__ import annotations
@@ -15,6 +15,13 @@ import time
 from collections import Counter
 
 KERNEL, HOST_TO_DEVICE, OTHER_COPY = "kernel", "host_to_device", "other_copy"
+TOP_KERNELS = 16  # the longest-running kernels a summary names
+NAME_CHARS = 120  # of each name (C++ template names run to thousands of characters)
+# Kernel families of an H3 block, by name: the matrix products and the attention kernel are what an
+# exact path must run as stock runs them; everything else is what a fast path can fuse or drop.
+_FAMILIES = (("attention", ("attn_kernel", "attention", "flash", "fmha", "_attn_fwd", "sdpa")),
+             ("gemm", ("nvjet", "gemm", "Gemm", "cutlass", "sm90_xmma", "cublas")))
+FAMILIES = tuple(family for family, _ in _FAMILIES) + ("other",)
 
 
 def activity_kind(name: str) -> str | None:
@@ -22,16 +29,7 @@ def activity_kind(name: str) -> str | None:
         return HOST_TO_DEVICE if "HtoD" in name else OTHER_COPY
     if name.startswith("Memset"):
         return OTHER_COPY
-    if name.startswith("## "):  # a user range on the device timeline
-        return None
-    return KERNEL
-
-
-# Kernel families of an H3 block, by name: the matrix products and the attention kernel are what an
-# exact path must run as stock runs them; everything else is what a fast path can fuse or drop.
-_FAMILIES = (("attention", ("attn_kernel", "attention", "flash", "fmha", "_attn_fwd", "sdpa")),
-             ("gemm", ("nvjet", "gemm", "Gemm", "cutlass", "sm90_xmma", "cublas")))
-FAMILIES = tuple(family for family, _ in _FAMILIES) + ("other",)
+    return None if name.startswith("## ") else KERNEL  # "## ...": a user range on the device timeline
 
 
 def kernel_family(name: str) -> str:
@@ -64,10 +62,6 @@ def length(intervals) -> float:
     return sum(b - a for a, b in intervals)
 
 
-TOP_KERNELS = 16  # the longest-running kernels a summary names
-NAME_CHARS = 120  # of each name (C++ template names run to thousands of characters)
-
-
 def summarize(activities, wall_seconds: float) -> dict:
     """Seconds of one step: ``kernels`` (any running), ``host_to_device`` (a copy to the card running),
     ``host_to_device_exposed`` (no kernel beside), ``idle`` (the rest); kernel seconds per family and of the
@@ -81,8 +75,7 @@ def summarize(activities, wall_seconds: float) -> dict:
             family_us[kernel_family(name)] += end - start
             name_us[name] = name_us.get(name, 0.0) + end - start
     top = sorted(name_us.items(), key=lambda item: -item[1])[:TOP_KERNELS]
-    kernels = union(by_kind[KERNEL])
-    h2d = union(by_kind[HOST_TO_DEVICE])
+    kernels, h2d = union(by_kind[KERNEL]), union(by_kind[HOST_TO_DEVICE])
     busy = union(kernels + h2d + by_kind[OTHER_COPY])
     seconds = {"wall": wall_seconds, "kernels": length(kernels) / 1e6, "host_to_device": length(h2d) / 1e6,
                "host_to_device_exposed": (length(union(kernels + h2d)) - length(kernels)) / 1e6,
@@ -123,8 +116,7 @@ class ClockSampler:
         self.device, self.period = device, period
         self.samples: list[tuple] = []
         self.problem: str | None = None
-        self._stop = threading.Event()
-        self._thread = None
+        self._stop, self._thread = threading.Event(), None
 
     def read(self) -> tuple:
         import torch
@@ -157,8 +149,8 @@ class StepTimeline:
     caller synchronising the device before each; given a ``device``, its clocks too (under ``clocks``)."""
 
     def __init__(self, device=None):
-        self._profile, self._started = None, None
-        self._device, self._clocks, self._anchor_s = device, None, None
+        self._device, self._profile, self._clocks = device, None, None
+        self._started = self._anchor_s = None
 
     def start(self) -> None:
         import torch

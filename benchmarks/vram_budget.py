@@ -1,15 +1,9 @@
 """The full MiniMax H3 on smaller cards: stock ComfyUI, the pack and KJNodes' lowest-memory nodes under VRAM budgets
 emulated on a big card, with ComfyUI's own model management loading what fits and streaming the rest.
 
-    python -m benchmarks.vram_budget --make-checkpoint /dev/shm/h3-int8.safetensors     # once per machine
-    python -m benchmarks.vram_budget --checkpoint /dev/shm/h3-int8.safetensors --kjnodes ~/ComfyUI-KJNodes \\
-        --budgets 12,16,24 --tokens 37810 --steps 3 --out budget.json
-    python -m benchmarks.results_table --budget budget.json other.json                   # the table, per-cell details
-
-Each (length, budget) cell runs in its own process (``benchmarks.budget_cell``): the budget is one raw device
-allocation of the rest of the card (``benchmarks.ballast``), so ComfyUI, comfy-aimdo and torch all see a card of
-that size; every variant is sampled there in turn from a cold start. The checkpoint is the full-size H3 with seeded
-random weights in the bundled workflows' format, loaded as ComfyUI's UNETLoader loads a file.
+Each (length, budget) cell runs in its own process (``benchmarks.budget_cell``) on a card cut to the budget
+(``benchmarks.ballast``), every variant sampled there in turn from a cold start. The checkpoint is the full-size H3
+with seeded random weights in the bundled workflows' format (``--make-checkpoint``; docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -49,33 +43,27 @@ def parse_args(argv=None):
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", type=Path, help="the H3 checkpoint to sample (see --make-checkpoint)")
     what.add_argument("--make-checkpoint", type=Path, metavar="PATH", help="write the random-weight checkpoint")
-    p.add_argument("--budgets", type=parse_budgets, default=parse_budgets("12,16,24"),
-                   help="card sizes in GiB, comma separated; 'full' = the whole card (default 12,16,24)")
+    p.add_argument("--budgets", type=parse_budgets, default=parse_budgets("12,16,24"), help="GiB, or full; 12,16,24")
     p.add_argument("--tokens", type=parse_ints, default=[37810], help="packed tokens per clip, comma separated")
     p.add_argument("--steps", type=int, default=3, help="sampling steps per run (the first is not timed)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma separated, of {', '.join(VARIANTS)}")
     p.add_argument("--kjnodes", type=Path, default=None, help="a ComfyUI-KJNodes checkout (for the kjnodes variant)")
     p.add_argument("--backend", default="auto", help="the node's backend input for the pack (default auto)")
-    p.add_argument("--loader", choices=LOADERS, default="dynamic",
-                   help="dynamic: DynamicVRAM (ComfyUI's default with comfy-aimdo); legacy: --disable-dynamic-vram")
+    p.add_argument("--loader", choices=LOADERS, default="dynamic", help="legacy: ComfyUI's --disable-dynamic-vram")
     p.add_argument("--weights", choices=("int8_convrot", "bf16"), default="int8_convrot", help="--make-checkpoint")
     p.add_argument("--blocks", type=int, default=None, help="--make-checkpoint: DiT blocks (default: all 50)")
     p.add_argument("--tiny", action="store_true", help="--make-checkpoint: the tiny H3 config (CPU tests)")
-    p.add_argument("--width", type=int, default=WIDTH)
-    p.add_argument("--height", type=int, default=HEIGHT)
-    p.add_argument("--text-tokens", type=int, default=TEXT_TOKENS)
-    p.add_argument("--seed", type=int, default=SEED)
+    for name, default in (("width", WIDTH), ("height", HEIGHT), ("text-tokens", TEXT_TOKENS), ("seed", SEED)):
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--device", default="cuda")
     p.add_argument("--comfyui", default=None, help="ComfyUI tree (default: $COMFYUI_PATH, else <repo>/.comfyui)")
-    p.add_argument("--timeline", action="store_true",
-                   help="profile each run's last step: kernel time, weight copies not hidden behind it, waits")
+    p.add_argument("--timeline", action="store_true", help="profile each run's last step (benchmarks.step_timeline)")
     p.add_argument("--cell-timeout", type=int, default=1800, help="seconds a cell's process may take")
     p.add_argument("--out", type=Path, default=Path("vram-budget.json"))
     # one cell, in its own process (what the parent starts)
     p.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--budget", type=float, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--frames", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--cell-out", type=Path, default=None, help=argparse.SUPPRESS)
+    for name, kind in (("--budget", float), ("--frames", int), ("--cell-out", Path)):
+        p.add_argument(name, type=kind, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -121,13 +109,6 @@ def make_checkpoint(args) -> int:
     return 0
 
 
-def cell_command(args, tokens: int, frames: int, budget: float | None, out: Path) -> list[str]:
-    """The cell's process: this run's own options (a repeated option's last value wins), then the cell's."""
-    cmd = [sys.executable, "-m", "benchmarks.vram_budget", *args.argv, "--cell", "--tokens", str(tokens),
-           "--frames", str(frames), "--cell-out", str(out)]
-    return cmd + ([] if budget is None else ["--budget", str(budget)])
-
-
 def run_cells(args) -> int:
     from devkit.aimdo_emulation import Recorder
 
@@ -146,9 +127,12 @@ def run_cells(args) -> int:
             out.unlink(missing_ok=True)
             log(f"cell {name}: {args.width}x{args.height}x{frames} ({rows['total']} tokens), "
                 f"budget {'the whole card' if budget is None else f'{budget:g} GiB'}")
+            # the cell's process: this run's own options (a repeated option's last value wins), then the cell's
+            command = [sys.executable, "-m", "benchmarks.vram_budget", *args.argv, "--cell", "--tokens", str(tokens),
+                       "--frames", str(frames), "--cell-out", str(out)]
+            command += [] if budget is None else ["--budget", str(budget)]
             try:
-                returncode = subprocess.run(cell_command(args, tokens, frames, budget, out),
-                                            timeout=args.cell_timeout).returncode
+                returncode = subprocess.run(command, timeout=args.cell_timeout).returncode
             except subprocess.TimeoutExpired:  # what the cell wrote by then stays; the next cell still runs
                 returncode = f"timed out after {args.cell_timeout} s"
             cell = json.loads(out.read_text()) if out.is_file() else {"runs": {}, "tokens_asked": tokens,

@@ -1,12 +1,8 @@
 """H3's W4A8 linears alone at the bundled workflows' length, comfy-kitchen's ``w4a8_int8_linear`` (stock's call)
 beside the int8 route's (comfy-kitchen's own decode of the codes to its int8 grid, then the pack's quantiser and
-GEMM), on a GPU, after the route's first-use bits check for the 4-bit forms:
-
-    python -m benchmarks.w4a8_linears
-
-Per linear: random bf16 weights quantised by comfy-kitchen's ``quantize_w4a8_int8_weight`` (its defaults), the
-output compared bit for bit, then ms a call (CUDA events, the mean of 10 calls) as stock, pack, stock, pack: the
-lower of each pair is printed."""
+GEMM), on a GPU, after the route's first-use bits check for the 4-bit forms. Per linear: random bf16 weights
+quantised by comfy-kitchen's ``quantize_w4a8_int8_weight`` (its defaults), the output compared bit for bit, then ms
+a call (CUDA events, the mean of 10 calls) as stock, pack, stock, pack: the lower of each pair is printed."""
 
 from __future__ import annotations
 
