@@ -165,12 +165,12 @@ def call(layer, x, input_act: str | None = None, record=None, into=None, routes=
             layouts(quantized_layout(weight))
         return _stock(layer, x, input_act, into, **extra)  # (stock's int8 linears do not compile)
     if extra:
-        _tell(record, f"the call sets linear_input_act's {', '.join(extra)}: stock's call runs them")
+        _tell(record, f"the call sets linear_input_act's {', '.join(extra)}: stock's call runs them", weight)
         return _stock(layer, x, input_act, into, **extra)
     x, pending = _owed(x, input_act is None)
     reason = stock_quantizer_reason(layer, x, input_act, routes=routes)
     if reason is not None:
-        _tell(record, reason)
+        _tell(record, reason, weight)
         return _stock(layer, pending if pending is not None else x, input_act, into)
     with _cast(layer, x, input_act) as (weight, bias):
         if input_act is None:
@@ -185,13 +185,14 @@ def _added(out, into):
 def _on_cast(layer, x, pending, input_act, weight, bias, record, into=None, routes=None):
     """One call on the weight as cast for it: the route where it takes the call (``stock_quantizer_reason``), else
     stock's arithmetic on that weight; the reason told either way."""
-    (answer, reason), out, w4a8 = _decided(layer, x, input_act, (weight, bias), routes), None, is_w4a8(weight)
+    (answer, reason), out = _decided(layer, x, input_act, (weight, bias), routes), None
     if reason is None:  # a W4A8 weight decoded to its int8 grid for this call only (kernels/int8_w4a8.py)
-        qdata, w_scale = kernels.int8_w4a8.operands(weight) if w4a8 else (weight._qdata, weight._params.scale)
+        qdata, w_scale = kernels.int8_w4a8.operands(weight) if is_w4a8(weight) else (weight._qdata,
+                                                                                   weight._params.scale)
         out = kernels.int8_linear_routed(x, qdata, w_scale, bias, input_act=input_act, kernel=answer.choice,
                                          modulation=pending.segments if pending is not None else None, residual=into)
         reason = None if out is not None else "CUTLASS declined the shape"
-    _tell(record, reason, kernels.int8_w4a8.LAYOUT if w4a8 else None)
+    _tell(record, reason, weight)
     if out is not None:
         return out
     x = x if pending is None else kernels.settled(pending)
@@ -284,7 +285,7 @@ def quantized_columns(layer, x, inner: int, record=None, cast=None, routes=None)
     kernel = answer.choice
     _every_op()
     rows = kernels.int8_quantized_rows(x, pending.segments if pending is not None else None)
-    _tell(record, None)
+    _tell(record, None, weight)
     qdata, scale = weight._qdata, weight._params.scale
     (project,) = kernels.int8_column_products(qdata, scale, kernel=kernel)
     return rows, project, kernels.int8_column_products(qdata, scale, inner, kernel=kernel)
@@ -307,11 +308,11 @@ def _every_op() -> None:
     getattr(comfy.ops, "run_every_op", lambda: None)()  # stock's forward checks for an interrupt first
 
 
-def _tell(record, reason, layout=None) -> None:
-    """``reason`` to the report (None: the route ran the call); a W4A8 ``layout`` is told, int8 ConvRot is the
-    default."""
+def _tell(record, reason, weight) -> None:
+    """``reason`` to the report (None: the route ran the call); a W4A8 ``weight``'s layout is told, int8 ConvRot is
+    the default."""
     if record is not None:
-        record(reason, **({} if layout is None else {"layout": layout}))
+        record(reason, **({"layout": kernels.int8_w4a8.LAYOUT} if is_w4a8(weight) else {}))
 
 
 def _stock(layer, x, input_act=None, into=None, **extra):

@@ -44,7 +44,7 @@ class RunReport:
         self.prepared = Counter()            # (backend, mode) -> calls
         self.compile_events: list[dict] = []
         self.int8_own_layouts = Counter()    # (layout,) -> the int8 route's calls on the pack's quantiser
-        self.int8_stock = Counter()          # (reason,) -> the route's layouts' calls on stock's quantiser
+        self.int8_stock = Counter()          # (layout, reason) -> the route's layouts' calls on stock's quantiser
         self.other_quantized = Counter()     # (layout,) -> calls of other quantized linears: stock's own call
         self.run = {k: self.static[k] for k in ("blocks_patched", "refiner_blocks_patched")} | {"block_path_blocks": 0}
         self.notes: list[dict] = list(self.patch_notes)
@@ -84,7 +84,7 @@ class RunReport:
             self.int8_own += 1
             self.int8_own_layouts[(layout,)] += 1
         else:
-            self.int8_stock[(problem,)] += 1
+            self.int8_stock[(layout, problem)] += 1
 
     def record_layout(self, layout: str) -> None:  # a linear in a layout the int8 route does not take
         self.other_quantized[(layout,)] += 1
@@ -128,7 +128,7 @@ class RunReport:
              "copies_per_call": round(self.copies / self.calls, 3) if self.calls else 0.0,
              "compile_events": list(self.compile_events), "int8_own_quantizer_calls": self.int8_own,
              "int8_own_layouts": _rows(self.int8_own_layouts, ("layout",)),
-             "int8_stock_quantizer": _rows(self.int8_stock, ("reason",)),
+             "int8_stock_quantizer": _rows(self.int8_stock, ("layout", "reason")),
              "other_quantized_linears": _rows(self.other_quantized, ("layout",)),
              "comfy_kitchen": _asked(lambda: kernels.kitchen_release_status(), "comfy-kitchen's release",
                                      release=None, route="stock") if self.int8_own or self.int8_stock else None,
@@ -220,8 +220,8 @@ def _int8_lines(p: dict) -> list[str]:
     """Whose quantiser the route's linears ran on, by layout; comfy-kitchen's release, and the route's GEMM."""
     lines = [f"{INT8_LAYOUTS.get(r['layout'], r['layout'])} linears: {r['count']} calls quantised by the pack's pass "
              "(stock's bits)" for r in p["int8_own_layouts"]]
-    lines += [f"int8 linears on stock's quantiser ({r['count']} calls): {r['reason']}"
-              for r in p["int8_stock_quantizer"]]
+    lines += [f"{INT8_LAYOUTS.get(r['layout'], r['layout'])} linears on stock's quantiser ({r['count']} calls): "
+              f"{r['reason']}" for r in p["int8_stock_quantizer"]]
     lines += [f"{r['layout']} linears: stock's call ({r['count']} calls; the int8 route takes "
               f"{' and '.join(INT8_LAYOUTS.values())} only)" for r in p["other_quantized_linears"]]
     if (status := p["comfy_kitchen"]) is not None:  # its release, and whether the route ran (not on a CPU) or why not

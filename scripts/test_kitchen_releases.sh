@@ -39,7 +39,8 @@ sys.exit(0 if m.version('comfy-kitchen') == '$release' and comfy_kitchen.__file_
     result[$release]="failed (the installed comfy-kitchen $release is not the one Python imports)"
     continue
   fi
-  if PYTHONPATH="$target" $PY -m pytest tests/unit/test_int8_release.py tests/unit/test_int8_w4a8.py tests/host/test_format_matrix.py -q -p no:cacheprovider >"$log" 2>&1; then
+  if PYTHONPATH="$target" $PY -m pytest tests/unit/test_int8_release.py tests/unit/test_int8_w4a8.py tests/host/test_format_matrix.py \
+    tests/host/test_format_server.py -q -p no:cacheprovider >"$log" 2>&1; then
     result[$release]="passed ($(tail -n 1 "$log" | tr -d '='))"
   else
     tail -n 40 "$log"

@@ -30,6 +30,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from devkit.comfy import find_host, import_comfyui
 from devkit.h3 import TINY_H3, TINY_WAN, patcher_for, tiny_h3_model, tiny_wan_model, write_checkpoint  # noqa: F401  (re-exported for tests)
@@ -286,6 +287,44 @@ def start_server(host: Path, workdir: Path) -> "ComfyServer":
         server.stop()
         pytest.fail(f"ComfyUI host at {host} did not start: {exc}")
     return server
+
+
+# --- what a run gives back: latents compared bit for bit, the one report, the status box's text -------------------
+def assert_latents_equal(a: dict, b: dict, what: str):
+    assert a.keys() == b.keys(), f"{what}: streams {sorted(a)} vs {sorted(b)}"
+    for name in a:
+        diff = (a[name].double() - b[name].double()).abs().max().item()
+        assert torch.equal(a[name], b[name]), f"{what}: {name} differs, max abs {diff}"
+
+
+def assert_meaningful(latents: dict):
+    for name, t in latents.items():
+        assert torch.isfinite(t).all(), f"{name} has non-finite values"
+        assert t.abs().max() > 0, f"{name} is all zeros"
+
+
+def only_report(run) -> dict:
+    assert run.ok, f"graph failed: {run.error_message()}\n{run.server.log_tail()}"
+    assert len(run.reports) == 1, f"expected one report for one sampling run, got {len(run.reports)}"
+    return run.reports[0]
+
+
+def status_box_lines(payload: dict, tmp_path: Path) -> list[str]:
+    """The lines the node's status box shows for ``payload``: web/report_text.js run by node."""
+    node = shutil.which("node")
+    if node is None:
+        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+            pytest.fail("CI=true and node is not installed: the status box text is unchecked")
+        pytest.skip("node is not installed (apt-get install nodejs)")
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(payload))
+    script = ("import { formatReport } from " + json.dumps((ROOT / "web" / "report_text.js").as_uri()) + ";"
+              "import { readFileSync } from 'node:fs';"
+              "process.stdout.write(JSON.stringify(formatReport(JSON.parse(readFileSync(process.argv[1], 'utf8')))));")
+    proc = subprocess.run([node, "--input-type=module", "-e", script, str(report)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
 
 
 # --- graphs ------------------------------------------------------------------------------------

@@ -592,10 +592,71 @@ class SageNHDTestWrapperRunsReplica(_ModelLoaderStandIn):
         return (m,)
 
 
+# --- H3 checkpoints whose attention has no fused qkv_proj (the node declines their blocks) -------------------------
+class FusedView:
+    """A read-only fused ``qkv_proj`` laid over separate projections (no submodule), as split-QKV loaders do."""
+
+    def __init__(self, *projections):
+        self.projections = projections
+
+    def __call__(self, x):
+        return torch.cat([p(x) for p in self.projections], dim=-1)
+
+
+def split_linear(layer, parts: int):
+    """``layer``'s weight rows in ``parts`` new Linears of the same class (as a split checkpoint loads them)."""
+    out = []
+    for rows in layer.weight.chunk(parts, dim=0):
+        new = type(layer)(rows.shape[1], rows.shape[0], bias=False, dtype=rows.dtype)
+        new.weight = torch.nn.Parameter(rows.clone(), requires_grad=False)
+        out.append(new)
+    return out
+
+
+def separate_qkv(attn):
+    q, k, v = split_linear(attn.qkv_proj, 3)
+    del attn._modules["qkv_proj"]
+    attn.q_proj, attn.k_proj, attn.v_proj = q, k, v
+    attn.qkv_proj = FusedView(q, k, v)
+
+
+def keyless(attn):
+    """The "Keyless" H3 attention: one packed ``qv_proj``, no K projection (here K reads Q's columns)."""
+    q, _, v = split_linear(attn.qkv_proj, 3)
+    qv = type(attn.qkv_proj)(q.weight.shape[1], 2 * q.weight.shape[0], bias=False, dtype=q.weight.dtype)
+    qv.weight = torch.nn.Parameter(torch.cat([q.weight, v.weight]), requires_grad=False)
+    del attn._modules["qkv_proj"]
+    attn.qv_proj = qv
+    attn.qkv_proj = lambda x: (lambda q_, v_: torch.cat([q_, q_, v_], dim=-1))(*qv(x).chunk(2, dim=-1))
+
+
+ATTENTION_VARIANTS = {"separate_qkv": separate_qkv, "keyless": keyless}
+
+
+def rewrite_attention(diffusion_model, variant: str) -> None:
+    """Every attention module of the H3 DiT and its text refiner rewritten as a checkpoint of ``variant`` loads."""
+    for block in list(diffusion_model.blocks) + list(diffusion_model.token_refiner.blocks):
+        ATTENTION_VARIANTS[variant](block.attn)
+
+
+class SageNHDTestAttentionVariant(_ModelLoaderStandIn):
+    """Stands in for a loader of an H3 variant checkpoint: the same weights under a new ModelPatcher, every attention
+    module rewritten (separate q/k/v projections, or the "Keyless" packed qv_proj); the cached model stays stock's."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "variant": (list(ATTENTION_VARIANTS),)}}
+
+    def load(self, model, variant):
+        worker = _worker_model(model)
+        rewrite_attention(worker.model.diffusion_model, variant)
+        return (worker,)
+
+
 NODE_CLASS_MAPPINGS = dict((cls.__name__, cls) for cls in (
     SageNHDTestComboValue, SageNHDTestNotADiffusionModel,
     SageNHDTestForwardProbe, SageNHDTestConditioning, SageNHDTestSaveLatentTensors, SageNHDTestForeignH3Patch,
     SageNHDTestForeignOverride, SageNHDTestAttentionPreference, SageNHDTestComfyAttentionFunction,
     SageNHDTestSparseAttention, SageNHDTestRaiseWhileSampling, SageNHDTestLowVramBlockPatch,
-    SageNHDTestChunkFeedForward, SageNHDTestSGLangIntegrated, SageNHDTestRaylight, SageNHDTestUlyssesSP,
-    SageNHDTestWrapperRunsReplica))
+    SageNHDTestChunkFeedForward, SageNHDTestAttentionVariant, SageNHDTestSGLangIntegrated, SageNHDTestRaylight,
+    SageNHDTestUlyssesSP, SageNHDTestWrapperRunsReplica))

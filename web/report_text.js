@@ -270,9 +270,11 @@ export function formatReport(report) {
     const layout = Object.hasOwn(INT8_LAYOUT_LABELS, s.layout) ? INT8_LAYOUT_LABELS[s.layout] : text(s.layout);
     if (Number(s.count) > 0) lines.push(`${layout} linears on the pack's quantiser: ${Number(s.count)} calls`);
   }
+  // the route's calls left to stock's quantiser, by layout (a report without one: "int8")
   for (const s of objects(r.int8_stock_quantizer)) {
-    lines.push(`int8 linears on stock's quantiser${times(s.count)}`);
-    if (s.reason) details.push(`why int8 linears kept stock's quantiser: ${text(s.reason)}`);
+    const layout = Object.hasOwn(INT8_LAYOUT_LABELS, s.layout) ? INT8_LAYOUT_LABELS[s.layout] : text(s.layout || "int8");
+    lines.push(`${layout} linears on stock's quantiser${times(s.count)}`);
+    if (s.reason) details.push(`why ${layout} linears kept stock's quantiser: ${text(s.reason)}`);
   }
   for (const s of objects(r.other_quantized_linears)) {
     lines.push(`${text(s.layout)} linears: stock's call${times(s.count)}`);

@@ -185,12 +185,18 @@ test("int8 reasons are whole in the details, and comfy-kitchen's release says wh
 });
 
 test("on a CPU no int8 linear takes the route: the release line says the route did not run", () => {
-  const cpu = { ...REPORT, int8_own_quantizer_calls: 0, int8_stock_quantizer: [{ reason: "not on a CUDA device", count: 8 }] };
+  const reason = "not on a CUDA device";
+  const cpu = { ...REPORT, int8_own_quantizer_calls: 0, int8_stock_quantizer: [{ reason, count: 8 },
+    { layout: "TensorWiseINT8Layout", reason, count: 6 }, { layout: "AsymW4A8Int8Layout", reason, count: 4 }] };
   for (const [route, label] of Object.entries(KITCHEN_UNRUN_LABELS)) {
     const lines = formatReport({ ...cpu, comfy_kitchen: { release: "0.2.40", route, reason: null } });
     assert.ok(lines.includes(`comfy-kitchen 0.2.40: ${label}`), `${route}\n${show(lines)}`);
     assert.ok(!lines.some((l) => l.includes(KITCHEN_ROUTE_LABELS[route])), show(lines));
-    assert.ok(lines.includes("int8 linears on stock's quantiser ×8"), show(lines));
+    // by layout: a report without one names them "int8"
+    for (const [label, n] of [["int8", 8], ["int8 ConvRot", 6], ["W4A8", 4]]) {
+      assert.ok(lines.includes(`${label} linears on stock's quantiser ×${n}`), show(lines));
+      assert.ok(lines.includes(`why ${label} linears kept stock's quantiser: ${reason}`), show(lines));
+    }
   }
   assert.equal(formatKitchen({ release: "0.2.40", route: "verified" }, false),
     "comfy-kitchen 0.2.40: int8 route not run (a release verified for it)");

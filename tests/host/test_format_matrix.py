@@ -242,51 +242,14 @@ def test_loader_fp8_weight_dtype(pack, weights):
         assert payload["int8_own_quantizer_calls"] == 0 and payload["int8_stock_quantizer"] == []
 
 
-class FusedView:
-    """A read-only fused ``qkv_proj`` laid over separate projections (no submodule), as split-QKV loaders do."""
+def variant_model(variant: str):
+    """The bf16 tiny H3 with every attention module (DiT and refiner) rewritten as a checkpoint of ``variant`` loads
+    (the server's stand-in loader does the same: tests/host_helper_nodes.py)."""
+    import host_helper_nodes  # the host's folder_paths is importable once the pack fixture imported ComfyUI
 
-    def __init__(self, *projections):
-        self.projections = projections
-
-    def __call__(self, x):
-        return torch.cat([p(x) for p in self.projections], dim=-1)
-
-
-def split_linear(layer, parts: int):
-    """``layer``'s weight rows in ``parts`` new Linears of the same class (as a split checkpoint loads them)."""
-    out = []
-    for rows in layer.weight.chunk(parts, dim=0):
-        new = type(layer)(rows.shape[1], rows.shape[0], bias=False, dtype=rows.dtype)
-        new.weight = torch.nn.Parameter(rows.clone(), requires_grad=False)
-        out.append(new)
-    return out
-
-
-def variant_model(change):
-    """The bf16 tiny H3 with every attention module (DiT and refiner) rewritten by ``change``, as a checkpoint of
-    that variant would load."""
     model = dh.build_model(CONFIG, torch.device("cpu"), torch.bfloat16, 0, "bf16")
-    dm = model.model.diffusion_model
-    for attn in [b.attn for b in dm.blocks] + [b.attn for b in dm.token_refiner.blocks]:
-        change(attn)
+    host_helper_nodes.rewrite_attention(model.model.diffusion_model, variant)
     return model
-
-
-def separate_qkv(attn):
-    q, k, v = split_linear(attn.qkv_proj, 3)
-    del attn._modules["qkv_proj"]
-    attn.q_proj, attn.k_proj, attn.v_proj = q, k, v
-    attn.qkv_proj = FusedView(q, k, v)
-
-
-def keyless(attn):
-    """The "Keyless" H3 attention: one packed ``qv_proj``, no K projection (here K reads Q's columns)."""
-    q, _, v = split_linear(attn.qkv_proj, 3)
-    qv = type(attn.qkv_proj)(q.weight.shape[1], 2 * q.weight.shape[0], bias=False, dtype=q.weight.dtype)
-    qv.weight = torch.nn.Parameter(torch.cat([q.weight, v.weight]), requires_grad=False)
-    del attn._modules["qkv_proj"]
-    attn.qv_proj = qv
-    attn.qkv_proj = lambda x: (lambda q_, v_: torch.cat([q_, q_, v_], dim=-1))(*qv(x).chunk(2, dim=-1))
 
 
 @pytest.fixture(scope="module")
@@ -294,13 +257,12 @@ def block_inputs(bf16_model):
     return dh.random_block_inputs(bf16_model.model.diffusion_model.blocks[1], SEQ, seed=5, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("reshape, code, named", [(separate_qkv, "separate_qkv_declined", "q_proj/k_proj/v_proj"),
-                                                   (keyless, "keyless_declined", "qv_proj")],
-                         ids=["separate_qkv", "keyless"])
-def test_a_block_without_a_fused_qkv_is_declined_with_stock_bits(pack, block_inputs, reshape, code, named):
+@pytest.mark.parametrize("variant, code, named", [("separate_qkv", "separate_qkv_declined", "q_proj/k_proj/v_proj"),
+                                                   ("keyless", "keyless_declined", "qv_proj")])
+def test_a_block_without_a_fused_qkv_is_declined_with_stock_bits(pack, block_inputs, variant, code, named):
     """Separate q/k/v projections, or the "Keyless" packed qv_proj with no K projection: the node declines with a
     note naming the projections, installs no forward of its own, and stock's forward runs with its own bits."""
-    model = variant_model(reshape)
+    model = variant_model(variant)
     want = stock_forward(model, block_inputs)
     got, forward, payload = block_forward(pack, model, block_inputs)
     assert forward == "NoneType"  # no forward of the node's on the block

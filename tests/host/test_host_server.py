@@ -7,40 +7,16 @@ ComfyUI host is found (see tests/host_fixtures.py).
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
 from importlib.metadata import version
-from pathlib import Path
 
 import pytest
 import torch
 
-from host_fixtures import h3_graph, patch_inputs, tiny_h3_model, wan_graph
+from host_fixtures import (assert_latents_equal, assert_meaningful, h3_graph, only_report, patch_inputs,
+                           status_box_lines, tiny_h3_model, wan_graph)
 
 STEPS = 2
-ROOT = Path(__file__).resolve().parents[2]
 INT8_CKPT = "sage_nhd_test_h3_tiny_int8_convrot.safetensors"
-
-
-def assert_latents_equal(a: dict, b: dict, what: str):
-    assert a.keys() == b.keys(), f"{what}: streams {sorted(a)} vs {sorted(b)}"
-    for name in a:
-        diff = (a[name].double() - b[name].double()).abs().max().item()
-        assert torch.equal(a[name], b[name]), f"{what}: {name} differs, max abs {diff}"
-
-
-def assert_meaningful(latents: dict):
-    for name, t in latents.items():
-        assert torch.isfinite(t).all(), f"{name} has non-finite values"
-        assert t.abs().max() > 0, f"{name} is all zeros"
-
-
-def only_report(run) -> dict:
-    assert run.ok, f"graph failed: {run.error_message()}\n{run.server.log_tail()}"
-    assert len(run.reports) == 1, f"expected one report for one sampling run, got {len(run.reports)}"
-    return run.reports[0]
 
 
 def test_node_is_listed_in_object_info(comfy_server):
@@ -189,24 +165,6 @@ def int8_checkpoint(comfy_server):
     return INT8_CKPT
 
 
-def status_box_lines(payload: dict, tmp_path: Path) -> list[str]:
-    """The lines the node's status box shows for ``payload``: web/report_text.js run by node."""
-    node = shutil.which("node")
-    if node is None:
-        if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
-            pytest.fail("CI=true and node is not installed: the status box text is unchecked")
-        pytest.skip("node is not installed (apt-get install nodejs)")
-    report = tmp_path / "report.json"
-    report.write_text(json.dumps(payload))
-    script = ("import { formatReport } from " + json.dumps((ROOT / "web" / "report_text.js").as_uri()) + ";"
-              "import { readFileSync } from 'node:fs';"
-              "process.stdout.write(JSON.stringify(formatReport(JSON.parse(readFileSync(process.argv[1], 'utf8')))));")
-    proc = subprocess.run([node, "--input-type=module", "-e", script, str(report)], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
-
-
 def test_int8_reason_and_comfy_kitchen_release_are_whole_in_payload_log_and_status_box(
         comfy_server, int8_checkpoint, tmp_path):
     """An int8 ConvRot model on the CPU keeps stock's quantiser "not on a CUDA device": that sentence (once cut
@@ -225,7 +183,7 @@ def test_int8_reason_and_comfy_kitchen_release_are_whole_in_payload_log_and_stat
     assert kitchen["release"] == version("comfy-kitchen") and kitchen["route"] in ("verified", "self_checked", "stock")
     assert (kitchen["reason"] is None) == (kitchen["route"] == "verified"), kitchen
 
-    line = f"int8 linears on stock's quantiser ({reasons['not on a CUDA device']} calls): not on a CUDA device"
+    line = f"int8 ConvRot linears on stock's quantiser ({reasons['not on a CUDA device']} calls): not on a CUDA device"
     (kitchen_line,) = [m for m in r["messages"] if m.startswith(f"comfy-kitchen {kitchen['release']}: ")]
     assert line in r["messages"] and (kitchen["reason"] or "") in kitchen_line, r["messages"]
     log = comfy_server.log_path.read_text(errors="replace")
@@ -233,7 +191,7 @@ def test_int8_reason_and_comfy_kitchen_release_are_whole_in_payload_log_and_stat
         assert f"[Sage Strided NHD] {logged}\n" in log, comfy_server.log_tail()
 
     box = status_box_lines(r, tmp_path)
-    assert "why int8 linears kept stock's quantiser: not on a CUDA device" in box, box
+    assert "why int8 ConvRot linears kept stock's quantiser: not on a CUDA device" in box, box
     assert any(b.startswith(f"comfy-kitchen {kitchen['release']}: ") and "int8 route" in b for b in box), box
     # no call took the route: neither the log nor the box may say it was verified for it, only that it did not run
     for said in (kitchen_line, *box):

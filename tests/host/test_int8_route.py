@@ -77,7 +77,7 @@ SCRIPT = r"""
         finally:
             clone.unpatch_model(unpatch_weights=False)
         diff = (got.float() - want.float()).abs().max().item()
-        stock_reasons = {{key[0]: n for key, n in patch.report.int8_stock.items()}}  # keys: (reason,)
+        stock_reasons = {{key[1]: n for key, n in patch.report.int8_stock.items()}}  # keys: (layout, reason)
         out[f"exact {{chunk}} {{qkv_chunk}}{{' declined' if declined else ''}}{{' masked' if masked else ''}}"] = [
             diff, patch.report.int8_own, stock_reasons, sorted(set(widths)), len(modulated), len(gated)]
     report(out)

@@ -452,10 +452,11 @@ def test_int8_reasons_stay_whole_and_comfy_kitchens_release_is_reported(pack, mo
         report.record_int8(reason)
     p = report.payload()
     assert p["int8_own_quantizer_calls"] == 1
-    assert p["int8_stock_quantizer"] == [{"reason": LONG_INT8_REASON, "count": 2},
-                                         {"reason": "not on a CUDA device", "count": 1}]
+    int8 = "TensorWiseINT8Layout"
+    assert p["int8_stock_quantizer"] == [{"layout": int8, "reason": LONG_INT8_REASON, "count": 2},
+                                         {"layout": int8, "reason": "not on a CUDA device", "count": 1}]
     assert p["comfy_kitchen"] == {"release": "0.2.41", "route": "stock", "reason": LONG_INT8_REASON} and asked
-    assert f"int8 linears on stock's quantiser (2 calls): {LONG_INT8_REASON}" in p["messages"]
+    assert f"int8 ConvRot linears on stock's quantiser (2 calls): {LONG_INT8_REASON}" in p["messages"]
     assert (f"comfy-kitchen 0.2.41: int8 route off, stock's quantiser runs ({LONG_INT8_REASON})" in p["messages"]), \
         p["messages"]
 

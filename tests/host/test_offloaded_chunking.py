@@ -384,7 +384,7 @@ INT8_SCRIPT = r"""
         for name in offloaded:
             del block.get_submodule(name).comfy_cast_weights
         out[case] = dict(diff=(got.float() - want.float()).abs().max().item(), casts=dict(casts), stock=stock_casts,
-                         own=patch.report.int8_own, declined=sorted(r for (r,) in patch.report.int8_stock))
+                         own=patch.report.int8_own, declined=sorted(r for (_, r) in patch.report.int8_stock))
     report(out)
 """
 
