@@ -70,15 +70,13 @@ def main(argv=None) -> int:
         return 2
     backend, p = submodule("kernels.backends.sage2").Sage2Backend(), prepared(args.tokens)
     out = torch.empty(1, args.tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    first = None
-    rows = []
+    first, rows = None, []
     for per_launch in args.heads_per_launch:
-        row = {"tokens": args.tokens, "gpu": torch.cuda.get_device_name(), **run_split(backend, p, out, per_launch,
-                                                                                        args.calls)}
+        split = run_split(backend, p, out, per_launch, args.calls)
         first = out.clone() if first is None else first
-        row["bits_as_first"] = bool(torch.equal(out, first))
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        rows.append({"tokens": args.tokens, "gpu": torch.cuda.get_device_name(), **split,
+                     "bits_as_first": bool(torch.equal(out, first))})
+        print(json.dumps(rows[-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -7,7 +7,6 @@ clip length, every variant sampled in turn on the same model. The start-up follo
 from __future__ import annotations
 
 import gc
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -27,15 +26,12 @@ class Recorder(startup.Recorder):
         super().stage(name)
 
 
-def is_oom(exc: BaseException) -> bool:
+def error_record(exc: BaseException) -> dict:
     import torch
 
-    return isinstance(exc, torch.OutOfMemoryError) or any(m in str(exc) for m in OOM_MARKS)
-
-
-def error_record(exc: BaseException) -> dict:
     first = (str(exc).strip().splitlines() or [""])[0]
-    return {"type": type(exc).__name__, "message": first[:500], "oom": is_oom(exc),
+    oom = isinstance(exc, torch.OutOfMemoryError) or any(m in str(exc) for m in OOM_MARKS)
+    return {"type": type(exc).__name__, "message": first[:500], "oom": oom,
             "where": "".join(traceback.format_tb(exc.__traceback__)[-2:])[-800:]}
 
 
@@ -49,14 +45,13 @@ def tensor_bytes(t) -> int:
 
 class TransferCounter:
     """Bytes of host tensors ComfyUI copies to the card through ``cast_to`` (the legacy ModelPatcher's per-call
-    cast) and ``cast_to_gathered`` (DynamicVRAM's and the cast buffers' gathered copies, file slices included)."""
+    cast) and ``cast_to_gathered`` (DynamicVRAM's and the cast buffers' gathered copies, file slices included), from
+    its making on."""
 
     def __init__(self):
-        self.bytes = 0
-
-    def install(self) -> None:
         import comfy.model_management as mm
 
+        self.bytes = 0
         cast_to, gathered = mm.cast_to, mm.cast_to_gathered
 
         def counted_cast_to(weight, dtype=None, device=None, *args, **kwargs):
@@ -92,9 +87,8 @@ def start(args, recorder: Recorder):
     recorder.stage("ComfyUI imports")
     root = comfy_host.find_comfyui(args.comfyui)
     flags = comfy_host.import_comfyui(root, cpu=not cuda, stock_flag=stock_flag, extra_flags={"highvram": False})
-    result["comfyui"] = {"path": str(root), "version": comfy_host.comfyui_version(root), "flags": flags}
-    result["stock_attention"] = comfy_host.stock_attention_name()
-    result["torch"] = str(torch.__version__)
+    result.update(comfyui={"path": str(root), "version": comfy_host.comfyui_version(root), "flags": flags},
+                  stock_attention=comfy_host.stock_attention_name(), torch=str(torch.__version__))
     ballast = None
     if cuda:
         from .ballast import occupy
@@ -106,8 +100,7 @@ def start(args, recorder: Recorder):
         else:
             free, total = torch.cuda.mem_get_info(index)
             result["budget"] = {"budget_gib": None, "card_total_bytes": total, "free_after_bytes": free}
-        result["gpu"] = torch.cuda.get_device_name(device)
-        result["allocator_backend"] = torch.cuda.get_allocator_backend()
+        result.update(gpu=torch.cuda.get_device_name(device), allocator_backend=torch.cuda.get_allocator_backend())
     else:
         result["budget"] = {"budget_gib": args.budget, "emulated": False, "why": "no device memory on a CPU"}
     import comfy.utils
@@ -195,15 +188,9 @@ def sample(torch, device, patcher, conditioning, args, counter: TransferCounter)
         if timeline is not None:
             timeline.close()  # a run that failed inside its last step: the profiler stops, nothing recorded
     run["step_end_seconds"], run["copied_bytes_at_step_end"] = ends, streamed
-    later = [b - a for a, b in zip(ends, ends[1:])]
-    run["seconds_per_step"] = sum(later) / len(later) if later and "error" not in run else None
-    copied = [b - a for a, b in zip(streamed, streamed[1:])]
-    run["copied_bytes_per_step"] = int(sum(copied) / len(copied)) if copied else None
-    loaded = getattr(patcher, "loaded_size", None) or getattr(patcher, "model_loaded_memory", None)
-    try:  # the weight bytes ComfyUI holds on the card (its own count; a nicety, the run matters)
-        run["resident_weight_bytes"] = int(loaded()) if callable(loaded) else None
-    except Exception:  # noqa: BLE001
-        run["resident_weight_bytes"] = None
+    later = len(ends) - 1  # the steps after the first
+    run["seconds_per_step"] = (ends[-1] - ends[0]) / later if later > 0 and "error" not in run else None
+    run["copied_bytes_per_step"] = int((streamed[-1] - streamed[0]) / later) if later > 0 else None
     if cuda:
         run["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
         run["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
@@ -223,7 +210,6 @@ def run_cell(args) -> int:
         from .measure import max_abs_difference
 
         counter = TransferCounter()
-        counter.install()
         recorder.stage("load the checkpoint")
         base = h3_model.load_checkpoint_model(str(args.checkpoint))
         result["model"] = {"checkpoint": str(args.checkpoint), "bytes": Path(args.checkpoint).stat().st_size,
@@ -234,7 +220,7 @@ def run_cell(args) -> int:
                 variants[name] = base
             elif name in ("pack", "pack_stock_estimate"):
                 # measure_peak off: the cell reads every variant's peak the same way, over the whole run
-                settings = submodule("nodes.patch").Settings(backend=args.backend, measure_peak=False)
+                settings = submodule("nodes.patch").Settings(measure_peak=False)
                 variants[name], patches[name] = submodule("nodes.h3_patch").patch_model(base, settings)
             elif name == "kjnodes":
                 variants[name] = _peer_variant(args, base, stock_flag, result)
@@ -266,7 +252,3 @@ def run_cell(args) -> int:
         recorder.write()
         traceback.print_exc()
         return 1
-
-
-if __name__ == "__main__":  # pragma: no cover  (started through benchmarks.vram_budget --cell)
-    sys.exit("run this through python -m benchmarks.vram_budget")

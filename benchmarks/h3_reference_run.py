@@ -10,7 +10,6 @@ import argparse
 import copy
 import dataclasses
 import gc
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,15 +22,16 @@ from devkit.backends import describe_backends
 from devkit.pack import kernels as pack_kernels
 from devkit.pack import submodule
 
-from . import peer, results_table, schema
+from . import peer, results_table
 from . import sections as sec
 from .measure import device_facts
-from .report import LAYOUTS, Report, correctness_table, equality_verdict, first_contact_table, text_table
+from .report import (CUDA_ONLY, LAYOUTS, Report, check_against_reference, correctness_table, equality_verdict,
+                     first_contact_table, load_reference, text_table)
 
 SECTIONS = ("isolated", "blocks", "profiler", "sampling_2_step", "sampling_12_step")
 MEMORY_SECTION = "memory"  # only with --memory-at; runs last (past the int32 line stock's attention may fault)
 ATTENTION_ONLY = "attention_only"  # --peer-table's strided NHD variant on the attention-only block path
-LAYOUT_ENV = "H3_SAGE_QKV_LAYOUT"
+WEIGHT_SEED = 0  # the random weights'; the random text states' is the next
 REFERENCE_COPY = Path(__file__).resolve().parent / "reference" / "gb10-strided-nhd-results.json"
 # --first-contact: packed tokens -> the clip packing them (width, height, frames, text tokens); the free GPU memory
 # 2 full-width blocks at that length need, with room (short of it stock's attention can fall back to a slower kernel)
@@ -66,11 +66,8 @@ def reference_for(data: dict, reference: dict) -> dict:
     ref = copy.deepcopy(reference)
     asked = data.get("sections_requested", SECTIONS)
     for key in [k for section, keys in REFERENCE_KEYS_BY_SECTION.items() if section not in asked for k in keys]:
-        *parents, last = key.split(".")
-        node = ref
-        for part in parents:
-            node = node.get(part, {})
-        node.pop(last, None)
+        parent, _, last = key.rpartition(".")  # a top-level key, or one a level down
+        (ref[parent] if parent else ref).pop(last, None)
     n_blocks = (data.get("model") or {}).get("blocks")
     if n_blocks and "validation" in ref:
         names = validation_names(n_blocks)
@@ -81,9 +78,9 @@ def reference_for(data: dict, reference: dict) -> dict:
 def first_contact_plan(free_bytes: int | None) -> dict:
     """What ``--first-contact`` runs given the CUDA GPU's free bytes (None: no GPU): the block job at each length
     that fits (and the full model past FULL_MODEL_FREE); where none fits, the CPU job; ``why``: the memory."""
-    needs = FIRST_CONTACT_NEEDS
-    lengths = [t for t, need in needs.items() if need <= (free_bytes or 0)]
-    out = ", ".join(f"{t:,} tokens need {n / 2**30:.0f} GiB" for t, n in needs.items() if t not in lengths)
+    free = free_bytes or 0
+    lengths = [t for t, need in FIRST_CONTACT_NEEDS.items() if need <= free]
+    out = ", ".join(f"{t:,} tokens need {n / 2**30:.0f} GiB" for t, n in FIRST_CONTACT_NEEDS.items() if n > free)
     why = "no CUDA GPU" if free_bytes is None else f"{free_bytes / 2**30:.1f} GiB free" + (out and f"; {out}")
     if lengths:  # bf16, int8_convrot, then the kitchen formats whose layout this comfy-kitchen has
         import comfy_kitchen.tensor as ckt
@@ -100,8 +97,8 @@ def parse_args(argv=None):
                                 description="MiniMax H3 reference run: stock vs HND vs strided NHD attention.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=Path, help="results JSON (default: benchmarks/results/h3-<device>-<backend>.json)")
-    p.add_argument("--layout", choices=("ab",) + LAYOUTS, help=f"layouts to measure (default: ${LAYOUT_ENV}, or ab)")
-    p.add_argument("--backend", default="auto", help="auto, sage2, fa4, sdpa, comfy_kitchen_int8 or sage1")
+    p.add_argument("--layout", choices=("ab",) + LAYOUTS, help="layouts to measure (default: ab)")
+    p.add_argument("--backend", default="auto", choices=pack_kernels().BACKEND_CHOICES)
     p.add_argument("--checkpoint", help="H3 diffusion-model checkpoint (default: random full-size weights)")
     p.add_argument("--weights", choices=h3_model.WEIGHT_FORMATS + FIRST_CONTACT_KITCHEN_FORMATS, default="bf16",
                    help="random model only: the linears' format")
@@ -112,7 +109,6 @@ def parse_args(argv=None):
     for name in ("width", "height", "frames", "text_tokens"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int)
     p.add_argument("--seed", type=int, default=440420, help="noise seed (the reference's)")
-    p.add_argument("--weight-seed", type=int, default=0, help="seed of the random weights and text states")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list ({MEMORY_SECTION}: see --memory-at)")
     p.add_argument("--compile-blocks", action="store_true", help="also time block 0 under torch.compile")
     p.add_argument("--reps", type=int, default=9, help="timed reps per block and variant")
@@ -152,10 +148,7 @@ def apply_first_contact(parser, args) -> None:
 
 def check_options(parser, args) -> None:
     """The layout, the sections, --peer-table's variant and --kjnodes' checkout; the extras sample with stock."""
-    # --layout, else the preset's one layout, else the reference system's switch, else both
-    args.layout = args.layout or ("strided_nhd" if args.peer_table else None) or os.environ.get(LAYOUT_ENV) or "ab"
-    if args.layout not in ("ab",) + LAYOUTS:
-        parser.error(f"{LAYOUT_ENV}={args.layout!r}: expected one of {', '.join(LAYOUTS)}")
+    args.layout = args.layout or ("strided_nhd" if args.peer_table else "ab")  # --peer-table: its one layout
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in args.sections if s not in SECTIONS + (MEMORY_SECTION,)]
     if unknown:
@@ -166,12 +159,11 @@ def check_options(parser, args) -> None:
         args.sections += [] if MEMORY_SECTION in args.sections else [MEMORY_SECTION]
     elif MEMORY_SECTION in args.sections:
         parser.error(f"section {MEMORY_SECTION} needs --memory-at TOKENS")
-    args.variants = []
+    args.variants = {}  # the node's variants past the layouts: name -> its settings
     if args.peer_table:
         if args.no_stock:
             parser.error("--peer-table compares with stock: leave out --no-stock")
-        args.variants.append({"name": ATTENTION_ONLY, "settings": {
-            "layout": "strided_nhd", "backend": args.backend, "block_path": "attention_only"}})
+        args.variants[ATTENTION_ONLY] = {"layout": "strided_nhd", "backend": args.backend, "block_path": ATTENTION_ONLY}
         args.stock_sampling = True
     if args.kjnodes is not None:
         try:
@@ -179,27 +171,21 @@ def check_options(parser, args) -> None:
         except FileNotFoundError as exc:
             parser.error(f"--kjnodes: {exc}")
     args.peer_variants = list(peer.VARIANTS) if args.kjnodes is not None else []
-    args.sampled_extras = [v["name"] for v in args.variants] + args.peer_variants if args.stock_sampling else []
+    args.sampled_extras = list(args.variants) + args.peer_variants if args.stock_sampling else []
 
 
 def log(message: str) -> None:
     print(f"[h3-bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def resolve_backend(kernels, choice: str, device: torch.device) -> str:
-    """The back-end ``choice`` (``auto``: the first available) runs first here."""
-    if choice not in kernels.BACKEND_CHOICES:
-        raise SystemExit(f"unknown --backend {choice!r}; choose one of {', '.join(kernels.BACKEND_CHOICES)}")
-    rows = describe_backends(device)
-    if choice != "auto":
-        row = next(r for r in rows if r["name"] == choice)
-        if not row["available"]:
-            log(f"requested back-end {choice} is not available here ({row['reason']}); the chain will fall back")
-        return choice
-    for row in rows:
-        if row["available"]:
-            return row["name"]
-    raise SystemExit("no attention back-end is available on " + str(device))
+def resolve_backend(rows: list[dict], choice: str) -> str:
+    """The back-end ``choice`` (``auto``: the first available of ``rows``; sdpa always is) runs first here."""
+    if choice == "auto":
+        return next(row["name"] for row in rows if row["available"])
+    row = next(r for r in rows if r["name"] == choice)
+    if not row["available"]:
+        log(f"requested back-end {choice} is not available here ({row['reason']}); the chain will fall back")
+    return choice
 
 
 def build_bench(args, device, layouts, report) -> sec.Bench:
@@ -214,23 +200,32 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
         if args.blocks:
             config["num_layers"] = args.blocks
         log(f"building {'tiny' if args.tiny else 'full-size'} H3 with random {args.weights} weights on {device}")
-        base = h3_model.build_model(config, device, torch.bfloat16, args.weight_seed, args.weights)
-        source = f"random {args.weights} weights (seed {args.weight_seed}, N(0, 1/fan_in), norms 1, biases 0)"
+        base = h3_model.build_model(config, device, torch.bfloat16, WEIGHT_SEED, args.weights)
+        source = f"random {args.weights} weights (seed {WEIGHT_SEED}, N(0, 1/fan_in), norms 1, biases 0)"
     build_seconds = time.perf_counter() - started
     dm = base.model.diffusion_model
     expected = h3_model.packed_token_count(args.width, args.height, args.frames, args.text_tokens)
-    specs = [{"name": layout, "settings": {"layout": layout, "backend": args.backend}}
-             for layout in layouts] + args.variants
+    specs = {**{layout: {"layout": layout, "backend": args.backend} for layout in layouts}, **args.variants}
     clones, patches, settings = {}, {}, {}
-    for spec in specs:
+    for name, spec in specs.items():
         # no peak per model call: it would reset the device's peak statistics, which sampling reads over the run
-        chosen = submodule("nodes.patch").Settings(**{"measure_peak": False, **spec["settings"]})
-        clones[spec["name"]], patches[spec["name"]] = submodule("nodes.h3_patch").patch_model(base, chosen)
-        settings[spec["name"]] = dataclasses.asdict(chosen)
+        chosen = submodule("nodes.patch").Settings(measure_peak=False, **spec)
+        clones[name], patches[name] = submodule("nodes.h3_patch").patch_model(base, chosen)
+        settings[name] = dataclasses.asdict(chosen)
     extras = {name: clones.pop(name) for name in list(clones) if name not in layouts}
-    if args.kjnodes is not None:
-        extras.update(build_peer_variants(args, base, report))
-        settings.update({name: {"peer": report.data["peer"]["variants"][name]} for name in args.peer_variants})
+    if args.kjnodes is not None:  # KJNodes' variants, made by its nodes' ``execute`` on the stock model
+        import comfy.ldm.minimax.model as h3
+
+        module = peer.load_module(args.kjnodes)
+        applied = {}
+        for name, nodes in peer.VARIANTS.items():
+            extras[name], applied[name] = peer.make_variant(module, base, nodes)
+            settings[name] = {"peer": applied[name]}
+        facts = peer.describe(args.kjnodes, module, h3.optimized_attention)
+        report.update(peer=dict(facts, variants=applied))
+        chains = ", ".join(f"{name} = {' + '.join(a['node'] for a in nodes)}" for name, nodes in applied.items())
+        log(f"peer: {facts['checkout']}/{facts['file']} (commit {facts['git_commit'] or 'unknown'}), its attention "
+            f"{facts['attention']}; variants {chains}")
     static = {k: v for k, v in patches[layouts[0]].report.static.items() if k != "layout"}
     report.update(
         model={"source": source, "class": type(dm).__name__, "blocks": len(dm.blocks), "config": config,
@@ -245,26 +240,10 @@ def build_bench(args, device, layouts, report) -> sec.Bench:
                   "removed_copies_per_block": None})
     log(f"model ready in {build_seconds:.1f} s: {len(dm.blocks)} blocks, blocks timed {timed_blocks(len(dm.blocks))}, "
         f"expected packed tokens {expected['total']}")
-    conditioning = h3_model.random_conditioning(args.text_tokens, config["text_dim"], args.weight_seed + 1)
+    conditioning = h3_model.random_conditioning(args.text_tokens, config["text_dim"], WEIGHT_SEED + 1)
     return sec.Bench(device=device, base=base, clones=clones, patches=patches, extras=extras,
                      conditioning=conditioning, width=args.width, height=args.height, frames=args.frames,
                      seed=args.seed, block_indices=timed_blocks(len(dm.blocks)), log=log, peer=list(args.peer_variants))
-
-
-def build_peer_variants(args, base, report) -> dict:
-    """KJNodes' variants, made by its nodes' ``execute`` on the stock model; what ran goes to ``report["peer"]``."""
-    import comfy.ldm.minimax.model as h3
-
-    module = peer.load_module(args.kjnodes)
-    clones, applied = {}, {}
-    for name, nodes in peer.VARIANTS.items():
-        clones[name], applied[name] = peer.make_variant(module, base, nodes)
-    facts = peer.describe(args.kjnodes, module, h3.optimized_attention)
-    report.update(peer=dict(facts, variants=applied))
-    chains = ", ".join(f"{name} = {' + '.join(a['node'] for a in nodes)}" for name, nodes in applied.items())
-    log(f"peer: {facts['checkout']}/{facts['file']} (commit {facts['git_commit'] or 'unknown'}), its attention "
-        f"{facts['attention']}; variants {chains}")
-    return clones
 
 
 def main(argv=None) -> int:
@@ -272,16 +251,16 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     facts = device_facts(device)
     # ComfyUI is imported after its flags are set; the stock flag needs the resolved back-end
-    backend_first = resolve_backend(pack_kernels(), args.backend, device)
+    backends_here = describe_backends(device)
+    backend_first = resolve_backend(backends_here, args.backend)
     slug = facts["device"].split("(")[0].strip().lower().replace("nvidia ", "").replace(" ", "-") or "device"
     out = args.out or Path("benchmarks/results") / f"h3-{slug}-{backend_first}.json"
     report = Report(out)
     layouts = list(LAYOUTS) if args.layout == "ab" else [args.layout]
     report.update(**facts, torch=str(torch.__version__), attention=backend_first, attention_requested=args.backend,
-                  resolution=[args.width, args.height], frames=args.frames, packed_tokens=None,
-                  seed=args.seed, feature_flag=f"{LAYOUT_ENV}=strided_nhd", layout=args.layout,
-                  layouts_measured=layouts, sections_requested=list(args.sections),
-                  backends_here=describe_backends(device), comfy_kitchen=pack_kernels().kitchen_release_status(device))
+                  resolution=[args.width, args.height], frames=args.frames, packed_tokens=None, seed=args.seed,
+                  layout=args.layout, layouts_measured=layouts, sections_requested=list(args.sections),
+                  backends_here=backends_here, comfy_kitchen=pack_kernels().kitchen_release_status(device))
     plan = args.first_contact_plan
     if plan:
         report.update(first_contact=plan)
@@ -319,8 +298,7 @@ def _section(report: Report, name: str, fn):
     except Exception as exc:
         log(f"section {name} FAILED: {type(exc).__name__}: {exc}")
         report.fail(name, exc)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op where CUDA never started
         return None
     report.section(name, result)
     log(f"section {name} done in {time.perf_counter() - started:.1f} s")
@@ -361,7 +339,7 @@ def run_sections(args, bench: sec.Bench, backend: str, report: Report) -> None:
             bench, args.reps, max(args.warmup, 2), True, compiled_variants=("stock", *bench.layouts)))
     if "profiler" in args.sections:
         sec.ensure_stock_loaded(bench)
-        _section(report, "profiler_block_recapture", lambda: sec.kernel_launches(bench, with_stock, torch.__version__))
+        _section(report, "profiler_block_recapture", lambda: sec.kernel_launches(bench, with_stock))
     sampled = ((2, args.reps_2_step, "sampling_2_step", names["full_50_block_two_step_trajectory"]),
                (12, args.reps_12_step, "sampling_12_step", "canonical_12_step_trajectory"))
     extras = args.sampled_extras
@@ -396,7 +374,7 @@ def first_contact_blocks(args, bench: sec.Bench, weights: str, tokens: int) -> d
     """Blocks 0 and 1 at ``tokens`` (FIRST_CONTACT_SHAPES' clip): stock and the pack interleaved, compared."""
     bench.width, bench.height, bench.frames, text = FIRST_CONTACT_SHAPES[tokens]
     bench.conditioning = h3_model.random_conditioning(text, bench.diffusion_model.condition_proj.in_features,
-                                                      args.weight_seed + 1)
+                                                      WEIGHT_SEED + 1)
     bench.block_inputs.clear()
     sec.capture_block_inputs(bench)
     rows = sec.real_blocks(bench, args.reps, args.warmup, True)
@@ -440,9 +418,8 @@ def finish(args, bench: sec.Bench, report: Report, out: Path) -> None:
     data["source_artifacts"] = [str(out)]
     blocks_job = (args.first_contact_plan or {}).get("job") == "blocks"
     if REFERENCE_COPY.is_file() and not blocks_job:  # the block job's sections are its own
-        allow = schema.CUDA_ONLY if args.device == "cpu" else set()
-        problems = schema.check_against_reference(data, reference_for(data, schema.load_reference(REFERENCE_COPY)),
-                                                  allow_null=allow)
+        problems = check_against_reference(data, reference_for(data, load_reference(REFERENCE_COPY)),
+                                           allow_null=CUDA_ONLY if args.device == "cpu" else set())
         data["reference_schema"] = "follows the reference report's keys and types" if not problems else problems
     report.write()
     release(bench)
@@ -489,8 +466,7 @@ def release(bench: sec.Bench) -> None:
     bench.block_inputs.clear()
     bench.base = None
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,10 @@
-"""H3's four int8 tensor-wise ConvRot linears, each alone, stock's layer beside the pack's, on a GPU: per linear and
-their sum per block, interleaved, CUDA events, median of ``--reps``, stock's layer, the pack's layer and quantiser,
-comfy-kitchen's and the pack's GEMMs (and the portable one) on the same quantised rows; each output against stock's
-bit for bit (docs/BENCHMARKS.md, "The int8 GEMM")."""
+"""H3's four int8 ConvRot linears alone on a GPU, per linear and per block, interleaved (p50 of ``--reps``): stock's
+layer, the pack's layer and quantiser, comfy-kitchen's and the pack's GEMMs (and the portable one) on the same
+quantised rows, each output against stock's bit for bit (docs/BENCHMARKS.md, "The int8 GEMM")."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -14,20 +12,12 @@ import torch
 from devkit.pack import submodule
 
 from .measure import event_timed, interleaved_times, summary
-from .report import markdown
+from .report import dump, markdown
 
 HIDDEN, INNER, FFN = 5376, 7168, 14336
 LINEARS = {"qkv": (HIDDEN, 3 * INNER, None), "out": (INNER, HIDDEN, None), "fc1": (HIDDEN, 2 * FFN, None),
            "fc2": (FFN, HIDDEN, "swiglu")}
 GROUP = 256
-
-
-def _inputs(m: int, k: int, n: int, act, seed: int):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = (2 * torch.randn(m, k * (2 if act else 1), generator=g, device="cuda")).bfloat16()
-    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
-    bias = torch.randn(n, generator=g, device="cuda").bfloat16()
-    return x, w, torch.tensor(3.1e-3, device="cuda"), bias
 
 
 def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
@@ -36,7 +26,10 @@ def measure_linear(name: str, m: int, reps: int, warmup: int) -> dict:
     route, act_mod, gemm_mod, kitchen = (submodule(f"kernels.{n}")
                                          for n in ("int8_linear", "int8_activation", "int8_gemm", "kitchen"))
     k, n, act = LINEARS[name]
-    x, w, ws, bias = _inputs(m, k, n, act, seed=m + k + n)
+    g = torch.Generator(device="cuda").manual_seed(m + k + n)
+    x = (2 * torch.randn(m, k * (2 if act else 1), generator=g, device="cuda")).bfloat16()
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
+    ws, bias = torch.tensor(3.1e-3, device="cuda"), torch.randn(n, generator=g, device="cuda").bfloat16()
     xq, xs = act_mod.quantize_rows(x, act)
     runners = {
         "stock_layer": lambda: ck.int8_linear(x, w, ws, bias, torch.bfloat16, convrot=True, convrot_groupsize=GROUP,
@@ -121,7 +114,6 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[37810, 8192])
-    p.add_argument("--linears", nargs="+", choices=list(LINEARS), default=list(LINEARS))
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", help="results JSON")
@@ -130,20 +122,17 @@ def main(argv=None) -> int:
         print("[Sage Strided NHD] int8 linears: needs a CUDA GPU", file=sys.stderr)
         return 2
     route = submodule("kernels.int8_linear")
+    kitchen_release = route.installed_release()[0]
     print(f"[Sage Strided NHD] {torch.cuda.get_device_name()}; torch {torch.__version__}; "
-          f"comfy-kitchen {route.installed_release()[0]}; int8 GEMM: {route.gemm_status()}")
+          f"comfy-kitchen {kitchen_release}; int8 GEMM: {route.gemm_status()}")
     results = []
     for m in args.tokens:
-        rows = [measure_linear(name, m, args.reps, args.warmup) for name in args.linears]
-        if len(rows) == len(LINEARS):
-            rows.append(block_sum(rows))
+        rows = [measure_linear(name, m, args.reps, args.warmup) for name in LINEARS]
+        rows.append(block_sum(rows))
         results += rows
         print(table(rows), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "comfy_kitchen": route.installed_release()[0], "gemm": route.gemm_status(),
-                       "reps": args.reps, "rows": results}, f, indent=1)
+    dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "comfy_kitchen": kitchen_release,
+          "gemm": route.gemm_status(), "reps": args.reps, "rows": results}, args.out)
     return 0 if all(r["identical_to_stock"] for r in results) else 1
 
 

@@ -1,11 +1,8 @@
 """Attention alone on random H3-shaped inputs, one fused qkv buffer [S, 3*H*D] (56x128 heads), two reports
 (docs/BENCHMARKS.md has the commands; ``--device cpu --seq 64 256 --heads 4`` is a CPU smoke run).
 
-Layouts (the default): the HND baseline against strided NHD per back-end, the whole attention of a block on a fresh
-copy of the buffer each call (norm+rope works in place), interleaved; JSON by back-end then S (``results_table``).
-``--prepared``: the sage2 sm90 prepared path's speed (``sageattn``, the kernel alone, ``prepare`` and ``attend``
-per mode) and accuracy against fp32 attention in ``ACCURACY_CASES``, each mode's error split by its source.
-"""
+Layouts (the default): HND against strided NHD per back-end, interleaved, a fresh copy of the buffer each call (JSON
+by back-end then S). ``--prepared``: the sage2 sm90 prepared path's speed, and its accuracy in ``ACCURACY_CASES``."""
 
 from __future__ import annotations
 
@@ -24,11 +21,10 @@ from devkit.inputs import fused_attention_inputs
 from devkit.pack import kernels as _kernels
 
 from . import measure
-from .report import markdown
+from .report import LAYOUTS, dump, markdown
 from .results_table import KERNELS_HEADER, kernel_rows
 
 kernels = _kernels()
-LAYOUTS = ("hnd", "strided_nhd")
 MODES = ("exact", "rotated")
 HEADS, D, ROT, EPS = 56, 128, 96, 1e-5  # H3's attention (the prepared path is measured at its shape)
 SAGE2 = kernels.BACKENDS["sage2"]
@@ -167,19 +163,15 @@ def case_outputs(q, k, v, rows, prepared, kitchen) -> dict:
             **{f"prepared_{m}": SAGE2.attend(p)[0, rows] for m, p in prepared.items()},
             "sdpa_bf16": F.scaled_dot_product_attention(hnd(q), hnd(k), hnd(v)).transpose(1, 2)[0, rows]}
     try:
-        if kitchen is not None:
-            outs["comfy_kitchen_int8"] = kitchen(hnd(q), hnd(k), hnd(v)).transpose(1, 2)[0, rows]
+        outs["comfy_kitchen_int8"] = kitchen(hnd(q), hnd(k), hnd(v)).transpose(1, 2)[0, rows]
     except Exception as exc:  # the other methods' errors still count; the row says comfy-kitchen's is missing
         print(f"comfy-kitchen int8_attention failed: {type(exc).__name__}: {exc}", flush=True)
     return outs
 
 
 def accuracy(seq: int, heads: int = HEADS, seed: int = 11) -> dict:
-    try:
-        import comfy_kitchen
-        kitchen, kitchen_reason = comfy_kitchen.int8_attention, ""
-    except Exception as exc:
-        kitchen, kitchen_reason = None, f"comfy-kitchen not importable on this machine ({type(exc).__name__}: {exc})"
+    from comfy_kitchen import int8_attention as kitchen
+
     g = torch.Generator(device="cuda").manual_seed(seed)
     rows = torch.cat([torch.arange(256), torch.arange(seq - 256, seq)]).cuda()
     results, sources = {}, {}
@@ -201,8 +193,9 @@ def accuracy(seq: int, heads: int = HEADS, seed: int = 11) -> dict:
                "rotated_at_most_comfy_kitchen_int8": {c: e["prepared_rotated"] <= e["comfy_kitchen_int8"]
                                                       for c, e in results.items() if "comfy_kitchen_int8" in e},
                "rotated_no_worse_on_plain": results["plain"]["prepared_rotated"] <= plain}
+    kitchen_ran = all("comfy_kitchen_int8" in e for e in results.values())
     return {"seq": seq, "heads": heads, "rows": "first and last 256", "rel_l2_vs_fp32": results,
-            "error_sources": sources, "comfy_kitchen": kitchen_reason or "ran",
+            "error_sources": sources, "comfy_kitchen": "ran" if kitchen_ran else "failed (see the log)",
             "cases": {c[0]: dict(zip(("channels", "ratio", "k_mean_offset", "construction"), c[1:]))
                       for c in ACCURACY_CASES}, "verdict": verdict}
 
@@ -225,12 +218,6 @@ def parse_args(argv=None):
     if args.rot_dim > args.head_dim or args.rot_dim % 2:
         p.error(f"--rot-dim must be even and at most --head-dim ({args.head_dim})")
     return args
-
-
-def write(report: dict, path: str | None) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
 
 
 def layouts_main(args) -> dict:
@@ -256,7 +243,7 @@ def layouts_main(args) -> dict:
             except Exception as exc:  # keep measuring the rest; the JSON says what failed
                 row = {"error": f"{type(exc).__name__}: {exc}"}
             report["results"][name][str(seq)] = row
-            write(report, args.out)
+            dump(report, args.out)
             print(f"{name} S={seq}: " + (row.get("error") or f"HND {row['hnd_median_seconds'] * 1e3:.3f} ms, "
                   f"strided NHD {row['strided_nhd_median_seconds'] * 1e3:.3f} ms, speedup {row['speedup']:.3f}x"),
                   flush=True)
@@ -280,7 +267,7 @@ def prepared_main(args) -> dict:
     for part, run in (("speed", lambda s: speed(s, args.reps, args.warmup)), ("accuracy", accuracy)):
         for seq in args.seq:
             report[part].append(run(seq))
-            write(report, args.out)
+            dump(report, args.out)
     for r in report["speed"]:
         print(f"S = {r['seq']:,}: " + ", ".join(f"{n} {row['p50_seconds'] * 1e3:.3f} ms ({row['spread']:.1%}, "
                                                f"{row['peak_extra_mib']:.0f} MiB)" for n, row in r["variants"].items())

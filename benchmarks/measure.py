@@ -69,9 +69,7 @@ def summary(times: list[float]) -> dict:
 
 
 def speedup(baseline_seconds: float | None, new_seconds: float | None) -> float | None:
-    if not baseline_seconds or not new_seconds:
-        return None
-    return baseline_seconds / new_seconds
+    return baseline_seconds / new_seconds if baseline_seconds and new_seconds else None
 
 
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> tuple[int | None, object]:

@@ -40,14 +40,12 @@ def _stub_package(name: str, folder: Path) -> None:
     if name in sys.modules:
         return
     spec = importlib.util.spec_from_loader(name, None, is_package=True)
-    spec.submodule_search_locations = [str(folder)]
-    module = importlib.util.module_from_spec(spec)
-    module.__path__ = [str(folder)]
-    sys.modules[name] = module
+    spec.submodule_search_locations = [str(folder)]  # the module's __path__
+    sys.modules[name] = importlib.util.module_from_spec(spec)
 
 
 def _server_for_import() -> None:
-    """Some of the peer's files register web routes at import: outside a running ComfyUI a stand-in server takes them."""
+    """Some of the peer's files register web routes at import: outside a running ComfyUI a stand-in takes them."""
     try:
         import server
     except Exception:  # noqa: BLE001  (no server module: the file's own import then says so)
@@ -115,6 +113,5 @@ def _git_commit(checkout: Path) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     lines = out.stdout.split()
-    if out.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != checkout.resolve():
-        return None
-    return lines[1]
+    top_of_its_own = out.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve() == checkout.resolve()
+    return lines[1] if top_of_its_own else None

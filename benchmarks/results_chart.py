@@ -43,8 +43,8 @@ def outcomes(results: Path = RESULTS) -> dict:
                              if c.get("budget_gib") == card and c.get("packed_rows", {}).get("total") == tokens), None)
                 run = budget_runs(cell).get(variant) if cell else None
                 if run:
-                    out[(tokens, card, variant)] = (run["seconds_per_step"] if not run.get("error") and "crashed" not in run
-                                                    else budget_outcome(run))
+                    done = not run.get("error") and "crashed" not in run
+                    out[(tokens, card, variant)] = run["seconds_per_step"] if done else budget_outcome(run)
                     break
             else:
                 out[(tokens, card, variant)] = "not run"

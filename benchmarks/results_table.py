@@ -13,7 +13,6 @@ from pathlib import Path
 
 from .report import markdown, ratio
 
-TABLES = ("blocks", "sampling", "kernels", "budget")
 # settings of variants that the pack no longer offers (removed after f9302b4)
 REMOVED_SETTINGS = {"block_path": {"fused"}, "prep": {"fused", "fused_rotated"},
                     "prep_mode": {"fused", "fused_rotated"}}
@@ -74,12 +73,6 @@ def _mib(n) -> str:
     return "-" if n is None else f"{n / 2**20:,.0f}"
 
 
-def block_variants(reports: list[dict]) -> list[str]:
-    keys = [key for data in reports for key in (data.get("real_block_results") or [{}])[0]]
-    return list(dict.fromkeys(key[:-len("_p50_seconds")] for key in keys
-                              if key.endswith("_p50_seconds") and key != "stock_p50_seconds"))
-
-
 def block_row(data: dict, names: list[str], report: str) -> tuple[str, ...]:
     blocks = data["real_block_results"]
     ratios = [" / ".join(ratio(b.get(f"stock_over_{n}")) for b in blocks) if f"{n}_p50_seconds" in blocks[0] else "-"
@@ -97,7 +90,8 @@ def block_row(data: dict, names: list[str], report: str) -> tuple[str, ...]:
 def block_notes(data: dict, report: str) -> list[str]:
     notes = []
     for row in data.get("compiled_block_results") or []:
-        ratios = ", ".join(f"{k[len('stock_over_'):]} {ratio(v)}" for k, v in row.items() if k.startswith("stock_over_"))
+        ratios = ", ".join(f"{k.removeprefix('stock_over_')} {ratio(v)}" for k, v in row.items()
+                           if k.startswith("stock_over_"))
         notes.append(f"- {report}, torch.compile, block {row['block']}: compiled stock "
                      f"{_ms(row.get('stock_p50_seconds'))} ms; stock / variant: {ratios}")
     memory = data.get("peak_memory_long_sequence")
@@ -113,7 +107,9 @@ def block_notes(data: dict, report: str) -> list[str]:
 
 
 def blocks_markdown(named: list[tuple[str, dict]]) -> list[str]:
-    names = block_variants([data for _, data in named])
+    keys = [key for _, data in named for key in (data.get("real_block_results") or [{}])[0]]
+    names = list(dict.fromkeys(key[:-len("_p50_seconds")] for key in keys
+                               if key.endswith("_p50_seconds") and key != "stock_p50_seconds"))
     header = ("report", "weights", "tokens", "reps", "stock, block 0 / 1", *(f"stock / {n}" for n in names),
               "equal to stock", "peak extra MiB: " + " / ".join(["stock", *names]))
     lines = markdown(header, [block_row(data, names, label) for label, data in named])
@@ -291,9 +287,9 @@ def budget_table(paths: list[Path]) -> str:
     lines = budget_markdown(reports) + [""]
     for data, path in zip(reports, paths):
         cell = next((c for c in data["cells"] if c.get("gpu")), {})
-        lines.append(f"- {cell.get('gpu', 'no GPU')}, torch {cell.get('torch')}, ComfyUI "
-                     f"{cell.get('comfyui', {}).get('version')}, loader {data.get('loader')}, {data.get('steps')} steps "
-                     f"a run: `{path}`")
+        lines.append(f"- {cell.get('gpu', 'no GPU')}, torch {cell.get('torch')}, "
+                     f"ComfyUI {cell.get('comfyui', {}).get('version')}, loader {data.get('loader')}, "
+                     f"{data.get('steps')} steps a run: `{path}`")
         lines += budget_details(data)
     return "\n".join(lines)
 
@@ -307,13 +303,13 @@ def replace_between_markers(text: str, block: str, kind: str) -> str:
 
 
 def main(argv=None) -> int:
+    makers = {"blocks": blocks_table, "sampling": sampling_table, "kernels": kernels_table, "budget": budget_table}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for kind in TABLES:
+    for kind in makers:
         parser.add_argument(f"--{kind}", nargs="+", type=Path, default=[], metavar="JSON")
     parser.add_argument("--doc", type=Path, help="Markdown file whose table markers to fill (docs/BENCHMARKS.md)")
     args = parser.parse_args(argv)
-    makers = {"blocks": blocks_table, "sampling": sampling_table, "kernels": kernels_table, "budget": budget_table}
-    tables = {kind: makers[kind](getattr(args, kind)) for kind in TABLES if getattr(args, kind)}
+    tables = {kind: make(getattr(args, kind)) for kind, make in makers.items() if getattr(args, kind)}
     if not tables:
         parser.error("give at least one of --blocks, --sampling, --kernels, --budget")
     if args.doc:

@@ -4,7 +4,6 @@ Variants: ``stock``, the layouts ``hnd`` and ``strided_nhd`` (the node's patch),
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -19,6 +18,7 @@ from .isolated_attention import compare_layouts
 from .step_timeline import profile_kernels
 
 PROFILED_CALLS = 3  # profiled block calls per variant: kernel counts and times are per call
+LATENT = "EmptyMiniMaxH3LatentAV (comfy_extras.nodes_minimax_h3)"  # every latent's node, as the reports name it
 
 
 @dataclass
@@ -36,7 +36,6 @@ class Bench:
     log: Callable[[str], None] = print
     block_inputs: dict[int, tuple] = field(default_factory=dict)
     packed_tokens: int | None = None
-    latent_source: str = ""
     sampling_warmed: bool = False
     outputs_finite: dict[str, bool] = field(default_factory=dict)
     extras: dict[str, object] = field(default_factory=dict)   # name -> patched clone of other settings
@@ -73,7 +72,6 @@ def ensure_stock_loaded(bench: Bench) -> None:
 def empty_av_latent(bench: Bench, shape: tuple[int, int, int] | None = None) -> dict:
     from comfy_extras.nodes_minimax_h3 import EmptyMiniMaxH3LatentAV
 
-    bench.latent_source = "EmptyMiniMaxH3LatentAV (comfy_extras.nodes_minimax_h3)"
     return EmptyMiniMaxH3LatentAV.execute(*(shape or (bench.width, bench.height, bench.frames)))[0]
 
 
@@ -119,13 +117,13 @@ def capture_block_inputs(bench: Bench) -> dict:
     bench.block_inputs.update(kept)
     bench.packed_tokens = int(bench.block_inputs[bench.block_indices[0]][0].shape[0])
     bench.outputs_finite["stock forward"] = measure.all_finite(*out)
-    return {"seconds": seconds, "packed_tokens": bench.packed_tokens, "latent": bench.latent_source,
+    return {"seconds": seconds, "packed_tokens": bench.packed_tokens, "latent": LATENT,
             "outputs_finite": bench.outputs_finite["stock forward"]}
 
 
 def _block_call(bench: Bench, patcher, index: int, inputs: tuple | None = None, compiled: str | None = None):
     """``run(meter)``: one forward of block ``index`` with ``patcher``'s patches on a fresh copy of its input (made
-    before the meter starts), measured by ``meter(fn, device)``; ``compiled``: the variant's name, under torch.compile."""
+    before the meter starts), measured by ``meter(fn, device)``; ``compiled``: the variant's name (torch.compile)."""
     x0, t_emb, segments, rope = inputs or bench.block_inputs[index]
     transformer_options = patcher.model_options.get("transformer_options", {})
 
@@ -191,7 +189,7 @@ def real_blocks(bench: Bench, reps: int, warmup: int, with_stock: bool, compiled
     return results
 
 
-def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
+def kernel_launches(bench: Bench, with_stock: bool) -> dict:
     """CUDA kernels one forward of block 0 launches per variant (torch.profiler), layout copies counted."""
     index = bench.block_indices[0]
     x0, t_emb, segments, rope = bench.block_inputs[index]
@@ -207,25 +205,19 @@ def kernel_launches(bench: Bench, with_stock: bool, torch_version: str) -> dict:
                                    bench.device, large, calls=PROFILED_CALLS)
 
     counts = {name: profiled(p) for name, p in bench.variants(with_stock).items()}
-    result = {"tool": f"torch.profiler (torch {torch_version})", "block": index,
+    result = {"tool": f"torch.profiler (torch {torch.__version__})", "block": index,
               "large_copy_threshold_elements": large, "profiled_calls": PROFILED_CALLS}
     for name, c in counts.items():
         result[f"{name}_kernel_launches"] = c["kernel_launches"]
-        ms = c["kernel_ms"]
-        bench.log(f"  {name}: {c['kernel_launches']} kernels, {c['large_copy_ops']} large copies"
-                  + (f", kernel ms attention {ms['attention']:.2f} gemm {ms['gemm']:.2f} other {ms['other']:.2f}"
-                     if ms else ""))
+        bench.log(f"  {name}: {c['kernel_launches']} kernels, {c['large_copy_ops']} large copies, ms {c['kernel_ms']}")
     result["large_copy_ops"] = {n: c["large_copy_ops"] for n, c in counts.items()}
     if "hnd" in counts and "strided_nhd" in counts:
         h, s = counts["hnd"]["kernel_launches"], counts["strided_nhd"]["kernel_launches"]
         result["removed_kernel_launches"] = None if h is None else h - s
-        hnd, nhd = Counter(counts["hnd"]["kernels"]), Counter(counts["strided_nhd"]["kernels"])
-        result["removed_kernels"] = ", ".join(f"{n} x{c}" for n, c in sorted((hnd - nhd).items())) or "none"
-        result["added_kernels"] = dict(sorted((nhd - hnd).items()))
+        removed = counts["hnd"]["kernels"] - counts["strided_nhd"]["kernels"]
+        result["removed_kernels"] = ", ".join(f"{n} x{c}" for n, c in sorted(removed.items())) or "none"
         result["large_bf16_layout_copy_instances_after"] = counts["strided_nhd"]["large_copy_ops"]
-    result["kernels"] = {n: c["kernels"] for n, c in counts.items()}
     result["kernel_ms_by_family"] = {n: c["kernel_ms"] for n, c in counts.items()}
-    result["kernel_ms_by_name"] = {n: c["kernel_ms_by_name"] for n, c in counts.items()}
     return result
 
 
@@ -294,7 +286,7 @@ def sampling(bench: Bench, steps: int, reps: int, with_stock: bool, extras: list
     result = {"sampler": SAMPLER, "scheduler": SCHEDULER, "steps": steps, "seed": bench.seed,
               "guider": "BasicGuider (one model call per step)",
               "nodes": "RandomNoise, KSamplerSelect, BasicScheduler, BasicGuider, SamplerCustomAdvanced",
-              "latent": bench.latent_source, "order": order, "runs": runs}
+              "latent": LATENT, "order": order, "runs": runs}
     for name in dict.fromkeys(order):
         mine = [r for r in runs if r["variant"] == name]
         result[f"{name}_seconds"] = sum(r["seconds"] for r in mine) / len(mine)  # ABBA: the mean cancels drift
@@ -328,12 +320,8 @@ MAX_FRAMES = 3600  # EmptyMiniMaxH3LatentAV's largest length
 
 def frames_for_tokens(tokens: int, width: int, height: int, text_tokens: int) -> tuple[int, dict]:
     """The frame count on H3's 17k+5 grid packing closest to ``tokens`` (the shorter on a tie), and its rows."""
-    best = None
-    for frames in range(5, MAX_FRAMES + 1, 17):
-        rows = packed_token_count(width, height, frames, text_tokens)
-        if best is None or abs(rows["total"] - tokens) < abs(best[1]["total"] - tokens):
-            best = (frames, rows)
-    return best
+    grid = ((frames, packed_token_count(width, height, frames, text_tokens)) for frames in range(5, MAX_FRAMES + 1, 17))
+    return min(grid, key=lambda candidate: abs(candidate[1]["total"] - tokens))  # min keeps the first of a tie
 
 
 def peak_memory_at(bench: Bench, tokens: int, with_stock: bool = True) -> dict:
@@ -350,17 +338,10 @@ def peak_memory_at(bench: Bench, tokens: int, with_stock: bool = True) -> dict:
     rows_in = int(kept[index][0].shape[0])
     bench.log(f"  {rows_in} tokens ({bench.width}x{bench.height}x{frames}), block {index}: " + ", ".join(order))
     peaks, errors = _peaks_in_order(bench, order, index, kept[index])
-    block = bench.diffusion_model.blocks[index]
-    spans = {"fused_qkv": rows_in * 3 * block.attn.heads * block.attn.head_dim,
-             "mlp_fc1_output": rows_in * block.mlp.fc1.out_features}
     return {"what": "peak memory allocated above the block's input during one block forward",
             "tokens_asked": tokens, "packed_tokens": rows_in, "packed_rows_expected": rows,
             "resolution": [bench.width, bench.height], "frames": frames,
-            "block": index, "order": order, "peak_extra_bytes": peaks, "errors": errors,
-            # plain sageattn forms int32 offsets into the fused qkv buffer, an int8 GEMM maybe into fc1's output
-            "elements": spans, "past_int32_offsets": [k for k, n in spans.items() if n >= 2**31],
-            "pack": main, "pack_over_peer": {p: measure.speedup(peaks.get(main), peaks.get(p)) for p in bench.peer},
-            "pack_over_stock": measure.speedup(peaks.get(main), peaks.get("stock"))}
+            "block": index, "order": order, "peak_extra_bytes": peaks, "errors": errors, "pack": main}
 
 
 def _peaks_in_order(bench: Bench, order: list[str], index: int, inputs: tuple) -> tuple[dict, dict]:

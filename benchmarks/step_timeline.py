@@ -146,10 +146,10 @@ class ClockSampler:
 
 class StepTimeline:
     """torch.profiler recording device activity only (little overhead) between ``start()`` and ``stop()``, the
-    caller synchronising the device before each; given a ``device``, its clocks too (under ``clocks``)."""
+    caller synchronising the device before each; the ``device``'s clocks too (under ``clocks``)."""
 
-    def __init__(self, device=None):
-        self._device, self._profile, self._clocks = device, None, None
+    def __init__(self, device):
+        self._device, self._profile, self._clocks = device, None, ClockSampler(device)
         self._started = self._anchor_s = None
 
     def start(self) -> None:
@@ -159,30 +159,26 @@ class StepTimeline:
         self._profile = profile(activities=[ProfilerActivity.CUDA])
         self._profile.start()
         self._started = time.perf_counter()
-        if self._device is not None:
-            self._clocks = ClockSampler(self._device)
-            self._clocks.start()
-            self._anchor_s = time.perf_counter()
-            torch.zeros(1, device=self._device)  # the step's first kernel, on the idle device: the clocks' anchor
+        self._clocks.start()
+        self._anchor_s = time.perf_counter()
+        torch.zeros(1, device=self._device)  # the step's first kernel, on the idle device: the clocks' anchor
 
     def stop(self) -> dict:
         wall = time.perf_counter() - self._started
-        samples = self._clocks.stop() if self._clocks is not None else None
+        samples = self._clocks.stop()
         self._profile.stop()
         activities = device_activities(self._profile.events())
         self._profile = None
         summary = summarize(activities, wall)
-        if self._clocks is not None:
-            first = min((start for kind, start, _, _ in activities if kind == KERNEL), default=None)
-            summary["clocks"] = (clocks_by_family(activities, samples, (self._anchor_s, first))
-                                 if self._clocks.problem is None and first is not None
-                                 else {"problem": self._clocks.problem or "no kernel ran"})
+        first = min((start for kind, start, _, _ in activities if kind == KERNEL), default=None)
+        summary["clocks"] = (clocks_by_family(activities, samples, (self._anchor_s, first))
+                             if self._clocks.problem is None and first is not None
+                             else {"problem": self._clocks.problem or "no kernel ran"})
         return summary
 
     def close(self) -> None:
         """Stop a profile still running (its step failed); nothing is recorded."""
-        if self._clocks is not None:
-            self._clocks.stop()
+        self._clocks.stop()
         if self._profile is not None:
             self._profile.stop()
             self._profile = None
@@ -191,24 +187,22 @@ class StepTimeline:
 def profile_kernels(fn, device, large_numel: int, calls: int = 1) -> dict:
     """Device kernels one ``fn()`` launches (torch.profiler over ``calls`` calls; per call), and the layout copies:
     ``aten::copy_`` with an operand of at least ``large_numel`` elements."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from .measure import synchronize
 
     cuda = device.type == "cuda"
     fn()  # warm: lazy inits and allocator growth stay out of the count
-    if cuda:
-        torch.cuda.synchronize(device)
+    synchronize(device)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
                  record_shapes=True) as prof:
         for _ in range(calls):
             fn()
-            if cuda:
-                torch.cuda.synchronize(device)
-    kernels, kernel_us, family_us = Counter(), Counter(), Counter()
+            synchronize(device)
+    kernels, family_us = Counter(), Counter()
     for kind, start, end, name in device_activities(prof.events()):
         if kind == KERNEL:
             kernels[name] += 1
-            kernel_us[name] += end - start
             family_us[kernel_family(name)] += end - start
 
     def large_copy(event) -> bool:
@@ -219,6 +213,4 @@ def profile_kernels(fn, device, large_numel: int, calls: int = 1) -> dict:
     return {"kernel_launches": sum(kernels.values()) // calls if cuda else None,
             "large_copy_ops": large_copies // calls,
             "kernel_ms": {f: round(family_us[f] / 1e3 / calls, 3) for f in FAMILIES} if cuda else None,
-            "kernels": {n: c // calls for n, c in sorted(kernels.items())},
-            "kernel_ms_by_name": ({n: round(us / 1e3 / calls, 3) for n, us in kernel_us.most_common()}
-                                  if cuda else None)}
+            "kernels": Counter({n: c // calls for n, c in kernels.items()})}

@@ -34,21 +34,17 @@ def parse_budgets(text: str) -> list[float | None]:
     return out
 
 
-def parse_ints(text: str) -> list[int]:
-    return [int(p) for p in text.split(",") if p.strip()]
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.vram_budget", description=__doc__.split("\n\n")[0])
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--checkpoint", type=Path, help="the H3 checkpoint to sample (see --make-checkpoint)")
     what.add_argument("--make-checkpoint", type=Path, metavar="PATH", help="write the random-weight checkpoint")
     p.add_argument("--budgets", type=parse_budgets, default=parse_budgets("12,16,24"), help="GiB, or full; 12,16,24")
-    p.add_argument("--tokens", type=parse_ints, default=[37810], help="packed tokens per clip, comma separated")
+    p.add_argument("--tokens", type=lambda text: [int(t) for t in text.split(",") if t.strip()], default=[37810],
+                   help="packed tokens per clip, comma separated")
     p.add_argument("--steps", type=int, default=3, help="sampling steps per run (the first is not timed)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma separated, of {', '.join(VARIANTS)}")
     p.add_argument("--kjnodes", type=Path, default=None, help="a ComfyUI-KJNodes checkout (for the kjnodes variant)")
-    p.add_argument("--backend", default="auto", help="the node's backend input for the pack (default auto)")
     p.add_argument("--loader", choices=LOADERS, default="dynamic", help="legacy: ComfyUI's --disable-dynamic-vram")
     p.add_argument("--weights", choices=("int8_convrot", "bf16"), default="int8_convrot", help="--make-checkpoint")
     p.add_argument("--blocks", type=int, default=None, help="--make-checkpoint: DiT blocks (default: all 50)")

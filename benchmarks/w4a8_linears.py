@@ -1,8 +1,6 @@
-"""H3's W4A8 linears alone at the bundled workflows' length, comfy-kitchen's ``w4a8_int8_linear`` (stock's call)
-beside the int8 route's (comfy-kitchen's own decode of the codes to its int8 grid, then the pack's quantiser and
-GEMM), on a GPU, after the route's first-use bits check for the 4-bit forms. Per linear: random bf16 weights
-quantised by comfy-kitchen's ``quantize_w4a8_int8_weight`` (its defaults), the output compared bit for bit, then ms
-a call (CUDA events, the mean of 10 calls) as stock, pack, stock, pack: the lower of each pair is printed."""
+"""H3's W4A8 linears alone at the bundled workflows' length on a GPU, after the route's first-use bits check:
+comfy-kitchen's ``w4a8_int8_linear`` (stock's call) beside the int8 route (comfy-kitchen's decode to its int8 grid,
+the pack's quantiser and GEMM), bit for bit, then ms a call as stock, pack, stock, pack (the lower of each pair)."""
 
 from __future__ import annotations
 

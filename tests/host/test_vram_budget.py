@@ -160,9 +160,12 @@ def test_a_variant_whose_process_died_is_told_apart_from_one_not_run():
 def test_out_of_memory_is_told_apart():
     import torch
 
-    assert budget_cell.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.11 GiB"))
-    assert budget_cell.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
-    assert not budget_cell.is_oom(RuntimeError("shape mismatch"))
+    def oom(exc) -> bool:
+        return budget_cell.error_record(exc)["oom"]
+
+    assert oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.11 GiB"))
+    assert oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    assert not oom(RuntimeError("shape mismatch"))
     record = budget_cell.error_record(RuntimeError("CUDA error: out of memory\nmore"))
     assert record["oom"] and record["message"] == "CUDA error: out of memory"
 
@@ -177,7 +180,6 @@ def test_the_transfer_counter_counts_host_tensors_bound_for_a_gpu(monkeypatch):
     monkeypatch.setattr(mm, "cast_to", lambda w, dtype=None, device=None, *a, **k: seen.append("cast") or w)
     monkeypatch.setattr(mm, "cast_to_gathered", lambda t, r, non_blocking=False, stream=None, r2=None: seen.append("g"))
     counter = budget_cell.TransferCounter()
-    counter.install()
     gpu = SimpleNamespace(device=SimpleNamespace(type="cuda"))
     weight, bias = torch.zeros(4, 8), torch.zeros(4)
     mm.cast_to(weight, None, torch.device("cpu"))          # stays on the host: not counted

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import measure, results_table, schema
+from benchmarks import measure, results_table
 from devkit.h3 import FULL_H3, packed_token_count
 from benchmarks.h3_reference_run import (REFERENCE_COPY, REFERENCE_KEYS_BY_SECTION, _section, parse_args,
                                          reference_for, validation_names)
-from benchmarks.report import Report, correctness_table, first_contact_table, table_rows, text_table
+from benchmarks.report import (CUDA_ONLY, NOT_APPLICABLE, RENAMED, Report, check_against_reference, correctness_table,
+                               first_contact_table, load_reference, table_rows, text_table)
 from benchmarks.sections import sampling_order
 from benchmarks.step_timeline import kernel_family
 
@@ -25,7 +26,7 @@ SHARED_COPIES = [base / "shared" / "reference" / REFERENCE_COPY.name for base in
 
 
 def reference() -> dict:
-    return schema.load_reference(REFERENCE_COPY)
+    return load_reference(REFERENCE_COPY)
 
 
 def reference_shaped_report() -> dict:
@@ -49,7 +50,7 @@ def test_reference_copy_is_the_shared_reference_with_the_keys_the_harness_relies
             yield from walk(value, prefix + key + ".")
 
     paths = set(walk(ref))
-    named = set(schema.RENAMED) | set(schema.NOT_APPLICABLE) | {
+    named = set(RENAMED) | set(NOT_APPLICABLE) | {
         key for keys in REFERENCE_KEYS_BY_SECTION.values() for key in keys}
     assert named <= paths, f"not in the reference copy: {sorted(named - paths)}"
     assert (ref["resolution"], ref["frames"], ref["packed_tokens"], ref["seed"]) == ([1344, 768], 124, 37810, 440420)
@@ -57,7 +58,7 @@ def test_reference_copy_is_the_shared_reference_with_the_keys_the_harness_relies
 
 
 def test_report_with_every_reference_key_follows_schema():
-    assert schema.check_against_reference(reference_shaped_report(), reference()) == []
+    assert check_against_reference(reference_shaped_report(), reference()) == []
 
 
 @pytest.mark.parametrize("mutate, expected", [
@@ -71,7 +72,7 @@ def test_report_with_every_reference_key_follows_schema():
 def test_schema_check_names_what_differs(mutate, expected):
     data = reference_shaped_report()
     mutate(data)
-    problems = schema.check_against_reference(data, reference())
+    problems = check_against_reference(data, reference())
     assert any(expected in p for p in problems), problems
 
 
@@ -79,7 +80,7 @@ def test_cuda_only_measurements_may_be_null_when_allowed():
     data = reference_shaped_report()
     data["profiler_block_recapture"]["hnd_kernel_launches"] = None
     data["sampling_2_step"]["peak_allocated_bytes_saved"] = None
-    assert schema.check_against_reference(data, reference(), allow_null=schema.CUDA_ONLY) == []
+    assert check_against_reference(data, reference(), allow_null=CUDA_ONLY) == []
 
 
 def test_full_size_shape_packs_37810_tokens():
@@ -100,17 +101,6 @@ def test_interleaved_times_rotates_the_leading_variant():
     times = measure.interleaved_times(runners, reps=3, warmup=0)
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert times == {"a": [1.0] * 3, "b": [1.0] * 3, "c": [1.0] * 3}
-
-
-def test_layout_comes_from_flag_then_environment(monkeypatch):
-    monkeypatch.delenv("H3_SAGE_QKV_LAYOUT", raising=False)
-    assert parse_args([]).layout == "ab"
-    monkeypatch.setenv("H3_SAGE_QKV_LAYOUT", "hnd")
-    assert parse_args([]).layout == "hnd"
-    assert parse_args(["--layout", "strided_nhd"]).layout == "strided_nhd"
-    monkeypatch.setenv("H3_SAGE_QKV_LAYOUT", "nhd")
-    with pytest.raises(SystemExit):
-        parse_args([])
 
 
 def test_unknown_section_is_refused():
@@ -167,11 +157,11 @@ def test_a_run_is_checked_only_for_the_sections_it_was_asked_to_make():
         data.pop(key)
     data["dataflow"]["removed_copies_per_block"] = None
     data["validation"] = {"full_2_block_two_step_trajectory": "identical video and audio checksums"}
-    assert schema.check_against_reference(data, ref) == []
+    assert check_against_reference(data, ref) == []
     # a section that was asked for and is absent is still reported
     asked_all = reference_for({"sections_requested": ["sampling_2_step", "sampling_12_step"], "model": {"blocks": 2}},
                               reference())
-    assert any(p.startswith("missing sampling_12_step") for p in schema.check_against_reference(data, asked_all))
+    assert any(p.startswith("missing sampling_12_step") for p in check_against_reference(data, asked_all))
 
 
 def test_a_failing_section_does_not_lose_the_others(tmp_path):
@@ -242,8 +232,7 @@ def peer_report() -> dict:
     ff = {"node": "MiniMaxChunkFeedForward", "display_name": "MiniMax H3 Chunk FeedForward",
           "inputs": {"chunks": 2, "seq_threshold": 4096}}
     memory = {"tokens_asked": 120000, "packed_tokens": 119356, "resolution": [1344, 768], "frames": 396,
-              "block": 0, "pack": "strided_nhd", "past_int32_offsets": ["fused_qkv", "mlp_fc1_output"],
-              "elements": {"fused_qkv": 119356 * 21504, "mlp_fc1_output": 119356 * 28672},
+              "block": 0, "pack": "strided_nhd",
               "peak_extra_bytes": {"strided_nhd": 9000 * 2**20, "attention_only": 10000 * 2**20,
                                    "kj_lowvram": 12000 * 2**20, "kj_lowvram_chunkff": None, "stock": None},
               "errors": {"kj_lowvram_chunkff": "RuntimeError: CUDA error: an illegal memory access\nmore",
