@@ -4,7 +4,7 @@ fp8 one (comfy-kitchen's TensorCoreFP8Layout, as ComfyUI's loader reads it) and 
 graph samples stock's latents bit for bit and its report says which path the linears took, or why the blocks were
 declined, in the payload, the server's log and the text the status box renders. The int8 ConvRot case is
 test_host_server.py's. In-process, every layout: test_format_matrix.py; scripts/test_kitchen_releases.sh runs this
-file against each comfy-kitchen release (W4A8 needs 0.2.36+; with an older one its case is a skip naming it).
+file against each comfy-kitchen release (a release or host that cannot make or load a format: a skip naming it).
 """
 
 from __future__ import annotations
