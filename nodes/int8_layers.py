@@ -185,10 +185,9 @@ def _added(out, into):
 def _on_cast(layer, x, pending, input_act, weight, bias, record, into=None, routes=None):
     """One call on the weight as cast for it: the route where it takes the call (``stock_quantizer_reason``), else
     stock's arithmetic on that weight; the reason told either way."""
-    (answer, reason), out = _decided(layer, x, input_act, (weight, bias), routes), None
+    (answer, reason), out, w4a8 = _decided(layer, x, input_act, (weight, bias), routes), None, is_w4a8(weight)
     if reason is None:  # a W4A8 weight decoded to its int8 grid for this call only (kernels/int8_w4a8.py)
-        qdata, w_scale = kernels.int8_w4a8.operands(weight) if is_w4a8(weight) else (weight._qdata,
-                                                                                   weight._params.scale)
+        qdata, w_scale = kernels.int8_w4a8.operands(weight) if w4a8 else (weight._qdata, weight._params.scale)
         out = kernels.int8_linear_routed(x, qdata, w_scale, bias, input_act=input_act, kernel=answer.choice,
                                          modulation=pending.segments if pending is not None else None, residual=into)
         reason = None if out is not None else "CUTLASS declined the shape"
