@@ -8,7 +8,8 @@ estimate).
 Checked on the cell's JSON: the ballast left the budget, stock and the pack both complete, the pack's latents are
 stock's bits, weights were copied to the card at every timed step, the pack's peak is below stock's, and the profiled
 last step says where its time went.
-Loader: DynamicVRAM where comfy-aimdo is installed (ComfyUI's default), else the legacy ModelPatcher.
+Loader: DynamicVRAM where comfy-aimdo 0.5+ is installed (ComfyUI's default; the benchmark drives its
+``malloc_graph``), else the legacy ModelPatcher.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ def bench(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def dynamic_vram_loader_available() -> bool:
+    """Whether the installed comfy-aimdo has ``malloc_graph`` (0.5+), which the benchmark's DynamicVRAM loader drives."""
+    try:
+        return importlib.util.find_spec("comfy_aimdo.malloc_graph") is not None
+    except ModuleNotFoundError:  # no comfy-aimdo at all
+        return False
+
+
 def budget_beside_this_process() -> float:
     """The budget to ask for, in GiB: ``BUDGET_GIB`` plus what this test process (and any other) holds on the card,
     so that the cell sees what a ``BUDGET_GIB`` card alone would give it (the ballast takes the card's total less
@@ -56,7 +65,7 @@ def budgeted_cell(tmp_path_factory):
     checkpoint = tmp / "h3-4-blocks-int8.safetensors"
     made = bench("--make-checkpoint", str(checkpoint), "--blocks", str(BLOCKS))
     assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-3000:]
-    loader = "dynamic" if importlib.util.find_spec("comfy_aimdo") is not None else "legacy"
+    loader = "dynamic" if dynamic_vram_loader_available() else "legacy"
     out = Path(os.environ.get("OUT", tmp)) / "vram_budget_gpu.json"
     proc = bench("--checkpoint", str(checkpoint), "--variants", "pack,stock", "--budgets", str(budget),
                  "--tokens", str(TOKENS), "--steps", "3", "--loader", loader, "--timeline", "--out", str(out))
