@@ -214,26 +214,22 @@ def run_cell(args) -> int:
         base = h3_model.load_checkpoint_model(str(args.checkpoint))
         result["model"] = {"checkpoint": str(args.checkpoint), "bytes": Path(args.checkpoint).stat().st_size,
                            "patcher": type(base).__name__, "blocks": len(base.model.diffusion_model.blocks)}
-        variants, patches = {}, {}  # stock, the node at its defaults (twice: its estimate, stock's) and KJNodes
+        variants, patches = {}, {}  # stock, the node at its defaults and KJNodes
         for name in args.variants:
             if name == "stock":
                 variants[name] = base
-            elif name in ("pack", "pack_stock_estimate"):
+            elif name == "pack":
                 # measure_peak off: the cell reads every variant's peak the same way, over the whole run
                 settings = submodule("nodes.patch").Settings(measure_peak=False)
                 variants[name], patches[name] = submodule("nodes.h3_patch").patch_model(base, settings)
             elif name == "kjnodes":
                 variants[name] = _peer_variant(args, base, stock_flag, result)
-        memory = submodule("nodes.memory")
-        estimated = memory.ESTIMATED_DEVICES
         dm = base.model.diffusion_model
         conditioning = h3_model.random_conditioning(args.text_tokens, dm.condition_proj.weight.shape[1], args.seed + 1)
         result["packed_rows"] = h3_model.packed_token_count(args.width, args.height, args.frames, args.text_tokens)
         latents = {}
         for name, patcher in variants.items():
             recorder.stage(f"sample {name}")
-            # pack_stock_estimate: the node with ComfyUI's own memory estimate (what the pack's estimate buys)
-            memory.ESTIMATED_DEVICES = () if name == "pack_stock_estimate" else estimated
             run, latents[name] = sample(torch, device, patcher, conditioning, args, counter)
             if name in patches:
                 run["report"] = patches[name].report.last

@@ -17,7 +17,7 @@ from pathlib import Path
 
 # stock last: past 2**31 elements its attention on the fused qkv buffer may fault the device, and after a fault
 # nothing more runs in the process
-VARIANTS = ("pack", "pack_stock_estimate", "kjnodes", "stock")
+VARIANTS = ("pack", "kjnodes", "stock")
 LOADERS = ("dynamic", "legacy")  # DynamicVRAM (comfy-aimdo), or the estimate-based ModelPatcher
 WIDTH, HEIGHT, TEXT_TOKENS, SEED = 1344, 768, 100, 440420  # the bundled workflows' clip (frames from --tokens)
 

@@ -58,16 +58,14 @@ def test_each_budget_is_a_cell_with_every_variant(budget_run):
 def test_the_pack_and_the_peer_give_stocks_latents(budget_run):
     _, data, _ = budget_run
     for cell in data["cells"]:
-        for pack in ("pack", "pack_stock_estimate"):
-            assert cell["runs"][pack]["vs_stock"] == {"identical": True, "max_abs_difference": 0.0}
+        assert cell["runs"]["pack"]["vs_stock"] == {"identical": True, "max_abs_difference": 0.0}
         assert cell["runs"]["kjnodes"]["vs_stock"]["identical"]
 
 
 def test_the_pack_run_carries_the_nodes_report(budget_run):
     _, data, _ = budget_run
-    for pack in ("pack", "pack_stock_estimate"):  # each its own patch's report
-        report = data["cells"][0]["runs"][pack]["report"]
-        assert report["model_family"] == "MiniMaxH3" and report["block_path_blocks"] == 2
+    report = data["cells"][0]["runs"]["pack"]["report"]
+    assert report["model_family"] == "MiniMaxH3" and report["block_path_blocks"] == 2
 
 
 def test_the_peer_runs_its_lowest_memory_chain_and_says_so(budget_run):
