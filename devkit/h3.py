@@ -32,7 +32,7 @@ TINY_H3 = {
 }
 
 # TINY_H3 wide enough for the int8 ConvRot route (every linear's input a multiple of its 256-wide groups) and for
-# SageAttention's head dim 128: the CPU tests of the int8 route, the block path and the memory estimate.
+# SageAttention's head dim 128: the CPU tests of the int8 route, the block path and the embedding release.
 INT8_TINY_H3 = dict(TINY_H3, hidden_size=256, num_attention_heads=2, attention_head_dim=128, ffn_hidden_size=512)
 
 ROPE_THETA = 10000.0

@@ -1,5 +1,4 @@
-"""Strided NHD attention, the H3 block's passes and memory model, the int8 ConvRot route; no ComfyUI import.
-nodes/ imports only it."""
+"""Strided NHD attention, the H3 block's passes, the int8 ConvRot route; no ComfyUI import. nodes/ imports only it."""
 
 from . import int8_w4a8
 from .backends import BACKENDS
@@ -13,7 +12,6 @@ from .int8_linear import GROUP as CONVROT_GROUP
 from .int8_linear import (GemmDeclined, gemm_status, int8_call_problem, int8_column_products, int8_linear_routed,
                           int8_quantized_rows, int8_rows_problem, int8_weight_problem, kitchen_release_status,
                           stock_int8_linear)
-from .memory_model import block_peak_bytes, block_phases, model_call_bytes
 from .offsets import token_chunks
 from .qk_transform import QKNorm
 from .sage2_quant import MODES as PREPARED_MODES
@@ -21,8 +19,6 @@ from .sage2_quant import MODES as PREPARED_MODES
 __all__ = ["BACKENDS", "BACKEND_CHOICES", "CONVROT_GROUP", "LAYOUTS", "PREPARED_MODES", "REASON_CODES", "BackendChain",
            "CallRecord", "GemmDeclined", "NoBackendError", "PendingModulation", "PendingResidual", "QKNorm",
            "RowProjection", "attention_from_fused_qkv", "attention_from_projection", "attention_nhd",
-           "block_peak_bytes", "block_phases", "clip_segments", "gemm_choice", "gemm_status", "int8_call_problem",
-           "int8_w4a8",
-           "int8_column_products", "int8_linear_routed", "int8_quantized_rows", "int8_rows_problem",
-           "int8_weight_problem", "kitchen_release_status", "model_call_bytes", "settled", "stock_int8_linear",
-           "swiglu", "token_chunks", "token_major"]
+           "clip_segments", "gemm_choice", "gemm_status", "int8_call_problem", "int8_column_products",
+           "int8_linear_routed", "int8_quantized_rows", "int8_rows_problem", "int8_w4a8", "int8_weight_problem",
+           "kitchen_release_status", "settled", "stock_int8_linear", "swiglu", "token_chunks", "token_major"]

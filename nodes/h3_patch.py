@@ -12,7 +12,7 @@ import torch
 from comfy.patcher_extension import WrappersMP
 
 from .. import kernels
-from . import chunking, conflicts, h3_block, int8_layers, memory
+from . import chunking, conflicts, h3_block, int8_layers
 from .embedding_release import VIDEO_PROJECTION, EmbeddingRelease
 from .ownership import is_foreign, is_own
 from .patch import NODE, InstalledPatch, Note, Plan, Settings
@@ -88,33 +88,15 @@ def structure_problems(attn) -> list[str]:
 
 
 class H3Patch(InstalledPatch):
-    """The node's state on an H3 clone, with the run's latent shapes and the video embedding's release; its wrappers
-    add the memory estimate (PREPARE_SAMPLING) and the peak per model call (APPLY_MODEL: outside any compiled
-    region, around it)."""
+    """The node's state on an H3 clone, with the video embedding's release; its APPLY_MODEL wrapper adds the peak
+    per model call (outside any compiled region, around it)."""
 
     def __init__(self, settings: Settings, report: RunReport, planner, plan: Plan):
         super().__init__(settings, report, planner, plan)
-        self.latent_shapes = None  # the sampling run's video and audio latent shapes, while it runs
         self.embedding = None  # block path: an embedding_release.EmbeddingRelease (scoped by APPLY_MODEL)
 
     def wrappers(self) -> dict:
-        return super().wrappers() | {WrappersMP.PREPARE_SAMPLING: self.prepare_sampling_wrapper,
-                                     WrappersMP.APPLY_MODEL: self.apply_model_wrapper}
-
-    def outer_sample_wrapper(self, executor, *args, **kwargs):
-        """The generic OUTER_SAMPLE wrapper, the run's latent shapes kept while it runs (the estimate reads them)."""
-        self.latent_shapes = kwargs.get("latent_shapes")
-        try:
-            return super().outer_sample_wrapper(executor, *args, **kwargs)
-        finally:
-            self.latent_shapes = None
-
-    def prepare_sampling_wrapper(self, executor, model, noise_shape, conds, *args, **kwargs):
-        """ComfyUI PREPARE_SAMPLING wrapper: the model is loaded on the pack's estimate (``memory.run_estimate``)."""
-        options = kwargs.get("model_options", args[0] if args else None)
-        force_full_load = kwargs.get("force_full_load", args[1] if len(args) > 1 else False)
-        with memory.run_estimate(self, model, noise_shape, conds, options, force_full_load):
-            return executor(model, noise_shape, conds, *args, **kwargs)
+        return super().wrappers() | {WrappersMP.APPLY_MODEL: self.apply_model_wrapper}
 
     def apply_model_wrapper(self, executor, x, *args, **kwargs):
         """ComfyUI APPLY_MODEL wrapper: the model call's peak allocation goes to the report (CUDA); with the block
@@ -126,7 +108,21 @@ class H3Patch(InstalledPatch):
                 scope.enter_context(self.embedding.model_call(getattr(executor, "class_obj", None), device))
             if not self.settings.measure_peak:
                 return executor(x, *args, **kwargs)
-            return memory.measured_call(executor, x, args, kwargs, self.report.measured_peak)
+            return measured_call(executor, x, args, kwargs, self.report.measured_peak)
+
+
+def measured_call(executor, x, args, kwargs, record):
+    """``executor(x, *args, **kwargs)``; on CUDA, its peak allocation above what was allocated when it began goes to
+    ``record`` (the allocator's own counters: no synchronisation; its peak statistics are reset here)."""
+    device = getattr(x, "device", None)
+    if device is None or device.type != "cuda":
+        return executor(x, *args, **kwargs)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        return executor(x, *args, **kwargs)
+    finally:
+        record(torch.cuda.max_memory_allocated(device) - start)
 
 
 class H3AttentionForward:

@@ -13,8 +13,8 @@ from .report import RunReport
 
 NODE = "Sage Strided NHD Attention"
 WRAPPER_KEY = "sage_strided_nhd"
-# every kind of ComfyUI wrapper a patch of this node adds (the H3 patch: all three); a clone sheds them all first
-WRAPPER_KINDS = (WrappersMP.OUTER_SAMPLE, WrappersMP.PREPARE_SAMPLING, WrappersMP.APPLY_MODEL)
+# every kind of ComfyUI wrapper a patch of this node adds (the H3 patch: both); a clone sheds them all first
+WRAPPER_KINDS = (WrappersMP.OUTER_SAMPLE, WrappersMP.APPLY_MODEL)
 # MiniMax H3 block forward: the block fast path with stock's bits (exact), or the attention-only patch
 BLOCK_PATHS = ("exact", "attention_only")
 # Node input values that earlier releases offered: a saved workflow that carries one still runs, on the

@@ -1,6 +1,6 @@
 """One report per sampling run (the OUTER_SAMPLE wrapper opens and closes it): what the patched attention did, every
-number counted or measured but ComfyUI's estimate; logged and sent as ``REPORT_EVENT`` to the client that queued the
-prompt. Its payload is documented in docs/ARCHITECTURE.md ("The run report")."""
+number counted or measured; logged and sent as ``REPORT_EVENT`` to the client that queued the prompt. Its payload is
+documented in docs/ARCHITECTURE.md ("The run report")."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .. import kernels
 log = logging.getLogger("sage_strided_nhd")
 
 REPORT_EVENT = "sage_strided_nhd.report"
-REPORT_SCHEMA = 4
+REPORT_SCHEMA = 5
 TAKEN_AWAY = "forward_taken_away"  # the note of rule 10 (conflicts.forward_taken_away): the report's status follows it
 # the comfy-kitchen layouts the int8 route takes, as the log and the status box name them (web/report_text.js:
 # INT8_LAYOUT_LABELS, the same)
@@ -51,18 +51,13 @@ class RunReport:
         self.status: str | None = None
         self.error: dict | None = None  # what ended a failed run
         self.peak_bytes: int | None = None   # the largest model call's peak allocation above its start
-        self.estimate: dict | None = None    # {"bytes", "by"}: ComfyUI's estimate for one model call, and whose
         self.released_bytes: int | None = None   # stock's video embedding handed back in a model call
 
-    def measured_peak(self, nbytes) -> None:  # memory.measured_call
+    def measured_peak(self, nbytes) -> None:  # h3_patch.measured_call
         self.peak_bytes = max(self.peak_bytes or 0, int(nbytes))
 
     def released(self, nbytes) -> None:  # embedding_release.py
         self.released_bytes = max(self.released_bytes or 0, int(nbytes))
-
-    def estimated(self, nbytes, by: str) -> None:  # by "pack" or "comfyui": the smallest (one batch) is kept
-        if self.estimate is None or nbytes < self.estimate["bytes"]:
-            self.estimate = {"bytes": int(nbytes), "by": by}
 
     def record(self, rec) -> None:  # one call through a back-end (its kernels.CallRecord)
         self.calls += 1
@@ -134,9 +129,8 @@ class RunReport:
                                      release=None, route="stock") if self.int8_own or self.int8_stock else None,
              "int8_gemm": _asked(lambda: kernels.gemm_status(), "the int8 GEMM", kernel="comfy_kitchen")
              if self.int8_own else None,
-             "memory": None if self.peak_bytes is None and self.estimate is None and self.released_bytes is None else {
-                 "peak_bytes": self.peak_bytes, "estimate_bytes": (self.estimate or {}).get("bytes"),
-                 "estimate_by": (self.estimate or {}).get("by"), "released_bytes": self.released_bytes},
+             "memory": None if self.peak_bytes is None and self.released_bytes is None else {
+                 "peak_bytes": self.peak_bytes, "released_bytes": self.released_bytes},
              "notes": list(self.notes)}
         p["messages"] = _messages(p)
         return p
@@ -278,17 +272,11 @@ def byte_size(nbytes) -> str:
 
 
 def memory_line(memory: dict) -> str:
-    """"model call needed: 2.2 GiB (ComfyUI told 2.3 GiB)"; ", its own estimate" where stock's estimate stood;
-    "; 1.5 GiB of stock's video embedding handed back" where the first block released it."""
-    told, released = memory.get("estimate_bytes"), memory.get("released_bytes")
-    whose = ", its own estimate" if memory.get("estimate_by") == "comfyui" else ""
-    if memory.get("peak_bytes") is not None:
-        line = f"model call needed: {byte_size(memory['peak_bytes'])}" + (
-            f" (ComfyUI told {byte_size(told)}{whose})" if told is not None else "")
-    else:
-        line = f"ComfyUI told: {byte_size(told)} a model call{whose}" if told is not None else ""
-    return "; ".join(p for p in (line, released and f"{byte_size(released)} of stock's video embedding handed back")
-                     if p)
+    """"model call needed: 2.2 GiB" where the peak was measured; "; 1.5 GiB of stock's video embedding handed back"
+    where the first block released it."""
+    peak, released = memory.get("peak_bytes"), memory.get("released_bytes")
+    return "; ".join(p for p in (peak is not None and f"model call needed: {byte_size(peak)}",
+                                 released and f"{byte_size(released)} of stock's video embedding handed back") if p)
 
 
 def _prompt_server():

@@ -2,7 +2,7 @@
 // plain-text lines for the node's status box. Pure functions only: no DOM, no ComfyUI import,
 // so the formatting can be tested on its own (tests/browser/report_text.test.mjs).
 //
-// The report (schema 4, docs/ARCHITECTURE.md: "The run report") carries its reasons as data: every fallback and skip has
+// The report (schema 5, docs/ARCHITECTURE.md: "The run report") carries its reasons as data: every fallback and skip has
 // a short `code` beside the full `reason` sentence. The summary shows the code's label, the details
 // show the sentence; nothing here parses the sentences.
 //
@@ -157,16 +157,11 @@ export function formatBytes(bytes) {
   return `${(n / size).toFixed(n < 10 * size ? 1 : 0)} ${unit}`;
 }
 
-// "model call needed: 2.2 GiB (ComfyUI told 2.3 GiB)": the largest model call's peak and what ComfyUI was told
-// one needs when it loaded the model (", its own estimate" where the pack's did not stand), then
-// "1.5 GiB of stock's video embedding handed back" where the first block released it; "" without (null).
+// "model call needed: 2.2 GiB": the largest model call's peak, then "1.5 GiB of stock's video embedding
+// handed back" where the first block released it (nodes/report.py: memory_line); "" without (null).
 export function formatMemory(memory) {
   if (!memory || typeof memory !== "object" || Array.isArray(memory)) return "";
-  const told = isNumber(memory.estimate_bytes) ? formatBytes(memory.estimate_bytes) : "";
-  const whose = memory.estimate_by === "comfyui" ? ", its own estimate" : "";
-  const line = isNumber(memory.peak_bytes)
-    ? `model call needed: ${formatBytes(memory.peak_bytes)}${told ? ` (ComfyUI told ${told}${whose})` : ""}`
-    : (told ? `ComfyUI told: ${told} a model call${whose}` : "");
+  const line = isNumber(memory.peak_bytes) ? `model call needed: ${formatBytes(memory.peak_bytes)}` : "";
   const released = isNumber(memory.released_bytes) && memory.released_bytes > 0
     ? `${formatBytes(memory.released_bytes)} of stock's video embedding handed back` : "";
   return [line, released].filter(Boolean).join("; ");
@@ -197,7 +192,7 @@ export function reportState(report) {
   return Array.isArray(r.fallbacks) && r.fallbacks.length ? "fallback" : "report";
 }
 
-// The status lines for one report (schema 4, documented in docs/ARCHITECTURE.md). Every value is turned
+// The status lines for one report (schema 5, documented in docs/ARCHITECTURE.md). Every value is turned
 // into a string here: the caller puts the result into textContent, never into HTML.
 export function formatReport(report) {
   const r = report && typeof report === "object" ? report : {};

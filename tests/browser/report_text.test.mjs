@@ -1,4 +1,4 @@
-// Unit tests of web/report_text.js: the text the node's status box shows for a report (schema 4,
+// Unit tests of web/report_text.js: the text the node's status box shows for a report (schema 5,
 // docs/ARCHITECTURE.md: "The run report"). Run: node --test tests/browser/report_text.test.mjs
 import { test } from "node:test";
 import assert from "node:assert/strict";
@@ -17,7 +17,7 @@ const LONGEST = JSON.parse(readFileSync(new URL("./fixtures/longest_report.json"
 
 // A clean auto run on an H200 with SageAttention 2 installed: every key present, as the node sends it.
 const REPORT = {
-  schema: 4,
+  schema: 5,
   node_id: "2",
   prompt_id: "p1",
   model_family: "MiniMaxH3",
@@ -232,28 +232,25 @@ test("the int8 route's GEMM: which kernel ran, and why comfy-kitchen's where it 
   assert.ok(!portable.some((l) => l.startsWith("why comfy-kitchen")), show(portable));
 });
 
-test("memory: the largest model call's peak beside what ComfyUI was told, and whose estimate that was", () => {
-  const pack = { peak_bytes: 2.2 * 2 ** 30, estimate_bytes: 2.3 * 2 ** 30, estimate_by: "pack" };
-  const lines = formatReport({ ...REPORT, block_path: "exact", block_path_blocks: 50, memory: pack });
-  assert.equal(lines.at(-1), "model call needed: 2.2 GiB (ComfyUI told 2.3 GiB)", show(lines));
+test("memory: the largest model call's peak and stock's video embedding handed back", () => {
+  const peak = { peak_bytes: 2.2 * 2 ** 30, released_bytes: null };
+  const lines = formatReport({ ...REPORT, block_path: "exact", block_path_blocks: 50, memory: peak });
+  assert.equal(lines.at(-1), "model call needed: 2.2 GiB", show(lines));
   assert.equal(lines.at(-2), "block fast path: 50 of 50 blocks", show(lines));
-  assert.equal(formatMemory({ ...pack, estimate_by: "comfyui", estimate_bytes: 7.7 * 2 ** 30 }),
-    "model call needed: 2.2 GiB (ComfyUI told 7.7 GiB, its own estimate)");
-  assert.equal(formatMemory({ ...pack, peak_bytes: null }), "ComfyUI told: 2.3 GiB a model call");
-  assert.equal(formatMemory({ ...pack, estimate_bytes: null, estimate_by: null }), "model call needed: 2.2 GiB");
-  assert.equal(formatMemory({ peak_bytes: null, estimate_bytes: null, estimate_by: null }), "");
-  assert.equal(formatMemory({ ...pack, released_bytes: 1.5 * 2 ** 30 }),
-    "model call needed: 2.2 GiB (ComfyUI told 2.3 GiB); 1.5 GiB of stock's video embedding handed back");
-  assert.equal(formatMemory({ peak_bytes: null, estimate_bytes: null, released_bytes: 385 * 2 ** 20 }),
+  assert.equal(formatMemory({ peak_bytes: null, released_bytes: null }), "");
+  assert.equal(formatMemory({ ...peak, released_bytes: 1.5 * 2 ** 30 }),
+    "model call needed: 2.2 GiB; 1.5 GiB of stock's video embedding handed back");
+  assert.equal(formatMemory({ peak_bytes: null, released_bytes: 385 * 2 ** 20 }),
     "385 MiB of stock's video embedding handed back");
+  assert.equal(formatMemory({ ...peak, released_bytes: 0 }), "model call needed: 2.2 GiB");
   for (const none of [null, undefined, [], "2 GiB"]) assert.equal(formatMemory(none), "");
-  assert.ok(!formatReport(REPORT).some((l) => l.includes("model call") || l.startsWith("ComfyUI told")));
+  assert.ok(!formatReport(REPORT).some((l) => l.includes("model call")));
   assert.deepEqual([840 * 2 ** 20, 3.5 * 2 ** 20, 2 ** 30, 1944 * 2 ** 20].map(formatBytes),
     ["840 MiB", "3.5 MiB", "1.0 GiB", "1.9 GiB"]);
   // below a MiB in KiB, never "0.0 MiB"
   assert.deepEqual([96 * 2 ** 10, 2.5 * 2 ** 10, 1023 * 2 ** 10, 2 ** 20].map(formatBytes),
     ["96 KiB", "2.5 KiB", "1023 KiB", "1.0 MiB"]);
-  assert.equal(formatMemory({ peak_bytes: null, estimate_bytes: null, released_bytes: 40 * 2 ** 10 }),
+  assert.equal(formatMemory({ peak_bytes: null, released_bytes: 40 * 2 ** 10 }),
     "40 KiB of stock's video embedding handed back");
 });
 
@@ -341,7 +338,7 @@ test("no schema-1 or schema-2 leftovers are rendered", () => {
 });
 
 test("the longest report keeps every piece of information and needs the box to scroll", () => {
-  assert.equal(LONGEST.schema, 4);
+  assert.equal(LONGEST.schema, 5);
   const lines = formatReport(LONGEST);
   const all = show(lines);
   assert.equal(lines[0], "run failed: counts cover the calls before the error");
@@ -363,7 +360,7 @@ test("the longest report keeps every piece of information and needs the box to s
   }
   for (const n of LONGEST.notes) assert.ok(lines.includes(`note: ${n.text}`), n.text);
   assert.ok(lines.includes(`why comfy-kitchen's int8 GEMM runs: ${LONGEST.int8_gemm.reason}`), all);
-  assert.ok(lines.includes("model call needed: 4.6 GiB (ComfyUI told 7.7 GiB, its own estimate)"), all);
+  assert.ok(lines.includes("model call needed: 4.6 GiB; 1.5 GiB of stock's video embedding handed back"), all);
   for (const e of LONGEST.compile_events) assert.ok(all.includes(e.key), e.key);
   assert.ok(lines.includes("split over heads: up to 3 chunks (int32 offsets)"));
   assert.ok(lines.includes("handed back to ComfyUI attention: ×7"));

@@ -68,7 +68,7 @@ def test_h3_latents_bit_identical_across_layouts_and_stock_and_patch_reverts(com
         assert r["model_family"] == "MiniMaxH3" and r["path"] == "h3_forward_patch" and r["layout"] == layout
         assert r["blocks_patched"] == 2 and r["refiner_blocks_patched"] == 2 and r["node_id"] == "3"
         assert r["backends_ran"] == {"sdpa": r["attention_calls"]} and r["attention_calls"] >= 2 * STEPS
-        assert r["fallbacks"] == [] and r["status"] == "ok" and r["prompt_id"] and r["schema"] == 4
+        assert r["fallbacks"] == [] and r["status"] == "ok" and r["prompt_id"] and r["schema"] == 5
         assert r["notes"] == [] and r["prepared"] == [] and r["compile_events"] == [] and r["error"] is None
     # copies the dataflow really made: none on strided_nhd; HND's 3 input + 1 output copies
     assert only_report(strided)["copies_per_call"] == 0.0
@@ -176,7 +176,7 @@ def test_int8_reason_and_comfy_kitchen_release_are_whole_in_payload_log_and_stat
     stock_graph["1"]["inputs"]["unet_name"] = int8_checkpoint
     run = comfy_server.run_graph(graph)
     r = only_report(run)
-    assert r["schema"] == 4 and r["int8_own_quantizer_calls"] == 0
+    assert r["schema"] == 5 and r["int8_own_quantizer_calls"] == 0
     reasons = {row["reason"]: row["count"] for row in r["int8_stock_quantizer"]}
     assert list(reasons) == ["not on a CUDA device"] and reasons["not on a CUDA device"] >= 4 * STEPS, reasons
     kitchen = r["comfy_kitchen"]

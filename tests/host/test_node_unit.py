@@ -344,7 +344,7 @@ def test_report_is_sent_once_per_sampling_run(pack):
     assert wrapper(sampling_run) == "latent"
     assert report.last is not first  # the last payload only, no growth
     p = report.last
-    assert p["schema"] == 4 and p["attention_calls"] == 3 and p["node_id"] == "17" and p["status"] == "ok"
+    assert p["schema"] == 5 and p["attention_calls"] == 3 and p["node_id"] == "17" and p["status"] == "ok"
     assert p["copies_per_call"] == 0.0 and p["backends_ran"] == {"sdpa": 3} and p["error"] is None
     assert p["prepared"] == [] and p["prepared_skipped"] == [] and p["compile_events"] == [] and p["notes"] == []
     assert p["comfy_kitchen"] is None  # no int8 ConvRot linear ran
@@ -408,7 +408,7 @@ def test_node_schema_has_tooltips_and_defaults(pack):
     assert advanced == {"sage2_prep", "block_path"}
 
 
-# --- schema 4: what the report reads from the records ------------------------------------------
+# --- schema 5: what the report reads from the records ------------------------------------------
 def test_report_reads_skip_kinds_and_codes_from_the_records(pack):
     k = pack.kernels
     report = make_patch(pack, backend="auto").report
