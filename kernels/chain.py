@@ -110,9 +110,8 @@ class BackendChain:
             except torch.cuda.OutOfMemoryError:
                 raise  # a smaller back-end won't help the caller more than a clear OOM
             except Exception as exc:
-                raise_if_context_lost(exc)
-                skipped += [s for s in (no_prepared,) if s is not None and s.kind == "raised"]
-                skipped.append(Skip(backend.name, "raised", f"raised {type(exc).__name__}: {exc}", "raised"))
+                raised = _raised(backend, exc)
+                skipped += [s for s in (no_prepared,) if s is not None and s.kind == "raised"] + [raised]
                 continue
             views.clear()
             # compacting copies 3 inputs and 1 output per chunk
@@ -132,7 +131,11 @@ class BackendChain:
             views = [*kv.unflatten(1, (2, heads, head_dim)).unsqueeze(0).unbind(2)]
             views.insert(0, views[0])  # q is k's shape, dtype and place
         skipped: list[Skip] = []
-        backend = self.projected_backend(views, prepared_mode, skipped)
+        # the first back-end that takes the call at all, if it offers this path in this mode
+        backend = next(self._candidates(views, "NHD", None, skipped), None)
+        if backend is not None and not (backend.prepares_projected and prepared_mode in backend.prepared_modes
+                                        and backend.prepared_verdict(*views)):
+            backend = None
         views.clear()  # emptied before the preparation, which frees K first
         if backend is None:
             return None, None  # the call runs as run_handed runs it
@@ -141,28 +144,16 @@ class BackendChain:
             prepared = backend.prepare_projected(projection, kv, heads=heads, mode=prepared_mode, scale=scale,
                                                  norm=norm, chunk=chunk)
         except Exception as exc:
-            raise_if_context_lost(exc)
+            raised = _raised(backend, exc, "prepared path on a projection by token chunks ")
             if projection.released:
                 raise  # its input is gone: the projection cannot be taken whole for a fallback
             projection.k = None  # K taken ahead may be normalised in part: the fallback projects anew
-            _log_skips(self.requested, backend.name, [Skip(
-                backend.name, "raised", f"prepared path on a projection by token chunks raised "
-                f"{type(exc).__name__}: {exc}", "raised")])
+            _log_skips(self.requested, backend.name, [raised])
             return None, None
         del kv  # K and V are in the operands now
         return backend.attend(prepared), self._record(
             backend, skipped, seen, prepared=prepared.mode, head_chunks=len(prepared.head_chunks),
             projected_chunks=prepared.projected_chunks)
-
-    def projected_backend(self, views: list, prepared_mode: str, skipped: list | None = None):
-        """The back-end that takes an NHD call on ``views`` on its prepared path by token chunks (the first that
-        takes the call at all, if it offers that path in ``prepared_mode``), or None."""
-        if not self.prepared:
-            return None
-        backend = next(self._candidates(views, "NHD", None, [] if skipped is None else skipped), None)
-        if backend is None or not backend.prepares_projected or prepared_mode not in backend.prepared_modes:
-            return None
-        return backend if backend.prepared_verdict(*views) else None
 
     def _candidates(self, views: list, layout: str, mask, skipped: list):
         """The back-ends, in order, that take the call on ``views`` (read anew: a norm may replace Q/K)."""
@@ -189,8 +180,7 @@ class BackendChain:
         try:
             prepared = backend.prepare(*views, mode=mode, scale=scale)
         except Exception as exc:
-            raise_if_context_lost(exc)
-            return None, Skip(backend.name, "raised", f"prepared path raised {type(exc).__name__}: {exc}", "raised")
+            return None, _raised(backend, exc, "prepared path ")
         views.clear()  # nothing reads the views now: the kernel's working set replaces them
         return backend.attend(prepared), prepared
 
@@ -209,10 +199,11 @@ def _check_shapes(q, k, v):
         raise ValueError(f"incompatible q/k/v shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
 
 
-def raise_if_context_lost(exc: Exception) -> None:
+def _raised(backend: AttentionBackend, exc: Exception, what: str = "") -> Skip:
     # an illegal access poisons the CUDA context: a fallback would only hide where it broke
     if "illegal memory access" in str(exc) or "device-side assert" in str(exc):
         raise exc
+    return Skip(backend.name, "raised", f"{what}raised {type(exc).__name__}: {exc}", "raised")
 
 
 def _run_within_offsets(backend: AttentionBackend, q, k, v, layout, scale, mask):
