@@ -18,21 +18,16 @@ def largest_offset(t: torch.Tensor, seq_dim: int, row_block: int) -> int:
     return sum((n - 1) * stride for n, stride in zip(_padded(t, seq_dim, row_block), t.stride()))
 
 
-def compact_numel(t: torch.Tensor, seq_dim: int, row_block: int) -> int:
-    """Elements of a compact copy of t padded to the row tile (the kernel's own buffers)."""
-    return math.prod(_padded(t, seq_dim, row_block))
-
-
 def fits(tensors, seq_dim: int, row_block: int, limit: int) -> bool:
-    """True when every offset into the inputs and into same-shaped kernel buffers stays <= limit."""
-    return all(largest_offset(t, seq_dim, row_block) <= limit and compact_numel(t, seq_dim, row_block) - 1 <= limit
+    """True when every offset into the inputs and into compact kernel buffers of their padded shape stays <= limit."""
+    return all(largest_offset(t, seq_dim, row_block) <= limit and math.prod(_padded(t, seq_dim, row_block)) - 1 <= limit
                for t in tensors)
 
 
 def heads_per_chunk(q: torch.Tensor, k: torch.Tensor, head_dim_index: int, seq_dim: int,
                     row_block: int, limit: int) -> int:
     """Most heads whose compact copies (of q and of k/v) keep every offset <= limit; 0 if not even one."""
-    per_head = max(compact_numel(t, seq_dim, row_block) // t.shape[head_dim_index] for t in (q, k))
+    per_head = max(math.prod(_padded(t, seq_dim, row_block)) // t.shape[head_dim_index] for t in (q, k))
     return min(q.shape[head_dim_index], (limit + 1) // per_head)
 
 
