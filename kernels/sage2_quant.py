@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from .offsets import token_chunks
 from .triton_support import TRITON_ERROR, interpreting, tl, triton
 
 LIB = "sage_strided_nhd"
@@ -30,14 +29,6 @@ def rotates(mode: str) -> bool:
     if mode not in MODES:
         raise ValueError(f"unknown sage2 preparation mode {mode!r}; expected one of {list(MODES)}")
     return MODES[mode]
-
-
-def projected_chunks(seq: int, chunk: int, by_columns: bool) -> list[tuple[int, int]]:
-    """The token chunks a projection by rows is quantised in (each starts on a K_BLOCK-token block, as
-    ``RowOperands.add_q_rows`` takes them): ``chunk`` whole rows, or by columns three times as many Q rows (a third
-    of a whole row each)."""
-    rows = chunk * 3 if by_columns else chunk
-    return token_chunks(seq, max(K_BLOCK, rows // K_BLOCK * K_BLOCK), align=K_BLOCK)
 
 
 def padded_len(seq: int) -> int:
@@ -244,14 +235,12 @@ def v_scales(v):
     return vscale, vrecp
 
 
-def _reduce_impl(k, v):
+def _reduce(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (k_mean [H, D] fp32, v_scale [1, H, D] fp32, v_recp [H, D] fp32)."""
     return (k_mean(k), *v_scales(v))
 
 
-@torch.library.custom_op(f"{LIB}::sage2_reduce", mutates_args=())
-def sage2_reduce(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (k_mean [H, D] fp32, v_scale [1, H, D] fp32, v_recp [H, D] fp32)."""
-    return _reduce_impl(k, v)
+sage2_reduce = torch.library.custom_op(f"{LIB}::sage2_reduce", _reduce, mutates_args=())
 
 
 @sage2_reduce.register_fake
@@ -262,7 +251,7 @@ def _(k, v):
 
 
 def _empty_operands(s, h, d, dev, parts="qkv"):
-    """(q_int8, q_scale, k_int8, k_scale, v_fp8) for those of Q, K and V named in ``parts``; the others None."""
+    """(q_int8, q_scale, k_int8, k_scale, v_fp8), None for those not in ``parts``."""
     nqb, nkb, lpad = -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
     q = (torch.empty(h, s, d, dtype=torch.int8, device=dev),
          torch.empty(1, h, nqb * 32, dtype=torch.float32, device=dev)) if "q" in parts else (None, None)
@@ -301,18 +290,15 @@ def _quant_launch(q, k, v, k_mean, v_recp, rotate, out, *, row0=0):
         num_warps=QUANT_WARPS[rotate])
 
 
-def _quantize_impl(q, k, v, k_mean, v_recp, rotate):
+def _quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor, v_recp: torch.Tensor,
+              rotate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (q_int8 [H, S, D], q_scale [1, H, nq], k_int8 [H, S, D], k_scale [1, H, nk], v_fp8 [H, D, S_pad])."""
     out = _empty_operands(*q.shape[1:], q.device)
     _quant_launch(q, k, v, k_mean, v_recp, rotate, out)
     return out
 
 
-@torch.library.custom_op(f"{LIB}::sage2_quantize", mutates_args=())
-def sage2_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor,
-                   v_recp: torch.Tensor, rotate: bool,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (q_int8 [H, S, D], q_scale [1, H, nq], k_int8 [H, S, D], k_scale [1, H, nk], v_fp8 [H, D, S_pad])."""
-    return _quantize_impl(q, k, v, k_mean, v_recp, rotate)
+sage2_quantize = torch.library.custom_op(f"{LIB}::sage2_quantize", _quantize, mutates_args=())
 
 
 @sage2_quantize.register_fake
@@ -333,7 +319,7 @@ def quantize_operands(q, k, v, *, mode="exact"):
     if torch.compiler.is_compiling():
         reduce, quantize = torch.ops.sage_strided_nhd.sage2_reduce, torch.ops.sage_strided_nhd.sage2_quantize
     else:
-        reduce, quantize = _reduce_impl, _quantize_impl
+        reduce, quantize = _reduce, _quantize
     kmean, vscale, vrecp = reduce(k, v)
     return _operand_dict(*quantize(q, k, v, kmean, vrecp, rotate), vscale)
 
@@ -372,10 +358,9 @@ class RowOperands:
         self.v_out = vo, vscale
 
     def operands(self) -> dict:
-        """The operand dict of :func:`quantize_operands`, once Q's rows, K and V are all in."""
         if self.rows_done != self.seq or self.k_out is None or self.v_out is None:
-            raise ValueError(f"Q has {self.rows_done} of {self.seq} rows quantised, K {'done' if self.k_out else 'not'}, "
-                             f"V {'done' if self.v_out else 'not'}")
+            raise ValueError(f"Q has {self.rows_done} of {self.seq} rows quantised, "
+                             f"K {'done' if self.k_out else 'not'}, V {'done' if self.v_out else 'not'}")
         return _operand_dict(*self.q_out[:2], *self.k_out, *self.v_out)
 
     def _check(self, x, name: str) -> None:

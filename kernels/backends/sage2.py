@@ -7,17 +7,14 @@ import importlib
 import torch
 
 from .. import gpu, sage2_quant
+from ..offsets import token_chunks
 from . import sage2_binding
 from .base import INT32_MAX_OFFSET, YES, AttentionBackend, Prepared, Verdict, no
 from .sage2_selftest import self_test
 
 SUPPORTED_CAPABILITIES = {(8, 0), (8, 6), (8, 9), (9, 0), (12, 0), (12, 1)}
-# sm90's TMA descriptors take int32 strides (past 2**31 the process aborts): head chunks keep them below.
-TMA_MAX_SPAN = 2**31 - 1
-# Heads a launch of the kernel takes from LAUNCH_SPLIT_TOKENS tokens on (each head's output is its own: any split
-# gives the same bits). On an H100 at its power cap, H3's 56 heads at 149,936 tokens ran 1.3% faster as 4 launches
-# of 14 than as one (the card held a higher clock over them: 1,572 against 1,549 MHz, each run on its own for 8 s);
-# at 37,810 tokens, interleaved, as fast. Shorter sequences (fewer waves a launch) keep one launch.
+# Heads a launch of the kernel takes from LAUNCH_SPLIT_TOKENS tokens on: the same bits (each head's output is its
+# own), faster at H3's longest sequences on an H100 at its power cap (docs/BENCHMARKS.md).
 LAUNCH_HEADS, LAUNCH_SPLIT_TOKENS = 14, 37810
 # The kernel writes its bf16 output through uint32 element offsets (row * stride_seq + head * D).
 OUTPUT_MAX_OFFSET = 2**32 - 1
@@ -32,8 +29,7 @@ def installed_sageattention():
     except Exception as exc:  # ImportError, or a broken build raising on import
         return None, f"sageattention not importable ({type(exc).__name__}: {exc})"
     # 2.x ships the compiled CUDA entry points; 1.0.x is Triton only.
-    major = 2 if hasattr(module, "sageattn_qk_int8_pv_fp16_cuda") else 1
-    return module, major
+    return module, 2 if hasattr(module, "sageattn_qk_int8_pv_fp16_cuda") else 1
 
 
 class Sage2Backend(AttentionBackend):
@@ -58,8 +54,6 @@ class Sage2Backend(AttentionBackend):
         return YES
 
     def _check_device(self, device):
-        """On a device with a SageAttention 2 kernel for its capability, trusted once the binding probe and the
-        numerical self-test have passed there."""
         if device.type not in SELF_TESTED_DEVICES:
             return YES
         cap = gpu.capability(device)
@@ -104,15 +98,13 @@ class Sage2Backend(AttentionBackend):
         inner = heads * d
         by_columns = kv is None
         if by_columns:
-            if projection.k is None or tuple(projection.k.shape) != (seq, inner):
-                raise ValueError(f"K taken ahead must be [{seq}, {inner}]")
             k_all = projection.k.view(1, seq, heads, d)
         else:
-            if tuple(kv.shape) != (seq, 2 * inner):
-                raise ValueError(f"kv buffer is {list(kv.shape)}, expected [{seq}, 2*{heads}*{d}]")
             k_all, v = kv.unflatten(1, (2, heads, d)).unsqueeze(0).unbind(2)
         ops = sage2_quant.RowOperands(seq, heads, projection.device, mode=mode)
-        chunks = sage2_quant.projected_chunks(seq, chunk, by_columns)
+        # chunks start on K blocks (as add_q_rows takes them); by columns a Q row is a third of a whole row
+        block, size = sage2_quant.K_BLOCK, chunk * 3 if by_columns else chunk
+        chunks = token_chunks(seq, max(block, size // block * block), align=block)
         for a, b in chunks:
             if by_columns:
                 rows = projection.q_rows(a, b)
@@ -133,7 +125,6 @@ class Sage2Backend(AttentionBackend):
         else:
             projection.release()
         ops.add_v(v)
-        del v
         norm.mark_applied()  # only now: a fallback from a failure before this projects and normalises anew
         return Prepared(self.name, mode, ops.operands(), float(d ** -0.5 if scale is None else scale),
                         projection.dtype, seq, heads, d, head_chunks(seq, heads, d), projected_chunks=len(chunks))
@@ -147,10 +138,8 @@ class Sage2Backend(AttentionBackend):
         if out is None:
             out = torch.empty(1, s, h, d, dtype=prepared.out_dtype, device=p["q_int8"].device)
         for h0, h1 in launches(prepared.head_chunks, s):
-            # head-major [hc, S, D] as NHD views [1, S, hc, D]: the batch stride is one chunk's span (< 2**31)
-            qv = p["q_int8"][h0:h1].permute(1, 0, 2).unsqueeze(0)
-            kv = p["k_int8"][h0:h1].permute(1, 0, 2).unsqueeze(0)
-            vv = p["v_fp8"][h0:h1].permute(1, 0, 2).unsqueeze(0)  # [1, D, hc, S_pad]
+            # [hc, S, D] as NHD views [1, S, hc, D] (V: [1, D, hc, S_pad]): the batch stride is a chunk's span < 2**31
+            qv, kv, vv = (p[name][h0:h1].permute(1, 0, 2).unsqueeze(0) for name in ("q_int8", "k_int8", "v_fp8"))
             ov = out if (h0, h1) == (0, h) else out.as_strided((1, s, h1 - h0, d), (h * d, h * d, d, 1),
                                                                 out.storage_offset() + h0 * d)
             op(qv, kv, vv, ov, p["q_scale"][:, h0:h1], p["k_scale"][:, h0:h1], p["v_scale"][:, h0:h1],
@@ -167,9 +156,6 @@ def launches(chunks, seq: int) -> list:
 
 
 def head_chunks(seq: int, heads: int, head_dim: int = 128) -> tuple:
-    """Split heads so that each chunk's span in every head-major buffer stays below 2**31."""
-    per_head = head_dim * sage2_quant.padded_len(seq)
-    most = max(1, TMA_MAX_SPAN // per_head)
-    n = -(-heads // most)
-    size = -(-heads // n)
-    return tuple((h0, min(heads, h0 + size)) for h0 in range(0, heads, size))
+    """Heads split evenly so that each chunk's span in every head-major buffer stays below 2**31: sm90's TMA
+    descriptors take int32 strides (past them the process aborts)."""
+    return tuple(token_chunks(heads, max(1, INT32_MAX_OFFSET // (head_dim * sage2_quant.padded_len(seq))), align=1))
