@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import INT32_MAX_OFFSET, AttentionBackend, Verdict
+from .base import INT32_MAX_OFFSET, AttentionBackend
 from .comfy_kitchen_int8 import ComfyKitchenInt8Backend
 from .fa4 import Fa4Backend
 from .sage1 import Sage1Backend
@@ -17,4 +17,4 @@ BACKENDS: dict[str, AttentionBackend] = {
 # Fastest first at H3's shape (docs/BENCHMARKS.md); fa4 is the fastest exact one.
 AUTO_ORDER = ("sage2", "fa4", "sdpa", "comfy_kitchen_int8", "sage1")
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "INT32_MAX_OFFSET", "AttentionBackend", "Verdict"]
+__all__ = ["AUTO_ORDER", "BACKENDS", "INT32_MAX_OFFSET", "AttentionBackend"]

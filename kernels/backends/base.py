@@ -64,11 +64,9 @@ class Prepared:
 
 
 class AttentionBackend:
-    """Base class: subclasses declare capabilities as class attributes (``max_element_offset`` None: 64-bit).
-
-    A non-empty ``prepared_modes`` declares the optional prepared path: ``prepared_verdict(q, k, v)``, ``prepare(q, k,
-    v, *, mode, scale) -> Prepared`` and ``attend(prepared, out=None)``; ``prepares_projected`` adds
-    ``prepare_projected`` (a projection taken by token chunks). ``Sage2Backend`` documents each."""
+    """Base class: subclasses declare capabilities as class attributes (``max_element_offset`` None: 64-bit). A
+    non-empty ``prepared_modes`` declares the optional prepared path (``prepared_verdict``, ``prepare``, ``attend``;
+    ``prepares_projected`` adds ``prepare_projected``), documented by ``Sage2Backend``."""
 
     name: str = ""
     max_element_offset: int | None = None

@@ -32,7 +32,6 @@ class ComfyKitchenInt8Backend(AttentionBackend):
         return YES
 
     def __call__(self, q, k, v, *, layout, scale=None, mask=None):
-        if layout == "NHD":
-            out = self._attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, attn_mask=mask)
-            return out.transpose(1, 2)  # a view: contiguous HND memory, not contiguous NHD
+        if layout == "NHD":  # the output as a view: contiguous HND memory, not contiguous NHD
+            return self._attn(*(t.transpose(1, 2) for t in (q, k, v)), scale=scale, attn_mask=mask).transpose(1, 2)
         return self._attn(q, k, v, scale=scale, attn_mask=mask)

@@ -78,7 +78,8 @@ class Fa4Backend(AttentionBackend):
         top, extra = (256, ()) if cap[0] == 9 else (128, (256,) if cap[0] in (10, 11) else ())
         if not (head_dim % 8 == 0 and (8 <= head_dim <= top or head_dim in extra)):
             sizes = f"multiples of 8 up to {top}" + "".join(f" or {e}" for e in extra)
-            return no("head_dim", f"head_dim {head_dim} not supported on compute capability {cap[0]}.{cap[1]} ({sizes})")
+            return no("head_dim", f"head_dim {head_dim} not supported on compute capability {cap[0]}.{cap[1]} "
+                                  f"({sizes})")
         heads_dim = 2 if layout == "NHD" else 1
         if q.shape[heads_dim] % k.shape[heads_dim]:
             return no("shape", f"{q.shape[heads_dim]} query heads do not group over {k.shape[heads_dim]} key heads")
@@ -86,8 +87,7 @@ class Fa4Backend(AttentionBackend):
 
     def __call__(self, q, k, v, *, layout, scale=None, mask=None):
         if layout == "HND":
-            out = self._run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale)
-            return out.transpose(1, 2)
+            return self._run(*(t.transpose(1, 2) for t in (q, k, v)), scale).transpose(1, 2)
         return self._run(q, k, v, scale)
 
     def _run(self, q, k, v, scale):
@@ -100,9 +100,7 @@ class Fa4Backend(AttentionBackend):
         if grown or (not self._caches and seconds > COMPILE_SECONDS_THRESHOLD):
             what = ", ".join(f"{name.lstrip('_')} x{n}" for name, n in grown) or "a kernel (timed)"
             cap = self._cap or (0, 0)
-            self.compile_events.append({
-                "key": (f"{what}: {str(q.dtype).removeprefix('torch.')} head_dim {q.shape[-1]}, "
-                        f"sm{cap[0]}{cap[1]}, first seen at S={q.shape[1]}, {q.shape[2]} heads"),
-                "seconds": seconds,
-            })
+            key = (f"{what}: {str(q.dtype).removeprefix('torch.')} head_dim {q.shape[-1]}, sm{cap[0]}{cap[1]}, "
+                   f"first seen at S={q.shape[1]}, {q.shape[2]} heads")
+            self.compile_events.append({"key": key, "seconds": seconds})
         return out

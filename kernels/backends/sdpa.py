@@ -40,9 +40,7 @@ class SdpaBackend(AttentionBackend):
     def __call__(self, q, k, v, *, layout, scale=None, mask=None):
         factory = _hopper_priority() if (gpu.capability(q.device) or (0, 0))[0] >= 9 else None
         with factory() if factory is not None else contextlib.nullcontext():
-            if layout == "NHD":
-                # transposed views, no copies; fused paths allocate token-major: usually contiguous NHD
-                out = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
-                return out.transpose(1, 2)
+            if layout == "NHD":  # transposed views, no copies; fused paths allocate token-major: usually contiguous NHD
+                q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(1, 2)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
