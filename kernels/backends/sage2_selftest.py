@@ -67,11 +67,10 @@ def probe(backend, device) -> str:
     try:
         params = inspect.signature(backend._sageattn).parameters
     except (TypeError, ValueError):  # a compiled callable without a signature: the numbers decide
-        params = {name: None for name in SAGEATTN_KEYWORDS}
-    if not any(p is not None and p.kind is p.VAR_KEYWORD for p in params.values()):
-        missing = [name for name in SAGEATTN_KEYWORDS if name not in params]
-        if missing:
-            return f"sageattn takes no {', '.join(missing)}"
+        params = dict.fromkeys(SAGEATTN_KEYWORDS)
+    missing = [name for name in SAGEATTN_KEYWORDS if name not in params]
+    if missing and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return f"sageattn takes no {', '.join(missing)}"
     if not sage2_binding.on_sm90(device):
         return ""
     op, _ = sage2_binding.sm90_attention_op()  # None: the prepared path is off, and says why
@@ -114,8 +113,7 @@ def entry_points(backend, device) -> dict:
         "sageattn NHD on strided views": lambda q, k, v: backend(q, k, v, layout="NHD", scale=SCALE),
         "sageattn HND": lambda q, k, v: backend(*(t.transpose(1, 2).contiguous() for t in (q, k, v)), layout="HND",
                                                 scale=SCALE).transpose(1, 2),
-        "sageattn NHD by head chunks": lambda q, k, v: _by_head_chunks(
-            lambda *t: backend(*t, layout="NHD", scale=SCALE), q, k, v),
+        "sageattn NHD by head chunks": lambda q, k, v: _by_head_chunks(backend, q, k, v),
     }
     if (sage2_binding.on_sm90(device) and sage2_quant.TRITON_ERROR is None
             and sage2_binding.sm90_attention_op()[0] is not None):
@@ -129,15 +127,14 @@ def _problem(seed, device):
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(TOKENS, 3, HEADS, HEAD_DIM, generator=g)
     qkv[:, 1] += torch.randn(HEADS, HEAD_DIM, generator=g)  # a key mean, as real keys have: SageAttention smooths it
-    qkv = qkv.flatten(1).to(device, torch.bfloat16)
-    return qkv.unflatten(1, (3, HEADS, HEAD_DIM)).unsqueeze(0).unbind(2)
+    return qkv.to(device, torch.bfloat16).unsqueeze(0).unbind(2)
 
 
-def _by_head_chunks(call, q, k, v):
+def _by_head_chunks(backend, q, k, v):
     """As the chain's head chunks call it: compact copies of head ranges, each output copied into its place."""
     out = torch.full_like(q, math.nan)
     for h0, h1 in ((0, 1), (1, q.shape[2])):
-        out[:, :, h0:h1] = call(*(t[:, :, h0:h1].contiguous() for t in (q, k, v)))
+        out[:, :, h0:h1] = backend(*(t[:, :, h0:h1].contiguous() for t in (q, k, v)), layout="NHD", scale=SCALE)
     return out
 
 
