@@ -75,29 +75,24 @@ class RowProjection:
     (``v``), so that K's and V's rows need not be alive together."""
 
     def __init__(self, project, x: torch.Tensor, columns=None):
-        self._project, self._x, self._columns = project, [x], columns
+        self._project, self._x, self._columns = project, x, columns
         self.k = columns[1](x) if columns is not None else None
         self.seq, self.dtype, self.device = x.shape[0], x.dtype, x.device
 
     @property
     def released(self) -> bool:
-        return not self._x
-
-    def _input(self) -> torch.Tensor:
-        if self.released:
-            raise RuntimeError("the projection's input was released")
-        return self._x[0]
+        return self._x is None
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
-        return self._project(self._input()[start:stop])
+        return self._project(self._x[start:stop])
 
     def q_rows(self, start: int, stop: int) -> torch.Tensor:
         """Q rows [n, H*D] alone (by columns)."""
-        return self._columns[0](self._input()[start:stop])
+        return self._columns[0](self._x[start:stop])
 
     def v(self) -> torch.Tensor:
         """V of every row [S, H*D] (by columns), then ``release``: the projection's last product."""
-        v = self._columns[2](self._input())
+        v = self._columns[2](self._x)
         self.release()
         return v
 
@@ -106,13 +101,13 @@ class RowProjection:
         if self._columns is None:
             views = list(split_fused_qkv(self.rows(0, self.seq), heads, head_dim))
         else:
-            k = self.k if self.k is not None else self._columns[1](self._input())
+            k = self.k if self.k is not None else self._columns[1](self._x)
             views = [t.view(1, self.seq, heads, head_dim) for t in (self.q_rows(0, self.seq), k, self.v())]
         self.release()
         return views
 
     def release(self) -> None:
-        self._x.clear()
+        self._x = None
         self.k = None
 
 
