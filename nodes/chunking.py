@@ -17,11 +17,9 @@ from .. import kernels
 from . import int8_layers
 from .ownership import replaced_forward
 
-# activation dtypes whose MLP GEMMs give the same bits split by rows (int8: per-row quantiser, integer
-# GEMM; bf16: checked by tests/gpu; fp16 taken to behave as bf16)
+# activation dtypes whose GEMMs give the same bits split by rows (bf16: checked by tests/gpu; fp16 taken as bf16)
 CHUNKED_DTYPES = (torch.bfloat16, torch.float16)
-# devices whose GEMMs give each output row from its own input row whatever the row count: CUDA's.
-# oneDNN's CPU GEMMs do not (bf16 on AMX), so on the CPU the MLP and the qkv projection run whole.
+# devices whose GEMMs give a row the same bits at any row count: CUDA's (oneDNN's CPU GEMMs do not, bf16 on AMX)
 CHUNKED_DEVICES = ("cuda",)
 
 
@@ -38,8 +36,7 @@ def rows_independent(layer) -> bool:
     """Each output row of ``layer`` depends on its own input row only: float, int8 tensor-wise (per-row
     quantiser), weight-only or fixed-``input_scale`` weights; not a scale taken from the whole input."""
     weight = getattr(layer, "weight", None)
-    quantized = getattr(comfy.ops, "QuantizedTensor", None)
-    if quantized is None or not isinstance(weight, quantized):
+    if not int8_layers.is_quantized(weight):
         return True
     quantizes_input = getattr(comfy.ops, "QUANT_ALGOS", {}).get(getattr(layer, "quant_format", None), {}).get(
         "quantize_input", True)
@@ -49,12 +46,6 @@ def rows_independent(layer) -> bool:
 
 RESIDENT = "resident"    # each chunk calls the linear: its weight lies on the device, nothing is cast per call
 CAST_ONCE = "cast_once"  # the weight cast as stock's call casts it, once per block; every chunk runs on it
-# comfy.ops' Linear (disable_weight_init, manual_cast): the forward whose per-call cast the cast once enters,
-# ``CastBiasWeightContext(self, input, offloadable=True)`` then ``F.linear(input, weight, bias)``, known by its
-# parameters and the names its cast-and-product code uses (a forward written otherwise runs whole)
-FLOAT_FORWARD_PARAMS = ("self", "args", "kwargs")
-FLOAT_CAST_PARAMS = ("self", "input")
-FLOAT_CAST_NAMES = ("CastBiasWeightContext", "torch", "nn", "functional", "linear")
 
 
 @dataclass(frozen=True)
@@ -105,16 +96,17 @@ def linear_chunking(layer, x, input_act: str | None = None, routes: dict | None 
 
 @functools.cache
 def _float_forward_mirrored(cls) -> bool:
-    """``cls``'s forward is comfy.ops' Linear forward, whose cast ``cast_once`` enters (``FLOAT_CAST_NAMES``); asked
-    once a class (a class's forward does not change in a process)."""
+    """``cls``'s forward is comfy.ops' Linear forward (disable_weight_init, manual_cast), whose per-call cast
+    ``CastBiasWeightContext(self, input, offloadable=True)`` then ``F.linear(input, weight, bias)`` the cast once
+    enters: known by its parameters and the names its cast-and-product code uses. Asked once a class."""
     base = getattr(getattr(comfy.ops, "disable_weight_init", None), "Linear", None)
     if base is None or getattr(cls, "forward", None) is not base.forward:
         return False
     cast = getattr(cls, "forward_comfy_cast_weights", None)
     return (cast is base.forward_comfy_cast_weights
-            and tuple(inspect.signature(cls.forward).parameters) == FLOAT_FORWARD_PARAMS
-            and tuple(inspect.signature(cast).parameters) == FLOAT_CAST_PARAMS
-            and tuple(cast.__code__.co_names) == FLOAT_CAST_NAMES)
+            and tuple(inspect.signature(cls.forward).parameters) == ("self", "args", "kwargs")
+            and tuple(inspect.signature(cast).parameters) == ("self", "input")
+            and cast.__code__.co_names == ("CastBiasWeightContext", "torch", "nn", "functional", "linear"))
 
 
 def call_input(x, rows: int, width: int) -> torch.Tensor:
@@ -196,9 +188,10 @@ def cast_once(layer, x, input_act: str | None = None, record=None, routes=None):
 def _float_cast_once(layer, x):
     int8_layers._every_op()  # stock's forward checks for an interrupt first
     with comfy.ops.CastBiasWeightContext(layer, x, offloadable=True) as (weight, bias):
-        # (a residual owed is added after the product, by HeldCast)
-        held = int8_layers.HeldCast(lambda rows, into=None: torch.nn.functional.linear(kernels.settled(rows), weight,
-                                                                                       bias), weight, bias, x)
+        def run(rows, into=None):  # a residual owed is added after the product, by HeldCast
+            return torch.nn.functional.linear(kernels.settled(rows), weight, bias)
+
+        held = int8_layers.HeldCast(run, weight, bias, x)
         del x  # the context lasts as long as the attention: it keeps no input alive
         yield held
 

@@ -18,23 +18,21 @@ from .ownership import replaced_forward
 
 # comfy-kitchen's int8 tensor-wise layout (the bundled checkpoint's): ``linear_input_act`` folds SwiGLU into it
 INT8_LAYOUT = "TensorWiseINT8Layout"
-# ``linear_input_act``'s arguments past ``input_act`` (ComfyUI 0.36+) at their defaults: the only ones the route takes
-EXTENDED_DEFAULTS = {"act_weight": None, "act_eps": 0.0, "residual": None, "residual_scale": None}
 # The parameters of the Linear forward of ComfyUI's mixed-precision ops the route mirrors (0.33 to the stored current
 # ops); ComfyUI 0.40's forward, with prologue/epilogue paths, takes others: its calls keep stock's quantiser.
 ROUTED_FORWARD_PARAMS = ("self", "input", "args", "kwargs")
 
 
-def _quantized(weight) -> bool:
+def is_quantized(weight) -> bool:
     return isinstance(weight, getattr(comfy.ops, "QuantizedTensor", ()))
 
 
 def is_int8_tensorwise(weight) -> bool:
-    return _quantized(weight) and weight._layout_cls == INT8_LAYOUT
+    return is_quantized(weight) and weight._layout_cls == INT8_LAYOUT
 
 
 def is_w4a8(weight) -> bool:
-    return _quantized(weight) and weight._layout_cls == kernels.int8_w4a8.LAYOUT
+    return is_quantized(weight) and weight._layout_cls == kernels.int8_w4a8.LAYOUT
 
 
 def routable(weight) -> bool:
@@ -81,9 +79,8 @@ UNDECIDED = Route("pack", "undecided")  # the layer allows the route; its cast w
 
 
 def route(layer, x, input_act=None, cast=None, routes: dict | None = None) -> Route:
-    """The one answer to "whose quantiser and whose GEMM, and why" for ``layer``'s calls on rows like ``x`` with
-    ``input_act``, from the layer, its weight as cast (``(weight, bias)``; None: the weight's part waits), the device
-    and the releases. ``routes`` (the run's memo, ``Plan.int8_routes``) keeps each part once decided."""
+    """Whose quantiser and whose GEMM ``layer``'s calls on rows like ``x`` run, and why: from the layer, its weight as
+    cast (None: that part waits), the device and the releases; kept in ``routes`` (``Plan.int8_routes``)."""
     key = (id(layer), x.device, x.dtype, x.shape[-1], input_act)
     known = routes.get(key) if routes is not None else None
     known = known[1] if known is not None and known[0] is layer else None
@@ -149,24 +146,15 @@ def _decided(layer, x, input_act, cast, routes) -> tuple[Route | None, str | Non
     return answer, answer.reason or rows(x)
 
 
-def call(layer, x, input_act: str | None = None, record=None, into=None, routes=None, layouts=None,
-         **extended) -> torch.Tensor:
-    """Stock's ``layer(x)`` / ``linear_input_act(layer, x, input_act, **extended)`` on the pack's quantiser where it
-    keeps stock's bits. ``x`` may be a ``kernels.PendingModulation``; ``into`` a ``kernels.PendingResidual`` the output
-    is added to, its ``x`` returned. ``layouts``: told the layout of each quantized linear the route does not know."""
-    unknown = sorted(set(extended) - set(EXTENDED_DEFAULTS))
-    if unknown:
-        raise TypeError(f"int8_layers.call got unexpected argument(s) {', '.join(unknown)}")
-    extra = {k: v for k, v in extended.items()
-             if not (v is None if EXTENDED_DEFAULTS[k] is None else v == EXTENDED_DEFAULTS[k])}
+def call(layer, x, input_act: str | None = None, record=None, into=None, routes=None, layouts=None) -> torch.Tensor:
+    """Stock's ``layer(x)`` / ``linear_input_act(layer, x, input_act)`` on the pack's quantiser where it keeps stock's
+    bits. ``x`` may be a ``kernels.PendingModulation``; ``into`` a ``kernels.PendingResidual`` the output is added to,
+    its ``x`` returned. ``layouts``: told the layout of each quantized linear the route does not know."""
     weight = getattr(layer, "weight", None)
     if torch.compiler.is_compiling() or not routable(weight):
-        if layouts is not None and (_quantized(weight) or gguf_type(weight)):
+        if layouts is not None and (is_quantized(weight) or gguf_type(weight)):
             layouts(quantized_layout(weight))
-        return _stock(layer, x, input_act, into, **extra)  # (stock's int8 linears do not compile)
-    if extra:
-        _tell(record, f"the call sets linear_input_act's {', '.join(extra)}: stock's call runs them", weight)
-        return _stock(layer, x, input_act, into, **extra)
+        return _stock(layer, x, input_act, into)  # (stock's int8 linears do not compile)
     x, pending = _owed(x, input_act is None)
     reason = stock_quantizer_reason(layer, x, input_act, routes=routes)
     if reason is not None:
@@ -246,7 +234,7 @@ def shares_memory(a: HeldCast, b: HeldCast) -> bool:
 def _spans(cast: HeldCast):
     """(device, first byte, past the last byte) of each tensor a held cast computes with."""
     for t in (cast.weight, cast.bias):
-        params = getattr(t, "_params", None) if _quantized(t) else None
+        params = getattr(t, "_params", None) if is_quantized(t) else None
         fields = dataclasses.fields(params) if dataclasses.is_dataclass(params) else ()
         for p in [getattr(t, "_qdata", t)] + [getattr(params, f.name) for f in fields]:
             if torch.is_tensor(p) and p.numel():
@@ -267,27 +255,23 @@ def _cast(layer, x, input_act):
 def quantized_columns(layer, x, inner: int, record=None, cast=None, routes=None):
     """The int8 ConvRot qkv projection (no bias) by output columns on ``x`` quantised once: ``(rows, project,
     columns)``, or None (then by rows through ``call``). ``cast``: the weight and bias as cast once for this call."""
-    w = getattr(layer, "weight", None)
     if isinstance(x, kernels.PendingModulation) and not x.foldable:
         return None  # a modulation the pass cannot fold: the caller applies it
     x, pending = _owed(x, True)
-    if cast is None:  # resident: nothing to cast
-        if hasattr(layer, "_v") or getattr(w, "device", None) != x.device:
-            return None
-        cast = (w, getattr(layer, "bias", None))
-    weight, bias = cast
+    weight, bias = cast if cast is not None else (getattr(layer, "weight", None), getattr(layer, "bias", None))
+    if cast is None and (hasattr(layer, "_v") or getattr(weight, "device", None) != x.device):
+        return None  # not resident: a weight cast per call
     if not is_int8_convrot(weight) or bias is not None or weight._qdata.shape[0] != 3 * inner:
         return None
     answer, reason = _decided(layer, x, None, (weight, None), routes)
     if reason is not None:
         return None
-    kernel = answer.choice
     _every_op()
     rows = kernels.int8_quantized_rows(x, pending.segments if pending is not None else None)
     _tell(record, None, weight)
     qdata, scale = weight._qdata, weight._params.scale
-    (project,) = kernels.int8_column_products(qdata, scale, kernel=kernel)
-    return rows, project, kernels.int8_column_products(qdata, scale, inner, kernel=kernel)
+    (project,) = kernels.int8_column_products(qdata, scale, kernel=answer.choice)
+    return rows, project, kernels.int8_column_products(qdata, scale, inner, kernel=answer.choice)
 
 
 def caller(patch):
@@ -308,19 +292,12 @@ def _every_op() -> None:
 
 
 def _tell(record, reason, weight) -> None:
-    """``reason`` to the report (None: the route ran the call); a W4A8 ``weight``'s layout is told, int8 ConvRot is
-    the default."""
+    """``reason`` to the report (None: the route ran the call), with a W4A8 weight's layout (int8 ConvRot: none)."""
     if record is not None:
         record(reason, **({"layout": kernels.int8_w4a8.LAYOUT} if is_w4a8(weight) else {}))
 
 
-def _stock(layer, x, input_act=None, into=None, **extra):
+def _stock(layer, x, input_act=None, into=None):
     """Stock's call (``into``: the residual its output is then added to by the residual's own pass)."""
     x = kernels.settled(x)
-    if not extra:
-        return _added(layer(x) if input_act is None else comfy.ops.linear_input_act(layer, x, input_act), into)
-    missing = [k for k in extra if k not in inspect.signature(comfy.ops.linear_input_act).parameters]
-    if missing:
-        raise TypeError(f"[Sage Strided NHD] this ComfyUI's comfy.ops.linear_input_act takes no {', '.join(missing)} "
-                        "(ComfyUI 0.36 added them)")
-    return _added(comfy.ops.linear_input_act(layer, x, input_act, **extra), into)
+    return _added(layer(x) if input_act is None else comfy.ops.linear_input_act(layer, x, input_act), into)
