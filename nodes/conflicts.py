@@ -14,13 +14,10 @@ from .patch import NODE, Note, Plan
 
 SPARSE_CALLBACK_KEY = "block_sparse_attention"   # core Model Sparse Attention's ON_PREPARE_STATE key
 SPARSE_OVERRIDE_QUALNAME = "make_attention_override.<locals>.override"
-# Attention forwards of other packs that compute stock's result; this node takes their place (rule 8)
+# Forwards of other packs that compute stock's result (attention: rule 8, block: rule 9): this node takes their place
 STOCK_EQUAL_FORWARDS = {"minimax_attn_lowmem_forward": "KJNodes' MiniMax H3 Low VRAM Attention"}
-# Block forwards of other packs that compute stock's result; the block fast path takes their place (rule 9)
 STOCK_EQUAL_BLOCK_FORWARDS = {"minimax_block_lowmem_forward": "KJNodes' MiniMax H3 Low VRAM Attention"}
-ON_PREPARE_STATE = "on_prepare_state"            # comfy.patcher_extension.CallbacksMP.ON_PREPARE_STATE
-# Rule 10: loaders that run the diffusion model's forward themselves, by a name they leave on the model (a part of a
-# class, function or module name: SGLang's executor, Raylight's usp_dit_forward, the Ulysses SP loader's closure)
+# Rule 10: loaders that run the model's forward themselves, by a class, function or module name they leave on it
 FORWARD_TAKERS = {"SGLDiffusionExecutor": "SGLang Diffusion's integrated mode", "raylight": "Raylight",
                   "MiniMaxH3SPUNETLoader": "the MiniMax H3 Multi-GPU Loader (Ulysses SP)"}
 UNKNOWN_TAKER = "another loader or node"
@@ -32,8 +29,8 @@ class PatchConflictError(RuntimeError):
     """The model carries another node's patch on what this node replaces."""
 
 
-def sparse_node_present(model_patcher) -> bool:
-    return SPARSE_CALLBACK_KEY in (getattr(model_patcher, "callbacks", {}) or {}).get(ON_PREPARE_STATE, {})
+def sparse_node_present(model_patcher) -> bool:  # "on_prepare_state": CallbacksMP.ON_PREPARE_STATE
+    return SPARSE_CALLBACK_KEY in (getattr(model_patcher, "callbacks", {}) or {}).get("on_prepare_state", {})
 
 
 def _is_sparse_override(fn, sparse_present: bool) -> bool:
@@ -115,8 +112,7 @@ def check_override_at_sampling(model_patcher, model_options, path: str, ours=Non
 
 
 def _stock_equal(patches, keys, known: dict, mark: str | None = None) -> dict[str, str]:
-    """key -> node of each forward of another pack in ``known`` (by name; carrying ``mark``): it computes stock's
-    result, so this node takes its place."""
+    """key -> node of each forward of another pack in ``known`` (by name; carrying ``mark``)."""
     fns = {key: plain_function(patches.get(key)) for key in keys}
     return {key: known[fn.__name__] for key, fn in fns.items()
             if getattr(fn, "__name__", None) in known and (mark is None or getattr(fn, mark, 0))}
@@ -259,8 +255,7 @@ def plan_h3(model_patcher, model_options, forwards: dict, backend: str, default,
     fast, block_notes = _block_path_notes(model_patcher, blocks)
     notes = [n for n in (forward_taken_away(model_patcher),) if n]
     notes += check_override_at_sampling(model_patcher, model_options, "h3_forward_patch")
-    # rule 8: other nodes' block forwards call the block's attention (this node's forward, which takes an input
-    # handed over in a list); the stock-equal attention forwards taken over
+    # rule 8: other nodes' block forwards (the attention they call runs this node's forward), forwards taken over
     theirs = [obj for key in sorted({key.rsplit(".attn.", 1)[0] + ".forward" for key in forwards})
               if is_foreign(obj := patches.get(key))]
     if theirs:
