@@ -1,7 +1,5 @@
 """MiniMax H3: the block fast path, each DiT block's forward replaced by stock's computation in stock's order with
-stock's bits: one-pass modulation, the normed input handed to the pack's attention (freed after the qkv projection),
-the MLP half in token chunks (fc1's [S, 2*ffn] output never exists whole; the rules and the cast once: chunking.py),
-int8 ConvRot linears on the pack's quantiser (int8_layers.py). docs/ARCHITECTURE.md has the details."""
+stock's bits (docs/ARCHITECTURE.md; the token chunks' rules: chunking.py; the int8 linears: int8_layers.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +15,8 @@ from .ownership import is_own, replaced_forward
 BLOCK_PARAMS = ("self", "x", "t_emb", "mod_segments", "rope_freqs", "transformer_options")
 # the module-level helpers stock's block forward uses, whose semantics the fast path reproduces
 STOCK_HELPERS = ("_mod_scale_shift", "_mod_gate")
-# what a block or MLP forward would pass ``comfy.ops.linear_input_act`` (ComfyUI 0.36+) to fuse a norm into the
-# quantiser or the residual into the GEMM epilogue: a fused block rounds differently from the unfused one the fast
-# path reproduces (stock H3 passes none of them up to the current upstream model)
+# what a block or MLP forward would pass ``comfy.ops.linear_input_act`` (0.36+) to fuse a norm or the residual into a
+# linear: that rounds differently from stock H3's unfused block, which the fast path reproduces
 FUSED_LINEAR_ARGS = ("act_weight", "act_eps", "residual", "residual_scale", "rms_norm", "gelu_tanh")
 
 
@@ -56,13 +53,9 @@ def pending_modulation(h, shift, scale, segments) -> kernels.PendingModulation:
 
 
 def pending_residual(x, gate, segments) -> kernels.PendingResidual:
-    """Stock's ``_mod_gate`` owed for an ``other`` to come: the int8 GEMM computing it may add it in its epilogue."""
+    """Stock's ``_mod_gate`` (``x += other * gate`` per segment, in place) owed for an ``other`` to come: ``apply``
+    adds it in one pass a segment, or the int8 GEMM computing ``other`` in its epilogue."""
     return kernels.PendingResidual(x, [(a, b, gate[row].to(x.dtype)) for a, b, row in segments])
-
-
-def gated_residual(x, gate, other, segments):
-    """Stock's ``_mod_gate``: ``x += other * gate`` per segment, in place, one pass each (stock's bits)."""
-    return pending_residual(x, gate, segments).apply(other)
 
 
 def mlp_forward(mlp, h, linear, into=None):
@@ -97,7 +90,7 @@ class H3BlockForward:
         else:  # a block replace's attention, or another node's attention forward: a tensor, as stock hands it
             out = (attention or blk.attn)(kernels.settled(handed.pop()), rope_freqs=rope_freqs,
                                           transformer_options=transformer_options)
-            x = gated_residual(x, gate_msa, out, mod_segments)
+            x = pending_residual(x, gate_msa, mod_segments).apply(out)
             del out
         return self._mlp_half(x, shift_mlp, scale_mlp, gate_mlp, mod_segments)
 
@@ -114,8 +107,7 @@ class H3BlockForward:
                 # so a norm2 that casts its weight runs once, on every row, as stock runs it (one [S, hidden])
                 if not chunking.weight_resident(blk.norm2, x.device):
                     normed = blk.norm2(x)
-                # fc1's and fc2's cast weights held together (bf16: 308 and 154 MB): small beside fc1's [S, 2*ffn]
-                # output that the chunks avoid (2.2 GB at 37,810 tokens)
+                # fc1's and fc2's cast weights held together: small beside fc1's [S, 2*ffn] output the chunks avoid
                 acts = (None, "swiglu" if chunking.folds_swiglu(blk.mlp.fc2) else None)
                 casts = [(layer, act) for layer, act, mode in zip((blk.mlp.fc1, blk.mlp.fc2), acts, plan.modes)
                          if mode == chunking.CAST_ONCE]
@@ -126,7 +118,7 @@ class H3BlockForward:
                 h = pending_modulation(blk.norm2(x) if normed is None else normed, shift, scale, segments)
                 del normed
                 if replaced_forward(blk.mlp):
-                    return gated_residual(x, gate, blk.mlp(kernels.settled(h)), segments)
+                    return pending_residual(x, gate, segments).apply(blk.mlp(kernels.settled(h)))
                 return mlp_forward(blk.mlp, h, linear, into=pending_residual(x, gate, segments))
             for a, b in kernels.token_chunks(x.shape[0], plan.rows):
                 segs = kernels.clip_segments(segments, a, b)
@@ -138,4 +130,3 @@ class H3BlockForward:
 
 def block_keys(diffusion_model) -> list[str]:
     return [f"diffusion_model.blocks.{i}.forward" for i in range(len(diffusion_model.blocks))]
-
