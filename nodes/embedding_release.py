@@ -1,6 +1,5 @@
-"""Stock's H3 forward keeps the video embedding it assembled the residual stream from (1.5 GiB at 149,936 tokens)
-alive through every block, though nothing reads it again; on the block fast path the pack hands its memory back when
-the first DiT block starts (docs/ARCHITECTURE.md says how, and where it does not)."""
+"""Stock's H3 forward keeps the video embedding it built the residual stream from alive through every block, though
+nothing reads it again; the block fast path hands its memory back at the first DiT block (docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -40,9 +39,8 @@ class EmbeddingRelease:
         out = type(self.projection).forward(self.projection, rows, *args, **kwargs)
         if torch.compiler.is_compiling() or self.dtype is None:
             return out
-        out = out.to(self.dtype)
-        self.embedding = out
-        return out
+        self.embedding = out.to(self.dtype)
+        return self.embedding
 
     def release(self, residual: torch.Tensor) -> None:
         """At a block's start: the recorded embedding's memory handed back (never the residual stream's own)."""
@@ -56,9 +54,8 @@ class EmbeddingRelease:
 
 
 def comfy_compiler_records(device) -> bool:
-    """Current ComfyUI's "Comfy Compiler" (comfy-aimdo's malloc graph, 0.34+) records the forwards on ``device``: an
-    allocation freed outside the scope that made it would fail the graph (comfy-aimdo aborts the process), and the
-    graph plans the forward's memory itself. The embedding stays, as stock keeps it."""
+    """Current ComfyUI's "Comfy Compiler" (comfy-aimdo's malloc graph, 0.34+) records the forwards on ``device``: a
+    release there would fail the graph (docs/ARCHITECTURE.md), so the embedding stays, as stock keeps it."""
     import comfy.model_prefetch
 
     enabled = getattr(comfy.model_prefetch, "malloc_graph_enabled", None)

@@ -22,10 +22,8 @@ class AttentionOverride:
     @torch.compiler.disable
     def __call__(self, func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
                  skip_output_reshape=False, **kwargs):
-        patch = self.patch  # the override's work and its record; never traced by dynamo
-
         def stock(code, reason):
-            patch.report.record_stock(code, reason)
+            self.patch.report.record_stock(code, reason)
             return func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
                         skip_output_reshape=skip_output_reshape, **kwargs)
 
@@ -46,8 +44,8 @@ class AttentionOverride:
         while mask4 is not None and mask4.ndim in (2, 3):  # ComfyUI's broadcast: [S, S] / [B, S, S] -> [B, H, S, S]
             mask4 = mask4.unsqueeze(0 if mask4.ndim == 2 else 1)
         try:
-            out, rec = kernels.attention_nhd(*views, chain=patch.plan.default, layout=patch.settings.layout,
-                                             mask=mask4, scale=kwargs.get("scale"))
+            out, rec = kernels.attention_nhd(*views, chain=self.patch.plan.default,
+                                             layout=self.patch.settings.layout, mask=mask4, scale=kwargs.get("scale"))
         except kernels.NoBackendError as exc:
             return stock("no_backend", str(exc))
         if skip_output_reshape:
@@ -56,7 +54,7 @@ class AttentionOverride:
             flat, copies = kernels.token_major(out)
             rec.copies += copies
             result = flat.view(q.shape[0], -1, h * d)
-        patch.report.record(rec)
+        self.patch.report.record(rec)
         return result
 
 

@@ -1,7 +1,6 @@
 """Which callables on a model are this pack's: every callable it installs carries the ``sage_strided_nhd``
 attribute. Also how another node's forward patch is recognised and named in a message."""
 
-from __future__ import annotations
 
 def is_own(obj) -> bool:
     return bool(getattr(obj, "sage_strided_nhd", False))

@@ -8,7 +8,7 @@ from comfy_api.latest import ComfyExtension, io
 
 from .. import kernels
 from . import conflicts, h3_patch, override
-from .ownership import is_own
+from .ownership import describe, is_own
 from .patch import BLOCK_PATHS, NODE, WRAPPER_KEY, InstalledPatch, Plan, Settings, current_value, value_problem
 from .report import RunReport
 
@@ -20,14 +20,14 @@ try:  # ComfyUI's cache providers, whose on_prompt_end is the hook PromptEnd nee
 except ImportError:
     cache_provider, CacheProvider = None, object
 
+
 def patch_any_model(model_patcher, settings: Settings = Settings(), node_id=None, notes=()):
     """The node's whole job, callable without a graph: ``(clone, patch)``; ``notes`` go to the report (a removed
     input value mapped). Probes no back-end (that happens when sampling starts)."""
     taken = conflicts.forward_taken_away(model_patcher)
-    if taken is None and h3_patch.is_h3_model(model_patcher.get_model_object("diffusion_model")):
-        return h3_patch.patch_model(model_patcher, settings, node_id=node_id, notes=notes)
     if taken is None:
-        return override.patch_model(model_patcher, settings, node_id=node_id, notes=notes)
+        path = h3_patch if h3_patch.is_h3_model(model_patcher.get_model_object("diffusion_model")) else override
+        return path.patch_model(model_patcher, settings, node_id=node_id, notes=notes)
     # rule 10: another loader runs the model's forward. The clone carries no patch of this node's (an earlier one
     # removed: a loader such as SGLang's refuses any attention override), only its report, which says why
     clone = model_patcher.clone()
@@ -94,9 +94,8 @@ class SageStridedNHDAttention(io.ComfyNode):
         todo = ("Connect the MODEL output of a diffusion model loader (Load Diffusion Model, Load Checkpoint) or of a "
                 "node that passes such a model on.")
         if not callable(getattr(model, "get_model_object", None)):
-            what = type(model)
-            raise TypeError(f"{NODE}: the model input got a {what.__module__}.{what.__qualname__} object, not a "
-                            f"diffusion model (a ComfyUI MODEL). {todo}")
+            raise TypeError(f"{NODE}: the model input got a {describe(type(model))} object, not a diffusion model (a "
+                            f"ComfyUI MODEL). {todo}")
         try:
             model.get_model_object("diffusion_model")
         except AttributeError:
