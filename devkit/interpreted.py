@@ -1,8 +1,7 @@
 """Run a test's Triton checks under the CPU interpreter (``TRITON_INTERPRET=1``) in a subprocess: the
 flag must be set before a kernel is decorated, so it cannot be switched on in the test's own process.
 The script gets the repo root on ``sys.path``, the pack imported, ``json`` and ``torch``, and reports
-by calling ``report(results)``; ``run_interpreted`` returns those results. ``traced_like_eager(f,
-*args)`` checks that torch.compile traces ``f`` whole and gives eager's outputs."""
+by calling ``report(results)``; ``run_interpreted`` returns those results."""
 
 from __future__ import annotations
 
@@ -24,16 +23,6 @@ PREAMBLE = textwrap.dedent(f"""
 
     def report(results):
         print({MARK!r} + json.dumps(results))
-
-    def traced_like_eager(f, *args):
-        # torch.compile of f (dynamo, no inductor; fullgraph: no graph break) gives f's eager outputs:
-        # True or False, or the error as text
-        try:
-            eager = f(*args)
-            traced = torch.compile(f, fullgraph=True, backend="eager")(*args)
-            return all(bool(torch.equal(a, b)) for a, b in zip(eager, traced))
-        except Exception as exc:
-            return f"{{type(exc).__name__}}: {{exc}}"
 """)
 
 

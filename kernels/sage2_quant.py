@@ -1,7 +1,8 @@
 """Triton passes that turn strided NHD Q/K/V views (Q and K normalised) into SageAttention 2's sm90 operands:
-``sage2_reduce`` (V's channel absmax, the K mean by SageAttention's own ``k.mean``) and ``sage2_quantize`` (int8 Q/K
-with the sm90 per-thread scales, fp8 V [H, D, S_pad] permuted). Custom ops, int64 offsets. Interpreted they match
-devkit/sage2_oracle.py bit for bit (the interpreter's truncating casts are rounded in integer arithmetic)."""
+a reduction (V's channel absmax, the K mean by SageAttention's own ``k.mean``) and a quantisation (int8 Q/K with the
+sm90 per-thread scales, fp8 V [H, D, S_pad] permuted). Int64 offsets; never traced (the attention runs under
+``torch.compiler.disable``). Interpreted they match devkit/sage2_oracle.py bit for bit (the interpreter's truncating
+casts are rounded in integer arithmetic)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import torch
 
 from .triton_support import TRITON_ERROR, interpreting, tl, triton
 
-LIB = "sage_strided_nhd"
 HEAD_DIM = 128
 # SageAttention 2's sm90 geometry: Q scales per 64 rows, K per 128, V padded to 128; fp8 e4m3's largest.
 Q_BLOCK, K_BLOCK, V_PAD = 64, 128, 128
@@ -240,16 +240,6 @@ def _reduce(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return (k_mean(k), *v_scales(v))
 
 
-sage2_reduce = torch.library.custom_op(f"{LIB}::sage2_reduce", _reduce, mutates_args=())
-
-
-@sage2_reduce.register_fake
-def _(k, v):
-    _, _, h, d = k.shape
-    return (k.new_empty(h, d, dtype=torch.float32), k.new_empty(1, h, d, dtype=torch.float32),
-            k.new_empty(h, d, dtype=torch.float32))
-
-
 def _empty_operands(s, h, d, dev, parts="qkv"):
     """(q_int8, q_scale, k_int8, k_scale, v_fp8), None for those not in ``parts``."""
     nqb, nkb, lpad = -(-s // Q_BLOCK), -(-s // K_BLOCK), padded_len(s)
@@ -298,30 +288,18 @@ def _quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.T
     return out
 
 
-sage2_quantize = torch.library.custom_op(f"{LIB}::sage2_quantize", _quantize, mutates_args=())
-
-
-@sage2_quantize.register_fake
-def _(q, k, v, k_mean, v_recp, rotate):
-    return _empty_operands(*q.shape[1:], q.device)
-
-
 def _operand_dict(qo, qs, ko, ks, vo, vscale) -> dict:
     return {"q_int8": qo, "q_scale": qs, "k_int8": ko, "k_scale": ks, "v_fp8": vo, "v_scale": vscale}
 
 
 def quantize_operands(q, k, v, *, mode="exact"):
-    """Both passes -> the oracle's operand dict; eager calls skip the dispatcher (costly at short sequences)."""
+    """Both passes -> the oracle's operand dict."""
     rotate = rotates(mode)
     problem = operand_problem(q, k, v)
     if problem:
         raise ValueError(f"sage2 preparation: {problem[1]}")
-    if torch.compiler.is_compiling():
-        reduce, quantize = torch.ops.sage_strided_nhd.sage2_reduce, torch.ops.sage_strided_nhd.sage2_quantize
-    else:
-        reduce, quantize = _reduce, _quantize
-    kmean, vscale, vrecp = reduce(k, v)
-    return _operand_dict(*quantize(q, k, v, kmean, vrecp, rotate), vscale)
+    kmean, vscale, vrecp = _reduce(k, v)
+    return _operand_dict(*_quantize(q, k, v, kmean, vrecp, rotate), vscale)
 
 
 class RowOperands:
