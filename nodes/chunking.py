@@ -125,8 +125,7 @@ def mlp_chunk_setting(settings, mlp) -> int:  # by fc1's weight format: the larg
 
 
 def mlp_chunking(mlp, x, chunk: int, routes: dict | None = None) -> Chunking:
-    """The MLP half's token chunks of ``chunk`` rows (fc1's and fc2's modes), or why it runs whole (another node's
-    MLP forward runs as it is). ``routes``: as ``linear_chunking``'s."""
+    """The MLP half's token chunks of ``chunk`` rows (fc1's and fc2's modes), or why it runs whole."""
     if replaced_forward(mlp):
         return Chunking(reason="another node's MLP forward runs as it is")
     act = "swiglu" if folds_swiglu(mlp.fc2) else None

@@ -86,12 +86,10 @@ def check_override_at_sampling(model_patcher, model_options, path: str, ours=Non
     notes = []
     sparse = sparse_node_present(model_patcher)
     if sparse:
-        notes.append(Note("sparse_composed", (
-            "composed with Model Sparse Attention: its sparse calls run its own attention (block-level "
-            "attention=) and are not counted here; its dense calls run this node's forward")
-            if path == "h3_forward_patch" else
-            "composed with Model Sparse Attention: its override runs first and hands this node the calls it keeps "
-            "dense"))
+        how = ("its override runs first and hands this node the calls it keeps dense" if path == "attention_override"
+               else "its sparse calls run its own attention (block-level attention=) and are not counted here; its "
+                    "dense calls run this node's forward")
+        notes.append(Note("sparse_composed", f"composed with Model Sparse Attention: {how}"))
     current = model_options.get("transformer_options", {}).get("optimized_attention_override")
     if current is None:
         if path == "attention_override":
@@ -166,10 +164,9 @@ def preference(model_patcher, prefix: str):
     backend = FUNCTION_BACKENDS.get(getattr(function, "__name__", ""))
     if backend is None:
         how = "set by another node's object patch" if patched is not None else "set on the module"
-        raise PatchConflictError(
-            f"{NODE}: {prefix}.comfy_attention.function is {describe(function)} "
-            f"({how}). This node's forward does not call it, so it would be silently dropped: remove the node "
-            "that sets it, or remove this one.")
+        raise PatchConflictError(f"{NODE}: {prefix}.comfy_attention.function is {describe(function)} ({how}). This "
+                                 "node's forward does not call it, so it would be silently dropped: remove the node "
+                                 "that sets it, or remove this one.")
     return backend, f"comfy_attention.function {describe(function)}", None
 
 
