@@ -22,9 +22,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def runs_on(t: torch.Tensor) -> bool:
+    """A Triton pass can run on ``t``'s device: a GPU, or the CPU under the interpreter."""
+    return triton is not None and (t.is_cuda or (interpreting() and t.device.type == "cpu"))
+
+
 def version_key(version: str) -> tuple[int, ...]:
-    """A release string's first three numbers, for ordering ("3.6.0+git1a2b" -> (3, 6, 0); a part without a
-    leading number counts 0)."""
+    """A release string's first three numbers, for ordering ("3.6.0+git1a2b" -> (3, 6, 0); no leading digit: 0)."""
     return tuple(int(re.match(r"\d*", part).group() or 0) for part in version.split(".")[:3])
 
 
@@ -59,19 +63,28 @@ def row_tiles(n: int) -> tuple[int, int, int]:
     return first, second, 1 << (rest - 1).bit_length() if rest else 0
 
 
-round_bf16 = grouped_tile = None  # Triton functions where Triton is importable
+round_bf16 = fma_rn = grouped_tile = None  # Triton functions where Triton is importable
 if triton is not None:
     @triton.jit
     def round_bf16(x, HW: tl.constexpr):
         """fp32 -> the nearest bf16 (ties to even) as fp32, in steps the compiler cannot fold or contract with the
-        multiply and add around it (a plain cast round trip did, changing stock's bits). HW: ``cvt.rn.bf16x2.f32`` of
-        x and 0; else integer steps, same bits (the interpreter's casts truncate), a NaN kept (not carried to -0.0)."""
+        multiply and add around it. HW: ``cvt.rn.bf16x2.f32`` of x and 0; else integer steps, same bits (the
+        interpreter's casts truncate), a NaN kept."""
         if HW:
             return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,r,r", [x, tl.zeros_like(x)],
                                              dtype=tl.float32, is_pure=True, pack=1)
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
+
+    @triton.jit
+    def fma_rn(a, b, c, EMULATE: tl.constexpr):
+        """``a * b + c`` rounded once. EMULATE (the interpreter's fma rounds twice): in fp64, where the product is
+        exact and the sum rounds to fp32 as the FMA does but where it lands halfway between two fp32 values after the
+        fp64 rounding (the CPU tests' references round the same way; the GPU tests check the FMA's bits)."""
+        if EMULATE:
+            return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
+        return tl.fma(a, b, c)
 
     @triton.jit
     def grouped_tile(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
