@@ -15,6 +15,7 @@ import torch
 from . import gpu, int8_gemm_sm90
 from .kitchen import kitchen_gemm
 from .triton_support import TRITON_ERROR, grouped_tile, interpreting, round_bf16, tl, triton, version_key
+from .triton_support import fma_rn as _fma_rn
 
 log = logging.getLogger("sage_strided_nhd")
 
@@ -53,15 +54,6 @@ if triton is not None:
                                          dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
-    def _fma_rn(a, b, c, EMULATE: tl.constexpr):
-        """``a * b + c`` rounded once. Emulated in fp64: the product is exact there, and the sum rounds to fp32 as
-        the FMA does but where it lands exactly halfway between two fp32 values after the fp64 rounding (not
-        reached by products of an int32 sum and a scale plus a bf16 bias: checked on the GPU in tests/gpu)."""
-        if EMULATE:
-            return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
-        return tl.fma(a, b, c)
-
-    @triton.jit
     def _int8_gemm_kernel(a_desc, b_desc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, gate_ptr, M, N, K,
                           stride_out, NUM_PROGRAMS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SCALE_PER_COLUMN: tl.constexpr,
@@ -88,8 +80,6 @@ if triton is not None:
                 w_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
             else:
                 w_scale = tl.load(w_scale_ptr)
-            # CUTLASS's epilogue: acc times the row's scale, then that times the weight's scale plus the bias in
-            # one rounding (an FMA; a plain product without a bias)
             t = _mul_rn(acc.to(tl.float32), x_scale[:, None], EMULATE)
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -143,7 +133,7 @@ def choice(device, k: int = K_ALIGN, n: int | None = None) -> GemmChoice:
 
 
 def still_runs(chosen: GemmChoice) -> GemmChoice:
-    """``chosen``, or the next kernel down where one failed on its device since (``record_failure``)."""
+    """``chosen``, or the next kernel down where one failed on its device since."""
     if chosen.kernel == "comfy_kitchen":
         return chosen
     failed = gpu.ANSWERS.reasons(chosen.device)
@@ -185,16 +175,6 @@ def triton_problem() -> str | None:
     return None
 
 
-def record_failure(device: torch.device, exc: Exception, gluon: bool = False) -> None:
-    """The pack's GEMMs (``gluon``: the Gluon kernel alone) off ``device`` from now on: the next kernel down runs."""
-    if gluon:
-        why = gpu.ANSWERS.fail("int8_gemm_sm90", device, f"its Gluon kernel failed here ({gpu.failure_text(exc)})")
-        log.warning("[Sage Strided NHD] the warp-specialised int8 GEMM is off on %s: %s", device, why)
-    else:
-        why = gpu.ANSWERS.fail("int8_gemm", device, f"it failed on this GPU ({gpu.failure_text(exc)})")
-        log.warning("[Sage Strided NHD] the pack's int8 GEMM is off on %s, comfy-kitchen's runs: %s", device, why)
-
-
 def _gluon_bits_check(pack: GemmChoice) -> str | None:
     """None where the Gluon kernel gives the portable kernel's bits on ``pack.device``; else why it is kept off."""
     release = f"its Gluon kernel was measured with Triton {', '.join('.'.join(map(str, v)) for v in GLUON_TRITON)}"
@@ -219,13 +199,11 @@ def _gluon_bits_check(pack: GemmChoice) -> str | None:
     return None
 
 
-def _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype, residual=None, gate=None):
+def _check_operands(xq, x_scale, qdata, w_scale, bias, residual=None, gate=None):
     (m, k), n = xq.shape, qdata.shape[0]
     if xq.dtype != torch.int8 or qdata.dtype != torch.int8 or qdata.shape[1] != k:
         why = (f"needs int8 [m, k] and [n, k] operands, got {xq.dtype} {tuple(xq.shape)} and {qdata.dtype} "
                f"{tuple(qdata.shape)}")
-    elif out_dtype != torch.bfloat16:
-        why = f"bf16 output only, got {out_dtype}"
     elif x_scale.dtype != torch.float32 or x_scale.numel() != m:
         why = f"needs {m} fp32 row scales, got {x_scale.dtype} {tuple(x_scale.shape)}"
     elif w_scale.numel() not in (1, n):
@@ -261,7 +239,9 @@ def _launch(xq, x_scale, qdata, w_scale, bias, out, gate, kernel: GemmChoice):
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - a build failure of the Gluon kernel: this file's kernel runs
-            record_failure(kernel.device, exc, gluon=True)
+            why = f"its Gluon kernel failed here ({gpu.failure_text(exc)})"
+            gpu.ANSWERS.fail("int8_gemm_sm90", kernel.device, why)
+            log.warning("[Sage Strided NHD] the warp-specialised int8 GEMM is off on %s: %s", kernel.device, why)
     _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate, kernel)
 
 
@@ -280,13 +260,11 @@ def _launch_portable(xq, x_scale, qdata, w_scale, bias, out, gate, kernel: GemmC
         EMULATE=interpreting(), num_warps=cfg.warps, num_stages=cfg.stages)
 
 
-def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None,
-              out_dtype: torch.dtype = torch.bfloat16, *, residual=None, gate=None, kernel: GemmChoice):
-    """``bf16(int32(xq @ qdata.T) * x_scale * w_scale + bias)`` on ``kernel``, a pack kernel: xq [m, k] int8, x_scale
-    [m, 1] fp32, qdata [n, k] int8, w_scale one value or [n] fp32, bias [n] or None. ``residual`` (bf16 [m, n]) with
-    ``gate`` (bf16 [n]): the product added to it in the epilogue (stock's ``addcmul_``'s bits), ``residual``
-    returned."""
-    _check_operands(xq, x_scale, qdata, w_scale, bias, out_dtype, residual, gate)
+def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *,
+              residual=None, gate=None, kernel: GemmChoice):
+    """``bf16(int32(xq @ qdata.T) * x_scale * w_scale + bias)`` on ``kernel``, a pack kernel; with ``residual`` and
+    ``gate``, ``residual.addcmul_(product, gate)``'s bits from the epilogue, ``residual`` returned."""
+    _check_operands(xq, x_scale, qdata, w_scale, bias, residual, gate)
     if kernel.kernel == "comfy_kitchen":
         raise ValueError(f"int8 GEMM: {kernel.reason}")
     out = residual if residual is not None else torch.empty(xq.shape[0], qdata.shape[0], dtype=torch.bfloat16,
@@ -301,9 +279,9 @@ class GemmDeclined(RuntimeError):
 
 
 def gemm(xq, x_scale, qdata, w_scale, bias, out_dtype: torch.dtype, residual=None, *, kernel: GemmChoice):
-    """The route's GEMM: ``kernel`` (``choice``'s, made once) where it still runs, else the next one down; None where
-    CUTLASS declines. ``residual`` (``PendingResidual``): the product added to it (in the pack's epilogue where it
-    folds), ``residual.x`` returned; None: nothing was added."""
+    """The route's GEMM: ``kernel`` where it still runs, else the next one down; None where CUTLASS declines (nothing
+    added). ``residual`` (``PendingResidual``): the product added to it (in the epilogue where it folds), returned
+    as ``residual.x``."""
     runs = still_runs(kernel)
     pack = runs if runs.kernel != "comfy_kitchen" and out_dtype == torch.bfloat16 else None
     if residual is None or pack is None or not residual.foldable:
@@ -326,7 +304,10 @@ def _one_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype, pack: GemmChoice | N
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # its build or launch failed here: comfy-kitchen's GEMM (stock's bits) from now on
-            record_failure(pack.device, exc)
+            why = f"it failed on this GPU ({gpu.failure_text(exc)})"
+            gpu.ANSWERS.fail("int8_gemm", pack.device, why)
+            log.warning("[Sage Strided NHD] the pack's int8 GEMM is off on %s, comfy-kitchen's runs: %s",
+                        pack.device, why)
     out = kitchen_gemm(xq, x_scale, qdata, w_scale, bias, out_dtype)
     return out if out is None or residual is None else residual.addcmul_(out, gate)
 
