@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import hardware_bf16, interpreting, per_token_params, round_bf16, tl, triton
+from .triton_support import hardware_bf16, interpreting, per_token_params, round_bf16, runs_on, tl, triton
 
 BLOCK_COLS, BLOCK_ROWS = 1024, 4
 
@@ -71,14 +71,11 @@ if triton is not None:
 
 def fusable(h: torch.Tensor) -> bool:
     """One Triton pass takes ``h``: 2-D bf16 rows, contiguous last dim, on a GPU (or interpreted on the CPU)."""
-    on_device = h.is_cuda or (interpreting() and h.device.type == "cpu")
-    return (triton is not None and on_device and h.dim() == 2 and h.dtype == torch.bfloat16
-            and h.stride(-1) == 1 and h.numel() > 0)
+    return runs_on(h) and h.dim() == 2 and h.dtype == torch.bfloat16 and h.stride(-1) == 1 and h.numel() > 0
 
 
 def scale_shift_(h: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``h.mul_(scale1).add_(shift)`` in one pass with its two bf16 roundings (a bf16 product is exact in
-    fp32); other dtypes run stock's two passes, torch.compile its expression (inductor fuses it). Returns ``h``."""
+    """``h.mul_(scale1).add_(shift)`` in one pass with its two bf16 roundings; else stock's two passes. -> ``h``."""
     if torch.compiler.is_compiling():
         return h.mul_(scale1).add_(shift)  # inductor fuses it with the norm
     per_row = per_token_params(h, scale1, shift)
@@ -153,8 +150,7 @@ class PendingModulation:
 
 class PendingResidual:
     """``x[a:b].addcmul_(y[a:b], gate)`` owed per segment ``(a, b, gate)`` (stock's ``_mod_gate``) for a linear's
-    output ``y`` not computed yet: the int8 GEMM may fold it into its epilogue (``foldable``: one gate row a segment,
-    the segments tiling ``x``'s rows in order); anything else calls ``apply(y)``."""
+    output ``y`` not computed yet: the int8 GEMM may fold it into its epilogue; anything else calls ``apply(y)``."""
 
     def __init__(self, x: torch.Tensor, segments: list):
         self.x, self.segments = x, segments

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import interpreting, per_token_params, round_bf16, row_tiles, tl, triton
+from .triton_support import interpreting, per_token_params, round_bf16, row_tiles, runs_on, tl, triton
 
 GROUP = 256            # ConvRot's rotation group (comfy-kitchen's fused kernels take only 256)
 MAX_COLS = 16384       # comfy-kitchen's fused ConvRot quantiser takes rows up to this width
-INPUT_ACTS = (None, "swiglu")
 BF16_MAX = 3.38953139e38  # the largest finite bf16: an infinite absmax is clamped to it
 INV_127 = float(torch.tensor(1.0) / torch.tensor(127.0))  # fp32, correctly rounded: what nvcc folds 1.0f / 127.0f to
 
@@ -134,24 +133,21 @@ if triton is not None:
 
 def quantize_takes(x: torch.Tensor, input_act: str | None = None) -> bool:
     """The pass takes ``x``: 2-D bf16 rows on a GPU (or interpreted), quantised width 256 * n <= 16,384."""
-    if triton is None or input_act not in INPUT_ACTS or x.dim() != 2 or x.dtype != torch.bfloat16:
+    if not runs_on(x) or input_act not in (None, "swiglu") or x.dim() != 2 or x.dtype != torch.bfloat16:
         return False
-    on_device = x.is_cuda or (interpreting() and x.device.type == "cpu")
     width = x.shape[1] // (2 if input_act == "swiglu" else 1)
-    return (on_device and x.stride(-1) == 1 and x.shape[0] > 0 and x.shape[1] % (2 if input_act else 1) == 0
+    return (x.stride(-1) == 1 and x.shape[0] > 0 and x.shape[1] % (2 if input_act else 1) == 0
             and width % GROUP == 0 and GROUP <= width <= MAX_COLS)
 
 
 def quantize_rows(x: torch.Tensor, input_act: str | None = None, *, modulation=None):
     """-> (int8 [m, k], fp32 scales [m, 1]) of bf16 rows ``x`` ([m, 2k] with SwiGLU); ``quantize_takes`` must hold.
-    ``modulation``: segments ``(a, b, scale1, shift)`` tiling the rows, parameters [k] or [b - a, k], applied as
-    stock does (one launch a segment)."""
+    ``modulation``: segments ``(a, b, scale1, shift)`` tiling the rows, applied as stock does (a launch a segment)."""
     if not quantize_takes(x, input_act) or (modulation is not None and input_act is not None):
         raise ValueError(f"the int8 quantiser cannot take a {x.dtype} {tuple(x.shape)} input with act {input_act!r}"
                          + (" and a modulation" if modulation is not None else ""))
     m = x.shape[0]
     k = x.shape[1] // (2 if input_act == "swiglu" else 1)
-    warps = row_warps(k)
     q = torch.empty(m, k, dtype=torch.int8, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     g1, g2, g3 = row_tiles(k // GROUP)
@@ -162,11 +158,11 @@ def quantize_rows(x: torch.Tensor, input_act: str | None = None, *, modulation=N
         _quantize_rows_kernel[(b - a,)](rows, *params, q[a:b], scale[a:b], k, x.stride(0), k if per_row else 0,
                                         q.stride(0), INV_127, BF16_MAX, SWIGLU=input_act == "swiglu",
                                         MOD=scale1 is not None, G1=g1, G2=g2, G3=g3, EMULATE=interpreting(),
-                                        num_warps=warps)
+                                        num_warps=row_warps(k))
     return q, scale
 
 
 def row_warps(width: int) -> int:
-    """Warps of one row's program: the fewest, at least 2, holding at most 112 values a thread (128 spill); on an
-    H100, 2 warps took H3's qkv / fc1 / out_proj rows 16-18% faster than 4."""
+    """Warps of one row's program: the fewest, at least 2, holding at most 112 values a thread (128 spill; measured in
+    docs/BENCHMARKS.md)."""
     return min(16, max(2, triton.next_power_of_2(-(-width // (32 * 112)))))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from . import kitchen
-from .triton_support import hardware_bf16, interpreting, round_bf16, tl, triton
+from .triton_support import fma_rn as _fma
+from .triton_support import hardware_bf16, interpreting, round_bf16, runs_on, tl, triton
 
 
 def _kitchen():
@@ -44,14 +45,6 @@ NORM_ROPE_TOKENS, NORM_ROPE_HEADS, NORM_ROPE_WARPS = 16, 8, 4
 
 if triton is not None:
     from triton.language.extra import libdevice
-
-    @triton.jit
-    def _fma(a, b, c, EMULATE: tl.constexpr):
-        """a * b + c rounded once. EMULATE: the interpreter's fma rounds twice; fp64 does not round the
-        product of two fp32 values, so only the sum is rounded (twice, which the CPU tests mirror)."""
-        if EMULATE:
-            return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
-        return tl.fma(a, b, c)
 
     @triton.jit
     def _lane_pairs(x, R: tl.constexpr, W: tl.constexpr):
@@ -143,9 +136,8 @@ if triton is not None:
 def own_pass_takes(q: torch.Tensor, k: torch.Tensor, rope_table: torch.Tensor, q_weight: torch.Tensor,
                    k_weight: torch.Tensor) -> bool:
     """Whether the pack's pass takes this in-place call (bf16; head_dim % 32 == 0: a warp per (token, head) row)."""
-    on_device = q.is_cuda or (interpreting() and q.device.type == "cpu")
     d = q.shape[-1]
-    return (triton is not None and on_device and q.dtype == torch.bfloat16 and k.dtype == q.dtype
+    return (runs_on(q) and q.dtype == torch.bfloat16 and k.dtype == q.dtype
             and q.shape == k.shape and q.dim() == 4 and q.shape[0] == 1 and d % 32 == 0
             and q.stride(-1) == 1 and k.stride(-1) == 1 and rope_table.dtype in (torch.bfloat16, torch.float32)
             and all(t.device == q.device for t in (k, rope_table, q_weight, k_weight))
