@@ -10,10 +10,10 @@ import importlib
 
 import torch
 
-from . import gpu, int8_activation, kitchen
+from . import gpu, int8_activation
 from .h3_block import PendingResidual
 from .int8_gemm import GemmChoice, GemmDeclined, choice, gemm
-from .kitchen import installed_release, kitchen_cuda
+from .kitchen import VERIFIED_VERSIONS, installed_release, kitchen_cuda
 
 GROUP = int8_activation.GROUP
 
@@ -68,8 +68,7 @@ def int8_weight_problem(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Ten
 def int8_linear_routed(x: torch.Tensor, qdata: torch.Tensor, w_scale: torch.Tensor, bias=None, *, kernel: GemmChoice,
                        input_act: str | None = None, modulation: list | None = None,
                        residual: PendingResidual | None = None) -> torch.Tensor | None:
-    """Stock's ``int8_linear(x, qdata, w_scale, bias, x.dtype, convrot=True, input_act=...)`` on the pack's quantiser
-    and ``kernel``, the GEMM the route chose for the layer. ``modulation``: segments folded into the quantiser;
+    """Stock's ``int8_linear`` on the pack's quantiser (``modulation`` folded in) and ``kernel``, the layer's GEMM;
     ``residual``: the output added to it (``residual.x`` returned); None where CUTLASS declines (nothing added)."""
     xq, x_scale = _quantize(x, input_act, modulation)
     return gemm(xq, x_scale, qdata, w_scale, bias, x.dtype, residual, kernel=kernel)
@@ -87,8 +86,7 @@ def stock_int8_linear(x, qdata, w_scale, bias=None, *, input_act: str | None = N
 
 
 def routed_or_reason(x, qdata, w_scale, bias=None, *, input_act: str | None = None) -> torch.Tensor | str:
-    """One call through the route as sampling takes it, the release's verification aside: its output, or why stock's
-    call runs (the release self-check's route)."""
+    """One call through the route as sampling takes it, the release's verification aside: its output, or why not."""
     why = (_call_shape_problem(x, input_act) or int8_rows_problem(x)
            or int8_weight_problem(x, qdata, w_scale, bias, input_act=input_act))
     if why is not None:
@@ -99,8 +97,7 @@ def routed_or_reason(x, qdata, w_scale, bias=None, *, input_act: str | None = No
 
 
 def gemm_status(device=None) -> dict:
-    """For the report: ``{"kernel", "reason", "release"}`` of ``choice`` on ``device`` (default: the first CUDA one);
-    why not the warp-specialised kernel, on a GPU only."""
+    """For the report: ``choice`` on ``device`` (default: the first CUDA one); the reason on a GPU only."""
     if device is None:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -156,24 +153,22 @@ def int8_column_products(qdata: torch.Tensor, w_scale: torch.Tensor, inner: int 
 # --- a release outside the verified ones: the route checks itself against stock on the device at first use ----
 
 def release_problem(device: torch.device) -> str | None:
-    """Why the installed comfy-kitchen keeps stock's quantiser on ``device``: None for a verified release; another
-    is self-checked there once (``gpu.ANSWERS``, question "kitchen_release")."""
-    version, release, verified = kitchen.installed_release()
+    """Why the installed comfy-kitchen keeps stock's quantiser on ``device`` (None: verified, or self-checked there)."""
+    version, release, verified = installed_release()
     if verified:
         return None
     why = gpu.ANSWERS.decide("kitchen_release", device, lambda: self_check(device, release.min_rows))
     if why is None:
         return None
     return (f"comfy-kitchen {version} is not a release the route was verified on "
-            f"({', '.join(kitchen.VERIFIED_VERSIONS)}), and on this device the route did not give stock's bits in its "
+            f"({', '.join(VERIFIED_VERSIONS)}), and on this device the route did not give stock's bits in its "
             f"self-check: {why}")
 
 
 def kitchen_release_status(device=None) -> dict:
-    """For the report: ``{"release", "route": "verified" | "self_checked" | "stock", "reason"}``; a release outside
-    ``kitchen.RELEASES`` is self-checked on ``device`` (default: the current CUDA device) if it was not yet."""
-    version, _, verified = kitchen.installed_release()
-    why = kitchen.kitchen_cuda()[1]
+    """For the report: the route "verified", "self_checked" (on ``device``, default the current CUDA one) or "stock"."""
+    version, _, verified = installed_release()
+    why = kitchen_cuda()[1]
     if why is None and not verified:
         if device is None and torch.cuda.is_available():
             device = torch.device("cuda")
@@ -196,15 +191,13 @@ class Sample:
 
 
 def samples(min_rows: int) -> tuple[Sample, ...]:
-    """H3's qkv/fc1 input (5,376), out input (7,168), fc2 input (SwiGLU to 14,336) (the quantiser variants sampling
-    compiles anyway); rows ``min_rows`` (the fewest the route takes), 77, 300 (off the GEMM's tiles)."""
+    """H3's linears' inputs (the quantiser variants sampling compiles anyway), the fewest rows and rows off tiles."""
     return (Sample(min_rows, 5376, 384), Sample(77, 7168, 256), Sample(300, 14336, 256, "swiglu"),
             Sample(77, 5376, 256, bias=True))
 
 
 def self_check(device, min_rows: int) -> str | None:
-    """Now (not memoised): None where the route (``routed_or_reason``) gives stock's call's bits on every
-    sample (random inputs from a generator of their own); else what went wrong, on which sample."""
+    """Now (not memoised): None where the route gives stock's call's bits on every sample; else what went wrong."""
     device = gpu.exact_device(device)
     try:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), torch.no_grad():
@@ -231,8 +224,6 @@ def _sample_problem(device, seed: int, sample: Sample) -> str | None:
         return f"{type(exc).__name__} on {sample}: {exc}"
     if isinstance(got, str):
         return f"the route declined {sample}: {got}"
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return f"the route gave {got.dtype} {tuple(got.shape)} for stock's {want.dtype} {tuple(want.shape)} on {sample}"
     if not torch.equal(got, want):
         return f"{int((got != want).sum())} of {want.numel()} outputs differ from stock's on {sample}"
     return None
