@@ -1,8 +1,7 @@
 """The int8 GEMM's Hopper kernel, warp-specialised, in Gluon: ``int8_gemm``'s portable kernel's sums and epilogue
 steps, bit for bit (tests/gpu). One loader warp streams both operands by TMA into a ring of shared-memory stages,
 across tiles; two MMA warpgroups share each 128 x 256 output tile (async int8 ``wgmma``, one stage in flight); the
-epilogue leaves by a TMA store that overlaps the next tile's MMAs (1-6% faster on an H100 than a ping-pong of two
-128 x 128 consumers: docs/BENCHMARKS.md)."""
+epilogue leaves by a TMA store that overlaps the next tile's MMAs (the tilings measured: docs/BENCHMARKS.md)."""
 
 import dataclasses
 
@@ -235,8 +234,7 @@ def descriptor_layouts(cfg: WsConfig):
 
 def launch(cfg: WsConfig, xq, x_scale, qdata, w_scale, bias, out, programs: int, gate=None) -> None:
     """The kernel on ``int8_gemm._launch``'s operands (``gate``: ``out`` is the residual the product is added to)."""
-    m, k = xq.shape
-    n = qdata.shape[0]
+    (m, k), n = xq.shape, qdata.shape[0]
     a_layout, b_layout, c_layout = descriptor_layouts(cfg)
     a_desc = GluonDescriptor.from_tensor(xq, [cfg.block_m, cfg.block_k], a_layout)
     b_desc = GluonDescriptor.from_tensor(qdata, [cfg.block_n, cfg.block_k], b_layout)

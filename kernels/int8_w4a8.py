@@ -1,11 +1,9 @@
-"""W4A8 linears (comfy-kitchen's ``AsymW4A8Int8Layout``: ConvRot-rotated weights as grouped int4 or int6 codes,
-per-group relative scales ``s_rel``, a per-channel ``s_channel``) on the int8 route. comfy-kitchen's
-``w4a8_int8_linear`` decodes the codes to an int8 grid, round(clamp(level * s_rel, -127, 127)), then runs the shared
-ConvRot int8 linear with ``s_channel`` as the weight scale; for 512 rows or more its CUDA build quantises with the
-convrot64 kernel the pack mirrors. Here: comfy-kitchen's own decode, then the pack's int8 linear. Whether its chunked
-decode-and-GEMM kernel gives the pack's GEMM bits is checked on each device and form at first use.
-The int8 weight is decoded per call and freed after the GEMM (N x K bytes): cached per layer it would triple the
-weight's resident bytes, which the format exists to save."""
+"""W4A8 linears (comfy-kitchen's ``AsymW4A8Int8Layout``: grouped int4 or int6 codes, per-group scales ``s_rel``, a
+per-channel ``s_channel``) on the int8 route. comfy-kitchen's ``w4a8_int8_linear`` decodes the codes to an int8 grid,
+then runs its ConvRot int8 linear with ``s_channel`` as the weight scale (quantising 512 rows or more with the
+convrot64 kernel the pack mirrors); here its own decode runs, then the pack's int8 linear. Whether its chunked
+decode-and-GEMM kernel gives the pack's bits is checked on each device and form at first use. The int8 weight is
+decoded per call and freed after the GEMM: cached per layer it would triple the resident bytes the format saves."""
 
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ GROUP_SIZE = 16  # the layout's default group, the one the bits check samples
 
 
 def operands(weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weight [N, K], fp32 per-channel scale [N]) of a W4A8 ``QuantizedTensor``, by comfy-kitchen's decode. It
-    has no public one: its CUDA backend's native kernel on a GPU (bit-exact with the eager decode, its docstring
-    says, and the bits check covers it), its eager backend's elsewhere."""
+    """(int8 weight [N, K], fp32 per-channel scale [N]) of a W4A8 ``QuantizedTensor``, by comfy-kitchen's private
+    decode: its CUDA backend's on a GPU (the bits check covers it), its eager backend's elsewhere."""
     p = weight._params
     cuda = kitchen_cuda()[0] if weight._qdata.is_cuda else None
     module = cuda or importlib.import_module("comfy_kitchen.backends.eager.w4a8_int8")
@@ -34,9 +31,7 @@ def operands(weight) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def weight_problem(x: torch.Tensor, weight, bias) -> str | None:
-    """Why stock's call keeps a W4A8 ``weight`` (as cast) on rows like ``x`` (None: the route takes it): the form
-    comfy-kitchen would not run through the quantiser the pack mirrors and an int8 GEMM, or one the pack's bits were
-    not checked for on ``x``'s device."""
+    """Why stock's call keeps a W4A8 ``weight`` (as cast) on rows like ``x`` (None: the route takes it)."""
     p, version = weight._params, installed_release()[0]
     k = p.scale.shape[-1] * p.group_size
     if version not in READ_RELEASES:
@@ -66,8 +61,7 @@ def weight_problem(x: torch.Tensor, weight, bias) -> str | None:
 
 
 def rows_problem(x: torch.Tensor) -> str | None:
-    """What about this one call of a routed W4A8 layer keeps stock's: the int8 route's per-call checks, or too few
-    rows for comfy-kitchen's convrot64 quantiser."""
+    """What about this one call of a routed W4A8 layer keeps stock's (None: nothing)."""
     if x.shape[0] < MIN_ROWS:
         return (f"{x.shape[0]} rows: comfy-kitchen {installed_release()[0]} runs its fused W4A8 kernels for fewer "
                 f"than {MIN_ROWS} rows, with a quantiser of its own")

@@ -16,8 +16,7 @@ from .triton_support import version_key
 
 @dataclasses.dataclass(frozen=True)
 class KitchenRelease:
-    """One comfy-kitchen release: what its CUDA ``int8_linear`` (ConvRot, no residual) does that the int8 route
-    mirrors, and what the pack checked with it on a GPU."""
+    """One comfy-kitchen release: what the int8 route mirrors of its CUDA ``int8_linear``, and what the pack checked."""
     version: str
     min_rows: int  # fewer rows: stock runs a GEMV (one row; two rows too since 0.2.36), not the CUTLASS GEMM
     bias_in_out_dtype: bool  # the GEMM's bias operand: in the output dtype, 16-byte aligned (else fp32)
@@ -27,8 +26,7 @@ class KitchenRelease:
     norm_rope_checked: bool = True
 
 
-# read from each release's code; 0.2.36 has not run on a GPU here: the int8 route self-checks its bits there first,
-# and its norm+RoPE kernel runs rather than the pack's pass
+# read from each release's code; 0.2.36 has not run on a GPU here
 RELEASES = {r.version: r for r in (
     KitchenRelease("0.2.31", min_rows=2, bias_in_out_dtype=False),
     KitchenRelease("0.2.36", min_rows=3, bias_in_out_dtype=True, gpu_verified=False, norm_rope_checked=False),
@@ -44,8 +42,7 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the GEM
 
 
 def release_for(version: str) -> tuple[KitchenRelease, bool]:
-    """(the route's form for comfy-kitchen ``version``, whether it is verified on a GPU): another release takes the
-    newest known release's form not newer than it (or the oldest's), to be self-checked."""
+    """(the route's form for ``version``, verified); another: the newest known form not newer (else the oldest)."""
     if version in RELEASES:
         return RELEASES[version], RELEASES[version].gpu_verified
     by_age = sorted(RELEASES.values(), key=lambda r: version_key(r.version))
