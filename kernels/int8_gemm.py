@@ -14,8 +14,7 @@ import torch
 
 from . import gpu, int8_gemm_sm90
 from .kitchen import kitchen_gemm
-from .triton_support import TRITON_ERROR, grouped_tile, interpreting, round_bf16, tl, triton, version_key
-from .triton_support import fma_rn as _fma_rn
+from .triton_support import TRITON_ERROR, fma_rn, grouped_tile, interpreting, round_bf16, tl, triton, version_key
 
 log = logging.getLogger("sage_strided_nhd")
 
@@ -83,7 +82,7 @@ if triton is not None:
             t = _mul_rn(acc.to(tl.float32), x_scale[:, None], EMULATE)
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-                y = _fma_rn(t, w_scale, bias[None, :], EMULATE)
+                y = fma_rn(t, w_scale, bias[None, :], EMULATE)
             else:
                 y = _mul_rn(t, w_scale, EMULATE)
             y = round_bf16(y, not EMULATE)

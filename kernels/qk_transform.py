@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import kitchen
-from .triton_support import fma_rn as _fma
-from .triton_support import hardware_bf16, interpreting, round_bf16, runs_on, tl, triton
+from .triton_support import fma_rn, hardware_bf16, interpreting, round_bf16, runs_on, tl, triton
 
 
 def _kitchen():
@@ -62,7 +61,7 @@ if triton is not None:
         acc = tl.zeros([R, 32], dtype=tl.float32)
         for i in tl.static_range(D // 32):  # lane l squares elements l, l + 32, ... in that order
             v = tl.load(row + i * 32 + lane[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            acc = _fma(v, v, acc, EMULATE)
+            acc = fma_rn(v, v, acc, EMULATE)
         acc = _lane_pairs(acc, R, 16)
         acc = _lane_pairs(acc, R, 8)
         acc = _lane_pairs(acc, R, 4)
@@ -80,8 +79,8 @@ if triton is not None:
         x1 = tl.load(row + P + p[None, :], mask=pm, other=0.0).to(tl.float32)
         n0 = round_bf16(x0 * rrms * w_lo[None, :], HW_BF16)  # (x * rrms) * weight, then the bf16 value
         n1 = round_bf16(x1 * rrms * w_hi[None, :], HW_BF16)
-        y0 = _fma(f00, n0, f01 * n1, EMULATE)  # f00*n0 + f01*n1, contracted as nvcc contracts it
-        y1 = _fma(f10, n0, f11 * n1, EMULATE)
+        y0 = fma_rn(f00, n0, f01 * n1, EMULATE)  # f00*n0 + f01*n1, contracted as nvcc contracts it
+        y1 = fma_rn(f10, n0, f11 * n1, EMULATE)
         yt = tl.zeros([R, TP], dtype=tl.float32)
         if TAIL > 0:  # dims past the rotated prefix: normed, not rotated
             t = tl.arange(0, TP)
