@@ -96,6 +96,11 @@ function text(value, fallback = "?") {
   return String(value);
 }
 
+// A layout the int8 route takes, named as nodes/report.py names it; a row without one (an older report) is "int8"
+function int8Label(layout) {
+  return Object.hasOwn(INT8_LAYOUT_LABELS, layout) ? INT8_LAYOUT_LABELS[layout] : text(layout, "int8");
+}
+
 function isNumber(value) {
   return typeof value === "number" && Number.isFinite(value);
 }
@@ -262,12 +267,12 @@ export function formatReport(report) {
   // the int8 route's calls by layout (a report without them: the total, as "int8")
   const own = objects(r.int8_own_layouts);
   for (const s of own.length ? own : [{ layout: "int8", count: r.int8_own_quantizer_calls }]) {
-    const layout = Object.hasOwn(INT8_LAYOUT_LABELS, s.layout) ? INT8_LAYOUT_LABELS[s.layout] : text(s.layout);
-    if (Number(s.count) > 0) lines.push(`${layout} linears on the pack's quantiser: ${Number(s.count)} calls`);
+    const count = Number(s.count);
+    if (count > 0) lines.push(`${int8Label(s.layout)} linears on the pack's quantiser: ${count} calls`);
   }
-  // the route's calls left to stock's quantiser, by layout (a report without one: "int8")
+  // the route's calls left to stock's quantiser, by layout
   for (const s of objects(r.int8_stock_quantizer)) {
-    const layout = Object.hasOwn(INT8_LAYOUT_LABELS, s.layout) ? INT8_LAYOUT_LABELS[s.layout] : text(s.layout || "int8");
+    const layout = int8Label(s.layout);
     lines.push(`${layout} linears on stock's quantiser${times(s.count)}`);
     if (s.reason) details.push(`why ${layout} linears kept stock's quantiser: ${text(s.reason)}`);
   }
